@@ -1,0 +1,47 @@
+# kvferry: set-up, demo and tests. Every target does its own set-up.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+TORCH_VERSION ?= 2.13.0
+MOONCAKE_VERSION ?= 0.3.13.post1
+# On machines without CUDA the non-CUDA build of the engine; both install the
+# same `mooncake` module, so an environment holds exactly one of them.
+MOONCAKE_PKG ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo mooncake-transfer-engine || echo mooncake-transfer-engine-non-cuda)
+STAMP := $(VENV)/.kvferry-setup
+
+.PHONY: setup demo test bench clean debian-libs
+
+setup: $(STAMP)
+
+# The Mooncake engine needs libibverbs, librdmacm and libnuma at import time,
+# even on machines without an RDMA NIC.
+debian-libs:
+	@if ! ldconfig -p | grep -q 'libibverbs.so.1' || ! ldconfig -p | grep -q 'librdmacm.so.1' || ! ldconfig -p | grep -q 'libnuma.so.1'; then \
+		echo "installing libibverbs1 librdmacm1 libnuma1"; \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq libibverbs1 librdmacm1 libnuma1 >/dev/null; \
+	fi
+
+$(STAMP): pyproject.toml Makefile | debian-libs
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --disable-pip-version-check --upgrade pip
+	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
+	$(PIP) install -q --disable-pip-version-check torch==$(TORCH_VERSION)
+	$(PIP) install -q --disable-pip-version-check $(MOONCAKE_PKG)==$(MOONCAKE_VERSION)
+	$(PIP) install -q --disable-pip-version-check -e '.[test]'
+	$(PY) -c "import torch, zmq, msgpack, mooncake.engine" 
+	@touch $(STAMP)
+
+demo: setup
+	$(PY) -m examples.loopback_demo
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) -m transfer.bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

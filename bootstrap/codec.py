@@ -1,0 +1,238 @@
+"""The one codec of kvferry's control plane: typed, versioned msgpack messages.
+
+Every message is a frozen dataclass registered with :func:`message` under a
+``kind`` tag. On the wire it is a msgpack map::
+
+    {"v": PROTOCOL_VERSION, "kind": "<tag>", "body": {<field>: <value>, ...}}
+
+Nested values are frozen dataclasses registered with :func:`struct` (sent as
+maps), ``tuple[T, ...]`` (arrays), ``X | None``, ``str``-valued Enums, and the
+scalars ``int``, ``float``, ``bool``, ``str`` and ``bytes``. Decoding checks
+every field against its annotation: an unknown kind, another version, a missing,
+extra or mistyped field, or a value the dataclass rejects in ``__post_init__``
+raises :class:`~bootstrap.errors.ProtocolError` naming the problem. Nothing
+indexes frames by position.
+
+Version rules: ``PROTOCOL_VERSION`` is bumped whenever a field is added,
+removed, renamed or changes meaning, in any message. Peers with different
+versions refuse each other's messages, with an error that names both versions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import typing
+from typing import Any, Callable, TypeVar
+
+import msgpack
+
+from bootstrap.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+
+#: Largest encoded message accepted, in bytes. Control messages carry page
+#: lists and buffer descriptors, never KV bytes.
+MAX_MESSAGE_BYTES = 8 << 20
+
+_MESSAGES: dict[str, type] = {}
+_STRUCTS: set[type] = set()
+_HINTS: dict[type, dict[str, Any]] = {}
+
+T = TypeVar("T")
+
+
+def message(kind: str) -> Callable[[type[T]], type[T]]:
+    """Register a frozen dataclass as a top-level message with tag ``kind``."""
+
+    def register(cls: type[T]) -> type[T]:
+        _require_frozen(cls)
+        if kind in _MESSAGES and _MESSAGES[kind] is not cls:
+            raise ValueError(f"message kind {kind!r} registered twice")
+        _MESSAGES[kind] = cls
+        cls.KIND = kind  # type: ignore[attr-defined]
+        return cls
+
+    return register
+
+
+def struct(cls: type[T]) -> type[T]:
+    """Register a frozen dataclass that may be nested inside messages."""
+    _require_frozen(cls)
+    _STRUCTS.add(cls)
+    return cls
+
+
+def encode(msg: Any) -> bytes:
+    """Encode a registered message to bytes. Raises ``ProtocolError`` for an
+    unregistered type or a field value of the wrong type."""
+    kind = getattr(type(msg), "KIND", None)
+    if kind is None or _MESSAGES.get(kind) is not type(msg):
+        raise ProtocolError(f"{type(msg).__name__} is not a registered message")
+    body = _dump_struct(msg, kind)
+    return msgpack.packb({"v": PROTOCOL_VERSION, "kind": kind, "body": body}, use_bin_type=True)
+
+
+def decode(data: bytes) -> Any:
+    """Decode bytes to a message instance, checking version, kind and fields."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"expected bytes, got {type(data).__name__}")
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds the limit of {MAX_MESSAGE_BYTES}")
+    try:
+        envelope = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"not a msgpack message: {exc}") from exc
+    if not isinstance(envelope, dict):
+        raise ProtocolError(f"envelope must be a map, got {type(envelope).__name__}")
+    extra = set(envelope) - {"v", "kind", "body"}
+    if extra:
+        raise ProtocolError(f"unexpected envelope keys {sorted(map(str, extra))}")
+    version = envelope.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {version!r} is not supported (this side speaks {PROTOCOL_VERSION})",
+            field="v",
+        )
+    kind = envelope.get("kind")
+    if not isinstance(kind, str):
+        raise ProtocolError("envelope has no string 'kind'", field="kind")
+    cls = _MESSAGES.get(kind)
+    if cls is None:
+        raise ProtocolError(f"unknown message kind {kind!r}", field="kind")
+    return _load_struct(cls, envelope.get("body"), kind)
+
+
+def known_kinds() -> list[str]:
+    return sorted(_MESSAGES)
+
+
+# --- field checking ---------------------------------------------------------------
+
+
+def _require_frozen(cls: type) -> None:
+    if not dataclasses.is_dataclass(cls) or not cls.__dataclass_params__.frozen:  # type: ignore[attr-defined]
+        raise TypeError(f"{cls.__name__} must be a frozen dataclass")
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = typing.get_type_hints(cls)
+        _HINTS[cls] = hints
+    return hints
+
+
+def _dump_struct(obj: Any, path: str) -> dict[str, Any]:
+    hints = _hints(type(obj))
+    return {
+        f.name: _dump(getattr(obj, f.name), hints[f.name], f"{path}.{f.name}")
+        for f in dataclasses.fields(obj)
+    }
+
+
+def _dump(value: Any, tp: Any, path: str) -> Any:
+    _check(value, tp, path, decoding=False)
+    if value is None:
+        return None
+    if isinstance(value, enum.Enum):
+        return value.value
+    if dataclasses.is_dataclass(value):
+        return _dump_struct(value, path)
+    if isinstance(value, tuple):
+        (item_tp,) = _tuple_item(tp)
+        return [_dump(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value)]
+    return value
+
+
+def _load_struct(cls: type, body: Any, path: str) -> Any:
+    if not isinstance(body, dict):
+        raise ProtocolError(f"{path}: expected a map, got {type(body).__name__}", field=path)
+    hints = _hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    extra = set(body) - set(fields)
+    if extra:
+        name = sorted(map(str, extra))[0]
+        raise ProtocolError(f"{path}: unexpected field {name!r}", field=f"{path}.{name}")
+    kwargs = {}
+    for name, f in fields.items():
+        if name not in body:
+            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
+                continue
+            raise ProtocolError(f"{path}: missing field {name!r}", field=f"{path}.{name}")
+        kwargs[name] = _load(body[name], hints[name], f"{path}.{name}")
+    try:
+        return cls(**kwargs)
+    except ProtocolError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise ProtocolError(f"{path}: {exc}", field=path) from exc
+
+
+def _load(value: Any, tp: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ProtocolError(f"{path}: must not be null", field=path)
+        (inner,) = [a for a in args if a is not type(None)]
+        return _load(value, inner, path)
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise ProtocolError(f"{path}: expected an array, got {type(value).__name__}", field=path)
+        (item_tp,) = _tuple_item(tp)
+        return tuple(_load(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value))
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(value)
+        except ValueError:
+            allowed = ", ".join(repr(m.value) for m in tp)
+            raise ProtocolError(f"{path}: {value!r} is not one of {allowed}", field=path) from None
+    if tp in _STRUCTS:
+        return _load_struct(tp, value, path)
+    _check(value, tp, path, decoding=True)
+    return value
+
+
+def _tuple_item(tp: Any) -> tuple[Any]:
+    args = typing.get_args(tp)
+    if len(args) != 2 or args[1] is not Ellipsis:
+        raise TypeError(f"only tuple[T, ...] is supported, not {tp}")
+    return (args[0],)
+
+
+_SCALARS = {int, float, str, bytes, bool}
+
+
+def _check(value: Any, tp: Any, path: str, *, decoding: bool) -> None:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return
+        (inner,) = [a for a in args if a is not type(None)]
+        _check(value, inner, path, decoding=decoding)
+        return
+    if origin is tuple:
+        if not isinstance(value, tuple):
+            raise ProtocolError(f"{path}: expected a tuple, got {type(value).__name__}", field=path)
+        return
+    if tp in _SCALARS:
+        ok = isinstance(value, tp) and not (tp is int and isinstance(value, bool))
+        if tp is float and isinstance(value, int) and not isinstance(value, bool):
+            ok = True
+        if tp is bytes and isinstance(value, (bytearray, memoryview)):
+            ok = True
+        if not ok:
+            raise ProtocolError(
+                f"{path}: expected {tp.__name__}, got {type(value).__name__}", field=path
+            )
+        return
+    if isinstance(tp, type) and (issubclass(tp, enum.Enum) or tp in _STRUCTS):
+        if not isinstance(value, tp):
+            raise ProtocolError(f"{path}: expected {tp.__name__}, got {type(value).__name__}", field=path)
+        return
+    raise TypeError(f"{path}: unsupported field type {tp}")

@@ -1,0 +1,55 @@
+"""The root of kvferry's exception tree, and the errors of the bootstrap layer.
+
+`bootstrap` imports nothing from `transfer`, so the root lives here and
+`transfer.errors` extends it. The whole tree::
+
+    KVFerryError                     root: catch this to catch everything of ours
+    ├── ProtocolError                a message that is not one of ours: not msgpack, too
+    │                                large, unknown kind, wrong version, missing or
+    │                                mistyped field (also a ValueError)
+    ├── BootstrapError               the bootstrap server answered with an error
+    ├── KVTimeoutError               a bounded wait ran out (also a TimeoutError)
+    │   └── BootstrapUnavailable     the bootstrap server did not answer in time
+    └── (transfer.errors)
+        ├── IncompatibleLayoutError  the handshake found a field that differs
+        ├── TransferError            the engine failed to move bytes
+        ├── PeerError                the peer reported a failure or aborted the room
+        ├── StateError               an API call that the room's state does not allow
+        └── ClosedError              the manager was closed
+
+Foreign errors (zmq, msgpack, Mooncake return codes, OS errors) are translated
+once, where they are raised, with ``raise ... from``.
+"""
+
+from __future__ import annotations
+
+
+class KVFerryError(Exception):
+    """Root of every exception kvferry raises on purpose."""
+
+
+class ProtocolError(KVFerryError, ValueError):
+    """Bytes that do not decode to a valid message of this protocol version.
+
+    ``field`` names the offending field when there is one.
+    """
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class BootstrapError(KVFerryError):
+    """The bootstrap server replied with an error (``code`` says which)."""
+
+    def __init__(self, message: str, *, code: str = "error") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class KVTimeoutError(KVFerryError, TimeoutError):
+    """A bounded wait ran out; the message says what was awaited and where."""
+
+
+class BootstrapUnavailable(KVTimeoutError):
+    """The bootstrap server did not answer within the request timeout."""

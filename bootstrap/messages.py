@@ -1,0 +1,264 @@
+"""Bootstrap wire messages and the descriptors of a rank's KV pools.
+
+The descriptors (:class:`PoolDescriptor`, :class:`AuxDescriptor`,
+:class:`RankInfo`) are what a prefill rank registers and what a decode rank
+reads back; the transfer layer sends the same structs peer to peer. Each
+buffer is named explicitly by (pool role, layer, component); nothing is paired
+by position.
+
+Request/reply pairs served by the bootstrap server::
+
+    Register   -> Registered | ErrorReply
+    Lookup     -> LookupReply (ready or not) | ErrorReply
+    Ping       -> Pong
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from bootstrap.codec import message, struct
+
+_MAX_NAME = 256
+
+
+class PoolRole(str, enum.Enum):
+    """Which model a KV pool belongs to."""
+
+    TARGET = "target"
+    DRAFT = "draft"
+
+
+class AttentionKind(str, enum.Enum):
+    """MHA: K and V per layer, sliced by heads across TP ranks.
+    MLA: one latent buffer per layer, identical on every TP rank."""
+
+    MHA = "mha"
+    MLA = "mla"
+
+
+class Component(str, enum.Enum):
+    K = "k"
+    V = "v"
+    LATENT = "latent"
+
+
+def _require(cond: bool, what: str) -> None:
+    if not cond:
+        raise ValueError(what)
+
+
+def _check_name(name: str, what: str) -> None:
+    _require(0 < len(name) <= _MAX_NAME, f"{what} must be 1..{_MAX_NAME} characters")
+
+
+@struct
+@dataclass(frozen=True)
+class BufferRef:
+    """One registered KV buffer: ``num_pages`` pages of ``page_bytes`` each,
+    starting at ``addr`` (a device or host pointer from ``data_ptr()``)."""
+
+    layer: int
+    component: Component
+    addr: int
+    nbytes: int
+
+    def __post_init__(self) -> None:
+        _require(self.layer >= 0, f"layer must be >= 0, got {self.layer}")
+        _require(0 < self.addr < 1 << 64, "addr must be a non-null 64-bit pointer")
+        _require(self.nbytes > 0, f"nbytes must be > 0, got {self.nbytes}")
+
+
+@struct
+@dataclass(frozen=True)
+class PoolDescriptor:
+    """The layout of one KV pool on one rank.
+
+    Every buffer holds ``num_pages`` pages, page-major. An MHA page of one
+    buffer is ``page_size`` tokens x ``num_kv_heads`` heads (the heads this rank
+    holds, out of ``total_kv_heads``) x ``head_dim`` elements, token-major
+    within the page. An MLA page is ``page_size`` x ``head_dim`` elements (the
+    latent width, ``kv_lora_rank + rope_dim``), with ``num_kv_heads`` 1.
+    """
+
+    role: PoolRole
+    attention: AttentionKind
+    dtype: str
+    itemsize: int
+    page_size: int
+    num_pages: int
+    num_layers: int
+    num_kv_heads: int
+    total_kv_heads: int
+    head_dim: int
+    buffers: tuple[BufferRef, ...]
+
+    def __post_init__(self) -> None:
+        _check_name(self.dtype, "dtype")
+        for name in ("itemsize", "page_size", "num_pages", "num_layers", "num_kv_heads",
+                     "total_kv_heads", "head_dim"):
+            _require(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
+        components = _components(self.attention)
+        _require(
+            len(self.buffers) == self.num_layers * len(components),
+            f"{self.role.value} pool: {len(self.buffers)} buffers for {self.num_layers} layers "
+            f"of {'/'.join(c.value for c in components)}",
+        )
+        seen = {(b.layer, b.component) for b in self.buffers}
+        wanted = {(layer, c) for layer in range(self.num_layers) for c in components}
+        _require(seen == wanted, f"{self.role.value} pool: buffers must name each (layer, component) once")
+        need = self.num_pages * self.page_bytes
+        for b in self.buffers:
+            _require(
+                b.nbytes >= need,
+                f"{self.role.value} pool: buffer layer {b.layer} {b.component.value} holds "
+                f"{b.nbytes} bytes, less than {self.num_pages} pages of {self.page_bytes}",
+            )
+        if self.attention is AttentionKind.MLA:
+            _require(self.num_kv_heads == 1 and self.total_kv_heads == 1, "an MLA pool has one latent head")
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token in one buffer."""
+        return self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page in one buffer."""
+        return self.page_size * self.token_bytes
+
+    def buffer(self, layer: int, component: Component) -> BufferRef:
+        for b in self.buffers:
+            if b.layer == layer and b.component is component:
+                return b
+        raise KeyError((self.role.value, layer, component.value))
+
+
+def _components(kind: AttentionKind) -> tuple[Component, ...]:
+    return (Component.K, Component.V) if kind is AttentionKind.MHA else (Component.LATENT,)
+
+
+def components_of(kind: AttentionKind) -> tuple[Component, ...]:
+    """The per-layer buffer components of an attention kind."""
+    return _components(kind)
+
+
+@struct
+@dataclass(frozen=True)
+class AuxDescriptor:
+    """The metadata buffer: ``num_slots`` rows of ``slot_bytes`` at ``addr``.
+    One row per request slot (first output token id and the like)."""
+
+    addr: int
+    slot_bytes: int
+    num_slots: int
+
+    def __post_init__(self) -> None:
+        _require(0 < self.addr < 1 << 64, "aux addr must be a non-null 64-bit pointer")
+        _require(self.slot_bytes > 0 and self.num_slots > 0, "aux slot_bytes and num_slots must be > 0")
+
+
+@struct
+@dataclass(frozen=True)
+class RankInfo:
+    """What a rank tells others about itself: where it is and what it holds."""
+
+    node_id: str
+    dp_rank: int
+    dp_size: int
+    tp_rank: int
+    tp_size: int
+    session: str
+    control_endpoint: str
+    pools: tuple[PoolDescriptor, ...]
+    aux: AuxDescriptor | None
+
+    def __post_init__(self) -> None:
+        _check_name(self.node_id, "node_id")
+        _check_name(self.session, "session")
+        _check_name(self.control_endpoint, "control_endpoint")
+        _require(0 <= self.tp_rank < self.tp_size, f"tp_rank {self.tp_rank} not in [0, {self.tp_size})")
+        _require(0 <= self.dp_rank < self.dp_size, f"dp_rank {self.dp_rank} not in [0, {self.dp_size})")
+        roles = [p.role for p in self.pools]
+        _require(len(roles) == len(set(roles)), "at most one pool per role")
+        _require(PoolRole.TARGET in roles, "a rank must have a target pool")
+
+    def pool(self, role: PoolRole) -> PoolDescriptor | None:
+        for p in self.pools:
+            if p.role is role:
+                return p
+        return None
+
+
+# --- bootstrap requests and replies -------------------------------------------------
+
+
+@message("register")
+@dataclass(frozen=True)
+class Register:
+    """A prefill rank announces itself. Registering the same (node, dp, tp)
+    again replaces the entry (a restarted rank)."""
+
+    rank: RankInfo
+
+
+@message("registered")
+@dataclass(frozen=True)
+class Registered:
+    node_id: str
+    dp_rank: int
+    num_registered: int
+    tp_size: int
+
+
+@message("lookup")
+@dataclass(frozen=True)
+class Lookup:
+    """Ask for the ranks of DP group ``dp_rank`` of prefill node ``node_id``."""
+
+    node_id: str
+    dp_rank: int
+
+    def __post_init__(self) -> None:
+        _check_name(self.node_id, "node_id")
+        _require(self.dp_rank >= 0, f"dp_rank must be >= 0, got {self.dp_rank}")
+
+
+@message("lookup_reply")
+@dataclass(frozen=True)
+class LookupReply:
+    """``ready`` once all ``tp_size`` ranks of the group registered; until then
+    ``ranks`` is empty and ``num_registered`` tells the progress (a not-ready
+    reply is not an error). ``dp_size`` is 0 while nothing of the node is known."""
+
+    node_id: str
+    dp_rank: int
+    ready: bool
+    dp_size: int
+    tp_size: int
+    num_registered: int
+    ranks: tuple[RankInfo, ...]
+
+
+@message("ping")
+@dataclass(frozen=True)
+class Ping:
+    pass
+
+
+@message("pong")
+@dataclass(frozen=True)
+class Pong:
+    num_nodes: int
+    num_errors: int
+
+
+@message("error")
+@dataclass(frozen=True)
+class ErrorReply:
+    """The request could not be served; ``code`` is machine-readable
+    (``protocol``, ``conflict``, ``internal``), ``message`` says why."""
+
+    code: str
+    message: str

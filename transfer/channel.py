@@ -1,0 +1,113 @@
+"""The control plane between ranks: the only module of ``transfer`` that uses zmq.
+
+Each rank binds one ROUTER socket (its *control endpoint*) and reaches peers
+through one DEALER per peer endpoint. Messages are one-way and self-describing
+(they say who sent them), so replies are just messages the other way. One
+thread receives, decodes with the codec and hands each message to the
+handler; a malformed message is counted and dropped, and an exception in the
+handler is logged: the thread never dies of input.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable
+
+import zmq
+
+from bootstrap import codec
+from transfer.errors import ClosedError, ProtocolError, TransferError
+
+log = logging.getLogger("kvferry.channel")
+
+Handler = Callable[[Any], None]
+
+
+class ControlChannel:
+    """``send`` is thread-safe and never blocks; ``close`` stops the receiver."""
+
+    def __init__(self, host: str, handler: Handler, *, port: int = 0, send_queue_msgs: int = 10000) -> None:
+        self._ctx = zmq.Context()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.MAXMSGSIZE, codec.MAX_MESSAGE_BYTES)
+        try:
+            if port:
+                self._router.bind(f"tcp://{host}:{port}")
+            else:
+                port = self._router.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError as exc:
+            self._router.close()
+            self._ctx.term()
+            raise OSError(f"control channel cannot bind tcp://{host}:{port}: {exc}") from exc
+        self.endpoint = f"tcp://{host}:{port}"
+        self._handler = handler
+        self._send_queue_msgs = send_queue_msgs
+        self._dealers: dict[str, zmq.Socket] = {}
+        self._send_lock = threading.Lock()
+        self._closed = threading.Event()
+        self.num_received = 0
+        self.num_malformed = 0
+        self._thread = threading.Thread(target=self._run, name="kvferry-control", daemon=True)
+        self._thread.start()
+
+    def send(self, endpoint: str, msg) -> None:
+        """Queue ``msg`` for ``endpoint``. Raises ClosedError after close, and
+        TransferError when the peer's queue is full."""
+        payload = codec.encode(msg)
+        with self._send_lock:
+            if self._closed.is_set():
+                raise ClosedError("control channel is closed")
+            sock = self._dealers.get(endpoint)
+            if sock is None:
+                sock = self._ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDHWM, self._send_queue_msgs)
+                sock.connect(endpoint)
+                self._dealers[endpoint] = sock
+            try:
+                sock.send(payload, zmq.NOBLOCK)
+            except zmq.Again:
+                raise TransferError(f"control queue to {endpoint} is full ({self._send_queue_msgs} messages)",
+                                    peer=endpoint) from None
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        while not self._closed.is_set():
+            try:
+                if not poller.poll(50):
+                    continue
+                frames = self._router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                continue
+            except zmq.ZMQError as exc:
+                if not self._closed.is_set():
+                    log.error("control: receive failed: %s", exc)
+                continue
+            self.num_received += 1
+            try:
+                if len(frames) != 2:
+                    raise ProtocolError(f"expected 1 payload frame, got {len(frames) - 1}")
+                msg = codec.decode(frames[1])
+            except ProtocolError as exc:
+                self.num_malformed += 1
+                log.warning("control %s: dropped a malformed message: %s", self.endpoint, exc)
+                continue
+            try:
+                self._handler(msg)
+            except Exception:
+                log.exception("control %s: handling %s failed; the channel goes on", self.endpoint, msg.KIND)
+        self._router.close(0)
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        with self._send_lock:
+            if self._closed.is_set():
+                return
+            self._closed.set()
+            for sock in self._dealers.values():
+                sock.close(0)
+            self._dealers.clear()
+        self._thread.join(timeout_s)
+        self._ctx.term()

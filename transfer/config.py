@@ -1,0 +1,147 @@
+"""Configuration: frozen, keyword-only dataclasses, validated with ValueError.
+
+This is the only module of kvferry that reads ``os.environ``; every variable
+has the prefix ``KVFERRY_`` (see :func:`manager_config_from_env`). The
+Mooncake engine's own ``MC_*`` variables are derived from
+:class:`EngineConfig` by :meth:`EngineConfig.mooncake_env`, and set by
+:func:`apply_mooncake_env` before an engine is built.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass, field, fields, replace
+
+ENV_PREFIX = "KVFERRY_"
+
+
+class Role(str, enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+def _positive(obj, *names: str) -> None:
+    for name in names:
+        if not getattr(obj, name) > 0:
+            raise ValueError(f"{type(obj).__name__}.{name} must be > 0, got {getattr(obj, name)!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """The Mooncake transfer engine of one rank.
+
+    ``protocol`` is ``rdma`` on clusters, ``tcp`` where there is no RDMA NIC.
+    ``max_inflight_per_peer`` caps the descriptors kvferry has outstanding to
+    one peer: the TCP transport wedges a peer path when its own queue
+    overflows, so we never let it. ``progress_timeout_s`` bounds how long an
+    outstanding descriptor can hang on a stalled peer.
+    """
+
+    protocol: str = "rdma"
+    hostname: str = "127.0.0.1"
+    device_name: str = ""
+    max_inflight_per_peer: int = 1024
+    progress_timeout_s: int = 10
+    log_level: str = "ERROR"
+
+    def __post_init__(self) -> None:
+        if self.protocol not in ("rdma", "tcp"):
+            raise ValueError(f"EngineConfig.protocol must be 'rdma' or 'tcp', got {self.protocol!r}")
+        if self.log_level not in ("TRACE", "INFO", "WARNING", "ERROR"):
+            raise ValueError(f"EngineConfig.log_level must be TRACE, INFO, WARNING or ERROR, got {self.log_level!r}")
+        _positive(self, "max_inflight_per_peer", "progress_timeout_s")
+        if self.max_inflight_per_peer > 60000:
+            raise ValueError("EngineConfig.max_inflight_per_peer must stay below the engine's cap of 65535")
+
+    def mooncake_env(self) -> dict[str, str]:
+        """The engine variables (read when a TransferEngine is constructed)."""
+        return {
+            "MC_LOG_LEVEL": self.log_level,
+            # The engine rejects (and may wedge on) more than queue+pending entries
+            # per peer; we cap below both, and raise both to their maximum.
+            "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
+            "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535",
+            "MC_TCP_ADMISSION_TIMEOUT_MS": "60000",
+            "MC_TCP_PROGRESS_TIMEOUT_SEC": str(self.progress_timeout_s),
+            "MC_TRANSFER_TIMEOUT": str(max(5, self.progress_timeout_s)),
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class ManagerConfig:
+    """One rank of one role.
+
+    ``bootstrap_addr`` (``host:port``) is where a prefill rank registers;
+    decode ranks name the bootstrap server per request. ``node_id`` names the
+    prefill node (all its ranks and DP groups share it). ``host`` is the
+    address peers reach this rank's control socket and engine on.
+
+    Time bounds: a room may stay in Bootstrapping ``bootstrap_timeout_s``, a
+    decode room waits at most ``transfer_timeout_s`` from ``init()`` to its
+    last completion, one bootstrap request at most ``rpc_timeout_s``, and a
+    prefill rank retries its registration for ``register_timeout_s``.
+    """
+
+    role: Role
+    bootstrap_addr: str = "127.0.0.1:8998"
+    node_id: str = "prefill"
+    tp_rank: int = 0
+    tp_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+    host: str = "127.0.0.1"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    bootstrap_timeout_s: float = 30.0
+    transfer_timeout_s: float = 120.0
+    rpc_timeout_s: float = 5.0
+    register_timeout_s: float = 30.0
+    allow_missing_draft: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.role, Role):
+            raise ValueError(f"ManagerConfig.role must be a Role, got {self.role!r}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"ManagerConfig.tp_rank {self.tp_rank} not in [0, {self.tp_size})")
+        if not 0 <= self.dp_rank < self.dp_size:
+            raise ValueError(f"ManagerConfig.dp_rank {self.dp_rank} not in [0, {self.dp_size})")
+        if ":" not in self.bootstrap_addr:
+            raise ValueError(f"ManagerConfig.bootstrap_addr must be host:port, got {self.bootstrap_addr!r}")
+        _positive(self, "bootstrap_timeout_s", "transfer_timeout_s", "rpc_timeout_s", "register_timeout_s")
+
+
+_ENGINE_KEYS = {f.name for f in fields(EngineConfig)}
+_MANAGER_KEYS = {f.name for f in fields(ManagerConfig)} - {"engine", "role"}
+
+
+def _convert(text: str, like):
+    if isinstance(like, bool):
+        return text.lower() in ("1", "true", "yes", "on")
+    if isinstance(like, int):
+        return int(text)
+    if isinstance(like, float):
+        return float(text)
+    return text
+
+
+def manager_config_from_env(role: Role, **overrides) -> ManagerConfig:
+    """A ManagerConfig from ``KVFERRY_<FIELD>`` variables (``KVFERRY_TP_RANK``,
+    ``KVFERRY_PROTOCOL``, ...), then ``overrides``."""
+    base = ManagerConfig(role=role)
+    engine_kw, manager_kw = {}, {}
+    for key in _ENGINE_KEYS:
+        if (text := os.environ.get(ENV_PREFIX + key.upper())) is not None:
+            engine_kw[key] = _convert(text, getattr(base.engine, key))
+    for key in _MANAGER_KEYS:
+        if (text := os.environ.get(ENV_PREFIX + key.upper())) is not None:
+            manager_kw[key] = _convert(text, getattr(base, key))
+    engine = replace(base.engine, **engine_kw)
+    manager_kw.update(overrides)
+    return replace(base, engine=manager_kw.pop("engine", engine), **manager_kw)
+
+
+def apply_mooncake_env(engine: EngineConfig) -> None:
+    """Set the engine's ``MC_*`` variables (the engine reads them at
+    construction). Values the operator exported already win."""
+    for key, value in engine.mooncake_env().items():
+        os.environ.setdefault(key, value)

@@ -1,0 +1,51 @@
+"""Errors of the transfer layer; the root and the rest of the tree are in
+:mod:`bootstrap.errors`, whose docstring draws the whole tree."""
+
+from __future__ import annotations
+
+from bootstrap.errors import (  # re-exported: one tree for the whole package
+    BootstrapError,
+    BootstrapUnavailable,
+    KVFerryError,
+    KVTimeoutError,
+    ProtocolError,
+)
+
+
+class IncompatibleLayoutError(KVFerryError):
+    """Prefill and decode disagree on a field that must match.
+
+    ``field`` names it (``target.page_size``, ``draft.dtype``, ``tp_size``...);
+    ``local`` and ``remote`` are the two values.
+    """
+
+    def __init__(self, field: str, local, remote, *, detail: str = "") -> None:
+        msg = f"incompatible {field}: local {local!r}, remote {remote!r}"
+        super().__init__(f"{msg} ({detail})" if detail else msg)
+        self.field, self.local, self.remote = field, local, remote
+
+
+class TransferError(KVFerryError):
+    """The transfer engine failed to move bytes (``peer`` and ``code`` say where)."""
+
+    def __init__(self, message: str, *, peer: str = "", code: int | None = None) -> None:
+        super().__init__(message)
+        self.peer, self.code = peer, code
+
+
+class PeerError(KVFerryError):
+    """The other side reported a failure of the room, or aborted it."""
+
+
+class StateError(KVFerryError):
+    """An API call that the room's current state does not allow."""
+
+
+class ClosedError(KVFerryError):
+    """The manager was closed; its rooms fail with this."""
+
+
+__all__ = [
+    "BootstrapError", "BootstrapUnavailable", "ClosedError", "IncompatibleLayoutError",
+    "KVFerryError", "KVTimeoutError", "PeerError", "ProtocolError", "StateError", "TransferError",
+]

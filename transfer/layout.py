@@ -1,0 +1,75 @@
+"""Handshake compatibility of two ranks' pools. Pure.
+
+:func:`check_compatible` compares what must match between a prefill rank and
+a decode rank (per pool role: attention kind, dtype, page size, layer count,
+KV heads, head dim; and the TP pair) and raises
+:class:`~transfer.errors.IncompatibleLayoutError` naming the first field that
+differs. :func:`layout_fingerprint` hashes the same fields, for logs and for
+storage keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from bootstrap.messages import AttentionKind, PoolDescriptor, PoolRole, RankInfo
+from transfer import tp
+from transfer.errors import IncompatibleLayoutError
+
+_POOL_FIELDS = ("attention", "dtype", "itemsize", "page_size", "num_layers", "total_kv_heads", "head_dim")
+
+
+def _value(pool: PoolDescriptor, name: str):
+    v = getattr(pool, name)
+    return v.value if isinstance(v, AttentionKind) else v
+
+
+def check_compatible(local: RankInfo, remote: RankInfo, *, allow_missing_draft: bool = False,
+                     local_is_prefill: bool) -> None:
+    """Raise IncompatibleLayoutError unless ``local`` and ``remote`` can exchange
+    KV. ``allow_missing_draft`` lets a decode rank with a draft pool face a
+    prefill rank without one (the draft pool is then left to the scheduler)."""
+    prefill, decode = (local, remote) if local_is_prefill else (remote, local)
+
+    def mismatch(field, p, d, detail=""):
+        lv, rv = (p, d) if local_is_prefill else (d, p)
+        raise IncompatibleLayoutError(field, lv, rv, detail=detail)
+
+    try:
+        tp.check_tp_pair(prefill.tp_size, decode.tp_size)
+    except ValueError as exc:
+        mismatch("tp_size", prefill.tp_size, decode.tp_size, str(exc))
+    for role in PoolRole:
+        p, d = prefill.pool(role), decode.pool(role)
+        if p is None and d is None:
+            continue
+        if p is None or d is None:
+            if role is PoolRole.DRAFT and p is None and allow_missing_draft:
+                continue
+            mismatch(f"{role.value} pool", "present" if p else "absent", "present" if d else "absent",
+                     "a pool on one side only" + ("" if role is PoolRole.TARGET else
+                                                  "; allow_missing_draft serves the target alone"))
+        for name in _POOL_FIELDS:
+            if _value(p, name) != _value(d, name):
+                mismatch(f"{role.value}.{name}", _value(p, name), _value(d, name))
+        if p.attention is AttentionKind.MHA:
+            for side, pool, size in (("prefill", p, prefill.tp_size), ("decode", d, decode.tp_size)):
+                try:
+                    expect = tp.heads_of(0, size, pool.total_kv_heads).count
+                except ValueError as exc:
+                    mismatch(f"{role.value}.total_kv_heads", p.total_kv_heads, d.total_kv_heads, str(exc))
+                if pool.num_kv_heads != expect:
+                    raise IncompatibleLayoutError(
+                        f"{role.value}.num_kv_heads", pool.num_kv_heads, expect,
+                        detail=f"{side} holds {pool.num_kv_heads} heads but tp_size {size} "
+                               f"with {pool.total_kv_heads} heads gives {expect} per rank")
+    if (prefill.aux is None) != (decode.aux is None):
+        mismatch("aux", prefill.aux is not None, decode.aux is not None, "an aux buffer on one side only")
+    if prefill.aux is not None and prefill.aux.slot_bytes != decode.aux.slot_bytes:
+        mismatch("aux.slot_bytes", prefill.aux.slot_bytes, decode.aux.slot_bytes)
+
+
+def layout_fingerprint(pool: PoolDescriptor) -> str:
+    """A short hash of the fields that make two pools' bytes comparable."""
+    text = "|".join(f"{n}={_value(pool, n)}" for n in ("role",) + _POOL_FIELDS if n != "role")
+    return hashlib.sha256(f"{pool.role.value}|{text}".encode()).hexdigest()[:16]

@@ -1,0 +1,121 @@
+"""KVManager: one per rank and role; owns the engine, buffers, sockets and threads."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Sequence
+
+from bootstrap.client import BootstrapClient
+from bootstrap.messages import RankInfo
+from transfer.channel import ControlChannel
+from transfer.config import ManagerConfig, Role
+from transfer.errors import BootstrapError, BootstrapUnavailable, ClosedError, KVFerryError
+from transfer.pools import MHAPool, MLAPool, describe_aux, describe_pool, memory_regions
+from transfer.transport import MooncakeTransport
+
+log = logging.getLogger("kvferry.manager")
+
+
+class KVManager:
+    """One rank's transfer endpoint, prefill or decode (``config.role``).
+
+    Construction registers the pools' memory with the Mooncake engine, binds
+    the control socket, starts the worker threads and, on prefill, registers
+    the rank with the bootstrap server (retrying for at most
+    ``config.register_timeout_s``, then raising
+    :class:`~transfer.errors.BootstrapUnavailable`). Pools are
+    :class:`~transfer.pools.MHAPool` / :class:`~transfer.pools.MLAPool`, at
+    most one per role (target, draft); ``aux`` is the metadata tensor.
+
+    ``close()`` fails every live room with ClosedError, stops the threads and
+    unregisters memory; the manager is a context manager.
+    """
+
+    def __init__(self, config: ManagerConfig, pools: Sequence[MHAPool | MLAPool], aux=None) -> None:
+        self.config = config
+        descriptors = tuple(describe_pool(p) for p in pools)
+        aux_desc = describe_aux(aux) if aux is not None else None
+        self._lock = threading.RLock()
+        self._closed = False
+        self.transport = MooncakeTransport(config.engine)
+        try:
+            self.transport.register(memory_regions(descriptors, aux_desc))
+            self.channel = ControlChannel(config.host, self._on_message)
+        except BaseException:
+            self.transport.close()
+            raise
+        self.rank = RankInfo(
+            node_id=config.node_id, dp_rank=config.dp_rank, dp_size=config.dp_size,
+            tp_rank=config.tp_rank, tp_size=config.tp_size, session=self.transport.session,
+            control_endpoint=self.channel.endpoint, pools=descriptors, aux=aux_desc,
+        )
+        from transfer.receiver import DecodeRooms
+        from transfer.sender import PrefillRooms
+
+        self.rooms = PrefillRooms(self) if config.role is Role.PREFILL else DecodeRooms(self)
+        if config.role is Role.PREFILL:
+            try:
+                self._register()
+            except BaseException:
+                self.close()
+                raise
+
+    @property
+    def where(self) -> str:
+        """This rank, for error messages."""
+        c = self.config
+        return f"{c.role.value} {c.node_id} dp {c.dp_rank} tp {c.tp_rank}/{c.tp_size}"
+
+    def _register(self) -> None:
+        deadline = time.monotonic() + self.config.register_timeout_s
+        client = BootstrapClient(self.config.bootstrap_addr, timeout_s=self.config.rpc_timeout_s)
+        try:
+            while True:
+                try:
+                    reply = client.register(self.rank)
+                    log.info("%s registered (%d of %d ranks)", self.where, reply.num_registered, reply.tp_size)
+                    return
+                except BootstrapUnavailable:
+                    if time.monotonic() >= deadline:
+                        raise BootstrapUnavailable(
+                            f"{self.where}: bootstrap server {self.config.bootstrap_addr} unreachable for "
+                            f"{self.config.register_timeout_s:g} s") from None
+                    time.sleep(0.2)
+                except BootstrapError as exc:
+                    raise BootstrapError(f"{self.where}: registration refused: {exc}", code=exc.code) from exc
+        finally:
+            client.close()
+
+    def _on_message(self, msg) -> None:
+        self.rooms.on_message(msg)
+
+    def check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"{self.where}: manager is closed")
+
+    def close(self) -> None:
+        """Fail live rooms, stop threads, unregister memory. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        rooms = getattr(self, "rooms", None)
+        if rooms is not None:
+            rooms.close(ClosedError(f"{self.where}: manager closed"))
+        self.channel.close()
+        self.transport.close()
+
+    def __enter__(self) -> "KVManager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def fail_message(exc: BaseException) -> str:
+    """One line for RoomStatus/RoomAbort reasons."""
+    if isinstance(exc, KVFerryError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"

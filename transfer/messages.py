@@ -1,0 +1,112 @@
+"""Peer-to-peer control messages between a decode rank and a prefill rank.
+
+They share the one codec (:mod:`bootstrap.codec`) and its version with the
+bootstrap messages. Flow for one room::
+
+    decode                               prefill
+    PeerHello (once per peer)  ------->  checks layouts
+                               <-------  PeerHelloReply (ok, or the field that differs)
+    TransferRequest (per room) ------->  waits for all expected requests, then sends
+                               <-------  RoomStatus (success or failure, per prefill rank)
+    RoomAbort (either side)    <------>  the room fails on the other side too
+
+A room is identified by (``room``, ``request_id``): ``request_id`` is random
+per receiver, so a reused room id never matches a stale message.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from bootstrap.codec import message, struct
+from bootstrap.messages import PoolRole, RankInfo
+
+
+@message("peer_hello")
+@dataclass(frozen=True)
+class PeerHello:
+    """A decode rank introduces itself and its pools to a prefill rank."""
+
+    rank: RankInfo
+    allow_missing_draft: bool
+
+
+@message("peer_hello_reply")
+@dataclass(frozen=True)
+class PeerHelloReply:
+    """``ok``, or ``field`` and ``reason`` of the incompatibility."""
+
+    session: str
+    ok: bool
+    field: str
+    reason: str
+
+
+@struct
+@dataclass(frozen=True)
+class PoolAssignment:
+    """What one prefill rank sends of one pool to one decode rank. ``send`` is
+    explicit: False means this rank completes the room without sending it."""
+
+    role: PoolRole
+    send: bool
+    src_head_offset: int
+    dst_head_offset: int
+    num_heads: int
+
+
+@message("transfer_request")
+@dataclass(frozen=True)
+class TransferRequest:
+    """Decode asks a prefill rank to fill ``dst_pages`` (decode page ids, in
+    the order of the request's pages) and aux row ``dst_aux_index`` (-1: this
+    rank does not send the aux row; exactly one contacted rank does).
+    ``num_requests`` is how many decode ranks send a request for this room to
+    this prefill rank; it starts sending once all arrived."""
+
+    room: int
+    request_id: int
+    decode_session: str
+    decode_endpoint: str
+    decode_tp_rank: int
+    dst_pages: bytes  # little-endian int32
+    dst_aux_index: int
+    assignments: tuple[PoolAssignment, ...]
+    num_requests: int
+
+    def __post_init__(self) -> None:
+        if len(self.dst_pages) % 4:
+            raise ValueError("dst_pages must be little-endian int32")
+        if self.num_requests < 1:
+            raise ValueError("num_requests must be >= 1")
+
+
+class Status(str, enum.Enum):
+    SUCCESS = "success"
+    FAILED = "failed"
+
+
+@message("room_status")
+@dataclass(frozen=True)
+class RoomStatus:
+    """A prefill rank's terminal state for a room, sent after the bytes landed.
+    ``sent`` lists the pools it actually wrote."""
+
+    room: int
+    request_id: int
+    prefill_tp_rank: int
+    status: Status
+    sent: tuple[PoolRole, ...]
+    reason: str
+
+
+@message("room_abort")
+@dataclass(frozen=True)
+class RoomAbort:
+    """The sender of this message gave up on the room; the receiver fails it.
+    ``request_id`` 0 aborts whatever request the room has."""
+
+    room: int
+    request_id: int
+    reason: str

@@ -1,0 +1,157 @@
+"""Transfer planning: (layouts, page lists, head slice) -> descriptor arrays. Pure.
+
+A plan is three equal-length uint64 arrays ``(src_addrs, dst_addrs,
+lengths)``; every entry is one transfer-engine descriptor. Runs of pages that
+are consecutive on both sides become one descriptor per buffer, and entries
+that touch on both sides are merged again after all buffers are planned. The
+executor never looks at layouts: it moves what the plan says.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from bootstrap.messages import AuxDescriptor, PoolDescriptor, components_of
+
+_U64 = np.uint64
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    src_addrs: np.ndarray
+    dst_addrs: np.ndarray
+    lengths: np.ndarray
+
+    @property
+    def num_descriptors(self) -> int:
+        return int(self.lengths.size)
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.lengths.sum(dtype=_U64)) if self.lengths.size else 0
+
+    @staticmethod
+    def empty() -> "TransferPlan":
+        z = np.zeros(0, dtype=_U64)
+        return TransferPlan(z, z, z)
+
+    @staticmethod
+    def concat(plans: list["TransferPlan"]) -> "TransferPlan":
+        plans = [p for p in plans if p.num_descriptors]
+        if not plans:
+            return TransferPlan.empty()
+        return TransferPlan(
+            np.concatenate([p.src_addrs for p in plans]),
+            np.concatenate([p.dst_addrs for p in plans]),
+            np.concatenate([p.lengths for p in plans]),
+        )
+
+
+@dataclass(frozen=True)
+class PageRuns:
+    """Runs of pages consecutive on both sides: ``src_starts[i]..+lengths[i]``
+    go to ``dst_starts[i]..+lengths[i]``."""
+
+    src_starts: np.ndarray
+    dst_starts: np.ndarray
+    lengths: np.ndarray
+
+
+def page_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> PageRuns:
+    """Split paired page lists where either side jumps."""
+    src = np.asarray(src_pages, dtype=np.int64)
+    dst = np.asarray(dst_pages, dtype=np.int64)
+    if src.shape != dst.shape or src.ndim != 1:
+        raise ValueError(f"page lists differ in shape: {src.shape} vs {dst.shape}")
+    if src.size == 0:
+        e = np.zeros(0, dtype=np.int64)
+        return PageRuns(e, e, e)
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    lengths = np.diff(np.concatenate((starts, [src.size])))
+    return PageRuns(src[starts], dst[starts], lengths)
+
+
+def check_pages(pages: np.ndarray, num_pages: int, where: str) -> None:
+    """Raise IndexError naming ``where`` if any page index is outside the pool."""
+    if pages.size and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
+        bad = pages[(pages < 0) | (pages >= num_pages)][0]
+        raise IndexError(f"{where}: page index {int(bad)} outside the pool of {num_pages} pages")
+
+
+def plan_pool(src: PoolDescriptor, dst: PoolDescriptor, src_pages: np.ndarray, dst_pages: np.ndarray,
+              *, src_head_offset: int = 0, dst_head_offset: int = 0, num_heads: int | None = None) -> TransferPlan:
+    """Plan moving pages of one pool. Buffers are paired by (layer,
+    component), never by position. With ``num_heads`` smaller than a side's
+    heads per token, only that head slice moves, token by token."""
+    src_pages = np.asarray(src_pages, dtype=np.int64)
+    dst_pages = np.asarray(dst_pages, dtype=np.int64)
+    check_pages(src_pages, src.num_pages, f"{src.role.value} pool (source)")
+    check_pages(dst_pages, dst.num_pages, f"{dst.role.value} pool (destination)")
+    if src.page_size != dst.page_size or src.itemsize != dst.itemsize or src.head_dim != dst.head_dim:
+        raise ValueError(f"{src.role.value} pool: page size, item size and head dim must match")
+    heads = src.num_kv_heads if num_heads is None else num_heads
+    if src_head_offset + heads > src.num_kv_heads or dst_head_offset + heads > dst.num_kv_heads:
+        raise ValueError(f"{src.role.value} pool: head slice outside the local heads")
+    runs = page_runs(src_pages, dst_pages)
+    if runs.lengths.size == 0:
+        return TransferPlan.empty()
+    whole_pages = heads == src.num_kv_heads == dst.num_kv_heads
+    if whole_pages:
+        src_off = runs.src_starts * src.page_bytes
+        dst_off = runs.dst_starts * dst.page_bytes
+        lengths = runs.lengths * src.page_bytes
+    else:
+        # One descriptor per token: head slices of a token-major page are strided.
+        tokens = runs.lengths * src.page_size
+        first = np.repeat(np.cumsum(tokens) - tokens, tokens)
+        tok = np.arange(int(tokens.sum())) - first
+        head_bytes = src.head_dim * src.itemsize
+        src_off = (np.repeat(runs.src_starts * src.page_size, tokens) + tok) * src.token_bytes \
+            + src_head_offset * head_bytes
+        dst_off = (np.repeat(runs.dst_starts * dst.page_size, tokens) + tok) * dst.token_bytes \
+            + dst_head_offset * head_bytes
+        lengths = np.full(tok.size, heads * head_bytes, dtype=np.int64)
+    src_bases, dst_bases = [], []
+    for layer in range(src.num_layers):
+        for comp in components_of(src.attention):
+            src_bases.append(src.buffer(layer, comp).addr)
+            dst_bases.append(dst.buffer(layer, comp).addr)
+    src_b = np.asarray(src_bases, dtype=_U64)[:, None]
+    dst_b = np.asarray(dst_bases, dtype=_U64)[:, None]
+    n = len(src_bases)
+    plan = TransferPlan(
+        (src_b + src_off.astype(_U64)[None, :]).ravel(),
+        (dst_b + dst_off.astype(_U64)[None, :]).ravel(),
+        np.broadcast_to(lengths.astype(_U64), (n, lengths.size)).ravel().copy(),
+    )
+    return coalesce(plan)
+
+
+def plan_aux(src: AuxDescriptor, dst: AuxDescriptor, src_slot: int, dst_slot: int) -> TransferPlan:
+    """Plan moving one metadata row."""
+    if src.slot_bytes != dst.slot_bytes:
+        raise ValueError(f"aux slot sizes differ: {src.slot_bytes} vs {dst.slot_bytes}")
+    if not 0 <= src_slot < src.num_slots:
+        raise IndexError(f"aux index {src_slot} outside the source's {src.num_slots} slots")
+    if not 0 <= dst_slot < dst.num_slots:
+        raise IndexError(f"aux index {dst_slot} outside the destination's {dst.num_slots} slots")
+    return TransferPlan(
+        np.asarray([src.addr + src_slot * src.slot_bytes], dtype=_U64),
+        np.asarray([dst.addr + dst_slot * dst.slot_bytes], dtype=_U64),
+        np.asarray([src.slot_bytes], dtype=_U64),
+    )
+
+
+def coalesce(plan: TransferPlan) -> TransferPlan:
+    """Merge neighbouring entries that are contiguous on both sides."""
+    if plan.num_descriptors < 2:
+        return plan
+    s, d, n = plan.src_addrs, plan.dst_addrs, plan.lengths
+    joins = (s[:-1] + n[:-1] == s[1:]) & (d[:-1] + n[:-1] == d[1:])
+    if not joins.any():
+        return plan
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    return TransferPlan(s[starts], d[starts], np.add.reduceat(n, starts))

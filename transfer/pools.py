@@ -1,0 +1,102 @@
+"""KV pools as the scheduler hands them over: tensors in, descriptors out.
+
+Tensors may be CPU or CUDA; only ``data_ptr()``, shape, dtype and strides are
+read, and no KV byte is copied. Shapes:
+
+- MHA: per layer a K and a V tensor ``[num_pages, page_size, num_kv_heads, head_dim]``;
+- MLA: per layer one latent tensor ``[num_pages, page_size, latent_dim]``
+  (``kv_lora_rank + rope_dim``), or ``[num_pages, page_size, 1, latent_dim]``;
+- aux: ``[num_slots, ...]``, one row per request slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from bootstrap.messages import AttentionKind, AuxDescriptor, BufferRef, Component, PoolDescriptor, PoolRole
+
+
+@dataclass(frozen=True)
+class MHAPool:
+    """``total_kv_heads`` is the model's KV head count (defaults to this rank's,
+    right for TP 1; give it whenever TP > 1)."""
+
+    k: Sequence[Any]
+    v: Sequence[Any]
+    role: PoolRole = PoolRole.TARGET
+    total_kv_heads: int | None = None
+
+
+@dataclass(frozen=True)
+class MLAPool:
+    latent: Sequence[Any]
+    role: PoolRole = PoolRole.TARGET
+
+
+def _dtype_name(t) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _check_tensor(t, shape, dtype: str, what: str) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{what}: shape {tuple(t.shape)} differs from {tuple(shape)}")
+    if _dtype_name(t) != dtype:
+        raise ValueError(f"{what}: dtype {_dtype_name(t)} differs from {dtype}")
+    if not t.is_contiguous():
+        raise ValueError(f"{what}: must be contiguous")
+
+
+def describe_pool(pool: MHAPool | MLAPool) -> PoolDescriptor:
+    """The wire descriptor of a pool; raises ValueError on inconsistent tensors."""
+    if isinstance(pool, MHAPool):
+        if len(pool.k) != len(pool.v) or not pool.k:
+            raise ValueError(f"{pool.role.value} pool: need as many K as V tensors, at least one")
+        first = pool.k[0]
+        if first.dim() != 4:
+            raise ValueError(f"{pool.role.value} pool: MHA tensors are [num_pages, page_size, heads, head_dim]")
+        num_pages, page_size, heads, head_dim = first.shape
+        parts = [(Component.K, pool.k), (Component.V, pool.v)]
+        attention, total = AttentionKind.MHA, pool.total_kv_heads or heads
+    else:
+        if not pool.latent:
+            raise ValueError(f"{pool.role.value} pool: no latent tensors")
+        first = pool.latent[0]
+        if first.dim() == 4 and first.shape[2] == 1:
+            num_pages, page_size, _, head_dim = first.shape
+        elif first.dim() == 3:
+            num_pages, page_size, head_dim = first.shape
+        else:
+            raise ValueError(f"{pool.role.value} pool: MLA tensors are [num_pages, page_size, latent_dim]")
+        heads, total = 1, 1
+        parts = [(Component.LATENT, pool.latent)]
+        attention = AttentionKind.MLA
+    dtype = _dtype_name(first)
+    buffers = []
+    for comp, tensors in parts:
+        for layer, t in enumerate(tensors):
+            _check_tensor(t, first.shape, dtype, f"{pool.role.value} pool layer {layer} {comp.value}")
+            buffers.append(BufferRef(layer=layer, component=comp, addr=t.data_ptr(),
+                                     nbytes=t.numel() * t.element_size()))
+    return PoolDescriptor(
+        role=pool.role, attention=attention, dtype=dtype, itemsize=first.element_size(),
+        page_size=int(page_size), num_pages=int(num_pages), num_layers=len(parts[0][1]),
+        num_kv_heads=int(heads), total_kv_heads=int(total), head_dim=int(head_dim), buffers=tuple(buffers),
+    )
+
+
+def describe_aux(aux) -> AuxDescriptor:
+    """The wire descriptor of an aux tensor ``[num_slots, ...]``."""
+    if aux.dim() < 1 or not aux.is_contiguous():
+        raise ValueError("aux: must be a contiguous tensor of one row per slot")
+    num_slots = int(aux.shape[0])
+    return AuxDescriptor(addr=aux.data_ptr(), slot_bytes=aux.numel() * aux.element_size() // num_slots,
+                         num_slots=num_slots)
+
+
+def memory_regions(pools: Sequence[PoolDescriptor], aux: AuxDescriptor | None) -> list[tuple[int, int]]:
+    """(addr, nbytes) of every buffer to register with the engine."""
+    regions = [(b.addr, b.nbytes) for p in pools for b in p.buffers]
+    if aux is not None:
+        regions.append((aux.addr, aux.slot_bytes * aux.num_slots))
+    return regions

@@ -1,0 +1,272 @@
+"""Prefill side: KVSender (one per request) and the rank's room table."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+
+import numpy as np
+
+from bootstrap.messages import RankInfo
+from transfer.errors import IncompatibleLayoutError, PeerError, StateError, KVTimeoutError
+from transfer.layout import check_compatible
+from transfer.messages import PeerHello, PeerHelloReply, RoomAbort, RoomStatus, Status, TransferRequest
+from transfer.plan import TransferPlan, plan_aux, plan_pool
+from transfer.state import KVPoll, RoomState
+
+log = logging.getLogger("kvferry.sender")
+
+_REMEMBER_FINISHED = 65536
+
+
+class PrefillRooms:
+    """Routes control messages to the live senders of a prefill rank.
+
+    Requests may arrive before the scheduler creates the room's sender; they
+    wait (at most ``bootstrap_timeout_s``) and are handed over on creation.
+    Messages for rooms that already ended, matched by (room, request_id), are
+    dropped, so a reused room id never picks up a stale request.
+    """
+
+    def __init__(self, mgr) -> None:
+        self.mgr = mgr
+        self.peers: dict[str, RankInfo] = {}  # decode session -> its rank info
+        self.senders: dict[int, KVSender] = {}
+        self._early: dict[int, list[tuple[float, object]]] = {}
+        self._finished: collections.OrderedDict[tuple[int, int], None] = collections.OrderedDict()
+
+    def on_message(self, msg) -> None:
+        if isinstance(msg, PeerHello):
+            self._on_hello(msg)
+            return
+        if not isinstance(msg, (TransferRequest, RoomAbort)):
+            log.warning("%s: ignored a %s message", self.mgr.where, msg.KIND)
+            return
+        with self.mgr._lock:
+            if (msg.room, msg.request_id) in self._finished:
+                return
+            sender = self.senders.get(msg.room)
+            if sender is None:
+                self._keep_early(msg)
+                return
+        sender._on_message(msg)
+
+    def _keep_early(self, msg) -> None:
+        now = time.monotonic()
+        horizon = now - self.mgr.config.bootstrap_timeout_s
+        if len(self._early) > 1024:
+            for room in [r for r, msgs in self._early.items() if msgs[-1][0] < horizon]:
+                del self._early[room]
+        self._early.setdefault(msg.room, []).append((now, msg))
+
+    def _on_hello(self, hello: PeerHello) -> None:
+        try:
+            check_compatible(self.mgr.rank, hello.rank, local_is_prefill=True,
+                             allow_missing_draft=hello.allow_missing_draft)
+        except IncompatibleLayoutError as exc:
+            log.error("%s: refused decode rank %s: %s", self.mgr.where, hello.rank.session, exc)
+            reply = PeerHelloReply(session=self.mgr.rank.session, ok=False, field=exc.field,
+                                   reason=f"{self.mgr.where}: {exc}")
+        else:
+            with self.mgr._lock:
+                self.peers[hello.rank.session] = hello.rank
+            reply = PeerHelloReply(session=self.mgr.rank.session, ok=True, field="", reason="")
+        self.mgr.channel.send(hello.rank.control_endpoint, reply)
+
+    def attach(self, sender: "KVSender") -> list:
+        with self.mgr._lock:
+            old = self.senders.get(sender.room)
+            if old is not None and not old._state.terminal:
+                raise StateError(f"{self.mgr.where}: room {sender.room} already has a live sender")
+            self.senders[sender.room] = sender
+            horizon = time.monotonic() - self.mgr.config.bootstrap_timeout_s
+            return [m for t, m in self._early.pop(sender.room, []) if t >= horizon]
+
+    def detach(self, sender: "KVSender", request_ids) -> None:
+        with self.mgr._lock:
+            if self.senders.get(sender.room) is sender:
+                del self.senders[sender.room]
+            for rid in request_ids:
+                self._finished[(sender.room, rid)] = None
+            while len(self._finished) > _REMEMBER_FINISHED:
+                self._finished.popitem(last=False)
+
+    def close(self, error: BaseException) -> None:
+        with self.mgr._lock:
+            senders = list(self.senders.values())
+        for s in senders:
+            s._fail(error)
+
+
+class KVSender:
+    """Sends one request's KV from a prefill rank (one per room).
+
+    Lifecycle: create it when the request is scheduled; ``poll()`` says
+    ``Bootstrapping`` until every decode rank that expects this room's KV from
+    this rank sent its request, then ``WaitingForInput``. Call ``init`` once,
+    then ``send`` for each chunk of prefilled pages (the last with
+    ``last=True``); the room is ``Transferring`` until the last chunk landed
+    and decode was told, then ``Success``. Any failure gives ``Failed``, and
+    ``failure_exception()`` raises why. Nothing here blocks.
+    """
+
+    def __init__(self, mgr, bootstrap_addr: str | None, bootstrap_room: int) -> None:
+        mgr.check_open()
+        self.mgr = mgr
+        self.room = int(bootstrap_room)
+        self._state = RoomState(f"{mgr.where} room {self.room}")
+        self._created = time.monotonic()
+        self._requests: list[TransferRequest] = []
+        self._num_pages: int | None = None
+        self._aux_index: int | None = None
+        self._offset = 0
+        self._last_sent = False
+        self._num_inflight = 0
+        for msg in mgr.rooms.attach(self):
+            self._on_message(msg)
+
+    # --- scheduler API ----------------------------------------------------------
+
+    def init(self, num_pages: int, aux_index: int | None = None) -> None:
+        """Declare the request's total pages and its aux slot on this rank."""
+        with self.mgr._lock:
+            if self._num_pages is not None:
+                raise StateError(f"{self._state.where}: init() called twice")
+            self._num_pages, self._aux_index = int(num_pages), aux_index
+            self._check_sizes()
+
+    def send(self, page_indices, last: bool = False) -> None:
+        """Queue the next chunk's pages (prefill page ids, in request order).
+        Allowed in WaitingForInput or Transferring, before the last chunk; on
+        a Failed room it does nothing. Returns at once; problems with the pages
+        fail the room (see ``poll``)."""
+        with self.mgr._lock:
+            if self._state.state is KVPoll.Failed:
+                return
+            if self._num_pages is None:
+                raise StateError(f"{self._state.where}: send() before init()")
+            if self._state.state not in (KVPoll.WaitingForInput, KVPoll.Transferring) or self._last_sent:
+                raise StateError(f"{self._state.where}: send() in state {self._state.state.name}"
+                                 + (" after the last chunk" if self._last_sent else ""))
+            pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
+            try:
+                jobs = self._plan_chunk(pages, last)
+            except (ValueError, IndexError) as exc:
+                self._fail(exc)
+                return
+            self._offset += pages.size
+            self._last_sent = last
+            self._num_inflight += len(jobs)
+            if self._state.state is KVPoll.WaitingForInput:
+                self._state.move(KVPoll.Transferring)
+            for session, plan in jobs:
+                self.mgr.transport.submit(session, plan, self._on_chunk_done)
+
+    def poll(self) -> KVPoll:
+        with self.mgr._lock:
+            if self._state.state is KVPoll.Bootstrapping and \
+                    time.monotonic() - self._created > self.mgr.config.bootstrap_timeout_s:
+                self._fail(KVTimeoutError(
+                    f"{self._state.where}: {len(self._requests)} decode request(s) arrived within "
+                    f"{self.mgr.config.bootstrap_timeout_s:g} s, expected "
+                    f"{self._requests[0].num_requests if self._requests else 'at least 1'}"))
+            return self._state.state
+
+    def failure_exception(self) -> None:
+        """Raise the room's failure (a KVFerryError); no-op unless Failed."""
+        if self._state.state is KVPoll.Failed:
+            raise self._state.error
+
+    def abort(self, reason: str = "aborted by the prefill scheduler") -> None:
+        """Fail the room here and tell the decode ranks."""
+        self._fail(PeerError(f"{self._state.where}: {reason}"))
+
+    # --- internals --------------------------------------------------------------
+
+    def _plan_chunk(self, pages: np.ndarray, last: bool) -> list[tuple[str, TransferPlan]]:
+        end = self._offset + pages.size
+        if end > self._num_pages:
+            raise ValueError(f"{self._state.where}: {end} pages sent, more than the {self._num_pages} of init()")
+        if last and end != self._num_pages:
+            raise ValueError(f"{self._state.where}: last chunk ends at page {end} of {self._num_pages}")
+        local = self.mgr.rank
+        jobs = []
+        for req in self._requests:
+            peer = self.mgr.rooms.peers[req.decode_session]
+            dst_all = np.frombuffer(req.dst_pages, dtype="<i4")
+            dst = dst_all[self._offset:end]
+            parts = []
+            for a in req.assignments:
+                if a.send:
+                    parts.append(plan_pool(local.pool(a.role), peer.pool(a.role), pages, dst,
+                                           src_head_offset=a.src_head_offset,
+                                           dst_head_offset=a.dst_head_offset, num_heads=a.num_heads))
+            if last and local.aux is not None and self._aux_index is not None and req.dst_aux_index >= 0:
+                parts.append(plan_aux(local.aux, peer.aux, self._aux_index, req.dst_aux_index))
+            jobs.append((req.decode_session, TransferPlan.concat(parts)))
+        return jobs
+
+    def _check_sizes(self) -> None:
+        if self._num_pages is None:
+            return
+        for req in self._requests:
+            if len(req.dst_pages) // 4 != self._num_pages:
+                self._fail(ValueError(f"{self._state.where}: decode rank {req.decode_tp_rank} allocated "
+                                      f"{len(req.dst_pages) // 4} pages, this request has {self._num_pages}"))
+
+    def _on_message(self, msg) -> None:
+        with self.mgr._lock:
+            if self._state.terminal:
+                return
+            if isinstance(msg, RoomAbort):
+                if msg.request_id in (0, *[r.request_id for r in self._requests]) or not self._requests:
+                    self._fail(PeerError(f"{self._state.where}: decode aborted the room: {msg.reason}"),
+                               notify=False)
+                return
+            if msg.decode_session not in self.mgr.rooms.peers:
+                self._fail(PeerError(f"{self._state.where}: request from decode {msg.decode_session} "
+                                     "which has not completed the handshake"))
+                return
+            self._requests.append(msg)
+            if len(self._requests) > msg.num_requests:
+                self._fail(PeerError(f"{self._state.where}: {len(self._requests)} decode requests, "
+                                     f"expected {msg.num_requests}"))
+            elif len(self._requests) == msg.num_requests:
+                self._state.move(KVPoll.WaitingForInput)
+                self._check_sizes()
+
+    def _on_chunk_done(self, error) -> None:
+        with self.mgr._lock:
+            self._num_inflight -= 1
+            if error is not None:
+                self._fail(error)
+                return
+            if self._state.terminal or not self._last_sent or self._num_inflight:
+                return
+            try:
+                self._notify(Status.SUCCESS, "")
+            except Exception as exc:
+                self._fail(exc)
+                return
+            self._state.move(KVPoll.Success)
+            self.mgr.rooms.detach(self, [r.request_id for r in self._requests])
+
+    def _notify(self, status: Status, reason: str) -> None:
+        for req in self._requests:
+            sent = tuple(a.role for a in req.assignments if a.send)
+            self.mgr.channel.send(req.decode_endpoint, RoomStatus(
+                room=self.room, request_id=req.request_id, prefill_tp_rank=self.mgr.rank.tp_rank,
+                status=status, sent=sent if status is Status.SUCCESS else (), reason=reason))
+
+    def _fail(self, error: BaseException, *, notify: bool = True) -> None:
+        with self.mgr._lock:
+            if not self._state.fail(error):
+                return
+            log.warning("%s failed: %s", self._state.where, error)
+            if notify:
+                try:
+                    self._notify(Status.FAILED, str(error))
+                except Exception as exc:  # the room is failed either way
+                    log.warning("%s: could not tell decode: %s", self._state.where, exc)
+            self.mgr.rooms.detach(self, [r.request_id for r in self._requests])

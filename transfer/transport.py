@@ -1,0 +1,232 @@
+"""The data path: the only module that talks to the Mooncake transfer engine.
+
+:class:`MooncakeTransport` owns one ``TransferEngine`` (P2P handshake, no
+metadata server) and one worker thread that moves plans. A plan's entries are
+submitted one descriptor at a time with ``transfer_submit_write`` and polled
+with the non-blocking ``transfer_check_status``: the engine's blocking calls
+busy-spin and starve the I/O threads on small machines. The worker keeps at
+most ``max_inflight_per_peer`` descriptors outstanding per peer, so the
+engine's own per-peer queue never overflows (overflowing can wedge the path to
+that peer for good).
+
+A job's callback runs exactly once, on the worker thread, after every
+descriptor it submitted has finished or failed, so the source memory may be
+reused when it runs. It must be quick and must not call back into the
+transport's blocking methods.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from transfer.config import EngineConfig, apply_mooncake_env
+from transfer.errors import ClosedError, TransferError
+from transfer.plan import TransferPlan
+
+log = logging.getLogger("kvferry.transport")
+
+DoneCallback = Callable[[TransferError | None], None]
+
+# How many consecutive still-pending descriptors a poll round looks at before
+# it stops: the engine finishes them roughly in order, and checking thousands
+# of pending ids per round would burn the CPU the engine needs.
+_PENDING_WINDOW = 64
+_MAX_IDLE_SLEEP_S = 0.0005
+
+
+@dataclass
+class _Job:
+    peer: str
+    src: list[int]
+    dst: list[int]
+    lengths: list[int]
+    callback: DoneCallback
+    next_index: int = 0
+    num_inflight: int = 0
+    error: TransferError | None = None
+    done: bool = field(default=False)
+
+    @property
+    def finished(self) -> bool:
+        return self.next_index >= len(self.src) and self.num_inflight == 0
+
+
+class MooncakeTransport:
+    """Moves :class:`TransferPlan` entries from local memory into a peer's
+    registered memory. Thread-safe: ``submit`` may be called from any thread."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        apply_mooncake_env(config)
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as exc:
+            raise TransferError(f"the Mooncake transfer engine is not installed: {exc}") from exc
+        self.config = config
+        self._engine = TransferEngine()
+        rc = self._engine.initialize(config.hostname, "P2PHANDSHAKE", config.protocol, config.device_name)
+        if rc != 0:
+            raise TransferError(
+                f"Mooncake initialize({config.hostname!r}, P2PHANDSHAKE, {config.protocol!r}) returned {rc}",
+                code=rc)
+        self.session = f"{config.hostname}:{self._engine.get_rpc_port()}"
+        self._registered: list[int] = []
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._closed = threading.Event()
+        self.num_descriptors = 0
+        self.num_bytes = 0
+        self._thread = threading.Thread(target=self._run, name="kvferry-transport", daemon=True)
+        self._thread.start()
+
+    # --- memory ---------------------------------------------------------------
+
+    def register(self, regions: list[tuple[int, int]]) -> None:
+        """Register (addr, nbytes) regions that peers may write into."""
+        if not regions:
+            return
+        addrs = [a for a, _ in regions]
+        rc = self._engine.batch_register_memory(addrs, [n for _, n in regions])
+        if rc != 0:
+            raise TransferError(f"registering {len(regions)} KV buffers with Mooncake returned {rc}", code=rc)
+        self._registered.extend(addrs)
+
+    # --- transfers --------------------------------------------------------------
+
+    def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback) -> None:
+        """Queue ``plan`` for writing into ``peer`` (a Mooncake session
+        ``host:port``); returns at once. ``callback(None)`` on success or
+        ``callback(TransferError)``; an empty plan completes at once."""
+        if self._closed.is_set():
+            raise ClosedError("transport is closed")
+        if plan.num_descriptors == 0:
+            callback(None)
+            return
+        self._jobs.put(_Job(peer, plan.src_addrs.tolist(), plan.dst_addrs.tolist(), plan.lengths.tolist(), callback))
+
+    def probe(self, peer: str) -> bool:
+        """Whether ``peer``'s engine answers (under a millisecond either way)."""
+        return self._engine.send_probe(peer) == 0
+
+    def _run(self) -> None:
+        by_peer: dict[str, collections.deque[_Job]] = collections.defaultdict(collections.deque)
+        inflight: dict[str, int] = collections.defaultdict(int)
+        outstanding: collections.deque[tuple[int, _Job]] = collections.deque()
+        idle_sleep = 0.0
+        cap = self.config.max_inflight_per_peer
+        while True:
+            # Admit new jobs; block only when there is nothing to do.
+            try:
+                job = self._jobs.get(timeout=0.05) if not outstanding and not by_peer else self._jobs.get_nowait()
+                while True:
+                    if job is None:
+                        self._fail_all(by_peer, outstanding)
+                        return
+                    by_peer[job.peer].append(job)
+                    job = self._jobs.get_nowait()
+            except queue.Empty:
+                pass
+            progressed = self._submit_round(by_peer, inflight, outstanding, cap)
+            progressed |= self._check_round(outstanding, inflight)
+            if progressed:
+                idle_sleep = 0.0
+            elif outstanding:
+                # Back off from 50 us to 0.5 ms: short waits keep small transfers
+                # fast, and sleeping (not spinning) leaves the CPU to the engine.
+                idle_sleep = min(_MAX_IDLE_SLEEP_S, max(5e-5, idle_sleep * 2))
+                time.sleep(idle_sleep)
+
+    def _submit_round(self, by_peer, inflight, outstanding, cap) -> bool:
+        progressed = False
+        submit = self._engine.transfer_submit_write
+        for peer in list(by_peer):
+            jobs = by_peer[peer]
+            while jobs and inflight[peer] < cap:
+                job = jobs[0]
+                n = len(job.src)
+                while job.next_index < n and inflight[peer] < cap:
+                    i = job.next_index
+                    tid = submit(peer, job.src[i], job.dst[i], job.lengths[i])
+                    if tid == 0:
+                        job.error = job.error or TransferError(
+                            f"Mooncake refused a write of {job.lengths[i]} bytes to {peer} "
+                            f"(descriptor {i} of {n})", peer=peer)
+                        job.next_index = n
+                        break
+                    outstanding.append((tid, job))
+                    job.next_index += 1
+                    job.num_inflight += 1
+                    inflight[peer] += 1
+                    progressed = True
+                if job.next_index >= n:
+                    jobs.popleft()
+                    self._maybe_finish(job)
+            if not jobs:
+                del by_peer[peer]
+        return progressed
+
+    def _check_round(self, outstanding, inflight) -> bool:
+        progressed = False
+        check = self._engine.transfer_check_status
+        pending = 0
+        for _ in range(len(outstanding)):
+            if pending >= _PENDING_WINDOW:
+                break
+            tid, job = outstanding.popleft()
+            status = check(tid)
+            if status == 0:
+                outstanding.append((tid, job))  # keeps the order of the still-pending ones
+                pending += 1
+                continue
+            progressed = True
+            job.num_inflight -= 1
+            inflight[job.peer] -= 1
+            if status == 1:
+                self.num_descriptors += 1
+            elif job.error is None:
+                what = "timed out" if status == -2 else "failed"
+                job.error = TransferError(f"write to {job.peer} {what} (Mooncake status {status})",
+                                          peer=job.peer, code=status)
+                job.next_index = len(job.src)  # stop submitting the rest of this job
+            self._maybe_finish(job)
+        # Rotate the unchecked tail behind the re-queued pending ids, keeping order.
+        if pending >= _PENDING_WINDOW:
+            outstanding.rotate(-(len(outstanding) - pending))
+        return progressed
+
+    def _maybe_finish(self, job: _Job) -> None:
+        if job.done or not job.finished:
+            return
+        job.done = True
+        if job.error is None:
+            self.num_bytes += sum(job.lengths)
+        try:
+            job.callback(job.error)
+        except Exception:
+            log.exception("transport: a completion callback raised; the worker goes on")
+
+    def _fail_all(self, by_peer, outstanding) -> None:
+        jobs = {id(j): j for q in by_peer.values() for j in q}
+        jobs.update({id(j): j for _, j in outstanding})
+        for job in jobs.values():
+            if not job.done:
+                job.done = True
+                try:
+                    job.callback(TransferError("transport closed before the transfer finished", peer=job.peer))
+                except Exception:
+                    log.exception("transport: a completion callback raised during close")
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the worker (outstanding jobs fail) and unregister memory."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._jobs.put(None)
+        self._thread.join(timeout_s)
+        if self._registered:
+            self._engine.batch_unregister_memory(self._registered)
+            self._registered = []
