@@ -1,0 +1,114 @@
+"""Start a bootstrap server and scripted prefill/decode ranks as separate
+processes on this machine, and collect their results. Used by ``make demo``,
+the end-to-end tests and the benchmark.
+
+Every wait is bounded: a process tree that outlives ``timeout_s`` is killed
+and reported, never waited on forever.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+
+from transfer.workload import Spec
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # two cores shared by several ranks
+    env.setdefault("MC_LOG_LEVEL", "ERROR")
+    return env
+
+
+class BootstrapProcess:
+    """``python -m bootstrap`` on a free loopback port; ``address`` once up."""
+
+    def __init__(self, host: str = "127.0.0.1", timeout_s: float = 20.0) -> None:
+        self._log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([sys.executable, "-m", "bootstrap", "--host", host, "--port", "0",
+                                      "--log-level", "WARNING"],
+                                     stdout=subprocess.PIPE, stderr=self._log, text=True, env=child_env())
+        deadline = time.monotonic() + timeout_s
+        line = ""
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if "listening on" in line or not line:
+                break
+        if "listening on" not in line:
+            self.close()
+            raise RuntimeError(f"bootstrap server did not start: {line!r}")
+        self.address = line.strip().rsplit(" ", 1)[-1]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.proc.stdout.close()
+        self._log.close()
+
+    def __enter__(self) -> "BootstrapProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass
+class RankRun:
+    role: str
+    tp_rank: int
+    returncode: int | None
+    result: dict | None
+    log: str
+
+
+def start_rank(spec: Spec, role: str, rank: int) -> tuple[subprocess.Popen, tempfile.TemporaryFile]:
+    out = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen([sys.executable, "-m", "transfer.workload", "--role", role, "--tp-rank", str(rank),
+                             "--spec", spec.to_json()], stdout=out, stderr=subprocess.STDOUT, text=True,
+                            env=child_env())
+    return proc, out
+
+
+def finish_rank(proc, out, role: str, rank: int, deadline: float) -> RankRun:
+    try:
+        proc.wait(max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+    out.seek(0)
+    log = out.read()
+    out.close()
+    result = None
+    for line in log.splitlines():
+        if line.startswith("RESULT "):
+            result = json.loads(line[len("RESULT "):])
+    return RankRun(role, rank, proc.returncode, result, log)
+
+
+def run_pd(spec: Spec, *, timeout_s: float = 300.0, bootstrap: str | None = None) -> list[RankRun]:
+    """Run every prefill and decode rank of ``spec`` to completion (or kill
+    them at ``timeout_s``); starts a bootstrap server unless given one."""
+    owned = None
+    if bootstrap is None:
+        owned = BootstrapProcess()
+        bootstrap = owned.address
+    spec = replace(spec, bootstrap=bootstrap)
+    try:
+        procs = [("prefill", r, *start_rank(spec, "prefill", r)) for r in range(spec.prefill_tp)]
+        procs += [("decode", r, *start_rank(spec, "decode", r)) for r in range(spec.decode_tp)]
+        deadline = time.monotonic() + timeout_s
+        return [finish_rank(p, out, role, r, deadline) for role, r, p, out in procs]
+    finally:
+        if owned is not None:
+            owned.close()

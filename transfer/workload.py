@@ -1,0 +1,310 @@
+"""A scripted prefill or decode rank for the demo, the end-to-end tests and
+the benchmark: real processes, real Mooncake, random data, byte-exact checks.
+
+``python -m transfer.workload --role prefill|decode --tp-rank R --spec JSON``
+runs one rank. Both sides derive everything from the spec's seed: the prefill
+pools' content (each pool buffer is a slice of a seeded *global* tensor
+``[num_pages, page_size, total_heads, head_dim]``, so any TP rank's heads can
+be regenerated anywhere), each room's prefill pages and chunking, and the
+decode side's page allocator. The decode rank checks every byte of every room
+against the regenerated source, plus canary pages no room may touch, and
+both print one JSON result line prefixed ``RESULT ``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+
+import numpy as np
+import torch
+
+from bootstrap.messages import PoolRole
+from transfer import tp
+from transfer.config import EngineConfig, ManagerConfig, Role
+from transfer.manager import KVManager
+from transfer.pools import MHAPool, MLAPool
+from transfer.receiver import KVReceiver
+from transfer.sender import KVSender
+from transfer.state import KVPoll
+
+_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+                 "float8_e4m3fn": torch.float8_e4m3fn, "int8": torch.int8}
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    role: str = "target"
+    attention: str = "mha"
+    num_layers: int = 4
+    total_heads: int = 8  # KV heads of the model (1 for MLA)
+    head_dim: int = 128  # MLA: kv_lora_rank + rope_dim
+    dtype: str = "bfloat16"
+
+
+@dataclass(frozen=True)
+class Spec:
+    bootstrap: str
+    prefill_pools: tuple[PoolSpec, ...]
+    decode_pools: tuple[PoolSpec, ...]
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    page_size: int = 16
+    prefill_pages: int = 256
+    decode_pages: int = 512
+    aux_slots: int = 64
+    aux_slot_bytes: int = 64
+    num_rooms: int = 8
+    concurrency: int = 4
+    min_tokens: int = 256
+    max_tokens: int = 2048
+    chunk_pages: int = 0  # 0: one send per room; else chunks of this many pages
+    page_placement: str = "scattered"  # or "contiguous"
+    seed: int = 1234
+    timeout_s: float = 120.0
+    protocol: str = "tcp"
+    node_id: str = "prefill"
+    allow_missing_draft: bool = False
+    first_room: int = 1000
+    decode_page_size: int = 0  # 0: the same as page_size (others test a mismatch)
+
+    @staticmethod
+    def from_json(text: str) -> "Spec":
+        raw = json.loads(text)
+        raw["prefill_pools"] = tuple(PoolSpec(**p) for p in raw["prefill_pools"])
+        raw["decode_pools"] = tuple(PoolSpec(**p) for p in raw.get("decode_pools", raw["prefill_pools"]))
+        return Spec(**raw)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+# --- deterministic content --------------------------------------------------------------
+
+
+def _rng(*key: int | str) -> np.random.Generator:
+    return np.random.default_rng([hash_str(k) if isinstance(k, str) else k for k in key])
+
+
+def hash_str(s: str) -> int:
+    return int.from_bytes(s.encode()[:8].ljust(8, b"\0"), "little")
+
+
+def global_buffer(spec: Spec, pool: PoolSpec, layer: int, comp: str, num_pages: int, seed_side: str) -> torch.Tensor:
+    """Seeded random bytes shaped [num_pages, page_size, heads, head_dim]."""
+    heads = pool.total_heads if pool.attention == "mha" else 1
+    dtype = _TORCH_DTYPES[pool.dtype]
+    shape = (num_pages, spec.page_size, heads, pool.head_dim)
+    nbytes = int(np.prod(shape)) * torch.tensor([], dtype=dtype).element_size()
+    raw = _rng(spec.seed, seed_side, pool.role, layer, comp).bytes(nbytes)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).view(shape)
+
+
+def rank_slice(t: torch.Tensor, pool: PoolSpec, rank: int, tp_size: int) -> torch.Tensor:
+    if pool.attention != "mha":
+        return t[:, :, 0, :].contiguous()
+    r = tp.heads_of(rank, tp_size, pool.total_heads)
+    return t[:, :, r.start:r.start + r.count, :].contiguous()
+
+
+def _components(pool: PoolSpec) -> tuple[str, ...]:
+    return ("k", "v") if pool.attention == "mha" else ("latent",)
+
+
+def build_pools(spec: Spec, pools: tuple[PoolSpec, ...], rank: int, tp_size: int, num_pages: int, side: str):
+    """The rank's pool objects and their tensors, filled with seeded bytes."""
+    out, tensors = [], {}
+    if side == "decode" and spec.decode_page_size:
+        spec = replace(spec, page_size=spec.decode_page_size)
+    for pool in pools:
+        bufs = {c: [rank_slice(global_buffer(spec, pool, l, c, num_pages, side), pool, rank, tp_size)
+                    for l in range(pool.num_layers)] for c in _components(pool)}
+        tensors[pool.role] = bufs
+        role = PoolRole(pool.role)
+        if pool.attention == "mha":
+            out.append(MHAPool(k=bufs["k"], v=bufs["v"], role=role, total_kv_heads=pool.total_heads))
+        else:
+            out.append(MLAPool(latent=bufs["latent"], role=role))
+    return out, tensors
+
+
+def room_plan(spec: Spec, room: int) -> tuple[np.ndarray, list[int]]:
+    """A room's prefill pages (in request order) and its chunk sizes."""
+    rng = _rng(spec.seed, "room", room)
+    tokens = int(rng.integers(spec.min_tokens, spec.max_tokens + 1))
+    n = -(-tokens // spec.page_size)
+    if spec.page_placement == "contiguous":
+        start = int(rng.integers(0, spec.prefill_pages - n + 1))
+        pages = np.arange(start, start + n)
+    else:
+        pages = rng.permutation(spec.prefill_pages)[:n]
+    step = spec.chunk_pages or n
+    chunks = [min(step, n - i) for i in range(0, n, step)]
+    return pages, chunks
+
+
+def aux_row(spec: Spec, room: int) -> bytes:
+    return _rng(spec.seed, "aux", room).bytes(spec.aux_slot_bytes)
+
+
+# --- the two roles ------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    role: str
+    tp_rank: int
+    rooms: int = 0
+    success: int = 0
+    failed: list = field(default_factory=list)
+    mismatches: list = field(default_factory=list)
+    bytes: int = 0
+    latencies_ms: list = field(default_factory=list)
+    elapsed_s: float = 0.0
+    descriptors: int = 0
+
+
+def _manager(spec: Spec, role: Role, rank: int, pools, aux) -> KVManager:
+    tp_size = spec.prefill_tp if role is Role.PREFILL else spec.decode_tp
+    cfg = ManagerConfig(role=role, bootstrap_addr=spec.bootstrap, node_id=spec.node_id, tp_rank=rank,
+                        tp_size=tp_size, engine=EngineConfig(protocol=spec.protocol),
+                        bootstrap_timeout_s=spec.timeout_s, transfer_timeout_s=spec.timeout_s,
+                        allow_missing_draft=spec.allow_missing_draft)
+    return KVManager(cfg, pools, aux=aux)
+
+
+def run_prefill(spec: Spec, rank: int) -> Result:
+    pools, _ = build_pools(spec, spec.prefill_pools, rank, spec.prefill_tp, spec.prefill_pages, "prefill")
+    aux = torch.zeros(spec.aux_slots, spec.aux_slot_bytes, dtype=torch.uint8)
+    res = Result("prefill", rank)
+    with _manager(spec, Role.PREFILL, rank, pools, aux) as mgr:
+        print("READY", flush=True)
+        rooms = list(range(spec.first_room, spec.first_room + spec.num_rooms))
+        live: dict[int, tuple[KVSender, list, int]] = {}
+        t0 = time.monotonic()
+        while rooms or live:
+            while rooms and len(live) < spec.concurrency:
+                room = rooms.pop(0)
+                slot = room % spec.aux_slots
+                aux[slot] = torch.frombuffer(bytearray(aux_row(spec, room)), dtype=torch.uint8)
+                live[room] = (KVSender(mgr, spec.bootstrap, room), None, slot)
+            for room, (sender, chunks, slot) in list(live.items()):
+                state = sender.poll()
+                if state is KVPoll.WaitingForInput and chunks is None:
+                    pages, sizes = room_plan(spec, room)
+                    sender.init(len(pages), slot)
+                    live[room] = (sender, [pages, sizes, 0], slot)
+                    chunks = live[room][1]
+                if chunks is not None and chunks[1] and state in (KVPoll.WaitingForInput, KVPoll.Transferring):
+                    pages, sizes, off = chunks
+                    n = sizes.pop(0)  # one chunk per poll round, like chunked prefill
+                    sender.send(pages[off:off + n], last=not sizes)
+                    chunks[2] = off + n
+                if state in (KVPoll.Success, KVPoll.Failed):
+                    res.rooms += 1
+                    if state is KVPoll.Success:
+                        res.success += 1
+                    else:
+                        res.failed.append([room, _why(sender)])
+                    del live[room]
+            time.sleep(0.0005)
+        res.elapsed_s = time.monotonic() - t0
+        res.descriptors = mgr.transport.num_descriptors
+        res.bytes = mgr.transport.num_bytes
+    return res
+
+
+def run_decode(spec: Spec, rank: int) -> Result:
+    pools, tensors = build_pools(spec, spec.decode_pools, rank, spec.decode_tp, spec.decode_pages, "decode")
+    aux = torch.zeros(spec.aux_slots, spec.aux_slot_bytes, dtype=torch.uint8)
+    expected = {p.role: {c: [rank_slice(global_buffer(spec, p, l, c, spec.prefill_pages, "prefill"), p, rank,
+                                        spec.decode_tp) for l in range(p.num_layers)] for c in _components(p)}
+                for p in spec.decode_pools if p.role in {q.role for q in spec.prefill_pools}}
+    rng = _rng(spec.seed, "decode-alloc", rank)
+    free = [int(x) for x in rng.permutation(spec.decode_pages)]
+    canaries = free[:4]  # never allocated: no transfer may touch them
+    free = free[4:]
+    canary_bytes = {(role, c, l): t[canaries].clone() for role, bufs in tensors.items()
+                    for c, ts in bufs.items() for l, t in enumerate(ts)}
+    res = Result("decode", rank)
+    with _manager(spec, Role.DECODE, rank, pools, aux) as mgr:
+        rooms = list(range(spec.first_room, spec.first_room + spec.num_rooms))
+        live: dict[int, tuple[KVReceiver, list[int], float, int]] = {}
+        t0 = time.monotonic()
+        while rooms or live:
+            while rooms and len(live) < spec.concurrency:
+                room = rooms[0]
+                n = len(room_plan(spec, room)[0])
+                if len(free) < n:
+                    break
+                rooms.pop(0)
+                dst = [free.pop() for _ in range(n)]
+                receiver = KVReceiver(mgr, spec.bootstrap, room, prefill_node=spec.node_id)
+                slot = (room * 7) % spec.aux_slots
+                receiver.init(dst, slot)
+                live[room] = (receiver, dst, time.monotonic(), slot)
+            for room, (receiver, dst, started, slot) in list(live.items()):
+                state = receiver.poll()
+                if state not in (KVPoll.Success, KVPoll.Failed):
+                    continue
+                res.rooms += 1
+                if state is KVPoll.Success:
+                    res.success += 1
+                    res.latencies_ms.append((time.monotonic() - started) * 1e3)
+                    res.bytes += _verify(spec, room, dst, slot, tensors, expected, aux, res.mismatches)
+                else:
+                    res.failed.append([room, _why(receiver)])
+                free.extend(dst)
+                del live[room]
+            time.sleep(0.0002)
+        res.elapsed_s = time.monotonic() - t0
+        for (role, c, l), before in canary_bytes.items():
+            if not torch.equal(tensors[role][c][l][canaries].view(torch.uint8), before.view(torch.uint8)):
+                res.mismatches.append(f"canary pages of {role} {c} layer {l} were overwritten")
+    return res
+
+
+def _verify(spec, room, dst, slot, tensors, expected, aux, mismatches) -> int:
+    src, _ = room_plan(spec, room)
+    checked = 0
+    for role, bufs in expected.items():
+        for c, ts in bufs.items():
+            for l, want in enumerate(ts):
+                got = tensors[role][c][l][dst]
+                if not torch.equal(got.view(torch.uint8), want[src].view(torch.uint8)):
+                    mismatches.append(f"room {room}: {role} {c} layer {l} differs")
+                checked += got.numel() * got.element_size()
+    if bytes(aux[slot].numpy()) != aux_row(spec, room):
+        mismatches.append(f"room {room}: aux row differs")
+    return checked
+
+
+def _why(obj) -> str:
+    try:
+        obj.failure_exception()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "unknown"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--role", choices=["prefill", "decode"], required=True)
+    ap.add_argument("--tp-rank", type=int, default=0)
+    ap.add_argument("--spec", required=True, help="the Spec as JSON")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format=f"[{args.role} {args.tp_rank}] %(name)s %(levelname)s %(message)s")
+    spec = Spec.from_json(args.spec)
+    run = run_prefill if args.role == "prefill" else run_decode
+    res = run(spec, args.tp_rank)
+    print("RESULT " + json.dumps(asdict(res)), flush=True)
+    ok = res.success == res.rooms == spec.num_rooms and not res.mismatches
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
