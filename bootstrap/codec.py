@@ -90,7 +90,7 @@ def decode(data: bytes) -> Any:
     if extra:
         raise ProtocolError(f"unexpected envelope keys {sorted(map(str, extra))}")
     version = envelope.get("v")
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(
             f"protocol version {version!r} is not supported (this side speaks {PROTOCOL_VERSION})",
             field="v",

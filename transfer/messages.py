@@ -55,6 +55,12 @@ class PoolAssignment:
     dst_head_offset: int
     num_heads: int
 
+    def __post_init__(self) -> None:
+        if self.src_head_offset < 0 or self.dst_head_offset < 0:
+            raise ValueError("head offsets must be >= 0")
+        if self.send and self.num_heads < 1:
+            raise ValueError("a pool that is sent needs num_heads >= 1")
+
 
 @message("transfer_request")
 @dataclass(frozen=True)

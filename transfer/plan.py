@@ -93,8 +93,10 @@ def plan_pool(src: PoolDescriptor, dst: PoolDescriptor, src_pages: np.ndarray, d
     if src.page_size != dst.page_size or src.itemsize != dst.itemsize or src.head_dim != dst.head_dim:
         raise ValueError(f"{src.role.value} pool: page size, item size and head dim must match")
     heads = src.num_kv_heads if num_heads is None else num_heads
-    if src_head_offset + heads > src.num_kv_heads or dst_head_offset + heads > dst.num_kv_heads:
-        raise ValueError(f"{src.role.value} pool: head slice outside the local heads")
+    if heads < 1 or src_head_offset < 0 or dst_head_offset < 0 \
+            or src_head_offset + heads > src.num_kv_heads or dst_head_offset + heads > dst.num_kv_heads:
+        raise ValueError(f"{src.role.value} pool: head slice of {heads} heads at {src_head_offset} -> "
+                         f"{dst_head_offset} is outside the local heads ({src.num_kv_heads} -> {dst.num_kv_heads})")
     runs = page_runs(src_pages, dst_pages)
     if runs.lengths.size == 0:
         return TransferPlan.empty()

@@ -225,9 +225,8 @@ def run_decode(spec: Spec, rank: int) -> Result:
                                         spec.decode_tp) for l in range(p.num_layers)] for c in _components(p)}
                 for p in spec.decode_pools if p.role in {q.role for q in spec.prefill_pools}}
     rng = _rng(spec.seed, "decode-alloc", rank)
-    free = [int(x) for x in rng.permutation(spec.decode_pages)]
-    canaries = free[:4]  # never allocated: no transfer may touch them
-    free = free[4:]
+    canaries = list(range(spec.decode_pages - 4, spec.decode_pages))  # never allocated nor touched
+    free = [int(x) for x in rng.permutation(spec.decode_pages - 4)]
     canary_bytes = {(role, c, l): t[canaries].clone() for role, bufs in tensors.items()
                     for c, ts in bufs.items() for l, t in enumerate(ts)}
     res = Result("decode", rank)
@@ -239,10 +238,12 @@ def run_decode(spec: Spec, rank: int) -> Result:
             while rooms and len(live) < spec.concurrency:
                 room = rooms[0]
                 n = len(room_plan(spec, room)[0])
-                if len(free) < n:
+                dst = _allocate(free, n, spec.page_placement == "contiguous")
+                if dst is None:
+                    if not live:
+                        raise RuntimeError(f"decode pool of {spec.decode_pages} pages cannot hold room {room}")
                     break
                 rooms.pop(0)
-                dst = [free.pop() for _ in range(n)]
                 receiver = KVReceiver(mgr, spec.bootstrap, room, prefill_node=spec.node_id)
                 slot = (room * 7) % spec.aux_slots
                 receiver.init(dst, slot)
@@ -266,6 +267,23 @@ def run_decode(spec: Spec, rank: int) -> Result:
             if not torch.equal(tensors[role][c][l][canaries].view(torch.uint8), before.view(torch.uint8)):
                 res.mismatches.append(f"canary pages of {role} {c} layer {l} were overwritten")
     return res
+
+
+def _allocate(free: list[int], n: int, contiguous: bool) -> list[int] | None:
+    """Take ``n`` pages off the free list: any (scattered) or a run of
+    consecutive page ids (contiguous), like a serving engine's allocator."""
+    if len(free) < n:
+        return None
+    if not contiguous:
+        return [free.pop() for _ in range(n)]
+    ordered = sorted(free)
+    for i in range(len(ordered) - n + 1):
+        if ordered[i + n - 1] - ordered[i] == n - 1:
+            run = ordered[i:i + n]
+            taken = set(run)
+            free[:] = [p for p in free if p not in taken]
+            return run
+    return None
 
 
 def _verify(spec, room, dst, slot, tensors, expected, aux, mismatches) -> int:

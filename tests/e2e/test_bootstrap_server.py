@@ -1,0 +1,92 @@
+"""The bootstrap server as a separate process: registration, not-ready
+lookups, and bad input that gets an error reply while the server goes on."""
+
+import msgpack
+import pytest
+import zmq
+
+from bootstrap import codec
+from bootstrap.client import BootstrapClient
+from bootstrap.errors import BootstrapError, BootstrapUnavailable
+from bootstrap.messages import (AttentionKind, BufferRef, Component, ErrorReply, Lookup, PoolDescriptor, PoolRole,
+                                RankInfo)
+
+pytestmark = pytest.mark.e2e
+
+
+def _rank(tp_rank: int, tp_size: int = 2, node: str = "p0") -> RankInfo:
+    pool = PoolDescriptor(role=PoolRole.TARGET, attention=AttentionKind.MHA, dtype="bfloat16", itemsize=2,
+                          page_size=16, num_pages=4, num_layers=1, num_kv_heads=4, total_kv_heads=8, head_dim=8,
+                          buffers=(BufferRef(layer=0, component=Component.K, addr=4096, nbytes=4 * 1024),
+                                   BufferRef(layer=0, component=Component.V, addr=8192, nbytes=4 * 1024)))
+    return RankInfo(node_id=node, dp_rank=0, dp_size=1, tp_rank=tp_rank, tp_size=tp_size,
+                    session=f"127.0.0.1:{1000 + tp_rank}", control_endpoint=f"tcp://127.0.0.1:{2000 + tp_rank}",
+                    pools=(pool,), aux=None)
+
+
+def _raw(address: str, frames: list[bytes], timeout_ms: int = 3000) -> list[bytes]:
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+    sock.connect(f"tcp://{address}")
+    try:
+        sock.send_multipart(frames)
+        return sock.recv_multipart()
+    finally:
+        sock.close()
+
+
+def test_lookup_not_ready_until_every_rank_registered(bootstrap_server):
+    with BootstrapClient(bootstrap_server.address, timeout_s=5) as client:
+        early = client.lookup("p0", 0)
+        assert not early.ready and early.num_registered == 0 and early.ranks == ()
+        assert client.register(_rank(1)).num_registered == 1
+        half = client.lookup("p0", 0)
+        assert not half.ready and half.num_registered == 1 and half.tp_size == 2
+        client.register(_rank(0))
+        full = client.lookup("p0", 0)
+        assert full.ready and [r.tp_rank for r in full.ranks] == [0, 1]
+        assert full.ranks[1] == _rank(1)
+
+
+@pytest.mark.parametrize("payload,expect", [
+    (b"\xc1\xff not msgpack", "not a msgpack message"),
+    (msgpack.packb([1, 2, 3]), "envelope must be a map"),
+    (msgpack.packb({"v": 99, "kind": "lookup", "body": {"node_id": "p0", "dp_rank": 0}}), "protocol version 99"),
+    (msgpack.packb({"v": codec.PROTOCOL_VERSION, "kind": "steal_kv", "body": {}}), "unknown message kind"),
+    (msgpack.packb({"v": codec.PROTOCOL_VERSION, "kind": "lookup", "body": {"node_id": "p0"}}), "missing field 'dp_rank'"),
+    (msgpack.packb({"v": codec.PROTOCOL_VERSION, "kind": "lookup", "body": {"node_id": "p0", "dp_rank": "0"}}),
+     "lookup.dp_rank: expected int, got str"),
+    (codec.encode(ErrorReply(code="x", message="y")), "does not serve 'error'"),
+])
+def test_malformed_request_gets_error_reply_and_server_keeps_serving(bootstrap_server, payload, expect):
+    reply = codec.decode(_raw(bootstrap_server.address, [payload])[-1])
+    assert isinstance(reply, ErrorReply) and reply.code == "protocol"
+    assert expect in reply.message, reply.message
+    with BootstrapClient(bootstrap_server.address, timeout_s=5) as client:
+        client.register(_rank(0, tp_size=1, node="after"))
+        assert client.lookup("after", 0).ready
+        assert client.ping().num_errors >= 1
+
+
+def test_conflicting_registration_is_refused_and_named(bootstrap_server):
+    with BootstrapClient(bootstrap_server.address, timeout_s=5) as client:
+        client.register(_rank(0, tp_size=2))
+        with pytest.raises(BootstrapError, match="tp_size 4 differs from 2") as info:
+            client.register(_rank(1, tp_size=4))
+        assert info.value.code == "conflict"
+        assert client.lookup("p0", 0).num_registered == 1
+
+
+def test_extra_frames_get_an_error_reply(bootstrap_server):
+    reply = codec.decode(_raw(bootstrap_server.address, [b"a", b"b", b"c"])[-1])
+    assert isinstance(reply, ErrorReply) and "expected 1 payload frame" in reply.message
+    with BootstrapClient(bootstrap_server.address, timeout_s=5) as client:
+        assert client.request(Lookup(node_id="x", dp_rank=0)).ready is False
+
+
+def test_unreachable_server_times_out_with_a_clear_error():
+    with BootstrapClient("127.0.0.1:1", timeout_s=0.3) as client:
+        with pytest.raises(BootstrapUnavailable, match="did not answer 'ping' within 0.3 s"):
+            client.ping()

@@ -1,0 +1,126 @@
+"""bootstrap.registry.Registry: grouping, readiness, conflicts."""
+
+from __future__ import annotations
+
+import pytest
+
+from bootstrap.messages import LookupReply, Registered
+from bootstrap.registry import Registry, RegistryConflict
+
+from ._fixtures import make_rank
+
+
+def test_unknown_node_is_not_ready_with_dp_size_zero():
+    reg = Registry()
+    reply = reg.lookup("nobody", 0)
+    assert isinstance(reply, LookupReply)
+    assert reply.ready is False and reply.dp_size == 0 and reply.tp_size == 0
+    assert reply.num_registered == 0 and reply.ranks == ()
+    assert reply.node_id == "nobody" and reply.dp_rank == 0
+    assert reg.num_nodes == 0
+
+
+def test_progress_then_ready_ordered_by_tp_rank():
+    reg = Registry()
+    order = [2, 0, 3, 1]
+    for i, r in enumerate(order):
+        got = reg.register(make_rank(tp_rank=r, tp_size=4))
+        assert isinstance(got, Registered)
+        assert got.num_registered == i + 1 and got.tp_size == 4 and got.node_id == "prefill-0"
+        reply = reg.lookup("prefill-0", 0)
+        if i < 3:
+            assert reply.ready is False
+            assert reply.ranks == ()
+            assert reply.num_registered == i + 1
+            assert reply.tp_size == 4 and reply.dp_size == 1
+    assert reply.ready is True
+    assert reply.num_registered == 4
+    assert [r.tp_rank for r in reply.ranks] == [0, 1, 2, 3]
+    assert reply.ranks[2] == make_rank(tp_rank=2, tp_size=4)
+    assert reg.num_nodes == 1
+
+
+def test_reregister_replaces():
+    reg = Registry()
+    reg.register(make_rank(tp_rank=0, tp_size=2))
+    reg.register(make_rank(tp_rank=1, tp_size=2))
+    restarted = make_rank(tp_rank=1, tp_size=2, session="10.9.9.9:1", control_endpoint="tcp://10.9.9.9:2")
+    got = reg.register(restarted)
+    assert got.num_registered == 2  # replaced, not added
+    reply = reg.lookup("prefill-0", 0)
+    assert reply.ready and reply.ranks[1] == restarted and reply.ranks[1].session == "10.9.9.9:1"
+
+
+def test_reregister_before_ready_does_not_count_twice():
+    reg = Registry()
+    reg.register(make_rank(tp_rank=0, tp_size=2))
+    assert reg.register(make_rank(tp_rank=0, tp_size=2, session="again")).num_registered == 1
+    assert reg.lookup("prefill-0", 0).ready is False
+
+
+def test_conflicting_tp_size():
+    reg = Registry()
+    reg.register(make_rank(tp_rank=0, tp_size=4))
+    with pytest.raises(RegistryConflict, match="tp_size 2 differs from 4"):
+        reg.register(make_rank(tp_rank=1, tp_size=2))
+    # nothing changed
+    reply = reg.lookup("prefill-0", 0)
+    assert reply.tp_size == 4 and reply.num_registered == 1
+
+
+def test_lone_rank_may_restart_with_another_tp_size():
+    reg = Registry()
+    reg.register(make_rank(tp_rank=0, tp_size=4))
+    got = reg.register(make_rank(tp_rank=0, tp_size=2))
+    assert got.tp_size == 2 and got.num_registered == 1
+
+
+def test_conflicting_dp_size():
+    reg = Registry()
+    reg.register(make_rank(dp_rank=0, dp_size=2))
+    with pytest.raises(RegistryConflict, match="dp_size 3 differs from 2"):
+        reg.register(make_rank(dp_rank=1, dp_size=3))
+    with pytest.raises(RegistryConflict):
+        reg.register(make_rank(dp_rank=0, dp_size=1))
+    assert reg.lookup("prefill-0", 1).num_registered == 0
+
+
+def test_registry_conflict_is_value_error():
+    assert issubclass(RegistryConflict, ValueError)
+
+
+def test_dp_groups_are_independent():
+    reg = Registry()
+    reg.register(make_rank(dp_rank=0, dp_size=2, tp_rank=0, tp_size=1))
+    reg.register(make_rank(dp_rank=1, dp_size=2, tp_rank=0, tp_size=2))
+    r0, r1 = reg.lookup("prefill-0", 0), reg.lookup("prefill-0", 1)
+    assert r0.ready and r0.tp_size == 1 and r0.ranks[0].dp_rank == 0
+    assert not r1.ready and r1.tp_size == 2 and r1.num_registered == 1
+    assert r0.dp_size == r1.dp_size == 2
+    reg.register(make_rank(dp_rank=1, dp_size=2, tp_rank=1, tp_size=2))
+    r1 = reg.lookup("prefill-0", 1)
+    assert r1.ready and [(r.dp_rank, r.tp_rank) for r in r1.ranks] == [(1, 0), (1, 1)]
+    assert reg.lookup("prefill-0", 0).ranks == r0.ranks
+
+
+def test_known_node_unregistered_dp_group_not_ready():
+    reg = Registry()
+    reg.register(make_rank(dp_rank=0, dp_size=2))
+    reply = reg.lookup("prefill-0", 1)
+    assert reply.ready is False and reply.dp_size == 2 and reply.num_registered == 0 and reply.ranks == ()
+
+
+def test_lookup_dp_rank_beyond_dp_size_raises():
+    reg = Registry()
+    reg.register(make_rank(dp_rank=0, dp_size=2))
+    with pytest.raises(RegistryConflict, match="no dp rank 2"):
+        reg.lookup("prefill-0", 2)
+
+
+def test_nodes_are_independent():
+    reg = Registry()
+    reg.register(make_rank(node_id="a", tp_size=1))
+    reg.register(make_rank(node_id="b", tp_rank=0, tp_size=2, dp_size=3))
+    assert reg.num_nodes == 2
+    assert reg.lookup("a", 0).ready
+    assert not reg.lookup("b", 0).ready and reg.lookup("b", 0).dp_size == 3
