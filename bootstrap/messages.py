@@ -38,6 +38,16 @@ class AttentionKind(str, enum.Enum):
     MLA = "mla"
 
 
+class PageLayout(str, enum.Enum):
+    """Order within one page of an MHA buffer. NHD: ``[page_size, heads,
+    head_dim]`` (token-major, the common one). HND: ``[heads, page_size,
+    head_dim]`` (head-major): a head slice of a page is one contiguous block,
+    so heterogeneous TP moves one descriptor per page instead of one per token."""
+
+    NHD = "nhd"
+    HND = "hnd"
+
+
 class Component(str, enum.Enum):
     K = "k"
     V = "v"
@@ -77,9 +87,9 @@ class PoolDescriptor:
 
     Every buffer holds ``num_pages`` pages, page-major. An MHA page of one
     buffer is ``page_size`` tokens x ``num_kv_heads`` heads (the heads this rank
-    holds, out of ``total_kv_heads``) x ``head_dim`` elements, token-major
-    within the page. An MLA page is ``page_size`` x ``head_dim`` elements (the
-    latent width, ``kv_lora_rank + rope_dim``), with ``num_kv_heads`` 1.
+    holds, out of ``total_kv_heads``) x ``head_dim`` elements, ordered as
+    ``page_layout`` says. An MLA page is ``page_size`` x ``head_dim`` elements
+    (the latent width, ``kv_lora_rank + rope_dim``), with ``num_kv_heads`` 1.
     """
 
     role: PoolRole
@@ -92,6 +102,7 @@ class PoolDescriptor:
     num_kv_heads: int
     total_kv_heads: int
     head_dim: int
+    page_layout: PageLayout
     buffers: tuple[BufferRef, ...]
 
     def __post_init__(self) -> None:
@@ -117,6 +128,7 @@ class PoolDescriptor:
             )
         if self.attention is AttentionKind.MLA:
             _require(self.num_kv_heads == 1 and self.total_kv_heads == 1, "an MLA pool has one latent head")
+            _require(self.page_layout is PageLayout.NHD, "an MLA pool has the nhd page layout")
 
     @property
     def token_bytes(self) -> int:

@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import hashlib
 
-from bootstrap.messages import AttentionKind, PoolDescriptor, PoolRole, RankInfo
+import enum
+
+from bootstrap.messages import PoolDescriptor, PoolRole, RankInfo
 from transfer import tp
 from transfer.errors import IncompatibleLayoutError
 
-_POOL_FIELDS = ("attention", "dtype", "itemsize", "page_size", "num_layers", "total_kv_heads", "head_dim")
+_POOL_FIELDS = ("attention", "dtype", "itemsize", "page_size", "num_layers", "total_kv_heads", "head_dim",
+                "page_layout")
 
 
 def _value(pool: PoolDescriptor, name: str):
     v = getattr(pool, name)
-    return v.value if isinstance(v, AttentionKind) else v
+    return v.value if isinstance(v, enum.Enum) else v
 
 
 def check_compatible(local: RankInfo, remote: RankInfo, *, allow_missing_draft: bool = False,
@@ -52,7 +55,7 @@ def check_compatible(local: RankInfo, remote: RankInfo, *, allow_missing_draft: 
         for name in _POOL_FIELDS:
             if _value(p, name) != _value(d, name):
                 mismatch(f"{role.value}.{name}", _value(p, name), _value(d, name))
-        if p.attention is AttentionKind.MHA:
+        if p.attention.value == "mha":
             for side, pool, size in (("prefill", p, prefill.tp_size), ("decode", d, decode.tp_size)):
                 try:
                     expect = tp.heads_of(0, size, pool.total_kv_heads).count

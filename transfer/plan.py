@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bootstrap.messages import AuxDescriptor, PoolDescriptor, components_of
+from bootstrap.messages import AuxDescriptor, PageLayout, PoolDescriptor, components_of
 
 _U64 = np.uint64
 
@@ -101,12 +101,23 @@ def plan_pool(src: PoolDescriptor, dst: PoolDescriptor, src_pages: np.ndarray, d
     if runs.lengths.size == 0:
         return TransferPlan.empty()
     whole_pages = heads == src.num_kv_heads == dst.num_kv_heads
+    if src.page_layout is not dst.page_layout:
+        raise ValueError(f"{src.role.value} pool: page layouts differ")
     if whole_pages:
         src_off = runs.src_starts * src.page_bytes
         dst_off = runs.dst_starts * dst.page_bytes
         lengths = runs.lengths * src.page_bytes
+    elif src.page_layout is PageLayout.HND:
+        # Head-major pages: a head slice of a page is one block of
+        # heads x page_size x head_dim; consecutive pages are separated by the
+        # other heads, so one descriptor per page.
+        src_p, dst_p = _expand_runs(runs)
+        head_block = src.page_size * src.head_dim * src.itemsize
+        src_off = src_p * src.page_bytes + src_head_offset * head_block
+        dst_off = dst_p * dst.page_bytes + dst_head_offset * head_block
+        lengths = np.full(src_p.size, heads * head_block, dtype=np.int64)
     else:
-        # One descriptor per token: head slices of a token-major page are strided.
+        # Token-major pages: a head slice is strided, one descriptor per token.
         tokens = runs.lengths * src.page_size
         first = np.repeat(np.cumsum(tokens) - tokens, tokens)
         tok = np.arange(int(tokens.sum())) - first
@@ -130,6 +141,13 @@ def plan_pool(src: PoolDescriptor, dst: PoolDescriptor, src_pages: np.ndarray, d
         np.broadcast_to(lengths.astype(_U64), (n, lengths.size)).ravel().copy(),
     )
     return coalesce(plan)
+
+
+def _expand_runs(runs: PageRuns) -> tuple[np.ndarray, np.ndarray]:
+    """Every page of the runs, source and destination ids."""
+    first = np.repeat(np.cumsum(runs.lengths) - runs.lengths, runs.lengths)
+    step = np.arange(int(runs.lengths.sum())) - first
+    return np.repeat(runs.src_starts, runs.lengths) + step, np.repeat(runs.dst_starts, runs.lengths) + step
 
 
 def plan_aux(src: AuxDescriptor, dst: AuxDescriptor, src_slot: int, dst_slot: int) -> TransferPlan:

@@ -3,7 +3,9 @@
 Tensors may be CPU or CUDA; only ``data_ptr()``, shape, dtype and strides are
 read, and no KV byte is copied. Shapes:
 
-- MHA: per layer a K and a V tensor ``[num_pages, page_size, num_kv_heads, head_dim]``;
+- MHA: per layer a K and a V tensor ``[num_pages, page_size, num_kv_heads, head_dim]``
+  (``layout="nhd"``, the default) or ``[num_pages, num_kv_heads, page_size, head_dim]``
+  (``layout="hnd"``, head-major pages: cheaper heterogeneous TP);
 - MLA: per layer one latent tensor ``[num_pages, page_size, latent_dim]``
   (``kv_lora_rank + rope_dim``), or ``[num_pages, page_size, 1, latent_dim]``;
 - aux: ``[num_slots, ...]``, one row per request slot.
@@ -14,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from bootstrap.messages import AttentionKind, AuxDescriptor, BufferRef, Component, PoolDescriptor, PoolRole
+from bootstrap.messages import (AttentionKind, AuxDescriptor, BufferRef, Component, PageLayout, PoolDescriptor,
+                                PoolRole)
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,7 @@ class MHAPool:
     v: Sequence[Any]
     role: PoolRole = PoolRole.TARGET
     total_kv_heads: int | None = None
+    layout: str = "nhd"
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,11 @@ def describe_pool(pool: MHAPool | MLAPool) -> PoolDescriptor:
         first = pool.k[0]
         if first.dim() != 4:
             raise ValueError(f"{pool.role.value} pool: MHA tensors are [num_pages, page_size, heads, head_dim]")
-        num_pages, page_size, heads, head_dim = first.shape
+        page_layout = PageLayout(pool.layout)
+        if page_layout is PageLayout.NHD:
+            num_pages, page_size, heads, head_dim = first.shape
+        else:
+            num_pages, heads, page_size, head_dim = first.shape
         parts = [(Component.K, pool.k), (Component.V, pool.v)]
         attention, total = AttentionKind.MHA, pool.total_kv_heads or heads
     else:
@@ -68,7 +76,7 @@ def describe_pool(pool: MHAPool | MLAPool) -> PoolDescriptor:
             num_pages, page_size, head_dim = first.shape
         else:
             raise ValueError(f"{pool.role.value} pool: MLA tensors are [num_pages, page_size, latent_dim]")
-        heads, total = 1, 1
+        heads, total, page_layout = 1, 1, PageLayout.NHD
         parts = [(Component.LATENT, pool.latent)]
         attention = AttentionKind.MLA
     dtype = _dtype_name(first)
@@ -81,7 +89,8 @@ def describe_pool(pool: MHAPool | MLAPool) -> PoolDescriptor:
     return PoolDescriptor(
         role=pool.role, attention=attention, dtype=dtype, itemsize=first.element_size(),
         page_size=int(page_size), num_pages=int(num_pages), num_layers=len(parts[0][1]),
-        num_kv_heads=int(heads), total_kv_heads=int(total), head_dim=int(head_dim), buffers=tuple(buffers),
+        num_kv_heads=int(heads), total_kv_heads=int(total), head_dim=int(head_dim), page_layout=page_layout,
+        buffers=tuple(buffers),
     )
 
 

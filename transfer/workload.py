@@ -44,6 +44,7 @@ class PoolSpec:
     total_heads: int = 8  # KV heads of the model (1 for MLA)
     head_dim: int = 128  # MLA: kv_lora_rank + rope_dim
     dtype: str = "bfloat16"
+    page_layout: str = "nhd"  # MHA only: "nhd" token-major or "hnd" head-major pages
 
 
 @dataclass(frozen=True)
@@ -105,10 +106,12 @@ def global_buffer(spec: Spec, pool: PoolSpec, layer: int, comp: str, num_pages: 
 
 
 def rank_slice(t: torch.Tensor, pool: PoolSpec, rank: int, tp_size: int) -> torch.Tensor:
+    """The heads a TP rank holds, in the pool's page layout."""
     if pool.attention != "mha":
         return t[:, :, 0, :].contiguous()
     r = tp.heads_of(rank, tp_size, pool.total_heads)
-    return t[:, :, r.start:r.start + r.count, :].contiguous()
+    part = t[:, :, r.start:r.start + r.count, :]
+    return (part.permute(0, 2, 1, 3) if pool.page_layout == "hnd" else part).contiguous()
 
 
 def _components(pool: PoolSpec) -> tuple[str, ...]:
@@ -126,7 +129,8 @@ def build_pools(spec: Spec, pools: tuple[PoolSpec, ...], rank: int, tp_size: int
         tensors[pool.role] = bufs
         role = PoolRole(pool.role)
         if pool.attention == "mha":
-            out.append(MHAPool(k=bufs["k"], v=bufs["v"], role=role, total_kv_heads=pool.total_heads))
+            out.append(MHAPool(k=bufs["k"], v=bufs["v"], role=role, total_kv_heads=pool.total_heads,
+                               layout=pool.page_layout))
         else:
             out.append(MLAPool(latent=bufs["latent"], role=role))
     return out, tensors

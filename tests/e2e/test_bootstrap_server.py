@@ -8,8 +8,8 @@ import zmq
 from bootstrap import codec
 from bootstrap.client import BootstrapClient
 from bootstrap.errors import BootstrapError, BootstrapUnavailable
-from bootstrap.messages import (AttentionKind, BufferRef, Component, ErrorReply, Lookup, PoolDescriptor, PoolRole,
-                                RankInfo)
+from bootstrap.messages import (AttentionKind, BufferRef, Component, ErrorReply, Lookup, PageLayout, PoolDescriptor,
+                                PoolRole, RankInfo)
 
 pytestmark = pytest.mark.e2e
 
@@ -17,6 +17,7 @@ pytestmark = pytest.mark.e2e
 def _rank(tp_rank: int, tp_size: int = 2, node: str = "p0") -> RankInfo:
     pool = PoolDescriptor(role=PoolRole.TARGET, attention=AttentionKind.MHA, dtype="bfloat16", itemsize=2,
                           page_size=16, num_pages=4, num_layers=1, num_kv_heads=4, total_kv_heads=8, head_dim=8,
+                          page_layout=PageLayout.NHD,
                           buffers=(BufferRef(layer=0, component=Component.K, addr=4096, nbytes=4 * 1024),
                                    BufferRef(layer=0, component=Component.V, addr=8192, nbytes=4 * 1024)))
     return RankInfo(node_id=node, dp_rank=0, dp_size=1, tp_rank=tp_rank, tp_size=tp_size,

@@ -10,6 +10,7 @@ from bootstrap.messages import (
     AuxDescriptor,
     BufferRef,
     Component,
+    PageLayout,
     PoolDescriptor,
     PoolRole,
     RankInfo,
@@ -35,6 +36,7 @@ def make_pool(
     num_kv_heads: int = 4,
     total_kv_heads: int | None = None,
     head_dim: int = 128,
+    page_layout: PageLayout = PageLayout.NHD,
     base: int = DEFAULT_BASE,
     gaps: Sequence[int] | int = 4096,
     memory_order: Sequence[int] | None = None,
@@ -74,7 +76,7 @@ def make_pool(
     return PoolDescriptor(
         role=role, attention=attention, dtype=dtype, itemsize=itemsize, page_size=page_size,
         num_pages=num_pages, num_layers=num_layers, num_kv_heads=num_kv_heads,
-        total_kv_heads=total_kv_heads, head_dim=head_dim, buffers=tuple(refs),
+        total_kv_heads=total_kv_heads, head_dim=head_dim, page_layout=page_layout, buffers=tuple(refs),
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bootstrap.messages import AttentionKind, PoolRole
+from bootstrap.messages import AttentionKind, PageLayout, PoolRole
 from transfer.errors import IncompatibleLayoutError, KVFerryError
 from transfer.layout import check_compatible, layout_fingerprint
 
@@ -75,6 +75,7 @@ def test_addresses_and_num_pages_may_differ():
          {"num_kv_heads": 4, "total_kv_heads": 4}, 8, 4),
         ("target.attention", {}, {"attention": AttentionKind.MLA, "head_dim": 576}, "mha", "mla"),
         ("draft.page_size", {"draft": dict(page_size=16)}, {"draft": dict(page_size=64)}, 16, 64),
+        ("target.page_layout", {}, {"page_layout": PageLayout.HND}, "nhd", "hnd"),
     ],
 )
 def test_field_mismatch(field, p_kw, d_kw, local, remote):

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bootstrap.messages import AttentionKind, AuxDescriptor, Component, PoolRole, components_of
+from bootstrap.messages import AttentionKind, AuxDescriptor, Component, PageLayout, PoolRole, components_of
 from transfer.plan import PageRuns, TransferPlan, check_pages, coalesce, page_runs, plan_aux, plan_pool
 
 from ._fixtures import make_aux, make_pool
@@ -42,11 +42,15 @@ class FlatMemory:
         return s
 
     def view(self, buf, pool) -> np.ndarray:
-        """A buffer as [pages, page_size, heads, head_bytes] (a view into data)."""
+        """A buffer as [pages, page_size, heads, head_bytes] (a view into data,
+        whatever the page layout in memory)."""
         o = buf.addr - self.lo
         n = pool.num_pages * pool.page_bytes
-        return self.data[o:o + n].reshape(pool.num_pages, pool.page_size, pool.num_kv_heads,
-                                          pool.head_dim * pool.itemsize)
+        flat = self.data[o:o + n]
+        hb = pool.head_dim * pool.itemsize
+        if pool.page_layout is PageLayout.HND:
+            return flat.reshape(pool.num_pages, pool.num_kv_heads, pool.page_size, hb).transpose(0, 2, 1, 3)
+        return flat.reshape(pool.num_pages, pool.page_size, pool.num_kv_heads, hb)
 
 
 def execute(plan: TransferPlan, src_pool, dst_pool) -> np.ndarray:
@@ -116,7 +120,8 @@ def page_pairs(draw, n_src: int, n_dst: int):
 
 
 @st.composite
-def pool_layout(draw, *, num_layers, page_size, heads, head_dim, itemsize, base, attention=AttentionKind.MHA):
+def pool_layout(draw, *, num_layers, page_size, heads, head_dim, itemsize, base, attention=AttentionKind.MHA,
+                page_layout=PageLayout.NHD):
     num_pages = draw(st.integers(1, 10))
     n = num_layers * len(components_of(attention))
     pb = page_size * heads * head_dim * itemsize
@@ -125,7 +130,7 @@ def pool_layout(draw, *, num_layers, page_size, heads, head_dim, itemsize, base,
         attention=attention, num_layers=num_layers, page_size=page_size, num_kv_heads=heads, head_dim=head_dim,
         itemsize=itemsize, num_pages=num_pages, base=base, gaps=gaps,
         memory_order=draw(st.permutations(range(n))), tuple_order=draw(st.permutations(range(n))),
-        dtype={1: "uint8", 2: "bfloat16", 4: "float32"}[itemsize],
+        dtype={1: "uint8", 2: "bfloat16", 4: "float32"}[itemsize], page_layout=page_layout,
     )
 
 
@@ -137,8 +142,9 @@ def whole_page_case(draw):
     heads = 1 if attention is AttentionKind.MLA else draw(st.integers(1, 4))
     head_dim = draw(st.integers(1, 5))
     itemsize = draw(st.sampled_from([1, 2, 4]))
+    page_layout = PageLayout.NHD if attention is AttentionKind.MLA else draw(st.sampled_from(list(PageLayout)))
     kw = dict(num_layers=num_layers, page_size=page_size, heads=heads, head_dim=head_dim, itemsize=itemsize,
-              attention=attention)
+              attention=attention, page_layout=page_layout)
     src = draw(pool_layout(base=SRC_BASE, **kw))
     dst = draw(pool_layout(base=DST_BASE, **kw))
     sp, dp = draw(page_pairs(src.num_pages, dst.num_pages))
@@ -156,7 +162,8 @@ def head_slice_case(draw):
     nh = draw(st.integers(1, min(src_heads, dst_heads)))
     soff = draw(st.integers(0, src_heads - nh))
     doff = draw(st.integers(0, dst_heads - nh))
-    kw = dict(num_layers=num_layers, page_size=page_size, head_dim=head_dim, itemsize=itemsize)
+    kw = dict(num_layers=num_layers, page_size=page_size, head_dim=head_dim, itemsize=itemsize,
+              page_layout=draw(st.sampled_from(list(PageLayout))))
     src = draw(pool_layout(base=SRC_BASE, heads=src_heads, **kw))
     dst = draw(pool_layout(base=DST_BASE, heads=dst_heads, **kw))
     sp, dp = draw(page_pairs(src.num_pages, dst.num_pages))
@@ -193,6 +200,9 @@ def test_head_slice_plan_moves_exactly_the_slice(case):
     assert plan.total_bytes == len(sp) * src.page_size * nh * src.head_dim * src.itemsize * len(src.buffers)
     assert_no_dst_overlap(plan)
     assert_coalesced(plan)
+    if src.page_layout is PageLayout.HND:
+        # head-major pages: a head slice never costs more than one descriptor per page and buffer
+        assert plan.num_descriptors <= len(sp) * len(src.buffers)
 
 
 @settings(max_examples=150, deadline=None)
