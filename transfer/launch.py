@@ -72,15 +72,17 @@ class RankRun:
     log: str
 
 
-def start_rank(spec: Spec, role: str, rank: int) -> tuple[subprocess.Popen, tempfile.TemporaryFile]:
+def start_ranks(spec: Spec, role: str, args: list[str]) -> tuple[subprocess.Popen, tempfile.TemporaryFile]:
     out = tempfile.TemporaryFile(mode="w+")
-    proc = subprocess.Popen([sys.executable, "-m", "transfer.workload", "--role", role, "--tp-rank", str(rank),
+    proc = subprocess.Popen([sys.executable, "-m", "transfer.workload", "--role", role, *args,
                              "--spec", spec.to_json()], stdout=out, stderr=subprocess.STDOUT, text=True,
                             env=child_env())
     return proc, out
 
 
-def finish_rank(proc, out, role: str, rank: int, deadline: float) -> RankRun:
+def finish_ranks(proc, out, role: str, deadline: float) -> list[RankRun]:
+    """One RankRun per RESULT line the process printed (one per rank it ran);
+    a single one without a result if it printed none."""
     try:
         proc.wait(max(0.1, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
@@ -89,26 +91,34 @@ def finish_rank(proc, out, role: str, rank: int, deadline: float) -> RankRun:
     out.seek(0)
     log = out.read()
     out.close()
-    result = None
-    for line in log.splitlines():
-        if line.startswith("RESULT "):
-            result = json.loads(line[len("RESULT "):])
-    return RankRun(role, rank, proc.returncode, result, log)
+    results = [json.loads(line[len("RESULT "):]) for line in log.splitlines() if line.startswith("RESULT ")]
+    if not results:
+        return [RankRun(role, -1, proc.returncode, None, log)]
+    return [RankRun(role, r["tp_rank"], proc.returncode, r, log) for r in results]
 
 
-def run_pd(spec: Spec, *, timeout_s: float = 300.0, bootstrap: str | None = None) -> list[RankRun]:
+def run_pd(spec: Spec, *, timeout_s: float = 300.0, bootstrap: str | None = None,
+           rank_processes: bool = True) -> list[RankRun]:
     """Run every prefill and decode rank of ``spec`` to completion (or kill
-    them at ``timeout_s``); starts a bootstrap server unless given one."""
+    them at ``timeout_s``); starts a bootstrap server unless given one.
+
+    ``rank_processes``: one process per rank, as in production; otherwise one
+    process per role running its ranks as threads (cheaper on small machines;
+    prefill and decode are separate processes either way)."""
     owned = None
     if bootstrap is None:
         owned = BootstrapProcess()
         bootstrap = owned.address
     spec = replace(spec, bootstrap=bootstrap)
     try:
-        procs = [("prefill", r, *start_rank(spec, "prefill", r)) for r in range(spec.prefill_tp)]
-        procs += [("decode", r, *start_rank(spec, "decode", r)) for r in range(spec.decode_tp)]
+        if rank_processes:
+            procs = [("prefill", *start_ranks(spec, "prefill", ["--tp-rank", str(t), "--dp-rank", str(d)]))
+                     for d in range(spec.prefill_dp) for t in range(spec.prefill_tp)]
+            procs += [("decode", *start_ranks(spec, "decode", ["--tp-rank", str(t)])) for t in range(spec.decode_tp)]
+        else:
+            procs = [(role, *start_ranks(spec, role, ["--all-ranks"])) for role in ("prefill", "decode")]
         deadline = time.monotonic() + timeout_s
-        return [finish_rank(p, out, role, r, deadline) for role, r, p, out in procs]
+        return [run for role, p, out in procs for run in finish_ranks(p, out, role, deadline)]
     finally:
         if owned is not None:
             owned.close()

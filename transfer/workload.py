@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 
@@ -72,6 +74,10 @@ class Spec:
     allow_missing_draft: bool = False
     first_room: int = 1000
     decode_page_size: int = 0  # 0: the same as page_size (others test a mismatch)
+    prefill_dp: int = 1  # DP groups of the prefill node, each with prefill_tp ranks
+    dp_routing: str = "auto"  # "auto": decode leaves it to room % dp_size; "explicit": names the group
+    slow_prefill_rank: int = -1  # this prefill TP rank holds each room's last chunk back...
+    slow_delay_s: float = 0.0  # ...for this long (decode must wait for it)
 
     @staticmethod
     def from_json(text: str) -> "Spec":
@@ -136,6 +142,16 @@ def build_pools(spec: Spec, pools: tuple[PoolSpec, ...], rank: int, tp_size: int
     return out, tensors
 
 
+def dp_group(spec: Spec, room: int) -> int:
+    """The prefill DP group that serves a room."""
+    return room % spec.prefill_dp
+
+
+def prefill_side(dp_rank: int) -> str:
+    """The seed name of a prefill DP group's pool content."""
+    return f"prefill-dp{dp_rank}"
+
+
 def room_plan(spec: Spec, room: int) -> tuple[np.ndarray, list[int]]:
     """A room's prefill pages (in request order) and its chunk sizes."""
     rng = _rng(spec.seed, "room", room)
@@ -162,6 +178,7 @@ def aux_row(spec: Spec, room: int) -> bytes:
 class Result:
     role: str
     tp_rank: int
+    dp_rank: int = 0
     rooms: int = 0
     success: int = 0
     failed: list = field(default_factory=list)
@@ -172,23 +189,30 @@ class Result:
     descriptors: int = 0
 
 
-def _manager(spec: Spec, role: Role, rank: int, pools, aux) -> KVManager:
-    tp_size = spec.prefill_tp if role is Role.PREFILL else spec.decode_tp
+def _manager(spec: Spec, role: Role, rank: int, dp_rank: int, pools, aux) -> KVManager:
+    prefill = role is Role.PREFILL
     cfg = ManagerConfig(role=role, bootstrap_addr=spec.bootstrap, node_id=spec.node_id, tp_rank=rank,
-                        tp_size=tp_size, engine=EngineConfig(protocol=spec.protocol),
+                        tp_size=spec.prefill_tp if prefill else spec.decode_tp,
+                        dp_rank=dp_rank if prefill else 0, dp_size=spec.prefill_dp if prefill else 1,
+                        engine=EngineConfig(protocol=spec.protocol),
                         bootstrap_timeout_s=spec.timeout_s, transfer_timeout_s=spec.timeout_s,
                         allow_missing_draft=spec.allow_missing_draft)
     return KVManager(cfg, pools, aux=aux)
 
 
-def run_prefill(spec: Spec, rank: int) -> Result:
-    pools, _ = build_pools(spec, spec.prefill_pools, rank, spec.prefill_tp, spec.prefill_pages, "prefill")
+def _rooms(spec: Spec) -> list[int]:
+    return list(range(spec.first_room, spec.first_room + spec.num_rooms))
+
+
+def run_prefill(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
+    pools, _ = build_pools(spec, spec.prefill_pools, rank, spec.prefill_tp, spec.prefill_pages,
+                           prefill_side(dp_rank))
     aux = torch.zeros(spec.aux_slots, spec.aux_slot_bytes, dtype=torch.uint8)
-    res = Result("prefill", rank)
-    with _manager(spec, Role.PREFILL, rank, pools, aux) as mgr:
-        print("READY", flush=True)
-        rooms = list(range(spec.first_room, spec.first_room + spec.num_rooms))
-        live: dict[int, tuple[KVSender, list, int]] = {}
+    res = Result("prefill", rank, dp_rank)
+    slow = rank == spec.slow_prefill_rank
+    with _manager(spec, Role.PREFILL, rank, dp_rank, pools, aux) as mgr:
+        rooms = [r for r in _rooms(spec) if dp_group(spec, r) == dp_rank]
+        live: dict[int, tuple[KVSender, list | None, int]] = {}
         t0 = time.monotonic()
         while rooms or live:
             while rooms and len(live) < spec.concurrency:
@@ -201,13 +225,14 @@ def run_prefill(spec: Spec, rank: int) -> Result:
                 if state is KVPoll.WaitingForInput and chunks is None:
                     pages, sizes = room_plan(spec, room)
                     sender.init(len(pages), slot)
-                    live[room] = (sender, [pages, sizes, 0], slot)
-                    chunks = live[room][1]
+                    chunks = [pages, sizes, 0, time.monotonic()]
+                    live[room] = (sender, chunks, slot)
                 if chunks is not None and chunks[1] and state in (KVPoll.WaitingForInput, KVPoll.Transferring):
-                    pages, sizes, off = chunks
-                    n = sizes.pop(0)  # one chunk per poll round, like chunked prefill
-                    sender.send(pages[off:off + n], last=not sizes)
-                    chunks[2] = off + n
+                    pages, sizes, off, ready_at = chunks
+                    if not (slow and len(sizes) == 1 and time.monotonic() - ready_at < spec.slow_delay_s):
+                        n = sizes.pop(0)  # one chunk per poll round, like chunked prefill
+                        sender.send(pages[off:off + n], last=not sizes)
+                        chunks[2] = off + n
                 if state in (KVPoll.Success, KVPoll.Failed):
                     res.rooms += 1
                     if state is KVPoll.Success:
@@ -222,20 +247,23 @@ def run_prefill(spec: Spec, rank: int) -> Result:
     return res
 
 
-def run_decode(spec: Spec, rank: int) -> Result:
+def run_decode(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
     pools, tensors = build_pools(spec, spec.decode_pools, rank, spec.decode_tp, spec.decode_pages, "decode")
     aux = torch.zeros(spec.aux_slots, spec.aux_slot_bytes, dtype=torch.uint8)
-    expected = {p.role: {c: [rank_slice(global_buffer(spec, p, l, c, spec.prefill_pages, "prefill"), p, rank,
-                                        spec.decode_tp) for l in range(p.num_layers)] for c in _components(p)}
-                for p in spec.decode_pools if p.role in {q.role for q in spec.prefill_pools}}
+    prefill_roles = {q.role for q in spec.prefill_pools}
+    expected = [{p.role: {c: [rank_slice(global_buffer(spec, p, l, c, spec.prefill_pages, prefill_side(g)), p,
+                                         rank, spec.decode_tp) for l in range(p.num_layers)]
+                          for c in _components(p)}
+                 for p in spec.decode_pools if p.role in prefill_roles}
+                for g in range(spec.prefill_dp)]
     rng = _rng(spec.seed, "decode-alloc", rank)
     canaries = list(range(spec.decode_pages - 4, spec.decode_pages))  # never allocated nor touched
     free = [int(x) for x in rng.permutation(spec.decode_pages - 4)]
     canary_bytes = {(role, c, l): t[canaries].clone() for role, bufs in tensors.items()
                     for c, ts in bufs.items() for l, t in enumerate(ts)}
     res = Result("decode", rank)
-    with _manager(spec, Role.DECODE, rank, pools, aux) as mgr:
-        rooms = list(range(spec.first_room, spec.first_room + spec.num_rooms))
+    with _manager(spec, Role.DECODE, rank, 0, pools, aux) as mgr:
+        rooms = _rooms(spec)
         live: dict[int, tuple[KVReceiver, list[int], float, int]] = {}
         t0 = time.monotonic()
         while rooms or live:
@@ -248,7 +276,8 @@ def run_decode(spec: Spec, rank: int) -> Result:
                         raise RuntimeError(f"decode pool of {spec.decode_pages} pages cannot hold room {room}")
                     break
                 rooms.pop(0)
-                receiver = KVReceiver(mgr, spec.bootstrap, room, prefill_node=spec.node_id)
+                group = dp_group(spec, room) if spec.dp_routing == "explicit" else None
+                receiver = KVReceiver(mgr, spec.bootstrap, room, prefill_node=spec.node_id, prefill_dp_rank=group)
                 slot = (room * 7) % spec.aux_slots
                 receiver.init(dst, slot)
                 live[room] = (receiver, dst, time.monotonic(), slot)
@@ -260,7 +289,8 @@ def run_decode(spec: Spec, rank: int) -> Result:
                 if state is KVPoll.Success:
                     res.success += 1
                     res.latencies_ms.append((time.monotonic() - started) * 1e3)
-                    res.bytes += _verify(spec, room, dst, slot, tensors, expected, aux, res.mismatches)
+                    res.bytes += _verify(spec, room, dst, slot, tensors, expected[dp_group(spec, room)], aux,
+                                         res.mismatches)
                 else:
                     res.failed.append([room, _why(receiver)])
                 free.extend(dst)
@@ -313,20 +343,56 @@ def _why(obj) -> str:
     return "unknown"
 
 
+def _run_rank(spec: Spec, role: str, tp_rank: int, dp_rank: int) -> Result:
+    try:
+        if role == "prefill":
+            return run_prefill(spec, tp_rank, dp_rank)
+        return run_decode(spec, tp_rank)
+    except Exception as exc:  # reported as a failed rank, not a silent thread death
+        logging.getLogger("kvferry.workload").exception("%s rank %d crashed", role, tp_rank)
+        res = Result(role, tp_rank, dp_rank)
+        res.failed.append([-1, f"{type(exc).__name__}: {exc}"])
+        return res
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--role", choices=["prefill", "decode"], required=True)
     ap.add_argument("--tp-rank", type=int, default=0)
+    ap.add_argument("--dp-rank", type=int, default=0)
+    ap.add_argument("--all-ranks", action="store_true",
+                    help="run every rank of the role in this process, one thread each")
     ap.add_argument("--spec", required=True, help="the Spec as JSON")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format=f"[{args.role} {args.tp_rank}] %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.WARNING, format=f"[{args.role}] %(name)s %(levelname)s %(message)s")
     spec = Spec.from_json(args.spec)
-    run = run_prefill if args.role == "prefill" else run_decode
-    res = run(spec, args.tp_rank)
-    print("RESULT " + json.dumps(asdict(res)), flush=True)
-    ok = res.success == res.rooms == spec.num_rooms and not res.mismatches
+    if args.all_ranks:
+        ranks = [(t, d) for d in range(spec.prefill_dp) for t in range(spec.prefill_tp)] \
+            if args.role == "prefill" else [(t, 0) for t in range(spec.decode_tp)]
+    else:
+        ranks = [(args.tp_rank, args.dp_rank)]
+    results: list[Result | None] = [None] * len(ranks)
+
+    def work(i: int, tp_rank: int, dp_rank: int) -> None:
+        results[i] = _run_rank(spec, args.role, tp_rank, dp_rank)
+
+    threads = [threading.Thread(target=work, args=(i, t, d)) for i, (t, d) in enumerate(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ok = True
+    for (tp_rank, dp_rank), res in zip(ranks, results):
+        print("RESULT " + json.dumps(asdict(res)), flush=True)
+        expect = sum(dp_group(spec, r) == dp_rank for r in _rooms(spec)) if args.role == "prefill" else spec.num_rooms
+        ok &= res.success == res.rooms == expect and not res.mismatches and not res.failed
     return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Every manager is closed by now; skip interpreter teardown, where each
+    # Mooncake engine's destructor holds the GIL for about a second.
+    os._exit(code)
