@@ -3,21 +3,38 @@
 One :class:`KVManager` per rank and role; one :class:`KVSender` (prefill) or
 :class:`KVReceiver` (decode) per request, driven by ``poll()``, which returns
 a :class:`KVPoll`. See the README for a scheduler-side example.
+
+Names are imported lazily, so that importing a pure module
+(``transfer.plan``, ``transfer.tp``, ...) pulls in neither zmq nor Mooncake.
 """
 
-from bootstrap.messages import PoolRole
-from transfer.config import EngineConfig, ManagerConfig, Role, manager_config_from_env
-from transfer.errors import (BootstrapError, BootstrapUnavailable, ClosedError, IncompatibleLayoutError,
-                             KVFerryError, KVTimeoutError, PeerError, ProtocolError, StateError, TransferError)
-from transfer.manager import KVManager
-from transfer.pools import MHAPool, MLAPool
-from transfer.receiver import KVReceiver
-from transfer.sender import KVSender
-from transfer.state import KVPoll
+import importlib
 
-__all__ = [
-    "BootstrapError", "BootstrapUnavailable", "ClosedError", "EngineConfig", "IncompatibleLayoutError",
-    "KVFerryError", "KVManager", "KVPoll", "KVReceiver", "KVSender", "KVTimeoutError", "MHAPool", "MLAPool",
-    "ManagerConfig", "PeerError", "PoolRole", "ProtocolError", "Role", "StateError", "TransferError",
-    "manager_config_from_env",
-]
+_EXPORTS = {
+    "PoolRole": "bootstrap.messages",
+    "EngineConfig": "transfer.config", "ManagerConfig": "transfer.config", "Role": "transfer.config",
+    "manager_config_from_env": "transfer.config",
+    **{name: "transfer.errors" for name in (
+        "BootstrapError", "BootstrapUnavailable", "ClosedError", "IncompatibleLayoutError", "KVFerryError",
+        "KVTimeoutError", "PeerError", "ProtocolError", "StateError", "TransferError")},
+    "KVManager": "transfer.manager",
+    "MHAPool": "transfer.pools", "MLAPool": "transfer.pools",
+    "KVReceiver": "transfer.receiver",
+    "KVSender": "transfer.sender",
+    "KVPoll": "transfer.state",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'transfer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

@@ -22,6 +22,9 @@ from transfer.state import KVPoll, RoomState
 
 log = logging.getLogger("kvferry.receiver")
 
+# Pause between bootstrap lookups while a prefill node is not ready yet.
+_RETRY_S = 0.02
+
 
 class _LinkState(enum.Enum):
     RESOLVING = "resolving"
@@ -42,6 +45,7 @@ class _Link:
         self.routes: dict[int, tuple[PoolAssignment, ...]] = {}
         self.num_requests: dict[int, int] = {}
         self.aux_rank = -1
+        self.last_wanted = time.monotonic()
 
     @property
     def name(self) -> str:
@@ -67,7 +71,8 @@ class DecodeRooms:
     def __init__(self, mgr) -> None:
         self.mgr = mgr
         self.links: dict[tuple[str, str, int], _Link] = {}
-        self.dp_sizes: dict[tuple[str, str], int] = {}
+        self.dp_sizes: dict[tuple[str, str], int] = {}  # 0: being looked up
+        self._dp_wanted: dict[tuple[str, str], float] = {}
         self.receivers: dict[tuple[int, int], KVReceiver] = {}
         self._hellos: dict[str, _Hello] = {}
         self._clients: dict[str, BootstrapClient] = {}
@@ -80,13 +85,14 @@ class DecodeRooms:
 
     def link(self, addr: str, node: str, dp_rank: int | None, room: int) -> _Link | None:
         """The link for a room; None while the node's DP size is unknown."""
+        now = time.monotonic()
         if dp_rank is None:
             dp_size = self.dp_sizes.get((addr, node))
             if dp_size is None:
-                self.dp_sizes.setdefault((addr, node), 0)
+                self.dp_sizes[(addr, node)] = 0
                 self._wake.set()
-                return None
-            if dp_size == 0:
+            if not dp_size:
+                self._dp_wanted[(addr, node)] = now
                 return None
             dp_rank = room % dp_size
         key = (addr, node, dp_rank)
@@ -94,6 +100,7 @@ class DecodeRooms:
         if link is None:
             link = self.links[key] = _Link(key)
             self._wake.set()
+        link.last_wanted = now
         return link
 
     def forget(self, link: _Link) -> None:
@@ -131,6 +138,7 @@ class DecodeRooms:
             self._wake.wait(0.05)
             self._wake.clear()
             with self.mgr._lock:
+                self._expire(time.monotonic() - self.mgr.config.bootstrap_timeout_s)
                 dp_todo = [k for k, v in self.dp_sizes.items() if v == 0]
                 todo = [l for l in self.links.values() if l.state is _LinkState.RESOLVING]
             for addr, node in dp_todo:
@@ -156,7 +164,16 @@ class DecodeRooms:
             if dp_todo or todo:
                 self._kick()
             if dp_todo or any(l.state is _LinkState.RESOLVING for l in todo):
-                time.sleep(0.005)
+                time.sleep(_RETRY_S)
+
+    def _expire(self, horizon: float) -> None:
+        """Stop resolving what no receiver asked for since ``horizon``."""
+        for key in [k for k, v in self.dp_sizes.items() if v == 0 and self._dp_wanted.get(k, 0) < horizon]:
+            del self.dp_sizes[key]
+            self._dp_wanted.pop(key, None)
+        for link in [l for l in self.links.values()
+                     if l.state is not _LinkState.READY and l.last_wanted < horizon]:
+            self.forget(link)
 
     def _kick(self) -> None:
         """Advance waiting receivers now, not at their scheduler's next poll,
