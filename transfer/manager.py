@@ -11,8 +11,10 @@ from bootstrap.client import BootstrapClient
 from bootstrap.messages import RankInfo
 from transfer.channel import ControlChannel
 from transfer.config import ManagerConfig, Role
-from transfer.errors import BootstrapError, BootstrapUnavailable, ClosedError, KVFerryError
+from transfer.errors import BootstrapError, BootstrapUnavailable, ClosedError
 from transfer.pools import MHAPool, MLAPool, describe_aux, describe_pool, memory_regions
+from transfer.receiver import DecodeRooms
+from transfer.sender import PrefillRooms
 from transfer.transport import MooncakeTransport
 
 log = logging.getLogger("kvferry.manager")
@@ -51,9 +53,6 @@ class KVManager:
             tp_rank=config.tp_rank, tp_size=config.tp_size, session=self.transport.session,
             control_endpoint=self.channel.endpoint, pools=descriptors, aux=aux_desc,
         )
-        from transfer.receiver import DecodeRooms
-        from transfer.sender import PrefillRooms
-
         self.rooms = PrefillRooms(self) if config.role is Role.PREFILL else DecodeRooms(self)
         if config.role is Role.PREFILL:
             try:
@@ -113,9 +112,3 @@ class KVManager:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def fail_message(exc: BaseException) -> str:
-    """One line for RoomStatus/RoomAbort reasons."""
-    if isinstance(exc, KVFerryError):
-        return str(exc)
-    return f"{type(exc).__name__}: {exc}"

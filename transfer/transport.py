@@ -108,10 +108,6 @@ class MooncakeTransport:
             return
         self._jobs.put(_Job(peer, plan.src_addrs.tolist(), plan.dst_addrs.tolist(), plan.lengths.tolist(), callback))
 
-    def probe(self, peer: str) -> bool:
-        """Whether ``peer``'s engine answers (under a millisecond either way)."""
-        return self._engine.send_probe(peer) == 0
-
     def _run(self) -> None:
         by_peer: dict[str, collections.deque[_Job]] = collections.defaultdict(collections.deque)
         inflight: dict[str, int] = collections.defaultdict(int)

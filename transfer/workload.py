@@ -14,6 +14,7 @@ both print one JSON result line prefixed ``RESULT ``.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -98,7 +99,7 @@ def _rng(*key: int | str) -> np.random.Generator:
 
 
 def hash_str(s: str) -> int:
-    return int.from_bytes(s.encode()[:8].ljust(8, b"\0"), "little")
+    return int.from_bytes(hashlib.sha256(s.encode()).digest()[:8], "little")
 
 
 def global_buffer(spec: Spec, pool: PoolSpec, layer: int, comp: str, num_pages: int, seed_side: str) -> torch.Tensor:
