@@ -79,6 +79,9 @@ class Spec:
     dp_routing: str = "auto"  # "auto": decode leaves it to room % dp_size; "explicit": names the group
     slow_prefill_rank: int = -1  # this prefill TP rank holds each room's last chunk back...
     slow_delay_s: float = 0.0  # ...for this long (decode must wait for it)
+    fill: str = "random"  # "random" bytes, or "constant" (cheap, for the benchmark)
+    verify: bool = True  # decode checks every byte (the benchmark turns it off)
+    warmup_rooms: int = 0  # leading rooms left out of timings (connection set-up)
 
     @staticmethod
     def from_json(text: str) -> "Spec":
@@ -108,6 +111,9 @@ def global_buffer(spec: Spec, pool: PoolSpec, layer: int, comp: str, num_pages: 
     dtype = _TORCH_DTYPES[pool.dtype]
     shape = (num_pages, spec.page_size, heads, pool.head_dim)
     nbytes = int(np.prod(shape)) * torch.tensor([], dtype=dtype).element_size()
+    if spec.fill == "constant":
+        # Touches (pre-faults) every page, as a serving engine's pool would be.
+        return torch.full((nbytes,), 0x5A, dtype=torch.uint8).view(dtype).view(shape)
     raw = _rng(spec.seed, seed_side, pool.role, layer, comp).bytes(nbytes)
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).view(shape)
 
@@ -186,8 +192,10 @@ class Result:
     mismatches: list = field(default_factory=list)
     bytes: int = 0
     latencies_ms: list = field(default_factory=list)
-    elapsed_s: float = 0.0
+    elapsed_s: float = 0.0  # from the first measured room's start to the last completion
     descriptors: int = 0
+    cpu_s: float = 0.0  # process CPU time over the measured window
+    control_msgs: int = 0  # control messages this rank received
 
 
 def _manager(spec: Spec, role: Role, rank: int, dp_rank: int, pools, aux) -> KVManager:
@@ -214,10 +222,11 @@ def run_prefill(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
     with _manager(spec, Role.PREFILL, rank, dp_rank, pools, aux) as mgr:
         rooms = [r for r in _rooms(spec) if dp_group(spec, r) == dp_rank]
         live: dict[int, tuple[KVSender, list | None, int]] = {}
-        t0 = time.monotonic()
+        window = _Window(spec)
         while rooms or live:
             while rooms and len(live) < spec.concurrency:
                 room = rooms.pop(0)
+                window.room_started(room)
                 slot = room % spec.aux_slots
                 aux[slot] = torch.frombuffer(bytearray(aux_row(spec, room)), dtype=torch.uint8)
                 live[room] = (KVSender(mgr, spec.bootstrap, room), None, slot)
@@ -242,9 +251,10 @@ def run_prefill(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
                         res.failed.append([room, _why(sender)])
                     del live[room]
             time.sleep(0.0005)
-        res.elapsed_s = time.monotonic() - t0
+        res.elapsed_s, res.cpu_s = window.close()
         res.descriptors = mgr.transport.num_descriptors
         res.bytes = mgr.transport.num_bytes
+        res.control_msgs = mgr.channel.num_received
     return res
 
 
@@ -252,7 +262,7 @@ def run_decode(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
     pools, tensors = build_pools(spec, spec.decode_pools, rank, spec.decode_tp, spec.decode_pages, "decode")
     aux = torch.zeros(spec.aux_slots, spec.aux_slot_bytes, dtype=torch.uint8)
     prefill_roles = {q.role for q in spec.prefill_pools}
-    expected = [{p.role: {c: [rank_slice(global_buffer(spec, p, l, c, spec.prefill_pages, prefill_side(g)), p,
+    expected = [] if not spec.verify else [{p.role: {c: [rank_slice(global_buffer(spec, p, l, c, spec.prefill_pages, prefill_side(g)), p,
                                          rank, spec.decode_tp) for l in range(p.num_layers)]
                           for c in _components(p)}
                  for p in spec.decode_pools if p.role in prefill_roles}
@@ -266,7 +276,7 @@ def run_decode(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
     with _manager(spec, Role.DECODE, rank, 0, pools, aux) as mgr:
         rooms = _rooms(spec)
         live: dict[int, tuple[KVReceiver, list[int], float, int]] = {}
-        t0 = time.monotonic()
+        window = _Window(spec)
         while rooms or live:
             while rooms and len(live) < spec.concurrency:
                 room = rooms[0]
@@ -277,6 +287,7 @@ def run_decode(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
                         raise RuntimeError(f"decode pool of {spec.decode_pages} pages cannot hold room {room}")
                     break
                 rooms.pop(0)
+                window.room_started(room)
                 group = dp_group(spec, room) if spec.dp_routing == "explicit" else None
                 receiver = KVReceiver(mgr, spec.bootstrap, room, prefill_node=spec.node_id, prefill_dp_rank=group)
                 slot = (room * 7) % spec.aux_slots
@@ -289,19 +300,49 @@ def run_decode(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
                 res.rooms += 1
                 if state is KVPoll.Success:
                     res.success += 1
-                    res.latencies_ms.append((time.monotonic() - started) * 1e3)
-                    res.bytes += _verify(spec, room, dst, slot, tensors, expected[dp_group(spec, room)], aux,
-                                         res.mismatches)
+                    if window.measured(room):
+                        res.latencies_ms.append((time.monotonic() - started) * 1e3)
+                        res.bytes += _room_bytes(tensors, dst, prefill_roles)
+                    if spec.verify:
+                        _verify(spec, room, dst, slot, tensors, expected[dp_group(spec, room)], aux, res.mismatches)
                 else:
                     res.failed.append([room, _why(receiver)])
                 free.extend(dst)
                 del live[room]
             time.sleep(0.0002)
-        res.elapsed_s = time.monotonic() - t0
+        res.elapsed_s, res.cpu_s = window.close()
+        res.control_msgs = mgr.channel.num_received
         for (role, c, l), before in canary_bytes.items():
             if not torch.equal(tensors[role][c][l][canaries].view(torch.uint8), before.view(torch.uint8)):
                 res.mismatches.append(f"canary pages of {role} {c} layer {l} were overwritten")
     return res
+
+
+class _Window:
+    """The measured part of a run: from the start of the first room after the
+    warm-up ones to the last completion; wall and process CPU time."""
+
+    def __init__(self, spec: Spec) -> None:
+        self._first = spec.first_room + spec.warmup_rooms
+        self._t0 = self._cpu0 = None
+
+    def measured(self, room: int) -> bool:
+        return room >= self._first
+
+    def room_started(self, room: int) -> None:
+        if room == self._first:
+            self._t0, self._cpu0 = time.monotonic(), time.process_time()
+
+    def close(self) -> tuple[float, float]:
+        if self._t0 is None:
+            return 0.0, 0.0
+        return time.monotonic() - self._t0, time.process_time() - self._cpu0
+
+
+def _room_bytes(tensors, dst, roles) -> int:
+    """KV bytes a room's pages hold on this decode rank, over the pools the prefill sends."""
+    return sum(len(dst) * t[0].numel() * t.element_size()
+               for role, bufs in tensors.items() if role in roles for ts in bufs.values() for t in ts)
 
 
 def _allocate(free: list[int], n: int, contiguous: bool) -> list[int] | None:
@@ -321,19 +362,16 @@ def _allocate(free: list[int], n: int, contiguous: bool) -> list[int] | None:
     return None
 
 
-def _verify(spec, room, dst, slot, tensors, expected, aux, mismatches) -> int:
+def _verify(spec, room, dst, slot, tensors, expected, aux, mismatches) -> None:
     src, _ = room_plan(spec, room)
-    checked = 0
     for role, bufs in expected.items():
         for c, ts in bufs.items():
             for l, want in enumerate(ts):
                 got = tensors[role][c][l][dst]
                 if not torch.equal(got.view(torch.uint8), want[src].view(torch.uint8)):
                     mismatches.append(f"room {room}: {role} {c} layer {l} differs")
-                checked += got.numel() * got.element_size()
     if bytes(aux[slot].numpy()) != aux_row(spec, room):
         mismatches.append(f"room {room}: aux row differs")
-    return checked
 
 
 def _why(obj) -> str:
