@@ -34,7 +34,9 @@ class EngineConfig:
     ``protocol`` is ``rdma`` on clusters, ``tcp`` where there is no RDMA NIC.
     ``max_inflight_per_peer`` caps the descriptors kvferry has outstanding to
     one peer: the TCP transport wedges a peer path when its own queue
-    overflows, so we never let it. ``progress_timeout_s`` bounds how long an
+    overflows, so we never let it. Longer descriptors are cut into pieces of
+    ``max_descriptor_bytes``, which spreads them over the engine's lanes.
+    ``progress_timeout_s`` bounds how long an
     outstanding descriptor can hang on a stalled peer.
     """
 
@@ -42,6 +44,7 @@ class EngineConfig:
     hostname: str = "127.0.0.1"
     device_name: str = ""
     max_inflight_per_peer: int = 1024
+    max_descriptor_bytes: int = 4 << 20
     progress_timeout_s: int = 10
     log_level: str = "ERROR"
 
@@ -50,7 +53,7 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.protocol must be 'rdma' or 'tcp', got {self.protocol!r}")
         if self.log_level not in ("TRACE", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"EngineConfig.log_level must be TRACE, INFO, WARNING or ERROR, got {self.log_level!r}")
-        _positive(self, "max_inflight_per_peer", "progress_timeout_s")
+        _positive(self, "max_inflight_per_peer", "progress_timeout_s", "max_descriptor_bytes")
         if self.max_inflight_per_peer > 60000:
             raise ValueError("EngineConfig.max_inflight_per_peer must stay below the engine's cap of 65535")
 

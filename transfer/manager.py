@@ -37,6 +37,9 @@ class KVManager:
 
     def __init__(self, config: ManagerConfig, pools: Sequence[MHAPool | MLAPool], aux=None) -> None:
         self.config = config
+        # The engine holds raw pointers into these tensors: keep them alive as
+        # long as the manager, whatever the caller does with its references.
+        self._tensors = (tuple(pools), aux)
         descriptors = tuple(describe_pool(p) for p in pools)
         aux_desc = describe_aux(aux) if aux is not None else None
         self._lock = threading.RLock()

@@ -165,6 +165,20 @@ def plan_aux(src: AuxDescriptor, dst: AuxDescriptor, src_slot: int, dst_slot: in
     )
 
 
+def split_entries(plan: TransferPlan, max_bytes: int) -> TransferPlan:
+    """Cut entries longer than ``max_bytes`` into pieces of at most that size,
+    so one huge entry does not sit on one engine lane while the others idle."""
+    if plan.num_descriptors == 0 or int(plan.lengths.max()) <= max_bytes:
+        return plan
+    pieces = (plan.lengths + _U64(max_bytes - 1)) // _U64(max_bytes)
+    idx = np.repeat(np.arange(plan.num_descriptors), pieces.astype(np.int64))
+    first = np.repeat(np.cumsum(pieces) - pieces, pieces.astype(np.int64))
+    k = (np.arange(idx.size, dtype=_U64) - first.astype(_U64))
+    offset = k * _U64(max_bytes)
+    lengths = np.minimum(plan.lengths[idx] - offset, _U64(max_bytes))
+    return TransferPlan(plan.src_addrs[idx] + offset, plan.dst_addrs[idx] + offset, lengths)
+
+
 def coalesce(plan: TransferPlan) -> TransferPlan:
     """Merge neighbouring entries that are contiguous on both sides."""
     if plan.num_descriptors < 2:

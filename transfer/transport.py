@@ -27,7 +27,7 @@ from typing import Callable
 
 from transfer.config import EngineConfig, apply_mooncake_env
 from transfer.errors import ClosedError, TransferError
-from transfer.plan import TransferPlan
+from transfer.plan import TransferPlan, split_entries
 
 log = logging.getLogger("kvferry.transport")
 
@@ -106,6 +106,7 @@ class MooncakeTransport:
         if plan.num_descriptors == 0:
             callback(None)
             return
+        plan = split_entries(plan, self.config.max_descriptor_bytes)
         self._jobs.put(_Job(peer, plan.src_addrs.tolist(), plan.dst_addrs.tolist(), plan.lengths.tolist(), callback))
 
     def _run(self) -> None:

@@ -427,3 +427,14 @@ def test_coalesce():
         (0, 100, 10), (20, 110, 1), (21, 200, 1)]
     single = _plan((0, 0, 3))
     assert coalesce(single) is single
+
+
+def test_split_entries_cuts_long_entries_and_keeps_every_byte():
+    from transfer.plan import split_entries
+    plan = TransferPlan(np.array([1000, 50_000], dtype=np.uint64), np.array([9000, 90_000], dtype=np.uint64),
+                        np.array([10_000, 3], dtype=np.uint64))
+    out = split_entries(plan, 4096)
+    assert out.lengths.tolist() == [4096, 4096, 1808, 3]
+    assert out.src_addrs.tolist() == [1000, 5096, 9192, 50_000]
+    assert out.dst_addrs.tolist() == [9000, 13096, 17192, 90_000]
+    assert split_entries(plan, 1 << 20) is plan
