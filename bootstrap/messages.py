@@ -173,6 +173,20 @@ class AuxDescriptor:
 
 @struct
 @dataclass(frozen=True)
+class StagingDescriptor:
+    """A registered staging buffer of ``nbytes`` at ``addr``: scattered pages
+    are gathered into it and sent as a few large descriptors."""
+
+    addr: int
+    nbytes: int
+
+    def __post_init__(self) -> None:
+        _require(0 < self.addr < 1 << 64, "staging addr must be a non-null 64-bit pointer")
+        _require(self.nbytes > 0, "staging nbytes must be > 0")
+
+
+@struct
+@dataclass(frozen=True)
 class RankInfo:
     """What a rank tells others about itself: where it is and what it holds."""
 
@@ -185,6 +199,7 @@ class RankInfo:
     control_endpoint: str
     pools: tuple[PoolDescriptor, ...]
     aux: AuxDescriptor | None
+    staging: StagingDescriptor | None = None
 
     def __post_init__(self) -> None:
         _check_name(self.node_id, "node_id")

@@ -84,6 +84,12 @@ class ManagerConfig:
     decode room waits at most ``transfer_timeout_s`` from ``init()`` to its
     last completion, one bootstrap request at most ``rpc_timeout_s``, and a
     prefill rank retries its registration for ``register_timeout_s``.
+
+    Staging: each rank keeps a registered ``staging_bytes`` tensor on its
+    pools' device (0: none). A chunk whose direct plan averages descriptors
+    smaller than ``stage_below_bytes`` is gathered into it, sent in parts of
+    at most ``stage_part_bytes``, and scattered on decode; both sides need
+    staging for it to be used.
     """
 
     role: Role
@@ -100,6 +106,9 @@ class ManagerConfig:
     rpc_timeout_s: float = 5.0
     register_timeout_s: float = 30.0
     allow_missing_draft: bool = False
+    staging_bytes: int = 64 << 20
+    stage_below_bytes: int = 256 << 10
+    stage_part_bytes: int = 16 << 20
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, Role):
@@ -110,7 +119,12 @@ class ManagerConfig:
             raise ValueError(f"ManagerConfig.dp_rank {self.dp_rank} not in [0, {self.dp_size})")
         if ":" not in self.bootstrap_addr:
             raise ValueError(f"ManagerConfig.bootstrap_addr must be host:port, got {self.bootstrap_addr!r}")
-        _positive(self, "bootstrap_timeout_s", "transfer_timeout_s", "rpc_timeout_s", "register_timeout_s")
+        _positive(self, "bootstrap_timeout_s", "transfer_timeout_s", "rpc_timeout_s", "register_timeout_s",
+                  "stage_part_bytes")
+        if self.staging_bytes < 0 or self.stage_below_bytes < 0:
+            raise ValueError("ManagerConfig.staging_bytes and stage_below_bytes must be >= 0")
+        if self.staging_bytes and self.stage_part_bytes > self.staging_bytes:
+            raise ValueError("ManagerConfig.stage_part_bytes must not exceed staging_bytes")
 
 
 _ENGINE_KEYS = {f.name for f in fields(EngineConfig)}

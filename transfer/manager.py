@@ -8,13 +8,16 @@ import time
 from typing import Sequence
 
 from bootstrap.client import BootstrapClient
-from bootstrap.messages import RankInfo
+import torch
+
+from bootstrap.messages import RankInfo, StagingDescriptor
 from transfer.channel import ControlChannel
 from transfer.config import ManagerConfig, Role
 from transfer.errors import BootstrapError, BootstrapUnavailable, ClosedError
-from transfer.pools import MHAPool, MLAPool, describe_aux, describe_pool, memory_regions
+from transfer.pools import MHAPool, MLAPool, describe_aux, describe_pool, memory_regions, pool_tensors
 from transfer.receiver import DecodeRooms
 from transfer.sender import PrefillRooms
+from transfer.staging import StagingArea
 from transfer.transport import MooncakeTransport
 
 log = logging.getLogger("kvferry.manager")
@@ -42,11 +45,23 @@ class KVManager:
         self._tensors = (tuple(pools), aux)
         descriptors = tuple(describe_pool(p) for p in pools)
         aux_desc = describe_aux(aux) if aux is not None else None
+        #: (role, layer, component) -> tensor, for staging's gather and scatter.
+        self.buffers = pool_tensors(pools)
+        self.staging, staging_desc, self.staging_area = None, None, None
+        if config.staging_bytes:
+            device = next(iter(self.buffers.values())).device
+            self.staging = torch.empty(config.staging_bytes, dtype=torch.uint8, device=device)
+            self.staging.fill_(0)  # pre-fault: first touch is slow and erratic
+            staging_desc = StagingDescriptor(addr=self.staging.data_ptr(), nbytes=config.staging_bytes)
+            self.staging_area = StagingArea(config.staging_bytes)
         self._lock = threading.RLock()
         self._closed = False
         self.transport = MooncakeTransport(config.engine)
         try:
-            self.transport.register(memory_regions(descriptors, aux_desc))
+            regions = memory_regions(descriptors, aux_desc)
+            if staging_desc is not None:
+                regions.append((staging_desc.addr, staging_desc.nbytes))
+            self.transport.register(regions)
             self.channel = ControlChannel(config.host, self._on_message)
         except BaseException:
             self.transport.close()
@@ -54,7 +69,7 @@ class KVManager:
         self.rank = RankInfo(
             node_id=config.node_id, dp_rank=config.dp_rank, dp_size=config.dp_size,
             tp_rank=config.tp_rank, tp_size=config.tp_size, session=self.transport.session,
-            control_endpoint=self.channel.endpoint, pools=descriptors, aux=aux_desc,
+            control_endpoint=self.channel.endpoint, pools=descriptors, aux=aux_desc, staging=staging_desc,
         )
         self.rooms = PrefillRooms(self) if config.role is Role.PREFILL else DecodeRooms(self)
         if config.role is Role.PREFILL:

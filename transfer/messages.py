@@ -116,3 +116,50 @@ class RoomAbort:
     room: int
     request_id: int
     reason: str
+
+
+@message("stage_request")
+@dataclass(frozen=True)
+class StageRequest:
+    """Prefill asks decode for ``nbytes`` of its staging buffer for part
+    ``part`` of a room (a run of the request's pages, gathered)."""
+
+    room: int
+    request_id: int
+    prefill_tp_rank: int
+    prefill_endpoint: str
+    part: int
+    nbytes: int
+
+    def __post_init__(self) -> None:
+        if self.nbytes <= 0:
+            raise ValueError("nbytes must be > 0")
+
+
+@message("stage_grant")
+@dataclass(frozen=True)
+class StageGrant:
+    """Decode reserved ``nbytes`` at ``offset`` of its staging buffer."""
+
+    room: int
+    request_id: int
+    part: int
+    offset: int
+
+
+@message("chunk_staged")
+@dataclass(frozen=True)
+class ChunkStaged:
+    """A part landed in decode's staging at ``offset``: pages
+    ``page_start .. page_start + num_pages`` of the request (in request
+    order), packed pool by pool as decode asked this prefill rank. Decode
+    scatters it into its pool and frees the region."""
+
+    room: int
+    request_id: int
+    prefill_tp_rank: int
+    part: int
+    offset: int
+    nbytes: int
+    page_start: int
+    num_pages: int

@@ -150,6 +150,33 @@ def _expand_runs(runs: PageRuns) -> tuple[np.ndarray, np.ndarray]:
     return np.repeat(runs.src_starts, runs.lengths) + step, np.repeat(runs.dst_starts, runs.lengths) + step
 
 
+@dataclass(frozen=True)
+class PageSlice:
+    """The bytes of each page of one buffer that a transfer takes: ``rows``
+    rows of ``row_bytes``, and of each row ``nbytes`` from ``start``.
+    Packed, a page's slice is ``rows * nbytes`` bytes."""
+
+    rows: int
+    row_bytes: int
+    start: int
+    nbytes: int
+
+    @property
+    def packed_bytes(self) -> int:
+        return self.rows * self.nbytes
+
+
+def page_slice(pool: PoolDescriptor, head_offset: int, num_heads: int) -> PageSlice:
+    """What a head slice of a page is in this pool's memory layout."""
+    if num_heads == pool.num_kv_heads:
+        return PageSlice(1, pool.page_bytes, 0, pool.page_bytes)
+    head_bytes = pool.head_dim * pool.itemsize
+    if pool.page_layout is PageLayout.HND:
+        block = pool.page_size * head_bytes
+        return PageSlice(1, pool.page_bytes, head_offset * block, num_heads * block)
+    return PageSlice(pool.page_size, pool.token_bytes, head_offset * head_bytes, num_heads * head_bytes)
+
+
 def plan_aux(src: AuxDescriptor, dst: AuxDescriptor, src_slot: int, dst_slot: int) -> TransferPlan:
     """Plan moving one metadata row."""
     if src.slot_bytes != dst.slot_bytes:

@@ -103,6 +103,18 @@ def describe_aux(aux) -> AuxDescriptor:
                          num_slots=num_slots)
 
 
+def pool_tensors(pools: Sequence[MHAPool | MLAPool]) -> dict[tuple[PoolRole, int, Component], Any]:
+    """(role, layer, component) -> tensor."""
+    out = {}
+    for pool in pools:
+        parts = [(Component.K, pool.k), (Component.V, pool.v)] if isinstance(pool, MHAPool) \
+            else [(Component.LATENT, pool.latent)]
+        for comp, tensors in parts:
+            for layer, t in enumerate(tensors):
+                out[(pool.role, layer, comp)] = t
+    return out
+
+
 def memory_regions(pools: Sequence[PoolDescriptor], aux: AuxDescriptor | None) -> list[tuple[int, int]]:
     """(addr, nbytes) of every buffer to register with the engine."""
     regions = [(b.addr, b.nbytes) for p in pools for b in p.buffers]

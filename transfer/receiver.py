@@ -14,10 +14,11 @@ from bootstrap.client import BootstrapClient
 from bootstrap.messages import AttentionKind, PoolRole, RankInfo
 from transfer import tp
 from transfer.errors import (BootstrapError, BootstrapUnavailable, IncompatibleLayoutError, KVFerryError,
-                             KVTimeoutError, PeerError, ProtocolError, StateError)
+                             KVTimeoutError, PeerError, ProtocolError, StateError, TransferError)
 from transfer.layout import check_compatible
-from transfer.messages import (PeerHello, PeerHelloReply, PoolAssignment, RoomAbort, RoomStatus, Status,
-                               TransferRequest)
+from transfer.messages import (ChunkStaged, PeerHello, PeerHelloReply, PoolAssignment, RoomAbort, RoomStatus,
+                               StageRequest, Status, TransferRequest)
+from transfer.stageflow import DecodeStaging, scatter_part
 from transfer.state import KVPoll, RoomState
 
 log = logging.getLogger("kvferry.receiver")
@@ -76,6 +77,8 @@ class DecodeRooms:
         self.receivers: dict[tuple[int, int], KVReceiver] = {}
         self._hellos: dict[str, _Hello] = {}
         self._clients: dict[str, BootstrapClient] = {}
+        self.staging = DecodeStaging(mgr, quarantine_s=2.0 * mgr.config.engine.progress_timeout_s) \
+            if mgr.staging is not None else None
         self._wake = threading.Event()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="kvferry-resolver", daemon=True)
@@ -129,6 +132,12 @@ class DecodeRooms:
                 if receiver is not None:
                     receiver._on_message(msg)
                 return
+            if isinstance(msg, StageRequest) and self.staging is not None:
+                self.staging.on_request(msg)
+                return
+            if isinstance(msg, ChunkStaged) and self.staging is not None:
+                self.staging.on_staged(msg, self.receivers.get((msg.room, msg.request_id)))
+                return
         log.warning("%s: ignored a %s message", self.mgr.where, msg.KIND)
 
     # --- resolver thread --------------------------------------------------------------
@@ -163,6 +172,8 @@ class DecodeRooms:
                         link.error = ProtocolError(f"{link.name}: {type(exc).__name__}: {exc}")
             if dp_todo or todo:
                 self._kick()
+            if self.staging is not None:
+                self.staging.pump()  # frees quarantined regions
             if dp_todo or any(l.state is _LinkState.RESOLVING for l in todo):
                 time.sleep(_RETRY_S)
 
@@ -393,11 +404,22 @@ class KVReceiver:
             self._state.move(KVPoll.Success)
             self.mgr.rooms.receivers.pop((self.room, self.request_id), None)
 
+    def _scatter(self, msg, offset: int) -> None:
+        """Unpack a staged part from prefill rank ``msg.prefill_tp_rank``."""
+        if self._state.state is not KVPoll.Transferring:
+            return
+        try:
+            scatter_part(self.mgr, self, msg, offset, self._link.routes[msg.prefill_tp_rank])
+        except Exception as exc:
+            self._fail(TransferError(f"{self._state.where}: scattering staged part {msg.part}: {exc}"))
+
     def _fail(self, error: BaseException, *, notify: bool = True) -> None:
         with self.mgr._lock:
             if not self._state.fail(error):
                 return
             self.mgr.rooms.receivers.pop((self.room, self.request_id), None)
+            if self.mgr.rooms.staging is not None:
+                self.mgr.rooms.staging.release_room(self.room, self.request_id)
             log.warning("%s failed: %s", self._state.where, error)
             link = self._link
             if not notify or link is None or not link.ranks:

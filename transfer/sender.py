@@ -11,8 +11,10 @@ import numpy as np
 from bootstrap.messages import RankInfo
 from transfer.errors import IncompatibleLayoutError, PeerError, StateError, KVTimeoutError
 from transfer.layout import check_compatible
-from transfer.messages import PeerHello, PeerHelloReply, RoomAbort, RoomStatus, Status, TransferRequest
-from transfer.plan import TransferPlan, plan_aux, plan_pool
+from transfer.messages import (PeerHello, PeerHelloReply, RoomAbort, RoomStatus, StageGrant, Status,
+                               TransferRequest)
+from transfer.plan import TransferPlan, check_pages, page_runs, page_slice, plan_aux, plan_pool
+from transfer.stageflow import PrefillStaging, part_bytes_for, plan_parts
 from transfer.state import KVPoll, RoomState
 
 log = logging.getLogger("kvferry.sender")
@@ -35,10 +37,14 @@ class PrefillRooms:
         self.senders: dict[int, KVSender] = {}
         self._early: dict[int, list[tuple[float, object]]] = {}
         self._finished: collections.OrderedDict[tuple[int, int], None] = collections.OrderedDict()
+        self.staging = PrefillStaging(mgr) if mgr.staging is not None else None
 
     def on_message(self, msg) -> None:
         if isinstance(msg, PeerHello):
             self._on_hello(msg)
+            return
+        if isinstance(msg, StageGrant) and self.staging is not None:
+            self.staging.on_grant(msg)
             return
         if not isinstance(msg, (TransferRequest, RoomAbort)):
             log.warning("%s: ignored a %s message", self.mgr.where, msg.KIND)
@@ -123,6 +129,7 @@ class KVSender:
         self._offset = 0
         self._last_sent = False
         self._num_inflight = 0
+        self._next_part = 0
         for msg in mgr.rooms.attach(self):
             self._on_message(msg)
 
@@ -151,17 +158,19 @@ class KVSender:
                                  + (" after the last chunk" if self._last_sent else ""))
             pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
             try:
-                jobs = self._plan_chunk(pages, last)
+                jobs, parts = self._plan_chunk(pages, last)
             except (ValueError, IndexError) as exc:
                 self._fail(exc)
                 return
             self._offset += pages.size
             self._last_sent = last
-            self._num_inflight += len(jobs)
+            self._num_inflight += len(jobs) + len(parts)
             if self._state.state is KVPoll.WaitingForInput:
                 self._state.move(KVPoll.Transferring)
             for session, plan in jobs:
                 self.mgr.transport.submit(session, plan, self._on_chunk_done)
+            if parts:
+                self.mgr.rooms.staging.submit(parts)
 
     def poll(self) -> KVPoll:
         with self.mgr._lock:
@@ -184,28 +193,56 @@ class KVSender:
 
     # --- internals --------------------------------------------------------------
 
-    def _plan_chunk(self, pages: np.ndarray, last: bool) -> list[tuple[str, TransferPlan]]:
+    def _plan_chunk(self, pages: np.ndarray, last: bool) -> tuple[list[tuple[str, TransferPlan]], list]:
+        """Direct descriptor plans per decode rank, and staged parts where
+        direct descriptors would be small (scattered pages, head slices)."""
         end = self._offset + pages.size
         if end > self._num_pages:
             raise ValueError(f"{self._state.where}: {end} pages sent, more than the {self._num_pages} of init()")
         if last and end != self._num_pages:
             raise ValueError(f"{self._state.where}: last chunk ends at page {end} of {self._num_pages}")
         local = self.mgr.rank
-        jobs = []
+        jobs, staged = [], []
         for req in self._requests:
             peer = self.mgr.rooms.peers[req.decode_session]
-            dst_all = np.frombuffer(req.dst_pages, dtype="<i4")
-            dst = dst_all[self._offset:end]
-            parts = []
-            for a in req.assignments:
-                if a.send:
-                    parts.append(plan_pool(local.pool(a.role), peer.pool(a.role), pages, dst,
-                                           src_head_offset=a.src_head_offset,
-                                           dst_head_offset=a.dst_head_offset, num_heads=a.num_heads))
+            dst = np.frombuffer(req.dst_pages, dtype="<i4")[self._offset:end]
+            sent = [a for a in req.assignments if a.send]
+            plans = []
+            if sent and self._stage(pages, dst, sent, local, peer):
+                for a in sent:  # bounds are checked here, before any byte moves
+                    check_pages(dst.astype(np.int64), peer.pool(a.role).num_pages, f"{a.role.value} pool (destination)")
+                    check_pages(pages, local.pool(a.role).num_pages, f"{a.role.value} pool (source)")
+                new = plan_parts(self, req, pages, self._offset, local, peer, part_bytes_for(self.mgr, peer),
+                                 self._next_part)
+                self._next_part += len(new)
+                staged.extend(new)
+            else:
+                plans = [plan_pool(local.pool(a.role), peer.pool(a.role), pages, dst,
+                                   src_head_offset=a.src_head_offset, dst_head_offset=a.dst_head_offset,
+                                   num_heads=a.num_heads) for a in sent]
             if last and local.aux is not None and self._aux_index is not None and req.dst_aux_index >= 0:
-                parts.append(plan_aux(local.aux, peer.aux, self._aux_index, req.dst_aux_index))
-            jobs.append((req.decode_session, TransferPlan.concat(parts)))
-        return jobs
+                plans.append(plan_aux(local.aux, peer.aux, self._aux_index, req.dst_aux_index))
+            # Always a job, empty or not: its completion is what ends a room
+            # for ranks that send nothing.
+            jobs.append((req.decode_session, TransferPlan.concat(plans)))
+        return jobs, staged
+
+    def _stage(self, pages, dst, sent, local, peer) -> bool:
+        """Whether this chunk goes through staging: both sides have it and the
+        direct descriptors would average less than ``stage_below_bytes``."""
+        if self.mgr.staging is None or peer.staging is None or not pages.size:
+            return False
+        runs = page_runs(pages, dst).lengths.size
+        total = count = 0
+        for a in sent:
+            pool = local.pool(a.role)
+            sl, dl = page_slice(pool, a.src_head_offset, a.num_heads), \
+                page_slice(peer.pool(a.role), a.dst_head_offset, a.num_heads)
+            buffers = len(pool.buffers)
+            whole = sl.rows == dl.rows == 1 and sl.nbytes == sl.row_bytes and dl.nbytes == dl.row_bytes
+            total += pages.size * sl.packed_bytes * buffers
+            count += runs * buffers if whole else pages.size * sl.rows * buffers
+        return total / count < self.mgr.config.stage_below_bytes
 
     def _check_sizes(self) -> None:
         if self._num_pages is None:
