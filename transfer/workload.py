@@ -28,7 +28,7 @@ import torch
 
 from bootstrap.messages import PoolRole
 from transfer import tp
-from transfer.config import EngineConfig, ManagerConfig, Role
+from transfer.config import Role, manager_config_from_env
 from transfer.manager import KVManager
 from transfer.pools import MHAPool, MLAPool
 from transfer.receiver import KVReceiver
@@ -200,12 +200,14 @@ class Result:
 
 def _manager(spec: Spec, role: Role, rank: int, dp_rank: int, pools, aux) -> KVManager:
     prefill = role is Role.PREFILL
-    cfg = ManagerConfig(role=role, bootstrap_addr=spec.bootstrap, node_id=spec.node_id, tp_rank=rank,
-                        tp_size=spec.prefill_tp if prefill else spec.decode_tp,
-                        dp_rank=dp_rank if prefill else 0, dp_size=spec.prefill_dp if prefill else 1,
-                        engine=EngineConfig(protocol=spec.protocol),
-                        bootstrap_timeout_s=spec.timeout_s, transfer_timeout_s=spec.timeout_s,
-                        allow_missing_draft=spec.allow_missing_draft)
+    # KVFERRY_* variables tune what the spec leaves open (staging sizes, ...).
+    base = manager_config_from_env(role)
+    cfg = replace(base, bootstrap_addr=spec.bootstrap, node_id=spec.node_id, tp_rank=rank,
+                  tp_size=spec.prefill_tp if prefill else spec.decode_tp,
+                  dp_rank=dp_rank if prefill else 0, dp_size=spec.prefill_dp if prefill else 1,
+                  engine=replace(base.engine, protocol=spec.protocol),
+                  bootstrap_timeout_s=spec.timeout_s, transfer_timeout_s=spec.timeout_s,
+                  allow_missing_draft=spec.allow_missing_draft)
     return KVManager(cfg, pools, aux=aux)
 
 
