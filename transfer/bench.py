@@ -234,11 +234,14 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     ap.add_argument("--only", help="comma-separated workload names")
     ap.add_argument("--modes", default="kvferry,mooncake,limit")
+    ap.add_argument("--requests", type=int, help="override every workload's request count")
     args = ap.parse_args(argv)
     workloads = QUICK if args.quick else FULL
     if args.only:
         wanted = set(args.only.split(","))
         workloads = [w for w in FULL if w.name in wanted]
+    if args.requests:
+        workloads = [replace(w, requests=args.requests) for w in workloads]
     modes = set(args.modes.split(","))
     entry_sizes = [4 << 20] if args.quick else [1 << 20, 4 << 20, 16 << 20]
     rows: list[dict] = []

@@ -301,6 +301,8 @@ class KVSender:
             if not self._state.fail(error):
                 return
             log.warning("%s failed: %s", self._state.where, error)
+            if self.mgr.rooms.staging is not None:
+                self.mgr.rooms.staging.release(self)
             if notify:
                 try:
                     self._notify(Status.FAILED, str(error))

@@ -125,6 +125,16 @@ class PrefillStaging:
         self.mgr.transport.submit(part.req.decode_session, plan,
                                   lambda err, p=part, off=grant.offset: self._landed(p, off, err))
 
+    def release(self, sender) -> None:
+        """A sender failed: free the local regions of its parts still waiting
+        for a grant (no write reads them yet; parts being written free
+        theirs when the write ends)."""
+        with self.mgr._lock:
+            stale = [k for k, p in self._granting.items() if p.sender is sender]
+            for key in stale:
+                part = self._granting.pop(key)
+                self._finish(part, None, notify=False)
+
     def _landed(self, part: StagedPart, remote_offset: int, error) -> None:
         if error is None:
             try:
