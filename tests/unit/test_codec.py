@@ -71,6 +71,11 @@ def samples() -> list:
         tm.RoomStatus(room=12, request_id=34, prefill_tp_rank=0, status=tm.Status.FAILED, sent=(),
                       reason="transfer engine returned -1"),
         tm.RoomAbort(room=12, request_id=0, reason="decode scheduler aborted"),
+        tm.StageRequest(room=12, request_id=5, prefill_tp_rank=1, prefill_endpoint="tcp://10.0.0.1:5557", part=3,
+                        nbytes=16 << 20),
+        tm.StageGrant(room=12, request_id=5, part=3, offset=32 << 20),
+        tm.ChunkStaged(room=12, request_id=5, prefill_tp_rank=1, part=3, offset=32 << 20, nbytes=16 << 20,
+                       page_start=24, num_pages=8),
     ]
 
 
