@@ -86,8 +86,9 @@ class Spec:
     @staticmethod
     def from_json(text: str) -> "Spec":
         raw = json.loads(text)
+        raw.setdefault("decode_pools", raw["prefill_pools"])
         raw["prefill_pools"] = tuple(PoolSpec(**p) for p in raw["prefill_pools"])
-        raw["decode_pools"] = tuple(PoolSpec(**p) for p in raw.get("decode_pools", raw["prefill_pools"]))
+        raw["decode_pools"] = tuple(PoolSpec(**p) for p in raw["decode_pools"])
         return Spec(**raw)
 
     def to_json(self) -> str:
