@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     print(f"request time      p50 {np.percentile(lat, 50):.1f} ms, p99 {np.percentile(lat, 99):.1f} ms "
           "(receiver created -> Success)")
     print(f"descriptors       {prefill['descriptors'] / args.requests:.0f} per request "
-          "(scattered pages: one per page run, layer and K/V)")
+          "(scattered pages are gathered into a staging buffer and sent in large parts)")
     print(f"wall time         {wall:.1f} s including start-up and pool set-up")
     return 0
 
