@@ -6,7 +6,7 @@ Names are imported lazily: the codec and messages (used by the pure core of
 ``transfer``) do not pull in zmq.
 """
 
-import importlib
+from bootstrap.lazy import lazy_exports
 
 _EXPORTS = {
     "BootstrapClient": "bootstrap.client",
@@ -16,16 +16,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'bootstrap' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

@@ -8,7 +8,7 @@ Names are imported lazily, so that importing a pure module
 (``transfer.plan``, ``transfer.tp``, ...) pulls in neither zmq nor Mooncake.
 """
 
-import importlib
+from bootstrap.lazy import lazy_exports
 
 _EXPORTS = {
     "PoolRole": "bootstrap.messages",
@@ -25,16 +25,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'transfer' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

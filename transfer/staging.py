@@ -84,46 +84,40 @@ def _rows(t: torch.Tensor, num_pages: int, sl: PageSlice, width: int, dtype: tor
     return words[:, :, sl.start // width:(sl.start + sl.nbytes) // width]
 
 
-def _packed(staging: torch.Tensor, offset: int, nbytes: int, n: int, sl: PageSlice, width: int,
-            dtype: torch.dtype) -> torch.Tensor:
-    return staging[offset:offset + nbytes].view(dtype).view(n, sl.rows, sl.nbytes // width)
-
-
 def staged_bytes(pool: PoolDescriptor, sl: PageSlice, num_pages: int) -> int:
     return num_pages * sl.packed_bytes * pool.num_layers * len(components_of(pool.attention))
+
+
+def _pairs(staging: torch.Tensor, offset: int, tensors: dict, pool: PoolDescriptor, sl: PageSlice, n: int):
+    """For each buffer of ``pool`` in packing order: (its page slices as
+    words, the packed region of ``staging`` that holds them)."""
+    per_buffer = n * sl.packed_bytes
+    for layer in range(pool.num_layers):
+        for comp in components_of(pool.attention):
+            t = tensors[(pool.role, layer, comp)]
+            width, dtype = _word(sl, t.data_ptr(), staging.data_ptr() + offset)
+            packed = staging[offset:offset + per_buffer].view(dtype).view(n, sl.rows, sl.nbytes // width)
+            yield _rows(t, pool.num_pages, sl, width, dtype), packed
+            offset += per_buffer
 
 
 def gather(staging: torch.Tensor, offset: int, tensors: dict, pool: PoolDescriptor, sl: PageSlice,
            pages: torch.Tensor) -> int:
     """Pack ``pages`` of every buffer of ``pool`` into ``staging[offset:]``;
     returns the bytes written."""
-    n = pages.numel()
-    per_buffer = n * sl.packed_bytes
-    for layer in range(pool.num_layers):
-        for comp in components_of(pool.attention):
-            t = tensors[(pool.role, layer, comp)]
-            width, dtype = _word(sl, t.data_ptr(), staging.data_ptr() + offset)
-            out = _packed(staging, offset, per_buffer, n, sl, width, dtype)
-            torch.index_select(_rows(t, pool.num_pages, sl, width, dtype), 0, pages, out=out)
-            offset += per_buffer
+    for rows, packed in _pairs(staging, offset, tensors, pool, sl, pages.numel()):
+        torch.index_select(rows, 0, pages, out=packed)
     _sync(staging)
-    return per_buffer * pool.num_layers * len(components_of(pool.attention))
+    return staged_bytes(pool, sl, pages.numel())
 
 
 def scatter(staging: torch.Tensor, offset: int, tensors: dict, pool: PoolDescriptor, sl: PageSlice,
             pages: torch.Tensor) -> int:
     """Unpack what :func:`gather` packed into ``pages`` of this side's pool."""
-    n = pages.numel()
-    per_buffer = n * sl.packed_bytes
-    for layer in range(pool.num_layers):
-        for comp in components_of(pool.attention):
-            t = tensors[(pool.role, layer, comp)]
-            width, dtype = _word(sl, t.data_ptr(), staging.data_ptr() + offset)
-            src = _packed(staging, offset, per_buffer, n, sl, width, dtype)
-            _rows(t, pool.num_pages, sl, width, dtype).index_copy_(0, pages, src)
-            offset += per_buffer
+    for rows, packed in _pairs(staging, offset, tensors, pool, sl, pages.numel()):
+        rows.index_copy_(0, pages, packed)
     _sync(staging)
-    return per_buffer * pool.num_layers * len(components_of(pool.attention))
+    return staged_bytes(pool, sl, pages.numel())
 
 
 def _sync(t: torch.Tensor) -> None:
