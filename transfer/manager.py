@@ -15,7 +15,7 @@ from transfer.channel import ControlChannel
 from transfer.config import ManagerConfig, Role
 from transfer.errors import BootstrapError, BootstrapUnavailable, ClosedError
 from transfer.pools import MHAPool, MLAPool, describe_aux, describe_pool, memory_regions, pool_tensors
-from transfer.receiver import DecodeRooms
+from transfer.links import DecodeRooms
 from transfer.sender import PrefillRooms
 from transfer.staging import StagingArea
 from transfer.transport import MooncakeTransport

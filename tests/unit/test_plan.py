@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bootstrap.messages import AttentionKind, AuxDescriptor, Component, PageLayout, PoolRole, components_of
+from bootstrap.messages import AttentionKind, AuxDescriptor, Component, PageLayout, components_of
 from transfer.plan import PageRuns, TransferPlan, check_pages, coalesce, page_runs, plan_aux, plan_pool
 
 from ._fixtures import make_aux, make_pool

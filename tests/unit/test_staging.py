@@ -5,7 +5,6 @@ import random
 import pytest
 import torch
 
-from bootstrap.messages import PageLayout
 from transfer.plan import page_slice
 from transfer.pools import MHAPool, MLAPool, describe_pool, pool_tensors
 from transfer.staging import StagingArea, gather, scatter, staged_bytes

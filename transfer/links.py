@@ -1,0 +1,273 @@
+"""Decode side: the rank's links to prefill nodes (bootstrap lookup and
+handshake, on a background thread) and the routing of incoming control
+messages to live receivers."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from bootstrap.client import BootstrapClient
+from bootstrap.messages import AttentionKind, PoolRole, RankInfo
+from transfer import tp
+from transfer.errors import (BootstrapError, BootstrapUnavailable, IncompatibleLayoutError, KVFerryError,
+                             KVTimeoutError, ProtocolError)
+from transfer.layout import check_compatible
+from transfer.messages import (ChunkStaged, PeerHello, PeerHelloReply, PoolAssignment, RoomAbort, RoomStatus,
+                               StageRequest)
+from transfer.stageflow import DecodeStaging
+from transfer.state import KVPoll
+
+if TYPE_CHECKING:
+    from transfer.receiver import KVReceiver
+
+log = logging.getLogger("kvferry.receiver")
+
+# Pause between bootstrap lookups while a prefill node is not ready yet.
+_RETRY_S = 0.02
+
+
+class LinkState(enum.Enum):
+    RESOLVING = "resolving"
+    READY = "ready"
+    FAILED = "failed"
+
+
+class Link:
+    """One prefill DP group as this decode rank sees it: its ranks, and what
+    each contacted rank sends for a room (the same for every room)."""
+
+    def __init__(self, key: tuple[str, str, int]) -> None:
+        self.key = key
+        self.state = LinkState.RESOLVING
+        self.error: KVFerryError | None = None
+        self.progress = "lookup not answered yet"
+        self.ranks: tuple[RankInfo, ...] = ()
+        self.routes: dict[int, tuple[PoolAssignment, ...]] = {}
+        self.num_requests: dict[int, int] = {}
+        self.aux_rank = -1
+        self.last_wanted = time.monotonic()
+
+    @property
+    def name(self) -> str:
+        addr, node, dp = self.key
+        return f"prefill node {node!r} dp {dp} (bootstrap {addr})"
+
+
+class _Hello:
+    __slots__ = ("sent_at", "ok", "error")
+
+    def __init__(self) -> None:
+        self.sent_at = time.monotonic()
+        self.ok = False
+        self.error: KVFerryError | None = None
+
+
+class DecodeRooms:
+    """Resolves prefill nodes (bootstrap lookup, then a handshake with each
+    prefill rank) on a background thread, and routes RoomStatus and RoomAbort
+    messages to live receivers. A failed link is forgotten, so the next
+    receiver tries afresh: no peer is blacklisted for good."""
+
+    def __init__(self, mgr) -> None:
+        self.mgr = mgr
+        self.links: dict[tuple[str, str, int], Link] = {}
+        self.dp_sizes: dict[tuple[str, str], int] = {}  # 0: being looked up
+        self._dp_wanted: dict[tuple[str, str], float] = {}
+        self.receivers: dict[tuple[int, int], KVReceiver] = {}
+        self._hellos: dict[str, _Hello] = {}
+        self._clients: dict[str, BootstrapClient] = {}
+        self.staging = DecodeStaging(mgr, quarantine_s=2.0 * mgr.config.engine.progress_timeout_s) \
+            if mgr.staging is not None else None
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kvferry-resolver", daemon=True)
+        self._thread.start()
+
+    # --- used by receivers (under mgr._lock) -----------------------------------------
+
+    def link(self, addr: str, node: str, dp_rank: int | None, room: int) -> Link | None:
+        """The link for a room; None while the node's DP size is unknown."""
+        now = time.monotonic()
+        if dp_rank is None:
+            dp_size = self.dp_sizes.get((addr, node))
+            if dp_size is None:
+                self.dp_sizes[(addr, node)] = 0
+                self._wake.set()
+            if not dp_size:
+                self._dp_wanted[(addr, node)] = now
+                return None
+            dp_rank = room % dp_size
+        key = (addr, node, dp_rank)
+        link = self.links.get(key)
+        if link is None:
+            link = self.links[key] = Link(key)
+            self._wake.set()
+        link.last_wanted = now
+        return link
+
+    def forget(self, link: Link) -> None:
+        if self.links.get(link.key) is link:
+            del self.links[link.key]
+        for r in link.ranks:
+            hello = self._hellos.get(r.session)
+            if hello is not None and not hello.ok:
+                del self._hellos[r.session]
+
+    # --- messages -------------------------------------------------------------------
+
+    def on_message(self, msg) -> None:
+        with self.mgr._lock:
+            if isinstance(msg, PeerHelloReply):
+                hello = self._hellos.get(msg.session)
+                if hello is not None:
+                    hello.ok = msg.ok
+                    if not msg.ok:
+                        hello.error = IncompatibleLayoutError(msg.field, "decode side", "prefill side",
+                                                              detail=msg.reason)
+                    self._wake.set()
+                return
+            if isinstance(msg, (RoomStatus, RoomAbort)):
+                receiver = self.receivers.get((msg.room, msg.request_id))
+                if receiver is not None:
+                    receiver._on_message(msg)
+                return
+            if isinstance(msg, StageRequest) and self.staging is not None:
+                self.staging.on_request(msg)
+                return
+            if isinstance(msg, ChunkStaged) and self.staging is not None:
+                self.staging.on_staged(msg, self.receivers.get((msg.room, msg.request_id)))
+                return
+        log.warning("%s: ignored a %s message", self.mgr.where, msg.KIND)
+
+    # --- resolver thread --------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._closed:
+            self._wake.wait(0.05)
+            self._wake.clear()
+            with self.mgr._lock:
+                self._expire(time.monotonic() - self.mgr.config.bootstrap_timeout_s)
+                dp_todo = [k for k, v in self.dp_sizes.items() if v == 0]
+                todo = [l for l in self.links.values() if l.state is LinkState.RESOLVING]
+            for addr, node in dp_todo:
+                try:
+                    reply = self._client(addr).lookup(node, 0)
+                except KVFerryError as exc:
+                    log.debug("dp size of %s at %s: %s", node, addr, exc)
+                    continue
+                if reply.dp_size:
+                    with self.mgr._lock:
+                        self.dp_sizes[(addr, node)] = reply.dp_size
+            for link in todo:
+                try:
+                    self._step(link)
+                except KVFerryError as exc:
+                    with self.mgr._lock:
+                        link.state, link.error = LinkState.FAILED, exc
+                except Exception as exc:  # the resolver must outlive any one link
+                    log.exception("resolving %s", link.name)
+                    with self.mgr._lock:
+                        link.state = LinkState.FAILED
+                        link.error = ProtocolError(f"{link.name}: {type(exc).__name__}: {exc}")
+            if dp_todo or todo:
+                self._kick()
+            if self.staging is not None:
+                self.staging.pump()  # frees quarantined regions
+            if dp_todo or any(l.state is LinkState.RESOLVING for l in todo):
+                time.sleep(_RETRY_S)
+
+    def _expire(self, horizon: float) -> None:
+        """Stop resolving what no receiver asked for since ``horizon``."""
+        for key in [k for k, v in self.dp_sizes.items() if v == 0 and self._dp_wanted.get(k, 0) < horizon]:
+            del self.dp_sizes[key]
+            self._dp_wanted.pop(key, None)
+        for link in [l for l in self.links.values()
+                     if l.state is not LinkState.READY and l.last_wanted < horizon]:
+            self.forget(link)
+
+    def _kick(self) -> None:
+        """Advance waiting receivers now, not at their scheduler's next poll,
+        so requests reach prefill as soon as the node is resolved."""
+        with self.mgr._lock:
+            waiting = [r for r in self.receivers.values() if r._state.state is KVPoll.Bootstrapping]
+        for r in waiting:
+            r.poll()
+
+    def _client(self, addr: str) -> BootstrapClient:
+        client = self._clients.get(addr)
+        if client is None:
+            client = self._clients[addr] = BootstrapClient(addr, timeout_s=self.mgr.config.rpc_timeout_s)
+        return client
+
+    def _step(self, link: Link) -> None:
+        addr, node, dp = link.key
+        if not link.ranks:
+            try:
+                reply = self._client(addr).lookup(node, dp)
+            except BootstrapUnavailable as exc:
+                link.progress = str(exc)
+                return
+            except BootstrapError as exc:
+                raise BootstrapError(f"{self.mgr.where}: looking up {link.name}: {exc}", code=exc.code) from exc
+            if not reply.ready:
+                link.progress = f"{reply.num_registered} of {reply.tp_size or '?'} prefill ranks registered"
+                return
+            self._route(link, reply.ranks)
+        with self.mgr._lock:
+            pending = []
+            for p in link.routes:
+                session = link.ranks[p].session
+                hello = self._hellos.get(session)
+                if hello is None:
+                    hello = self._hellos[session] = _Hello()
+                    self.mgr.channel.send(link.ranks[p].control_endpoint, PeerHello(
+                        rank=self.mgr.rank, allow_missing_draft=self.mgr.config.allow_missing_draft))
+                if hello.error is not None:
+                    raise hello.error
+                if not hello.ok:
+                    if time.monotonic() - hello.sent_at > self.mgr.config.rpc_timeout_s:
+                        del self._hellos[session]
+                        raise KVTimeoutError(f"{link.name}: prefill rank {p} at {link.ranks[p].control_endpoint} "
+                                             f"did not answer the handshake within {self.mgr.config.rpc_timeout_s:g} s")
+                    pending.append(p)
+            if pending:
+                link.progress = f"waiting for the handshake of prefill ranks {pending}"
+            else:
+                link.state = LinkState.READY
+
+    def _route(self, link: Link, ranks: tuple[RankInfo, ...]) -> None:
+        local = self.mgr.rank
+        link.ranks = ranks  # known before the check, so a failure can reach every rank
+        for r in ranks:
+            check_compatible(local, r, local_is_prefill=False,
+                             allow_missing_draft=self.mgr.config.allow_missing_draft)
+        prefill_tp, decode_tp = ranks[0].tp_size, local.tp_size
+        shapes = tuple(
+            tp.PoolShape(role=p.role, is_mla=p.attention is AttentionKind.MLA, total_heads=p.total_kv_heads)
+            for p in ranks[0].pools if local.pool(p.role) is not None)
+        routes = tp.room_routes(local.tp_rank, prefill_tp, decode_tp, shapes)
+        link.routes = {
+            p: tuple(PoolAssignment(role=role, send=s is not None,
+                                    src_head_offset=s.src_head_offset if s else 0,
+                                    dst_head_offset=s.dst_head_offset if s else 0,
+                                    num_heads=s.num_heads if s else 0)
+                     for role, s in by_role.items())
+            for p, by_role in routes.items()}
+        link.num_requests = {p: tp.num_requests(p, prefill_tp, decode_tp, shapes) for p in routes}
+        senders_of_target = [p for p, by_role in routes.items() if by_role.get(PoolRole.TARGET)]
+        link.aux_rank = senders_of_target[0]
+
+    def close(self, error: BaseException) -> None:
+        self._closed = True
+        self._wake.set()
+        self._thread.join(2.0)
+        with self.mgr._lock:
+            receivers = list(self.receivers.values())
+        for r in receivers:
+            r._fail(error)
+        for c in self._clients.values():
+            c.close()
