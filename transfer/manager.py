@@ -55,6 +55,8 @@ class KVManager:
             staging_desc = StagingDescriptor(addr=self.staging.data_ptr(), nbytes=config.staging_bytes)
             self.staging_area = StagingArea(config.staging_bytes)
         self._lock = threading.RLock()
+        self._progress = threading.Condition(self._lock)
+        self._generation = 0
         self._closed = False
         self.transport = MooncakeTransport(config.engine)
         try:
@@ -107,6 +109,24 @@ class KVManager:
 
     def _on_message(self, msg) -> None:
         self.rooms.on_message(msg)
+
+    def _changed(self) -> None:
+        """A room changed state (called with the lock held)."""
+        self._generation += 1
+        self._progress.notify_all()
+
+    @property
+    def progress(self) -> int:
+        """A counter that grows whenever any room of this manager changes state."""
+        return self._generation
+
+    def wait_for_progress(self, seen: int, timeout_s: float) -> int:
+        """Block until ``progress`` exceeds ``seen`` or ``timeout_s`` passed;
+        returns ``progress``. For scheduler loops that would otherwise
+        sleep-poll: take ``progress``, poll every room, then wait on it."""
+        with self._progress:
+            self._progress.wait_for(lambda: self._generation > seen, timeout_s)
+            return self._generation
 
     def check_open(self) -> None:
         if self._closed:

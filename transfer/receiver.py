@@ -44,7 +44,7 @@ class KVReceiver:
         self.bootstrap_addr = bootstrap_addr
         self.prefill_node = prefill_node or mgr.config.node_id
         self.prefill_dp_rank = prefill_dp_rank
-        self._state = RoomState(f"{mgr.where} room {self.room}")
+        self._state = RoomState(f"{mgr.where} room {self.room}", on_change=mgr._changed)
         self._created = time.monotonic()
         self._link: Link | None = None
         self._pages: np.ndarray | None = None

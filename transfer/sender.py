@@ -121,7 +121,7 @@ class KVSender:
         mgr.check_open()
         self.mgr = mgr
         self.room = int(bootstrap_room)
-        self._state = RoomState(f"{mgr.where} room {self.room}")
+        self._state = RoomState(f"{mgr.where} room {self.room}", on_change=mgr._changed)
         self._created = time.monotonic()
         self._requests: list[TransferRequest] = []
         self._num_pages: int | None = None

@@ -49,12 +49,13 @@ _NEXT: dict[KVPoll, frozenset[KVPoll]] = {
 class RoomState:
     """The state of one room on one side. Not thread-safe; the owner locks."""
 
-    __slots__ = ("state", "error", "where")
+    __slots__ = ("state", "error", "where", "_on_change")
 
-    def __init__(self, where: str) -> None:
+    def __init__(self, where: str, on_change=None) -> None:
         self.state = KVPoll.Bootstrapping
         self.error: BaseException | None = None
         self.where = where
+        self._on_change = on_change  # called after every change of state
 
     @property
     def terminal(self) -> bool:
@@ -67,6 +68,8 @@ class RoomState:
         if to not in _NEXT[self.state]:
             raise StateError(f"{self.where}: cannot go from {self.state.name} to {to.name}")
         self.state = to
+        if self._on_change is not None:
+            self._on_change()
 
     def fail(self, error: BaseException) -> bool:
         """Fail unless already terminal; returns whether the state changed.
@@ -75,4 +78,6 @@ class RoomState:
             return False
         self.state = KVPoll.Failed
         self.error = error
+        if self._on_change is not None:
+            self._on_change()
         return True

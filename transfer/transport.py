@@ -37,7 +37,11 @@ DoneCallback = Callable[[TransferError | None], None]
 # it stops: the engine finishes them roughly in order, and checking thousands
 # of pending ids per round would burn the CPU the engine needs.
 _PENDING_WINDOW = 64
-_MAX_IDLE_SLEEP_S = 0.0005
+# While descriptors are outstanding the worker sleeps about a quarter of the
+# time the outstanding bytes need at this rate, within these bounds: short
+# waits keep small transfers fast, long ones leave the CPU to the engine.
+_ASSUMED_BYTES_PER_S = 2e9
+_MIN_SLEEP_S, _MAX_SLEEP_S = 20e-6, 1e-3
 
 
 @dataclass
@@ -80,6 +84,7 @@ class MooncakeTransport:
         self._closed = threading.Event()
         self.num_descriptors = 0
         self.num_bytes = 0
+        self._inflight_bytes = 0
         self._thread = threading.Thread(target=self._run, name="kvferry-transport", daemon=True)
         self._thread.start()
 
@@ -112,8 +117,7 @@ class MooncakeTransport:
     def _run(self) -> None:
         by_peer: dict[str, collections.deque[_Job]] = collections.defaultdict(collections.deque)
         inflight: dict[str, int] = collections.defaultdict(int)
-        outstanding: collections.deque[tuple[int, _Job]] = collections.deque()
-        idle_sleep = 0.0
+        outstanding: collections.deque[tuple[int, _Job, int]] = collections.deque()
         cap = self.config.max_inflight_per_peer
         while True:
             # Admit new jobs; block only when there is nothing to do.
@@ -127,15 +131,11 @@ class MooncakeTransport:
                     job = self._jobs.get_nowait()
             except queue.Empty:
                 pass
-            progressed = self._submit_round(by_peer, inflight, outstanding, cap)
-            progressed |= self._check_round(outstanding, inflight)
-            if progressed:
-                idle_sleep = 0.0
-            elif outstanding:
-                # Back off from 50 us to 0.5 ms: short waits keep small transfers
-                # fast, and sleeping (not spinning) leaves the CPU to the engine.
-                idle_sleep = min(_MAX_IDLE_SLEEP_S, max(5e-5, idle_sleep * 2))
-                time.sleep(idle_sleep)
+            self._submit_round(by_peer, inflight, outstanding, cap)
+            self._check_round(outstanding, inflight)
+            if outstanding:
+                pending = self._inflight_bytes / _ASSUMED_BYTES_PER_S / 4
+                time.sleep(min(_MAX_SLEEP_S, max(_MIN_SLEEP_S, pending)))
 
     def _submit_round(self, by_peer, inflight, outstanding, cap) -> bool:
         progressed = False
@@ -154,7 +154,8 @@ class MooncakeTransport:
                             f"(descriptor {i} of {n})", peer=peer)
                         job.next_index = n
                         break
-                    outstanding.append((tid, job))
+                    outstanding.append((tid, job, job.lengths[i]))
+                    self._inflight_bytes += job.lengths[i]
                     job.next_index += 1
                     job.num_inflight += 1
                     inflight[peer] += 1
@@ -173,13 +174,14 @@ class MooncakeTransport:
         for _ in range(len(outstanding)):
             if pending >= _PENDING_WINDOW:
                 break
-            tid, job = outstanding.popleft()
+            tid, job, nbytes = outstanding.popleft()
             status = check(tid)
             if status == 0:
-                outstanding.append((tid, job))  # keeps the order of the still-pending ones
+                outstanding.append((tid, job, nbytes))  # keeps the order of the still-pending ones
                 pending += 1
                 continue
             progressed = True
+            self._inflight_bytes -= nbytes
             job.num_inflight -= 1
             inflight[job.peer] -= 1
             if status == 1:
@@ -208,7 +210,7 @@ class MooncakeTransport:
 
     def _fail_all(self, by_peer, outstanding) -> None:
         jobs = {id(j): j for q in by_peer.values() for j in q}
-        jobs.update({id(j): j for _, j in outstanding})
+        jobs.update({id(j): j for _, j, _ in outstanding})
         for job in jobs.values():
             if not job.done:
                 job.done = True
