@@ -116,3 +116,15 @@ def test_terminal_set_and_values():
     assert min([KVPoll.Success, KVPoll.Transferring, KVPoll.Failed]) is KVPoll.Failed
     assert [s.value for s in KVPoll] == [0, 1, 2, 3, 4]
     assert KVPoll.Success == 4 and KVPoll.Bootstrapping == 1
+
+
+def test_on_change_is_called_for_every_change_and_only_then():
+    calls = []
+    st = RoomState("room 1", on_change=lambda: calls.append(st.state))
+    st.move(KVPoll.WaitingForInput)
+    st.move(KVPoll.Transferring)
+    assert st.fail(RuntimeError("boom")) is True
+    assert st.fail(RuntimeError("again")) is False  # terminal: no change, no call
+    with pytest.raises(StateError):
+        st.move(KVPoll.Success)
+    assert calls == [KVPoll.WaitingForInput, KVPoll.Transferring, KVPoll.Failed]
