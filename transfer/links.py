@@ -139,6 +139,8 @@ class DecodeRooms:
                 self.staging.on_request(msg)
                 return
             if isinstance(msg, ChunkStaged) and self.staging is not None:
+                # Under the lock on purpose: a room cannot turn Failed (and its
+                # pages be reused by the scheduler) halfway through a scatter.
                 self.staging.on_staged(msg, self.receivers.get((msg.room, msg.request_id)))
                 return
         log.warning("%s: ignored a %s message", self.mgr.where, msg.KIND)
