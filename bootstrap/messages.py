@@ -16,6 +16,7 @@ Request/reply pairs served by the bootstrap server::
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 
 from bootstrap.codec import message, struct
@@ -140,11 +141,15 @@ class PoolDescriptor:
         """Bytes of one page in one buffer."""
         return self.page_size * self.token_bytes
 
+    @functools.cached_property
+    def _by_key(self) -> dict[tuple[int, Component], BufferRef]:
+        return {(b.layer, b.component): b for b in self.buffers}
+
     def buffer(self, layer: int, component: Component) -> BufferRef:
-        for b in self.buffers:
-            if b.layer == layer and b.component is component:
-                return b
-        raise KeyError((self.role.value, layer, component.value))
+        try:
+            return self._by_key[(layer, component)]
+        except KeyError:
+            raise KeyError((self.role.value, layer, component.value)) from None
 
 
 def _components(kind: AttentionKind) -> tuple[Component, ...]:
