@@ -81,6 +81,26 @@ def check_pages(pages: np.ndarray, num_pages: int, where: str) -> None:
         raise IndexError(f"{where}: page index {int(bad)} outside the pool of {num_pages} pages")
 
 
+def check_transfer(src: PoolDescriptor, dst: PoolDescriptor, src_pages: np.ndarray, dst_pages: np.ndarray,
+                   *, src_head_offset: int = 0, dst_head_offset: int = 0, num_heads: int | None = None) -> int:
+    """Everything a move of pages of one pool must respect, checked before any
+    byte moves, by the direct and the staged path alike: page indices inside
+    both pools, matching shapes, the head slice inside both sides' heads.
+    Returns the number of heads moved; raises IndexError or ValueError."""
+    check_pages(src_pages, src.num_pages, f"{src.role.value} pool (source)")
+    check_pages(dst_pages, dst.num_pages, f"{dst.role.value} pool (destination)")
+    if src.page_size != dst.page_size or src.itemsize != dst.itemsize or src.head_dim != dst.head_dim:
+        raise ValueError(f"{src.role.value} pool: page size, item size and head dim must match")
+    if src.page_layout is not dst.page_layout:
+        raise ValueError(f"{src.role.value} pool: page layouts differ")
+    heads = src.num_kv_heads if num_heads is None else num_heads
+    if heads < 1 or src_head_offset < 0 or dst_head_offset < 0 \
+            or src_head_offset + heads > src.num_kv_heads or dst_head_offset + heads > dst.num_kv_heads:
+        raise ValueError(f"{src.role.value} pool: head slice of {heads} heads at {src_head_offset} -> "
+                         f"{dst_head_offset} is outside the local heads ({src.num_kv_heads} -> {dst.num_kv_heads})")
+    return heads
+
+
 def plan_pool(src: PoolDescriptor, dst: PoolDescriptor, src_pages: np.ndarray, dst_pages: np.ndarray,
               *, src_head_offset: int = 0, dst_head_offset: int = 0, num_heads: int | None = None) -> TransferPlan:
     """Plan moving pages of one pool. Buffers are paired by (layer,
@@ -88,21 +108,12 @@ def plan_pool(src: PoolDescriptor, dst: PoolDescriptor, src_pages: np.ndarray, d
     heads per token, only that head slice moves, token by token."""
     src_pages = np.asarray(src_pages, dtype=np.int64)
     dst_pages = np.asarray(dst_pages, dtype=np.int64)
-    check_pages(src_pages, src.num_pages, f"{src.role.value} pool (source)")
-    check_pages(dst_pages, dst.num_pages, f"{dst.role.value} pool (destination)")
-    if src.page_size != dst.page_size or src.itemsize != dst.itemsize or src.head_dim != dst.head_dim:
-        raise ValueError(f"{src.role.value} pool: page size, item size and head dim must match")
-    heads = src.num_kv_heads if num_heads is None else num_heads
-    if heads < 1 or src_head_offset < 0 or dst_head_offset < 0 \
-            or src_head_offset + heads > src.num_kv_heads or dst_head_offset + heads > dst.num_kv_heads:
-        raise ValueError(f"{src.role.value} pool: head slice of {heads} heads at {src_head_offset} -> "
-                         f"{dst_head_offset} is outside the local heads ({src.num_kv_heads} -> {dst.num_kv_heads})")
+    heads = check_transfer(src, dst, src_pages, dst_pages, src_head_offset=src_head_offset,
+                           dst_head_offset=dst_head_offset, num_heads=num_heads)
     runs = page_runs(src_pages, dst_pages)
     if runs.lengths.size == 0:
         return TransferPlan.empty()
     whole_pages = heads == src.num_kv_heads == dst.num_kv_heads
-    if src.page_layout is not dst.page_layout:
-        raise ValueError(f"{src.role.value} pool: page layouts differ")
     if whole_pages:
         src_off = runs.src_starts * src.page_bytes
         dst_off = runs.dst_starts * dst.page_bytes

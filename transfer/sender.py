@@ -13,7 +13,7 @@ from transfer.errors import IncompatibleLayoutError, PeerError, StateError, KVTi
 from transfer.layout import check_compatible
 from transfer.messages import (PeerHello, PeerHelloReply, RoomAbort, RoomStatus, StageGrant, Status,
                                TransferRequest)
-from transfer.plan import TransferPlan, check_pages, page_runs, page_slice, plan_aux, plan_pool
+from transfer.plan import TransferPlan, check_transfer, page_runs, page_slice, plan_aux, plan_pool
 from transfer.stageflow import PrefillStaging, part_bytes_for, plan_parts
 from transfer.state import KVPoll, RoomState
 
@@ -209,9 +209,10 @@ class KVSender:
             sent = [a for a in req.assignments if a.send]
             plans = []
             if sent and self._stage(pages, dst, sent, local, peer):
-                for a in sent:  # bounds are checked here, before any byte moves
-                    check_pages(dst.astype(np.int64), peer.pool(a.role).num_pages, f"{a.role.value} pool (destination)")
-                    check_pages(pages, local.pool(a.role).num_pages, f"{a.role.value} pool (source)")
+                for a in sent:  # the same checks as the direct path, before any byte moves
+                    check_transfer(local.pool(a.role), peer.pool(a.role), pages, dst.astype(np.int64),
+                                   src_head_offset=a.src_head_offset, dst_head_offset=a.dst_head_offset,
+                                   num_heads=a.num_heads)
                 new = plan_parts(self, req, pages, self._offset, local, peer, part_bytes_for(self.mgr, peer),
                                  self._next_part)
                 self._next_part += len(new)
