@@ -249,11 +249,7 @@ def run_prefill(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
                         chunks[2] = off + n
                     busy = busy or bool(sizes)
                 if state in (KVPoll.Success, KVPoll.Failed):
-                    res.rooms += 1
-                    if state is KVPoll.Success:
-                        res.success += 1
-                    else:
-                        res.failed.append([room, _why(sender)])
+                    _count(res, room, sender, state)
                     del live[room]
                     busy = busy or bool(rooms)  # a slot freed: start the next room now
             # Like a scheduler's idle loop: wake on any room's change of state
@@ -307,16 +303,12 @@ def run_decode(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
                 state = receiver.poll()
                 if state not in (KVPoll.Success, KVPoll.Failed):
                     continue
-                res.rooms += 1
-                if state is KVPoll.Success:
-                    res.success += 1
+                if _count(res, room, receiver, state):
                     if window.measured(room):
                         res.latencies_ms.append((time.monotonic() - started) * 1e3)
                         res.bytes += _room_bytes(tensors, dst, prefill_roles)
                     if spec.verify:
                         _verify(spec, room, dst, slot, tensors, expected[dp_group(spec, room)], aux, res.mismatches)
-                else:
-                    res.failed.append([room, _why(receiver)])
                 free.extend(dst)
                 del live[room]
                 busy = busy or bool(rooms)  # a slot freed: start the next room now
@@ -384,6 +376,16 @@ def _verify(spec, room, dst, slot, tensors, expected, aux, mismatches) -> None:
                     mismatches.append(f"room {room}: {role} {c} layer {l} differs")
     if bytes(aux[slot].numpy()) != aux_row(spec, room):
         mismatches.append(f"room {room}: aux row differs")
+
+
+def _count(res: Result, room: int, obj, state: KVPoll) -> bool:
+    """Record a room that ended; returns whether it succeeded."""
+    res.rooms += 1
+    if state is KVPoll.Success:
+        res.success += 1
+        return True
+    res.failed.append([room, _why(obj)])
+    return False
 
 
 def _why(obj) -> str:
