@@ -12,7 +12,7 @@ _EXPORTS = {
     "BootstrapClient": "bootstrap.client",
     "BootstrapServer": "bootstrap.server", "DEFAULT_PORT": "bootstrap.server",
     "BootstrapError": "bootstrap.errors", "BootstrapUnavailable": "bootstrap.errors",
-    "KVFerryError": "bootstrap.errors", "ProtocolError": "bootstrap.errors",
+    "KVFerryError": "bootstrap.errors", "ProtocolError": "bootstrap.errors", "AuthError": "bootstrap.errors",
 }
 
 __all__ = sorted(_EXPORTS)

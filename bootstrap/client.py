@@ -7,7 +7,7 @@ import threading
 import zmq
 
 from bootstrap import codec
-from bootstrap.errors import BootstrapError, BootstrapUnavailable, ProtocolError
+from bootstrap.errors import AuthError, BootstrapError, BootstrapUnavailable, ProtocolError
 from bootstrap.messages import ErrorReply, Lookup, LookupReply, Ping, Pong, RankInfo, Register, Registered
 
 
@@ -16,14 +16,17 @@ class BootstrapClient:
 
     Every call blocks for at most ``timeout_s`` and then raises
     :class:`BootstrapUnavailable`; an error reply raises
-    :class:`BootstrapError`. Thread-safe (calls are serialized).
+    :class:`BootstrapError`, a refused or unauthenticated exchange
+    :class:`AuthError`. With ``secret``, requests are sealed and replies must
+    be (see :mod:`bootstrap.codec`). Thread-safe (calls are serialized).
     """
 
-    def __init__(self, address: str, *, timeout_s: float = 5.0) -> None:
+    def __init__(self, address: str, *, timeout_s: float = 5.0, secret: str | bytes | None = None) -> None:
         if ":" not in address:
             raise ValueError(f"bootstrap address must be host:port, got {address!r}")
         self.address = address
         self.timeout_s = timeout_s
+        self._key = codec.secret_key(secret)
         self._ctx = zmq.Context.instance()
         self._lock = threading.Lock()
         self._sock: zmq.Socket | None = None
@@ -44,7 +47,7 @@ class BootstrapClient:
 
     def request(self, msg):
         """Send ``msg`` and return the decoded reply (never an ErrorReply)."""
-        payload = codec.encode(msg)
+        payload = codec.encode(msg, self._key)
         with self._lock:
             sock = self._socket()
             try:
@@ -61,10 +64,25 @@ class BootstrapClient:
                 sock.close(0)
                 self._sock = None
                 raise BootstrapUnavailable(f"bootstrap server {self.address}: {exc}") from exc
-        reply = codec.decode(data)
+        try:
+            reply = codec.decode(data, self._key)
+        except AuthError as exc:
+            refusal = self._refusal(data)
+            raise AuthError(f"bootstrap server {self.address}: {refusal or exc}") from None
         if isinstance(reply, ErrorReply):
+            if reply.code == "auth":
+                raise AuthError(f"bootstrap server {self.address}: {reply.message}")
             raise BootstrapError(f"bootstrap server {self.address}: {reply.message}", code=reply.code)
         return reply
+
+    @staticmethod
+    def _refusal(data: bytes) -> str | None:
+        """The server's bare 'auth' error reply, if ``data`` is one."""
+        try:
+            reply = codec.decode(data)
+        except ProtocolError:
+            return None
+        return reply.message if isinstance(reply, ErrorReply) and reply.code == "auth" else None
 
     def register(self, rank: RankInfo) -> Registered:
         return self._expect(self.request(Register(rank=rank)), Registered)

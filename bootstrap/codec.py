@@ -13,6 +13,14 @@ extra or mistyped field, or a value the dataclass rejects in ``__post_init__``
 raises :class:`~bootstrap.errors.ProtocolError` naming the problem. Nothing
 indexes frames by position.
 
+Authentication: with a shared secret, :func:`encode` seals the msgpack bytes
+in a frame ``MAGIC | timestamp (8 bytes, ms) | HMAC-SHA256 tag (32 bytes) |
+payload``, the tag covering everything before and after it, and
+:func:`decode` refuses any frame whose tag does not verify, that is not
+sealed, or whose timestamp is more than ``MAX_CLOCK_SKEW_S`` away from this
+host's clock (a replayed frame is accepted only within that window). Without
+a secret, frames are the bare msgpack bytes and a sealed frame is refused.
+
 Version rules: ``PROTOCOL_VERSION`` is bumped whenever a field is added,
 removed, renamed or changes meaning, in any message. Peers with different
 versions refuse each other's messages, with an error that names both versions.
@@ -22,19 +30,29 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
+import hmac
+import time
 import types
 import typing
 from typing import Any, Callable, TypeVar
 
 import msgpack
 
-from bootstrap.errors import ProtocolError
+from bootstrap.errors import AuthError, ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 #: Largest encoded message accepted, in bytes. Control messages carry page
 #: lists and buffer descriptors, never KV bytes.
 MAX_MESSAGE_BYTES = 8 << 20
+
+#: Sealed frames start with this (a msgpack map never does).
+MAGIC = b"KVFa"
+_TAG = 32
+_SEALED_HEAD = len(MAGIC) + 8 + _TAG
+#: How far a sealed frame's timestamp may be from this host's clock.
+MAX_CLOCK_SKEW_S = 60.0
 
 _MESSAGES: dict[str, type] = {}
 _STRUCTS: set[type] = set()
@@ -64,22 +82,61 @@ def struct(cls: type[T]) -> type[T]:
     return cls
 
 
-def encode(msg: Any) -> bytes:
-    """Encode a registered message to bytes. Raises ``ProtocolError`` for an
+def secret_key(secret: str | bytes | None) -> bytes | None:
+    """The HMAC key for a configured shared secret (None or empty: off)."""
+    if not secret:
+        return None
+    return hashlib.sha256(b"kvferry-control-v1:" + (secret.encode() if isinstance(secret, str) else secret)).digest()
+
+
+def _tag(key: bytes, head: bytes, payload: bytes) -> bytes:
+    return hmac.new(key, head + payload, hashlib.sha256).digest()
+
+
+def encode(msg: Any, key: bytes | None = None) -> bytes:
+    """Encode a registered message to bytes, sealed with ``key`` (see
+    :func:`secret_key`) when given. Raises ``ProtocolError`` for an
     unregistered type or a field value of the wrong type."""
     kind = getattr(type(msg), "KIND", None)
     if kind is None or _MESSAGES.get(kind) is not type(msg):
         raise ProtocolError(f"{type(msg).__name__} is not a registered message")
     body = _dump_struct(msg, kind)
-    return msgpack.packb({"v": PROTOCOL_VERSION, "kind": kind, "body": body}, use_bin_type=True)
+    payload = msgpack.packb({"v": PROTOCOL_VERSION, "kind": kind, "body": body}, use_bin_type=True)
+    if key is None:
+        return payload
+    head = MAGIC + int(time.time() * 1000).to_bytes(8, "big")
+    return head + _tag(key, head, payload) + payload
 
 
-def decode(data: bytes) -> Any:
-    """Decode bytes to a message instance, checking version, kind and fields."""
+def unseal(data: bytes, key: bytes | None) -> bytes:
+    """The payload of a frame; raises :class:`AuthError` unless the frame's
+    sealing matches ``key`` (sealed and verified with a key, bare without)."""
+    sealed = bytes(data[:len(MAGIC)]) == MAGIC
+    if key is None:
+        if sealed:
+            raise AuthError("the message is authenticated but this endpoint has no shared secret configured")
+        return data
+    if not sealed or len(data) < _SEALED_HEAD:
+        raise AuthError("unauthenticated message refused (a shared secret is configured)")
+    head, tag = bytes(data[:len(MAGIC) + 8]), bytes(data[len(MAGIC) + 8:_SEALED_HEAD])
+    payload = bytes(data[_SEALED_HEAD:])
+    if not hmac.compare_digest(tag, _tag(key, head, payload)):
+        raise AuthError("message authentication failed (wrong shared secret or altered message)")
+    skew = abs(time.time() - int.from_bytes(head[len(MAGIC):], "big") / 1000)
+    if skew > MAX_CLOCK_SKEW_S:
+        raise AuthError(f"authenticated message is {skew:.0f} s off this host's clock (replayed or clock skew; "
+                        f"the limit is {MAX_CLOCK_SKEW_S:g} s)")
+    return payload
+
+
+def decode(data: bytes, key: bytes | None = None) -> Any:
+    """Decode bytes to a message instance, checking the sealing (see
+    :func:`unseal`), version, kind and fields."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"expected bytes, got {type(data).__name__}")
     if len(data) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"message of {len(data)} bytes exceeds the limit of {MAX_MESSAGE_BYTES}")
+    data = unseal(data, key)
     try:
         envelope = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types

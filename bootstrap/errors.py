@@ -7,6 +7,7 @@
     ├── ProtocolError                a message that is not one of ours: not msgpack, too
     │                                large, unknown kind, wrong version, missing or
     │                                mistyped field (also a ValueError)
+    │   └── AuthError                not authenticated with the shared secret
     ├── BootstrapError               the bootstrap server answered with an error
     ├── KVTimeoutError               a bounded wait ran out (also a TimeoutError)
     │   └── BootstrapUnavailable     the bootstrap server did not answer in time
@@ -37,6 +38,11 @@ class ProtocolError(KVFerryError, ValueError):
     def __init__(self, message: str, *, field: str | None = None) -> None:
         super().__init__(message)
         self.field = field
+
+
+class AuthError(ProtocolError):
+    """A message that is not authenticated with the configured shared secret
+    (unsealed, wrong secret, altered, or outside the replay window)."""
 
 
 class BootstrapError(KVFerryError):

@@ -3,6 +3,11 @@
 Ranks are grouped by (node id, DP rank); a group is ready once all of its
 ``tp_size`` ranks registered. Every rank of a node must agree on ``dp_size``
 and every rank of a group on ``tp_size``.
+
+Liveness: prefill ranks re-register every few seconds (which also
+re-populates a restarted server). With ``ttl_s`` set, a rank not heard from
+for that long is dropped, so lookups stop handing out a dead rank; a rank
+restarted under the same (node, DP, TP) simply replaces its old entry.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ class RegistryConflict(ValueError):
 class _Group:
     tp_size: int
     ranks: dict[int, RankInfo] = field(default_factory=dict)
+    seen: dict[int, float] = field(default_factory=dict)  # tp rank -> when last registered
 
 
 @dataclass
@@ -32,16 +38,34 @@ class Registry:
     """In-memory table of registered prefill ranks. Not thread-safe: the
     server calls it from its one serving thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, ttl_s: float = 0.0) -> None:
         self._nodes: dict[str, _Node] = {}
+        self.ttl_s = ttl_s
+        self.num_expired = 0
 
     @property
     def num_nodes(self) -> int:
         return len(self._nodes)
 
-    def register(self, rank: RankInfo) -> Registered:
-        """Add or replace a rank. Raises :class:`RegistryConflict` when its
-        ``dp_size`` or ``tp_size`` disagree with ranks already registered."""
+    def expire(self, now: float) -> None:
+        """Drop ranks not registered again within ``ttl_s`` (0: never)."""
+        if not self.ttl_s:
+            return
+        for node_id, node in list(self._nodes.items()):
+            for dp, group in list(node.groups.items()):
+                for tp_rank in [r for r, t in group.seen.items() if now - t > self.ttl_s]:
+                    del group.ranks[tp_rank], group.seen[tp_rank]
+                    self.num_expired += 1
+                if not group.ranks:
+                    del node.groups[dp]
+            if not node.groups:
+                del self._nodes[node_id]
+
+    def register(self, rank: RankInfo, now: float = 0.0) -> Registered:
+        """Add or replace a rank (``now``: a monotonic clock, for the TTL).
+        Raises :class:`RegistryConflict` when its ``dp_size`` or ``tp_size``
+        disagree with ranks already registered."""
+        self.expire(now)
         node = self._nodes.get(rank.node_id)
         if node is not None and node.dp_size != rank.dp_size:
             raise RegistryConflict(
@@ -59,6 +83,7 @@ class Registry:
         if group is None or group.tp_size != rank.tp_size:
             group = node.groups[rank.dp_rank] = _Group(tp_size=rank.tp_size)
         group.ranks[rank.tp_rank] = rank
+        group.seen[rank.tp_rank] = now
         return Registered(
             node_id=rank.node_id,
             dp_rank=rank.dp_rank,
@@ -66,9 +91,10 @@ class Registry:
             tp_size=group.tp_size,
         )
 
-    def lookup(self, node_id: str, dp_rank: int) -> LookupReply:
+    def lookup(self, node_id: str, dp_rank: int, now: float = 0.0) -> LookupReply:
         """The group's ranks ordered by TP rank once all registered; a
         not-ready reply (empty ``ranks``) before that, also for unknown nodes."""
+        self.expire(now)
         node = self._nodes.get(node_id)
         group = node.groups.get(dp_rank) if node else None
         if node is not None and dp_rank >= node.dp_size:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import zmq
 
 from bootstrap import codec
-from bootstrap.errors import ProtocolError
+from bootstrap.errors import AuthError, ProtocolError
 from bootstrap.messages import ErrorReply, Lookup, Ping, Pong, Register
 from bootstrap.registry import Registry, RegistryConflict
 
@@ -30,7 +31,8 @@ class BootstrapServer:
     thread or a signal handler); ``start()`` runs it on a daemon thread.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, secret: str | bytes | None = None,
+                 rank_ttl_s: float = 15.0) -> None:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -46,9 +48,11 @@ class BootstrapServer:
             self._ctx.term()
             raise OSError(f"bootstrap server cannot bind tcp://{host}:{port}: {exc}") from exc
         self.host, self.port = host, port
-        self.registry = Registry()
+        self.registry = Registry(ttl_s=rank_ttl_s)
+        self._key = codec.secret_key(secret)
         self.num_requests = 0
         self.num_errors = 0
+        self.num_unauthenticated = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -95,22 +99,30 @@ class BootstrapServer:
                 reply = ErrorReply(code="protocol", message=f"expected 1 payload frame, got {len(frames) - 1}")
                 self._send(frames[:1], reply)
             return
-        self._send(head, self._answer(payload))
+        reply = self._answer(payload)
+        # A refused requester has no secret (or the wrong one): it could not
+        # read a sealed error, so that one reply goes out bare.
+        self._send(head, reply, seal=not (isinstance(reply, ErrorReply) and reply.code == "auth"))
 
     def _answer(self, payload: bytes):
         try:
-            request = codec.decode(payload)
+            request = codec.decode(payload, self._key)
             if isinstance(request, Register):
-                reply = self.registry.register(request.rank)
-                log.info("bootstrap: registered %s dp %d tp %d/%d (%d of %d)",
+                reply = self.registry.register(request.rank, time.monotonic())
+                log.debug("bootstrap: registered %s dp %d tp %d/%d (%d of %d)",
                          request.rank.node_id, request.rank.dp_rank, request.rank.tp_rank,
                          request.rank.tp_size, reply.num_registered, reply.tp_size)
                 return reply
             if isinstance(request, Lookup):
-                return self.registry.lookup(request.node_id, request.dp_rank)
+                return self.registry.lookup(request.node_id, request.dp_rank, time.monotonic())
             if isinstance(request, Ping):
                 return Pong(num_nodes=self.registry.num_nodes, num_errors=self.num_errors)
             raise ProtocolError(f"the bootstrap server does not serve {request.KIND!r} messages")
+        except AuthError as exc:
+            self.num_errors += 1
+            self.num_unauthenticated += 1
+            log.warning("bootstrap: refused: %s", exc)
+            return ErrorReply(code="auth", message=str(exc))
         except ProtocolError as exc:
             self.num_errors += 1
             log.warning("bootstrap: bad request: %s", exc)
@@ -123,9 +135,9 @@ class BootstrapServer:
             log.exception("bootstrap: internal error")
             return ErrorReply(code="internal", message=f"{type(exc).__name__}: {exc}")
 
-    def _send(self, head: list[bytes], reply) -> None:
+    def _send(self, head: list[bytes], reply, *, seal: bool = True) -> None:
         try:
-            self._sock.send_multipart([*head, codec.encode(reply)], zmq.NOBLOCK)
+            self._sock.send_multipart([*head, codec.encode(reply, self._key if seal else None)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             log.warning("bootstrap: reply dropped: %s", exc)
 

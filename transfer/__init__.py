@@ -15,7 +15,7 @@ _EXPORTS = {
     "EngineConfig": "transfer.config", "ManagerConfig": "transfer.config", "Role": "transfer.config",
     "manager_config_from_env": "transfer.config",
     **{name: "transfer.errors" for name in (
-        "BootstrapError", "BootstrapUnavailable", "ClosedError", "IncompatibleLayoutError", "KVFerryError",
+        "AuthError", "BootstrapError", "BootstrapUnavailable", "ClosedError", "IncompatibleLayoutError", "KVFerryError",
         "KVTimeoutError", "PeerError", "ProtocolError", "StateError", "TransferError")},
     "KVManager": "transfer.manager",
     "MHAPool": "transfer.pools", "MLAPool": "transfer.pools",

@@ -4,8 +4,10 @@ Each rank binds one ROUTER socket (its *control endpoint*) and reaches peers
 through one DEALER per peer endpoint. Messages are one-way and self-describing
 (they say who sent them), so replies are just messages the other way. One
 thread receives, decodes with the codec and hands each message to the
-handler; a malformed message is counted and dropped, and an exception in the
-handler is logged: the thread never dies of input.
+handler; a malformed or unauthenticated message is counted and dropped, and
+an exception in the handler is logged: the thread never dies of input. With
+a shared secret every message is sealed and must verify (see
+:mod:`bootstrap.codec`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any, Callable
 import zmq
 
 from bootstrap import codec
-from transfer.errors import ClosedError, ProtocolError, TransferError
+from transfer.errors import AuthError, ClosedError, ProtocolError, TransferError
 
 log = logging.getLogger("kvferry.channel")
 
@@ -27,7 +29,8 @@ Handler = Callable[[Any], None]
 class ControlChannel:
     """``send`` is thread-safe and never blocks; ``close`` stops the receiver."""
 
-    def __init__(self, host: str, handler: Handler, *, port: int = 0, send_queue_msgs: int = 10000) -> None:
+    def __init__(self, host: str, handler: Handler, *, port: int = 0, send_queue_msgs: int = 10000,
+                 secret: str | bytes | None = None) -> None:
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -43,19 +46,21 @@ class ControlChannel:
             raise OSError(f"control channel cannot bind tcp://{host}:{port}: {exc}") from exc
         self.endpoint = f"tcp://{host}:{port}"
         self._handler = handler
+        self._key = codec.secret_key(secret)
         self._send_queue_msgs = send_queue_msgs
         self._dealers: dict[str, zmq.Socket] = {}
         self._send_lock = threading.Lock()
         self._closed = threading.Event()
         self.num_received = 0
         self.num_malformed = 0
+        self.num_unauthenticated = 0
         self._thread = threading.Thread(target=self._run, name="kvferry-control", daemon=True)
         self._thread.start()
 
     def send(self, endpoint: str, msg) -> None:
         """Queue ``msg`` for ``endpoint``. Raises ClosedError after close, and
         TransferError when the peer's queue is full."""
-        payload = codec.encode(msg)
+        payload = codec.encode(msg, self._key)
         with self._send_lock:
             if self._closed.is_set():
                 raise ClosedError("control channel is closed")
@@ -71,6 +76,14 @@ class ControlChannel:
             except zmq.Again:
                 raise TransferError(f"control queue to {endpoint} is full ({self._send_queue_msgs} messages)",
                                     peer=endpoint) from None
+
+    def forget(self, endpoint: str) -> None:
+        """Drop the socket to a peer taken for dead (and its queued messages);
+        a later ``send`` reconnects."""
+        with self._send_lock:
+            sock = self._dealers.pop(endpoint, None)
+            if sock is not None:
+                sock.close(0)
 
     def _run(self) -> None:
         poller = zmq.Poller()
@@ -90,7 +103,11 @@ class ControlChannel:
             try:
                 if len(frames) != 2:
                     raise ProtocolError(f"expected 1 payload frame, got {len(frames) - 1}")
-                msg = codec.decode(frames[1])
+                msg = codec.decode(frames[1], self._key)
+            except AuthError as exc:
+                self.num_unauthenticated += 1
+                log.warning("control %s: dropped a message: %s", self.endpoint, exc)
+                continue
             except ProtocolError as exc:
                 self.num_malformed += 1
                 log.warning("control %s: dropped a malformed message: %s", self.endpoint, exc)

@@ -85,6 +85,20 @@ class ManagerConfig:
     last completion, one bootstrap request at most ``rpc_timeout_s``, and a
     prefill rank retries its registration for ``register_timeout_s``.
 
+    Liveness: while a rank has live rooms with a peer it pings it every
+    ``heartbeat_interval_s``; a peer silent for ``peer_timeout_s`` is taken
+    for dead (or hung), its rooms fail (decode: after the drain below) and its
+    links are forgotten, so it is looked up afresh when it comes back. A
+    prefill rank re-registers with the bootstrap server every
+    ``register_interval_s``, which re-populates a restarted server. A decode
+    room that fails while prefill ranks may still be writing waits up to
+    ``peer_timeout_s`` for each to confirm it stopped before it reports
+    ``Failed`` (the scheduler may then reuse the pages).
+
+    ``secret``: a shared secret that authenticates every control message
+    (the bootstrap server and every rank must have the same one); empty:
+    off. From the environment: ``KVFERRY_SECRET``.
+
     Staging: each rank keeps a registered ``staging_bytes`` tensor on its
     pools' device (0: none). A chunk whose direct plan averages descriptors
     smaller than ``stage_below_bytes`` is gathered into it, sent in parts of
@@ -109,6 +123,10 @@ class ManagerConfig:
     staging_bytes: int = 64 << 20
     stage_below_bytes: int = 256 << 10
     stage_part_bytes: int = 16 << 20
+    heartbeat_interval_s: float = 0.5
+    peer_timeout_s: float = 4.0
+    register_interval_s: float = 2.0
+    secret: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, Role):
@@ -120,7 +138,10 @@ class ManagerConfig:
         if ":" not in self.bootstrap_addr:
             raise ValueError(f"ManagerConfig.bootstrap_addr must be host:port, got {self.bootstrap_addr!r}")
         _positive(self, "bootstrap_timeout_s", "transfer_timeout_s", "rpc_timeout_s", "register_timeout_s",
-                  "stage_part_bytes")
+                  "stage_part_bytes", "heartbeat_interval_s", "peer_timeout_s", "register_interval_s")
+        if self.heartbeat_interval_s * 2 > self.peer_timeout_s:
+            raise ValueError(f"ManagerConfig.peer_timeout_s ({self.peer_timeout_s}) must be at least twice "
+                             f"heartbeat_interval_s ({self.heartbeat_interval_s})")
         if self.staging_bytes < 0 or self.stage_below_bytes < 0:
             raise ValueError("ManagerConfig.staging_bytes and stage_below_bytes must be >= 0")
         if self.staging_bytes and self.stage_part_bytes > self.staging_bytes:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from bootstrap.errors import (  # re-exported: one tree for the whole package
+    AuthError,
     BootstrapError,
     BootstrapUnavailable,
     KVFerryError,
@@ -46,6 +47,6 @@ class ClosedError(KVFerryError):
 
 
 __all__ = [
-    "BootstrapError", "BootstrapUnavailable", "ClosedError", "IncompatibleLayoutError",
+    "AuthError", "BootstrapError", "BootstrapUnavailable", "ClosedError", "IncompatibleLayoutError",
     "KVFerryError", "KVTimeoutError", "PeerError", "ProtocolError", "StateError", "TransferError",
 ]

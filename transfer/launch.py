@@ -27,13 +27,19 @@ def child_env() -> dict[str, str]:
 
 
 class BootstrapProcess:
-    """``python -m bootstrap`` on a free loopback port; ``address`` once up."""
+    """``python -m bootstrap`` on a free loopback port (or ``port``);
+    ``address`` once up. ``secret`` turns authentication on."""
 
-    def __init__(self, host: str = "127.0.0.1", timeout_s: float = 20.0) -> None:
+    def __init__(self, host: str = "127.0.0.1", timeout_s: float = 20.0, *, port: int = 0,
+                 secret: str | None = None, extra_args: tuple[str, ...] = ()) -> None:
         self._log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen([sys.executable, "-m", "bootstrap", "--host", host, "--port", "0",
-                                      "--log-level", "WARNING"],
-                                     stdout=subprocess.PIPE, stderr=self._log, text=True, env=child_env())
+        env = child_env()
+        env.pop("KVFERRY_SECRET", None)
+        if secret:
+            env["KVFERRY_SECRET"] = secret
+        self.proc = subprocess.Popen([sys.executable, "-m", "bootstrap", "--host", host, "--port", str(port),
+                                      "--log-level", "WARNING", *extra_args],
+                                     stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
         deadline = time.monotonic() + timeout_s
         line = ""
         while time.monotonic() < deadline:

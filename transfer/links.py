@@ -28,6 +28,10 @@ log = logging.getLogger("kvferry.receiver")
 
 # Pause between bootstrap lookups while a prefill node is not ready yet.
 _RETRY_S = 0.02
+# A ready link used within this long is kept under liveness watch even with
+# no live room, so a prefill rank that died while idle is noticed (and its
+# link forgotten) before the next room needs it.
+_WATCH_IDLE_LINKS_S = 60.0
 
 
 class LinkState(enum.Enum):
@@ -108,6 +112,32 @@ class DecodeRooms:
             self._wake.set()
         link.last_wanted = now
         return link
+
+    def live_peers(self, now: float) -> dict[str, str]:
+        """Session -> control endpoint of the prefill ranks to watch (called
+        under the lock): ranks a live room still awaits (or waits to hear
+        have stopped writing), and the ranks of recently used ready links."""
+        peers = {}
+        for link in self.links.values():
+            if link.state is LinkState.READY and now - link.last_wanted < _WATCH_IDLE_LINKS_S:
+                for p in link.routes:
+                    peers[link.ranks[p].session] = link.ranks[p].control_endpoint
+        for r in self.receivers.values():
+            if r._link is not None and r._link.ranks:
+                for p in r.ranks_writing():
+                    peers[r._link.ranks[p].session] = r._link.ranks[p].control_endpoint
+        return peers
+
+    def peer_lost(self, session: str, silent_s: float) -> None:
+        """A prefill rank went silent: forget every link through it (the next
+        room looks the node up afresh) and fail the rooms that await it."""
+        with self.mgr._lock:
+            for link in [l for l in self.links.values() if any(r.session == session for r in l.ranks)]:
+                self.forget(link)
+            self._hellos.pop(session, None)
+            receivers = list(self.receivers.values())
+        for r in receivers:
+            r._peer_lost(session, silent_s)
 
     def forget(self, link: Link) -> None:
         if self.links.get(link.key) is link:
@@ -202,7 +232,7 @@ class DecodeRooms:
     def _client(self, addr: str) -> BootstrapClient:
         client = self._clients.get(addr)
         if client is None:
-            client = self._clients[addr] = BootstrapClient(addr, timeout_s=self.mgr.config.rpc_timeout_s)
+            client = self._clients[addr] = self.mgr.bootstrap_client(addr)
         return client
 
     def _step(self, link: Link) -> None:
@@ -270,6 +300,6 @@ class DecodeRooms:
         with self.mgr._lock:
             receivers = list(self.receivers.values())
         for r in receivers:
-            r._fail(error)
+            r._fail(error, drain=False)
         for c in self._clients.values():
             c.close()

@@ -7,13 +7,15 @@ import threading
 import time
 from typing import Sequence
 
-from bootstrap.client import BootstrapClient
 import torch
 
+from bootstrap.client import BootstrapClient
 from bootstrap.messages import RankInfo, StagingDescriptor
 from transfer.channel import ControlChannel
 from transfer.config import ManagerConfig, Role
-from transfer.errors import BootstrapError, BootstrapUnavailable, ClosedError
+from transfer.errors import BootstrapError, BootstrapUnavailable, ClosedError, KVFerryError
+from transfer.liveness import Liveness
+from transfer.messages import PeerPing, PeerPong
 from transfer.pools import MHAPool, MLAPool, describe_aux, describe_pool, memory_regions, pool_tensors
 from transfer.links import DecodeRooms
 from transfer.sender import PrefillRooms
@@ -33,6 +35,13 @@ class KVManager:
     :class:`~transfer.errors.BootstrapUnavailable`). Pools are
     :class:`~transfer.pools.MHAPool` / :class:`~transfer.pools.MLAPool`, at
     most one per role (target, draft); ``aux`` is the metadata tensor.
+
+    Threads: the control receiver, the transport worker, the decode
+    resolver, and ``kvferry-liveness`` (pings peers of live rooms and fails
+    the rooms of a silent one; see :mod:`transfer.liveness`); on prefill also
+    ``kvferry-register``, which re-registers every
+    ``config.register_interval_s`` so that a restarted bootstrap server is
+    re-populated and a dead rank drops out of it.
 
     ``close()`` fails every live room with ClosedError, stops the threads and
     unregisters memory; the manager is a context manager.
@@ -58,13 +67,16 @@ class KVManager:
         self._progress = threading.Condition(self._lock)
         self._generation = 0
         self._closed = False
+        self._stop = threading.Event()
+        self.liveness = Liveness(config.heartbeat_interval_s, config.peer_timeout_s)
+        self._ping_seq = 0
         self.transport = MooncakeTransport(config.engine)
         try:
             regions = memory_regions(descriptors, aux_desc)
             if staging_desc is not None:
                 regions.append((staging_desc.addr, staging_desc.nbytes))
             self.transport.register(regions)
-            self.channel = ControlChannel(config.host, self._on_message)
+            self.channel = ControlChannel(config.host, self._on_message, secret=config.secret or None)
         except BaseException:
             self.transport.close()
             raise
@@ -74,12 +86,17 @@ class KVManager:
             control_endpoint=self.channel.endpoint, pools=descriptors, aux=aux_desc, staging=staging_desc,
         )
         self.rooms = PrefillRooms(self) if config.role is Role.PREFILL else DecodeRooms(self)
+        self._threads = [threading.Thread(target=self._watch, name="kvferry-liveness", daemon=True)]
         if config.role is Role.PREFILL:
             try:
                 self._register()
             except BaseException:
                 self.close()
                 raise
+            self._threads.append(threading.Thread(target=self._keep_registered, name="kvferry-register",
+                                                  daemon=True))
+        for t in self._threads:
+            t.start()
 
     @property
     def where(self) -> str:
@@ -87,9 +104,12 @@ class KVManager:
         c = self.config
         return f"{c.role.value} {c.node_id} dp {c.dp_rank} tp {c.tp_rank}/{c.tp_size}"
 
+    def bootstrap_client(self, addr: str) -> BootstrapClient:
+        return BootstrapClient(addr, timeout_s=self.config.rpc_timeout_s, secret=self.config.secret or None)
+
     def _register(self) -> None:
         deadline = time.monotonic() + self.config.register_timeout_s
-        client = BootstrapClient(self.config.bootstrap_addr, timeout_s=self.config.rpc_timeout_s)
+        client = self.bootstrap_client(self.config.bootstrap_addr)
         try:
             while True:
                 try:
@@ -107,8 +127,66 @@ class KVManager:
         finally:
             client.close()
 
+    def _keep_registered(self) -> None:
+        """Re-register every ``register_interval_s``; log when the server is
+        lost and found again. Never raises."""
+        client = self.bootstrap_client(self.config.bootstrap_addr)
+        reachable = True
+        try:
+            while not self._stop.wait(self.config.register_interval_s):
+                try:
+                    client.register(self.rank)
+                except KVFerryError as exc:
+                    if reachable:
+                        log.warning("%s: re-registration failed (will keep trying): %s", self.where, exc)
+                    reachable = False
+                    continue
+                if not reachable:
+                    log.warning("%s: registered again with bootstrap server %s", self.where,
+                                self.config.bootstrap_addr)
+                reachable = True
+        finally:
+            client.close()
+
+    def _watch(self) -> None:
+        """Ping the peers of live rooms; fail the rooms of silent ones."""
+        tick = self.config.heartbeat_interval_s / 2
+        while not self._stop.wait(tick):
+            try:
+                now = time.monotonic()
+                with self._lock:
+                    watched = self.rooms.live_peers(now)
+                    to_ping, lost = self.liveness.step(watched, now)
+                    self._ping_seq += 1
+                    seq = self._ping_seq
+                ping = PeerPing(session=self.rank.session, endpoint=self.rank.control_endpoint, seq=seq)
+                for _, endpoint in to_ping:
+                    try:
+                        self.channel.send(endpoint, ping)
+                    except KVFerryError as exc:
+                        log.debug("%s: ping to %s not sent: %s", self.where, endpoint, exc)
+                for session in lost:
+                    log.warning("%s: peer %s silent for more than %g s: failing its rooms", self.where, session,
+                                self.config.peer_timeout_s)
+                    self.rooms.peer_lost(session, self.config.peer_timeout_s)
+                    self.channel.forget(watched[session])
+            except Exception:  # the watcher must outlive any one round
+                log.exception("%s: liveness round failed", self.where)
+
     def _on_message(self, msg) -> None:
+        if isinstance(msg, PeerPing):
+            self.liveness_heard(msg.session)
+            if msg.endpoint.startswith("tcp://"):
+                self.channel.send(msg.endpoint, PeerPong(session=self.rank.session, seq=msg.seq))
+            return
+        if isinstance(msg, PeerPong):
+            self.liveness_heard(msg.session)
+            return
         self.rooms.on_message(msg)
+
+    def liveness_heard(self, session: str) -> None:
+        with self._lock:
+            self.liveness.heard(session, time.monotonic())
 
     def _changed(self) -> None:
         """A room changed state (called with the lock held)."""
@@ -138,6 +216,10 @@ class KVManager:
             if self._closed:
                 return
             self._closed = True
+        self._stop.set()
+        for t in getattr(self, "_threads", ()):
+            if t.is_alive():
+                t.join(self.config.rpc_timeout_s + 1)
         rooms = getattr(self, "rooms", None)
         if rooms is not None:
             rooms.close(ClosedError(f"{self.where}: manager closed"))

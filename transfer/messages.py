@@ -9,6 +9,12 @@ bootstrap messages. Flow for one room::
     TransferRequest (per room) ------->  waits for all expected requests, then sends
                                <-------  RoomStatus (success or failure, per prefill rank)
     RoomAbort (either side)    <------>  the room fails on the other side too
+    PeerPing / PeerPong        <------>  liveness, while rooms are live (either side)
+
+A prefill rank whose room failed (for any reason, an abort from decode
+included) sends ``RoomStatus(FAILED)`` only once none of the room's writes
+is in flight any more: decode takes it as the promise that no later byte
+lands in the room's pages.
 
 A room is identified by (``room``, ``request_id``): ``request_id`` is random
 per receiver, so a reused room id never matches a stale message.
@@ -116,6 +122,25 @@ class RoomAbort:
     room: int
     request_id: int
     reason: str
+
+
+@message("peer_ping")
+@dataclass(frozen=True)
+class PeerPing:
+    """Are you alive? ``endpoint`` is where to answer; ``session`` says who asks."""
+
+    session: str
+    endpoint: str
+    seq: int
+
+
+@message("peer_pong")
+@dataclass(frozen=True)
+class PeerPong:
+    """The answer to a PeerPing; ``session`` is the answering rank's."""
+
+    session: str
+    seq: int
 
 
 @message("stage_request")

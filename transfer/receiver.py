@@ -11,7 +11,7 @@ import numpy as np
 from bootstrap.messages import PoolRole
 from transfer.errors import KVFerryError, KVTimeoutError, PeerError, ProtocolError, StateError, TransferError
 from transfer.links import Link, LinkState
-from transfer.messages import RoomAbort, Status, TransferRequest
+from transfer.messages import RoomAbort, RoomStatus, Status, TransferRequest
 from transfer.stageflow import scatter_part
 from transfer.state import KVPoll, RoomState
 
@@ -30,6 +30,12 @@ class KVReceiver:
     ``failure_exception()`` raising why. Bounded: ``bootstrap_timeout_s`` in
     Bootstrapping, ``transfer_timeout_s`` from ``init`` to Success. Nothing
     here blocks.
+
+    A room that fails (``abort()``, a timeout, a prefill rank's failure) while
+    prefill ranks may still be writing into its pages tells them to stop and
+    stays ``Transferring`` until each confirmed it stopped, or was found
+    dead, or ``peer_timeout_s`` passed; only then is it ``Failed``, so the
+    scheduler may reuse the pages as soon as it sees ``Failed``.
 
     ``prefill_dp_rank`` names the prefill DP group; None routes the room to
     ``room % dp_size``.
@@ -51,6 +57,9 @@ class KVReceiver:
         self._aux_index = -1
         self._init_at = 0.0
         self._awaiting: dict[int, set[PoolRole]] = {}
+        self._failing: BaseException | None = None  # failed, waiting for the ranks below to stop writing
+        self._draining: set[int] = set()
+        self._drain_deadline = 0.0
         with mgr._lock:
             self.mgr.rooms.receivers[(self.room, self.request_id)] = self
 
@@ -75,6 +84,12 @@ class KVReceiver:
             if st.terminal:
                 return st.state
             now = time.monotonic()
+            if self._failing is not None:
+                if now > self._drain_deadline:
+                    log.warning("%s: prefill ranks %s did not confirm they stopped writing within %g s",
+                                st.where, sorted(self._draining), self.mgr.config.peer_timeout_s)
+                    self._finish_fail(self._failing)
+                return st.state
             if st.state is KVPoll.Bootstrapping:
                 self._bootstrap(now)
             if st.state is KVPoll.WaitingForInput and self._pages is not None:
@@ -94,7 +109,30 @@ class KVReceiver:
         """Fail the room here and tell the prefill ranks."""
         self._fail(PeerError(f"{self._state.where}: {reason}"))
 
+    def ranks_writing(self) -> set[int]:
+        """Prefill ranks that may still write into this room's pages."""
+        if self._failing is not None:
+            return set(self._draining)
+        return set(self._awaiting) if self._state.state is KVPoll.Transferring else set()
+
     # --- internals --------------------------------------------------------------
+
+    def _peer_lost(self, session: str, silent_s: float) -> None:
+        with self.mgr._lock:
+            link = self._link
+            if self._state.terminal or link is None or not link.ranks:
+                return
+            lost = {p for p in self.ranks_writing() if link.ranks[p].session == session}
+            if not lost:
+                return
+            if self._failing is not None:  # a dead rank writes no more
+                self._draining -= lost
+                if not self._draining:
+                    self._finish_fail(self._failing)
+                return
+            p = min(lost)
+            self._fail(PeerError(f"{self._state.where}: prefill rank {p} of {link.name} ({session}) silent for "
+                                 f"more than {silent_s:g} s: dead, stopped or unreachable"), stopped=lost)
 
     def _bootstrap(self, now: float) -> None:
         link = self.mgr.rooms.link(self.bootstrap_addr, self.prefill_node, self.prefill_dp_rank, self.room)
@@ -132,19 +170,28 @@ class KVReceiver:
     def _on_message(self, msg) -> None:
         if self._state.state is not KVPoll.Transferring:
             return
+        if self._failing is not None:
+            # Any terminal word from a rank means it writes no more.
+            if isinstance(msg, RoomStatus):
+                self._draining.discard(msg.prefill_tp_rank)
+                if not self._draining:
+                    self._finish_fail(self._failing)
+            return
         if isinstance(msg, RoomAbort):
             self._fail(PeerError(f"{self._state.where}: prefill aborted the room: {msg.reason}"), notify=False)
             return
         where = f"prefill rank {msg.prefill_tp_rank} of {self._link.name}"
         if msg.status is Status.FAILED:
-            self._fail(PeerError(f"{self._state.where}: {where} failed: {msg.reason}"), notify=False)
+            self._fail(PeerError(f"{self._state.where}: {where} failed: {msg.reason}"),
+                       stopped={msg.prefill_tp_rank})
             return
         expected = self._awaiting.get(msg.prefill_tp_rank)
         if expected is None:
             return  # a duplicate or a rank we did not ask
         if set(msg.sent) != expected:
             self._fail(ProtocolError(f"{self._state.where}: {where} sent pools "
-                                     f"{sorted(r.value for r in msg.sent)}, expected {sorted(r.value for r in expected)}"))
+                                     f"{sorted(r.value for r in msg.sent)}, expected {sorted(r.value for r in expected)}"),
+                       stopped={msg.prefill_tp_rank})
             return
         del self._awaiting[msg.prefill_tp_rank]
         if not self._awaiting:
@@ -153,31 +200,46 @@ class KVReceiver:
 
     def _scatter(self, msg, offset: int) -> None:
         """Unpack a staged part from prefill rank ``msg.prefill_tp_rank``."""
-        if self._state.state is not KVPoll.Transferring:
+        if self._state.state is not KVPoll.Transferring or self._failing is not None:
             return
         try:
             scatter_part(self.mgr, self, msg, offset, self._link.routes[msg.prefill_tp_rank])
         except Exception as exc:
             self._fail(TransferError(f"{self._state.where}: scattering staged part {msg.part}: {exc}"))
 
-    def _fail(self, error: BaseException, *, notify: bool = True) -> None:
+    def _fail(self, error: BaseException, *, notify: bool = True, stopped=(), drain: bool = True) -> None:
+        """Fail the room: tell the prefill ranks (unless ``notify`` is False),
+        and report Failed once every rank that may still write has stopped
+        (``stopped``: ranks known to have stopped already; ``drain`` False:
+        at once, for a closing manager)."""
         with self.mgr._lock:
-            if not self._state.fail(error):
+            if self._state.terminal or self._failing is not None:
                 return
-            self.mgr.rooms.receivers.pop((self.room, self.request_id), None)
-            if self.mgr.rooms.staging is not None:
-                self.mgr.rooms.staging.release_room(self.room, self.request_id)
-            log.warning("%s failed: %s", self._state.where, error)
+            writing = self.ranks_writing() - set(stopped)
             link = self._link
-            if not notify or link is None or not link.ranks:
+            if notify and link is not None and link.ranks:
+                # Every prefill rank of the room learns it is over, also those
+                # a failed handshake kept us from sending a request to.
+                targets = link.routes or {r.tp_rank: () for r in link.ranks}
+                for p in targets:
+                    try:
+                        self.mgr.channel.send(link.ranks[p].control_endpoint, RoomAbort(
+                            room=self.room, request_id=self.request_id, reason=str(error)))
+                    except KVFerryError as exc:
+                        log.warning("%s: could not tell prefill rank %d: %s", self._state.where, p, exc)
+                        writing.discard(p)
+            if writing and drain:
+                log.warning("%s failing, waiting for prefill ranks %s to stop writing: %s", self._state.where,
+                            sorted(writing), error)
+                self._failing, self._draining = error, writing
+                self._drain_deadline = time.monotonic() + self.mgr.config.peer_timeout_s
                 return
-            # Every prefill rank of the room learns it is over, also those a
-            # failed handshake kept us from sending a request to.
-            targets = link.routes or {r.tp_rank: () for r in link.ranks}
-            for p in targets:
-                try:
-                    self.mgr.channel.send(link.ranks[p].control_endpoint, RoomAbort(
-                        room=self.room, request_id=self.request_id if self._awaiting else 0,
-                        reason=str(error)))
-                except KVFerryError as exc:
-                    log.warning("%s: could not tell prefill rank %d: %s", self._state.where, p, exc)
+            self._finish_fail(error)
+
+    def _finish_fail(self, error: BaseException) -> None:
+        if not self._state.fail(error):
+            return
+        self.mgr.rooms.receivers.pop((self.room, self.request_id), None)
+        if self.mgr.rooms.staging is not None:
+            self.mgr.rooms.staging.release_room(self.room, self.request_id)
+        log.warning("%s failed: %s", self._state.where, error)

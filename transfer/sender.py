@@ -54,9 +54,26 @@ class PrefillRooms:
                 return
             sender = self.senders.get(msg.room)
             if sender is None:
+                if isinstance(msg, RoomAbort):
+                    self._abort_early(msg)
                 self._keep_early(msg)
                 return
         sender._on_message(msg)
+
+    def _abort_early(self, abort: RoomAbort) -> None:
+        """Decode aborted a room whose sender does not exist yet: nothing was
+        written, and decode may hear so at once."""
+        kept = self._early.get(abort.room, [])
+        for t, msg in list(kept):
+            if isinstance(msg, TransferRequest) and msg.request_id == abort.request_id:
+                kept.remove((t, msg))
+                self._finished[(msg.room, msg.request_id)] = None
+                try:
+                    self.mgr.channel.send(msg.decode_endpoint, RoomStatus(
+                        room=msg.room, request_id=msg.request_id, prefill_tp_rank=self.mgr.rank.tp_rank,
+                        status=Status.FAILED, sent=(), reason=f"{self.mgr.where}: aborted before its sender existed"))
+                except Exception as exc:
+                    log.warning("%s: could not tell decode: %s", self.mgr.where, exc)
 
     def _keep_early(self, msg) -> None:
         now = time.monotonic()
@@ -98,6 +115,21 @@ class PrefillRooms:
             while len(self._finished) > _REMEMBER_FINISHED:
                 self._finished.popitem(last=False)
 
+    def live_peers(self, now: float) -> dict[str, str]:
+        """Session -> control endpoint of the decode ranks whose requests a
+        live sender holds (called under the lock)."""
+        return {req.decode_session: req.decode_endpoint
+                for s in self.senders.values() if not s._state.terminal for req in s._requests}
+
+    def peer_lost(self, session: str, silent_s: float) -> None:
+        """A decode rank went silent: fail the rooms it asked for."""
+        with self.mgr._lock:
+            senders = [s for s in self.senders.values()
+                       if any(r.decode_session == session for r in s._requests)]
+        for s in senders:
+            s._fail(PeerError(f"{s._state.where}: decode rank {session} silent for more than {silent_s:g} s: "
+                              "dead, stopped or unreachable"))
+
     def close(self, error: BaseException) -> None:
         with self.mgr._lock:
             senders = list(self.senders.values())
@@ -130,6 +162,8 @@ class KVSender:
         self._last_sent = False
         self._num_inflight = 0
         self._next_part = 0
+        self._jobs: list = []  # transport handles, cancelled if the room fails
+        self._failure_note: str | None = None  # to send decode once nothing is in flight
         for msg in mgr.rooms.attach(self):
             self._on_message(msg)
 
@@ -168,7 +202,9 @@ class KVSender:
             if self._state.state is KVPoll.WaitingForInput:
                 self._state.move(KVPoll.Transferring)
             for session, plan in jobs:
-                self.mgr.transport.submit(session, plan, self._on_chunk_done)
+                handle = self.mgr.transport.submit(session, plan, self._on_chunk_done)
+                if handle is not None:
+                    self._jobs.append(handle)
             if parts:
                 self.mgr.rooms.staging.submit(parts)
 
@@ -258,9 +294,10 @@ class KVSender:
             if self._state.terminal:
                 return
             if isinstance(msg, RoomAbort):
-                if msg.request_id in (0, *[r.request_id for r in self._requests]) or not self._requests:
-                    self._fail(PeerError(f"{self._state.where}: decode aborted the room: {msg.reason}"),
-                               notify=False)
+                # Before any request arrived, the abort is for the request this
+                # sender would get (request ids are random per decode room).
+                if not self._requests or msg.request_id in [r.request_id for r in self._requests]:
+                    self._fail(PeerError(f"{self._state.where}: decode aborted the room: {msg.reason}"))
                 return
             if msg.decode_session not in self.mgr.rooms.peers:
                 self._fail(PeerError(f"{self._state.where}: request from decode {msg.decode_session} "
@@ -277,6 +314,9 @@ class KVSender:
     def _on_chunk_done(self, error) -> None:
         with self.mgr._lock:
             self._num_inflight -= 1
+            if self._state.state is KVPoll.Failed:
+                self._tell_failure_when_drained()
+                return
             if error is not None:
                 self._fail(error)
                 return
@@ -298,15 +338,26 @@ class KVSender:
                 status=status, sent=sent if status is Status.SUCCESS else (), reason=reason))
 
     def _fail(self, error: BaseException, *, notify: bool = True) -> None:
+        """Fail the room, stop submitting its writes, and tell decode once
+        none is in flight any more (decode then knows its pages are free)."""
         with self.mgr._lock:
             if not self._state.fail(error):
                 return
             log.warning("%s failed: %s", self._state.where, error)
+            for job in self._jobs:
+                job.cancel()
+            self._jobs.clear()
+            self.mgr.rooms.detach(self, [r.request_id for r in self._requests])
+            self._failure_note = str(error) if notify else None
             if self.mgr.rooms.staging is not None:
                 self.mgr.rooms.staging.release(self)
-            if notify:
-                try:
-                    self._notify(Status.FAILED, str(error))
-                except Exception as exc:  # the room is failed either way
-                    log.warning("%s: could not tell decode: %s", self._state.where, exc)
-            self.mgr.rooms.detach(self, [r.request_id for r in self._requests])
+            self._tell_failure_when_drained()
+
+    def _tell_failure_when_drained(self) -> None:
+        if self._failure_note is None or self._num_inflight > 0:
+            return
+        note, self._failure_note = self._failure_note, None
+        try:
+            self._notify(Status.FAILED, note)
+        except Exception as exc:  # the room is failed either way
+            log.warning("%s: could not tell decode: %s", self._state.where, exc)

@@ -87,6 +87,7 @@ class PrefillStaging:
                 part = self._waiting[0]
                 if part.sender._state.terminal:
                     self._waiting.popleft()
+                    part.sender._on_chunk_done(None)  # counts as done for a failed room
                     continue
                 offset = self.mgr.staging_area.alloc(part.nbytes)
                 if offset is None:
@@ -108,7 +109,7 @@ class PrefillStaging:
         if part is None:
             return
         if part.sender._state.terminal:
-            self._finish(part, None, notify=False)
+            self._finish(part, None)
             return
         try:
             offset = part.local_offset
@@ -128,12 +129,16 @@ class PrefillStaging:
     def release(self, sender) -> None:
         """A sender failed: free the local regions of its parts still waiting
         for a grant (no write reads them yet; parts being written free
-        theirs when the write ends)."""
+        theirs when the write ends), and drop its parts not started."""
         with self.mgr._lock:
             stale = [k for k, p in self._granting.items() if p.sender is sender]
             for key in stale:
                 part = self._granting.pop(key)
-                self._finish(part, None, notify=False)
+                self._finish(part, None)
+            waiting = [p for p in self._waiting if p.sender is sender]
+            for part in waiting:
+                self._waiting.remove(part)
+                sender._on_chunk_done(None)
 
     def _landed(self, part: StagedPart, remote_offset: int, error) -> None:
         if error is None:

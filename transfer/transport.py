@@ -55,6 +55,12 @@ class _Job:
     num_inflight: int = 0
     error: TransferError | None = None
     done: bool = field(default=False)
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        """Submit no more of this job's descriptors (those already submitted
+        run to their end); its callback then gets a TransferError."""
+        self.cancelled = True
 
     @property
     def finished(self) -> bool:
@@ -102,17 +108,21 @@ class MooncakeTransport:
 
     # --- transfers --------------------------------------------------------------
 
-    def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback) -> None:
+    def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback) -> _Job | None:
         """Queue ``plan`` for writing into ``peer`` (a Mooncake session
-        ``host:port``); returns at once. ``callback(None)`` on success or
-        ``callback(TransferError)``; an empty plan completes at once."""
+        ``host:port``); returns at once, with a handle whose ``cancel()``
+        stops what was not submitted yet (None for an empty plan, which
+        completes at once). ``callback(None)`` on success or
+        ``callback(TransferError)``."""
         if self._closed.is_set():
             raise ClosedError("transport is closed")
         if plan.num_descriptors == 0:
             callback(None)
-            return
+            return None
         plan = split_entries(plan, self.config.max_descriptor_bytes)
-        self._jobs.put(_Job(peer, plan.src_addrs.tolist(), plan.dst_addrs.tolist(), plan.lengths.tolist(), callback))
+        job = _Job(peer, plan.src_addrs.tolist(), plan.dst_addrs.tolist(), plan.lengths.tolist(), callback)
+        self._jobs.put(job)
+        return job
 
     def _run(self) -> None:
         by_peer: dict[str, collections.deque[_Job]] = collections.defaultdict(collections.deque)
@@ -145,6 +155,9 @@ class MooncakeTransport:
             while jobs and inflight[peer] < cap:
                 job = jobs[0]
                 n = len(job.src)
+                if job.cancelled and job.next_index < n:
+                    job.error = job.error or TransferError(f"transfer to {peer} cancelled", peer=peer)
+                    job.next_index = n
                 while job.next_index < n and inflight[peer] < cap:
                     i = job.next_index
                     tid = submit(peer, job.src[i], job.dst[i], job.lengths[i])

@@ -124,3 +124,23 @@ def test_nodes_are_independent():
     assert reg.num_nodes == 2
     assert reg.lookup("a", 0).ready
     assert not reg.lookup("b", 0).ready and reg.lookup("b", 0).dp_size == 3
+
+
+def test_ttl_drops_ranks_not_registered_again():
+    reg = Registry(ttl_s=10.0)
+    reg.register(make_rank(tp_rank=0, tp_size=2), now=0.0)
+    reg.register(make_rank(tp_rank=1, tp_size=2), now=1.0)
+    assert reg.lookup("prefill-0", 0, now=9.0).ready
+    reg.register(make_rank(tp_rank=1, tp_size=2), now=9.0)  # rank 1 keeps re-registering, rank 0 died
+    reply = reg.lookup("prefill-0", 0, now=10.5)
+    assert not reply.ready and reply.num_registered == 1 and reg.num_expired == 1
+    reg.register(make_rank(tp_rank=0, tp_size=2), now=11.0)  # restarted
+    assert reg.lookup("prefill-0", 0, now=11.0).ready
+    assert reg.lookup("prefill-0", 0, now=30.0).dp_size == 0  # everyone gone: the node is forgotten
+    assert reg.num_nodes == 0
+
+
+def test_ttl_zero_keeps_ranks_forever():
+    reg = Registry()
+    reg.register(make_rank(tp_rank=0, tp_size=1), now=0.0)
+    assert reg.lookup("prefill-0", 0, now=1e9).ready

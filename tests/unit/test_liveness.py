@@ -1,0 +1,54 @@
+"""The liveness table: pings on schedule, a silent peer lost once, no blacklist."""
+
+import pytest
+
+from transfer.liveness import Liveness
+
+
+def test_pings_every_interval_and_loses_a_silent_peer_once():
+    lv = Liveness(interval_s=1.0, timeout_s=4.0)
+    watched = {"a": "tcp://a", "b": "tcp://b"}
+    ping, lost = lv.step(watched, now=0.0)
+    assert sorted(ping) == [("a", "tcp://a"), ("b", "tcp://b")] and lost == []
+    assert lv.step(watched, now=0.5) == ([], [])  # not due yet
+    for t in (1.0, 2.0, 3.0, 4.0):
+        lv.heard("b", t)
+        ping, lost = lv.step(watched, now=t)
+        assert sorted(s for s, _ in ping) == ["a", "b"] and lost == []
+    ping, lost = lv.step(watched, now=4.01)
+    assert lost == ["a"]
+    lv.heard("b", 4.5)
+    ping, lost = lv.step(watched, now=5.0)
+    # still watched (its rooms not failed yet): tracked afresh, not reported twice in a row
+    assert lost == [] and sorted(s for s, _ in ping) == ["a", "b"]
+    assert lv.silent_for("a", 5.0) == 0.0 and lv.silent_for("b", 5.0) == 0.5
+
+
+def test_a_lost_peer_watched_again_gets_full_grace():
+    lv = Liveness(interval_s=1.0, timeout_s=4.0)
+    lv.step({"a": "tcp://a"}, now=0.0)
+    assert lv.step({"a": "tcp://a"}, now=4.5)[1] == ["a"]
+    # ...and watched again (it came back, or a new room names it): fresh grace, pinged at once
+    ping, lost = lv.step({"a": "tcp://a"}, now=5.0)
+    assert ping == [("a", "tcp://a")] and lost == []
+    assert lv.step({"a": "tcp://a"}, now=8.9)[1] == []
+    assert lv.step({"a": "tcp://a"}, now=9.1)[1] == ["a"]
+
+
+def test_unwatched_peers_are_forgotten():
+    lv = Liveness(interval_s=1.0, timeout_s=4.0)
+    lv.step({"a": "tcp://a"}, now=0.0)
+    lv.step({}, now=1.0)  # the room ended
+    assert lv.step({"a": "tcp://a"}, now=4.5) == ([("a", "tcp://a")], [])
+
+
+def test_heard_from_unknown_peer_is_ignored():
+    lv = Liveness(interval_s=1.0, timeout_s=4.0)
+    lv.heard("x", 1.0)
+    assert lv.step({}, now=2.0) == ([], [])
+
+
+@pytest.mark.parametrize("interval,timeout", [(0, 1), (2, 1), (1, 1)])
+def test_rejects_bad_settings(interval, timeout):
+    with pytest.raises(ValueError):
+        Liveness(interval, timeout)

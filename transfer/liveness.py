@@ -1,0 +1,63 @@
+"""Peer liveness: which peers to ping, and which have gone silent. Pure.
+
+Each rank watches the peers it has live rooms with (decode: the prefill
+ranks a room still awaits; prefill: the decode ranks whose requests it
+holds). Every ``interval_s`` it pings each watched peer, and any answer
+counts as a sign of life. A peer silent for ``timeout_s`` is reported lost
+once (process killed, host gone, process stopped or wedged): the caller
+fails its rooms and forgets its links, so a peer that comes back is used
+again after a fresh lookup and handshake; nothing is blacklisted.
+
+A peer that stops being watched is forgotten, and the next time it is
+watched starts with a full ``timeout_s`` of grace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class _Peer:
+    endpoint: str
+    heard: float
+    pinged: float = float("-inf")
+
+
+class Liveness:
+    """Not thread-safe: the owner calls it from one thread or under a lock."""
+
+    def __init__(self, interval_s: float, timeout_s: float) -> None:
+        if not 0 < interval_s < timeout_s:
+            raise ValueError(f"need 0 < interval_s ({interval_s}) < timeout_s ({timeout_s})")
+        self.interval_s, self.timeout_s = interval_s, timeout_s
+        self._peers: dict[str, _Peer] = {}
+
+    def heard(self, session: str, now: float) -> None:
+        """A message from ``session`` arrived."""
+        peer = self._peers.get(session)
+        if peer is not None:
+            peer.heard = max(peer.heard, now)
+
+    def silent_for(self, session: str, now: float) -> float:
+        peer = self._peers.get(session)
+        return 0.0 if peer is None else now - peer.heard
+
+    def step(self, watched: dict[str, str], now: float) -> tuple[list[tuple[str, str]], list[str]]:
+        """``watched``: session -> control endpoint of each peer with live
+        rooms. Returns the (session, endpoint) pairs to ping now, and the
+        sessions lost (silent for ``timeout_s``), each reported once."""
+        for session in self._peers.keys() - watched.keys():
+            del self._peers[session]
+        to_ping, lost = [], []
+        for session, endpoint in watched.items():
+            peer = self._peers.get(session)
+            if peer is None:
+                peer = self._peers[session] = _Peer(endpoint, heard=now)
+            if now - peer.heard > self.timeout_s:
+                lost.append(session)
+                del self._peers[session]
+            elif now - peer.pinged >= self.interval_s:
+                peer.pinged = now
+                to_ping.append((session, endpoint))
+        return to_ping, lost
