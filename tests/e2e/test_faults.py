@@ -1,0 +1,228 @@
+"""The fault matrix, with real processes and real Mooncake over TCP: kill -9 of
+prefill, decode and the bootstrap server at several points of a transfer, a
+peer that hangs (SIGSTOP), and aborts from each side. For each: the
+surviving side reaches a terminal state within the bound, no thread is left
+behind, and its next requests succeed byte-exact."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from transfer.launch import BootstrapProcess
+
+from .ranks import FAST, Rank, assert_all_success, assert_failed_within, fault_spec
+
+# Liveness gives up on a peer after FAST's 2 s of silence; allow for pings'
+# period and a loaded 2-core machine.
+BOUND_S = FAST["peer_timeout_s"] + 3.0
+# Silence found by liveness, or a write the engine saw fail first.
+DEAD_PEER_ERRORS = {"PeerError", "TransferError"}
+
+
+@pytest.fixture
+def cluster():
+    """A bootstrap server, and whatever ranks the test starts; all torn down."""
+    started = []
+
+    class Cluster:
+        server = BootstrapProcess()
+        spec = fault_spec(server.address)
+
+        def rank(self, role, spec=None, config=None):
+            r = Rank(role, spec or self.spec, {**FAST, **(config or {})})
+            started.append(r)
+            return r
+
+    c = Cluster()
+    try:
+        yield c
+    finally:
+        for r in started:
+            r.close()
+        c.server.close()
+
+
+def _both(prefill, decode, rooms, *, p_opts=None, d_opts=None, **opts):
+    """Run ``rooms`` on both sides at once; returns (prefill reply, decode reply).
+    ``opts`` go to prefill (``timeout_s`` to both), ``p_opts``/``d_opts`` to one side."""
+    d_opts = {"timeout_s": opts.get("timeout_s", 60), **(d_opts or {})}
+    p_opts = {**opts, **(p_opts or {})}
+    prefill.send(op="rooms", rooms=list(rooms), timeout_s=p_opts.pop("timeout_s", 60), **p_opts)
+    decode.send(op="rooms", rooms=list(rooms), timeout_s=d_opts.pop("timeout_s", 60), **d_opts)
+    return prefill.reply(), decode.reply()
+
+
+def _warm(prefill, decode):
+    p, d = _both(prefill, decode, [1, 2])
+    assert_all_success(p, [1, 2])
+    assert_all_success(d, [1, 2])
+
+
+@pytest.mark.parametrize("kill_after_s", [0.0, 0.8], ids=["at-request", "mid-transfer"])
+def test_prefill_killed(cluster, kill_after_s):
+    prefill, decode = cluster.rank("prefill"), cluster.rank("decode")
+    _warm(prefill, decode)
+    threads = decode.stats()["threads"]
+    rooms = [10, 11, 12, 13]
+    prefill.send(op="rooms", rooms=rooms, timeout_s=60, chunk_delay_s=0.3)
+    decode.send(op="rooms", rooms=rooms, timeout_s=60)
+    time.sleep(kill_after_s)
+    killed_at = prefill.kill()
+    failed = assert_failed_within(decode.reply(), killed_at, BOUND_S, DEAD_PEER_ERRORS)
+    assert failed, "the kill landed after every room finished"
+
+    # A new prefill process under the same node id: decode uses it without a restart.
+    prefill2 = cluster.rank("prefill")
+    p, d = _both(prefill2, decode, [20, 21, 22])
+    assert_all_success(p, [20, 21, 22])
+    assert_all_success(d, [20, 21, 22])
+    assert decode.stats()["threads"] == threads
+
+
+def test_prefill_killed_while_idle(cluster):
+    """A prefill rank dies between requests and is restarted: decode forgets
+    the dead rank (it is watched while idle) and the next rooms succeed."""
+    prefill, decode = cluster.rank("prefill"), cluster.rank("decode")
+    _warm(prefill, decode)
+    prefill.kill()
+    time.sleep(FAST["peer_timeout_s"] + 1.0)
+    prefill2 = cluster.rank("prefill")
+    p, d = _both(prefill2, decode, [30, 31, 32])
+    assert_all_success(p, [30, 31, 32])
+    assert_all_success(d, [30, 31, 32])
+
+
+@pytest.mark.parametrize("kill_after_s", [0.0, 0.8], ids=["at-request", "mid-transfer"])
+def test_decode_killed(cluster, kill_after_s):
+    prefill, decode = cluster.rank("prefill"), cluster.rank("decode")
+    _warm(prefill, decode)
+    threads = prefill.stats()["threads"]
+    rooms = [10, 11, 12, 13]
+    decode.send(op="rooms", rooms=rooms, timeout_s=60)
+    time.sleep(0.3)  # the requests reach prefill
+    prefill.send(op="rooms", rooms=rooms, timeout_s=60, chunk_delay_s=0.3)
+    time.sleep(kill_after_s)
+    killed_at = decode.kill()
+    failed = assert_failed_within(prefill.reply(), killed_at, BOUND_S, DEAD_PEER_ERRORS)
+    assert failed, "the kill landed after every room finished"
+
+    decode2 = cluster.rank("decode")
+    p, d = _both(prefill, decode2, [20, 21, 22])
+    assert_all_success(p, [20, 21, 22])
+    assert_all_success(d, [20, 21, 22])
+    assert prefill.stats()["threads"] == threads
+
+
+def test_bootstrap_killed_and_restarted(cluster):
+    """Rooms in flight do not need the bootstrap server; a restarted server
+    is re-populated by the prefill ranks, so a decode rank that never saw
+    the node before finds it."""
+    prefill, decode = cluster.rank("prefill"), cluster.rank("decode")
+    _warm(prefill, decode)
+    rooms = [10, 11, 12]
+    prefill.send(op="rooms", rooms=rooms, timeout_s=60, chunk_delay_s=0.2)
+    decode.send(op="rooms", rooms=rooms, timeout_s=60)
+    time.sleep(0.5)
+    port = int(cluster.server.address.rsplit(":", 1)[1])
+    cluster.server.proc.kill()
+    assert_all_success(prefill.reply(), rooms)
+    assert_all_success(decode.reply(), rooms)
+
+    cluster.server.close()
+    cluster.server = BootstrapProcess(port=port)
+    decode2 = cluster.rank("decode")  # must look the node up on the new server
+    p, d = _both(prefill, decode2, [20, 21])
+    assert_all_success(p, [20, 21])
+    assert_all_success(d, [20, 21])
+    p, d = _both(prefill, decode, [22, 23])  # and the old decode rank goes on
+    assert_all_success(p, [22, 23])
+    assert_all_success(d, [22, 23])
+
+
+def test_prefill_hangs(cluster):
+    """SIGSTOP instead of a death: decode gives up within the bound; once the
+    prefill process runs again, both sides go on."""
+    prefill, decode = cluster.rank("prefill"), cluster.rank("decode")
+    _warm(prefill, decode)
+    rooms = [10, 11, 12]
+    prefill.send(op="rooms", rooms=rooms, timeout_s=60, chunk_delay_s=0.3)
+    decode.send(op="rooms", rooms=rooms, timeout_s=60)
+    time.sleep(0.8)
+    stopped_at = prefill.kill(signal.SIGSTOP)
+    assert assert_failed_within(decode.reply(), stopped_at, BOUND_S, DEAD_PEER_ERRORS)
+    prefill.kill(signal.SIGCONT)
+    p = prefill.reply()
+    assert {r["state"] for r in p["results"].values()} <= {"Success", "Failed"}
+    p, d = _both(prefill, decode, [20, 21])
+    assert_all_success(p, [20, 21])
+    assert_all_success(d, [20, 21])
+
+
+def test_decode_hangs(cluster):
+    prefill, decode = cluster.rank("prefill"), cluster.rank("decode")
+    _warm(prefill, decode)
+    rooms = [10, 11, 12]
+    decode.send(op="rooms", rooms=rooms, timeout_s=60)
+    time.sleep(0.3)
+    prefill.send(op="rooms", rooms=rooms, timeout_s=60, chunk_delay_s=0.3)
+    time.sleep(0.8)
+    stopped_at = decode.kill(signal.SIGSTOP)
+    assert assert_failed_within(prefill.reply(), stopped_at, BOUND_S, DEAD_PEER_ERRORS)
+    decode.kill(signal.SIGCONT)
+    d = decode.reply()
+    assert {r["state"] for r in d["results"].values()} <= {"Success", "Failed"}
+    for r in d["results"].values():
+        assert r.get("mismatches", []) == []
+    p, d = _both(prefill, decode, [20, 21])
+    assert_all_success(p, [20, 21])
+    assert_all_success(d, [20, 21])
+
+
+@pytest.mark.parametrize("placement", ["contiguous", "scattered"], ids=["direct-writes", "staged-writes"])
+def test_abort_from_decode(placement):
+    """The decode scheduler aborts rooms while their bytes are being written
+    (as soon as the first bytes show in the room's first page) and reuses the
+    pages the moment the rooms are Failed: no later write lands in them.
+    (Without the drain, the direct-writes case sees late writes every time.)"""
+    with BootstrapProcess() as server:
+        spec = fault_spec(server.address, page_placement=placement, min_tokens=4096, max_tokens=4096,
+                          chunk_pages=0, decode_pages=1300)
+        prefill, decode = Rank("prefill", spec, FAST), Rank("decode", spec, FAST)
+        try:
+            _warm(prefill, decode)
+            for room in (10, 11, 12):  # one at a time: the decode loop watches the room's first page
+                p, d = _both(prefill, decode, [room], d_opts={"abort_on_first_byte": [room], "guard_s": 1.0})
+                got, sent = d["results"][str(room)], p["results"][str(room)]
+                assert got["state"] == "Failed", got
+                assert "aborted by the test's decode scheduler" in got["error"]
+                assert got["late_write"] is False, f"room {room}: a write landed after Failed"
+                assert sent["state"] == "Failed" and sent["error_type"] == "PeerError", sent
+            p, d = _both(prefill, decode, [20, 21], d_opts={"abort": {20: 0.0}})  # before any byte
+            assert d["results"]["20"]["state"] == p["results"]["20"]["state"] == "Failed"
+            assert d["results"]["21"]["state"] == "Success" and d["results"]["21"]["mismatches"] == []
+            p, d = _both(prefill, decode, [22, 23])
+            assert_all_success(p, [22, 23])
+            assert_all_success(d, [22, 23])
+        finally:
+            prefill.close()
+            decode.close()
+
+
+def test_abort_from_prefill(cluster):
+    prefill, decode = cluster.rank("prefill"), cluster.rank("decode")
+    _warm(prefill, decode)
+    rooms = [10, 11, 12]
+    aborts = {10: 0.2, 11: 0.8}
+    p, d = _both(prefill, decode, rooms, chunk_delay_s=0.3, p_opts={"abort": aborts})
+    for room in aborts:
+        assert p["results"][str(room)]["state"] == "Failed"
+        assert d["results"][str(room)]["state"] == "Failed", d["results"][str(room)]
+        assert d["results"][str(room)]["error_type"] == "PeerError"
+        assert "aborted by the test's prefill scheduler" in d["results"][str(room)]["error"]
+    assert d["results"]["12"]["state"] == "Success" and d["results"]["12"]["mismatches"] == []
+    p, d = _both(prefill, decode, [20, 21])
+    assert_all_success(p, [20, 21])
+    assert_all_success(d, [20, 21])

@@ -1,0 +1,244 @@
+"""A scripted rank driven over stdin, for the fault, abort and soak tests.
+
+``python -m transfer.rankctl --role prefill|decode --spec JSON [--config JSON]``
+builds one rank's pools from the spec (the content of :mod:`transfer.workload`,
+so decode can check every byte), creates its KVManager, prints ``READY
+{...}`` and then answers one JSON command per stdin line with one ``REPLY
+{...}`` line:
+
+- ``{"op": "rooms", "rooms": [...], ...}`` runs those rooms to a terminal
+  state and reports each one: state, error type and message, wall-clock end
+  time (``time.time()``, comparable across processes on one host), and on
+  decode the byte check. Options: ``abort`` (room -> seconds after start at
+  which this side aborts it), ``chunk_delay_s`` (prefill: pause between
+  chunks, so a fault lands mid-transfer), ``guard_s`` (decode: fill a
+  failed room's pages with a sentinel at once, as a scheduler reusing them
+  would, and check after this many seconds that no late write touched them),
+  ``abort_on_first_byte`` (decode: rooms to abort as soon as their first
+  page shows transferred bytes, i.e. with writes surely in flight),
+  ``timeout_s`` (bounds the whole command).
+- ``{"op": "stats"}``: threads, open file descriptors, RSS, counters.
+- ``{"op": "exit"}``.
+
+Every wait is bounded; end of stdin exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from transfer.config import Role, manager_config_from_env
+from transfer.manager import KVManager
+from transfer.receiver import KVReceiver
+from transfer.sender import KVSender
+from transfer.state import KVPoll
+from transfer.workload import (Spec, _allocate, _components, aux_row, build_pools, global_buffer, prefill_side,
+                               rank_slice, room_plan)
+
+SENTINEL = 0xA5
+
+
+def _stats(mgr: KVManager) -> dict:
+    rss = 0
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        pass
+    try:
+        fds = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        fds = -1
+    return {"threads": threading.active_count(), "fds": fds, "rss": rss,
+            "malformed": mgr.channel.num_malformed, "unauthenticated": mgr.channel.num_unauthenticated,
+            "received": mgr.channel.num_received}
+
+
+def _error(obj) -> tuple[str, str]:
+    try:
+        obj.failure_exception()
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    return "", ""
+
+
+class PrefillRank:
+    def __init__(self, spec: Spec, mgr: KVManager, aux) -> None:
+        self.spec, self.mgr, self.aux = spec, mgr, aux
+
+    def rooms(self, cmd: dict) -> dict:
+        spec, mgr = self.spec, self.mgr
+        abort = {int(k): v for k, v in cmd.get("abort", {}).items()}
+        delay = float(cmd.get("chunk_delay_s", 0.0))
+        deadline = time.monotonic() + float(cmd.get("timeout_s", 60.0))
+        live, out = {}, {}
+        for room in cmd["rooms"]:
+            slot = room % spec.aux_slots
+            self.aux[slot] = torch.frombuffer(bytearray(aux_row(spec, room)), dtype=torch.uint8)
+            live[room] = {"s": KVSender(mgr, spec.bootstrap, room), "t0": time.monotonic(), "chunks": None,
+                          "next_at": 0.0, "slot": slot}
+        while live and time.monotonic() < deadline:
+            seen = mgr.progress
+            now = time.monotonic()
+            for room, r in list(live.items()):
+                s = r["s"]
+                state = s.poll()
+                if room in abort and now - r["t0"] >= abort[room] and state not in (KVPoll.Success, KVPoll.Failed):
+                    s.abort("aborted by the test's prefill scheduler")
+                    state = s.poll()
+                if state is KVPoll.WaitingForInput and r["chunks"] is None:
+                    pages, sizes = room_plan(spec, room)
+                    s.init(len(pages), r["slot"])
+                    r["chunks"] = [pages, sizes, 0]
+                if r["chunks"] is not None and r["chunks"][1] and now >= r["next_at"] \
+                        and state in (KVPoll.WaitingForInput, KVPoll.Transferring):
+                    pages, sizes, off = r["chunks"]
+                    n = sizes.pop(0)
+                    s.send(pages[off:off + n], last=not sizes)
+                    r["chunks"][2] = off + n
+                    r["next_at"] = now + delay
+                if state in (KVPoll.Success, KVPoll.Failed):
+                    kind, msg = _error(s)
+                    out[room] = {"state": state.name, "error_type": kind, "error": msg, "ended_at": time.time()}
+                    del live[room]
+            mgr.wait_for_progress(seen, 0.01)
+        for room in live:
+            out[room] = {"state": "Stuck", "error_type": "", "error": "command timed out", "ended_at": time.time()}
+        return {"results": out}
+
+
+class DecodeRank:
+    def __init__(self, spec: Spec, mgr: KVManager, tensors, aux) -> None:
+        self.spec, self.mgr, self.tensors, self.aux = spec, mgr, tensors, aux
+        rng = np.random.default_rng([spec.seed, 7])
+        self.free = [int(x) for x in rng.permutation(spec.decode_pages)]
+        prefill_roles = {p.role for p in spec.prefill_pools}
+        self.expected = {p.role: {c: [rank_slice(global_buffer(spec, p, l, c, spec.prefill_pages, prefill_side(0)),
+                                                 p, 0, 1) for l in range(p.num_layers)]
+                                  for c in _components(p)}
+                         for p in spec.decode_pools if p.role in prefill_roles}
+
+    def _check(self, room: int, dst, slot) -> list[str]:
+        src, _ = room_plan(self.spec, room)
+        bad = [f"room {room}: {role} {c} layer {l} differs"
+               for role, bufs in self.expected.items() for c, ts in bufs.items() for l, want in enumerate(ts)
+               if not torch.equal(self.tensors[role][c][l][dst].view(torch.uint8), want[src].view(torch.uint8))]
+        if bytes(self.aux[slot].numpy()) != aux_row(self.spec, room):
+            bad.append(f"room {room}: aux row differs")
+        return bad
+
+    def _fill(self, dst, value: int) -> None:
+        for bufs in self.tensors.values():
+            for ts in bufs.values():
+                for t in ts:
+                    t.view(torch.uint8)[dst] = value
+
+    def _intact(self, dst, value: int) -> bool:
+        return all(bool((t.view(torch.uint8)[dst] == value).all())
+                   for bufs in self.tensors.values() for ts in bufs.values() for t in ts)
+
+    def rooms(self, cmd: dict) -> dict:
+        spec, mgr = self.spec, self.mgr
+        abort = {int(k): v for k, v in cmd.get("abort", {}).items()}
+        guard_s = float(cmd.get("guard_s", 0.0))
+        on_first_byte = set(cmd.get("abort_on_first_byte", []))
+        first = next(iter(next(iter(self.tensors.values())).values()))[0].view(torch.uint8)
+        deadline = time.monotonic() + float(cmd.get("timeout_s", 60.0))
+        live, out, guarded = {}, {}, []
+        for room in cmd["rooms"]:
+            n = len(room_plan(spec, room)[0])
+            dst = _allocate(self.free, n, spec.page_placement == "contiguous")
+            if dst is None:
+                raise RuntimeError(f"decode pool of {spec.decode_pages} pages is full")
+            dst = torch.as_tensor(dst, dtype=torch.int64)
+            self._fill(dst, 0)  # stale bytes must not pass for transferred ones
+            slot = (room * 7) % spec.aux_slots
+            self.aux[slot] = 0
+            r = KVReceiver(mgr, spec.bootstrap, room, prefill_node=spec.node_id)
+            r.init(dst.numpy(), slot)
+            live[room] = {"r": r, "dst": dst, "slot": slot, "t0": time.monotonic()}
+        while live and time.monotonic() < deadline:
+            seen = mgr.progress
+            now = time.monotonic()
+            for room, x in list(live.items()):
+                state = x["r"].poll()
+                due = (room in abort and now - x["t0"] >= abort[room]) or \
+                    (room in on_first_byte and bool(first[x["dst"][0]].any()))
+                if due and state not in (KVPoll.Success, KVPoll.Failed):
+                    x["r"].abort("aborted by the test's decode scheduler")
+                    state = x["r"].poll()
+                if state not in (KVPoll.Success, KVPoll.Failed):
+                    continue
+                kind, msg = _error(x["r"])
+                res = {"state": state.name, "error_type": kind, "error": msg, "ended_at": time.time(),
+                       "mismatches": self._check(room, x["dst"], x["slot"]) if state is KVPoll.Success else []}
+                out[room] = res
+                del live[room]
+                if state is KVPoll.Failed and guard_s:
+                    self._fill(x["dst"], SENTINEL)  # the scheduler reuses the pages at once
+                    guarded.append((room, x["dst"]))
+                else:
+                    self.free.extend(int(p) for p in x["dst"])
+            mgr.wait_for_progress(seen, 0.0005 if on_first_byte & live.keys() else 0.01)
+        for room, x in live.items():
+            out[room] = {"state": "Stuck", "error_type": "", "error": "command timed out", "ended_at": time.time(),
+                         "mismatches": []}
+        if guarded:
+            time.sleep(guard_s)
+            for room, dst in guarded:
+                out[room]["late_write"] = not self._intact(dst, SENTINEL)
+                self.free.extend(int(p) for p in dst)
+        return {"results": out}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--role", choices=["prefill", "decode"], required=True)
+    ap.add_argument("--spec", required=True)
+    ap.add_argument("--config", default="{}", help="ManagerConfig fields as JSON (peer_timeout_s, secret, ...)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR, format=f"[{args.role}] %(name)s %(levelname)s %(message)s")
+    spec = Spec.from_json(args.spec)
+    role = Role(args.role)
+    prefill = role is Role.PREFILL
+    pools, tensors = build_pools(spec, spec.prefill_pools if prefill else spec.decode_pools, 0, 1,
+                                 spec.prefill_pages if prefill else spec.decode_pages,
+                                 prefill_side(0) if prefill else "decode")
+    aux = torch.zeros(spec.aux_slots, spec.aux_slot_bytes, dtype=torch.uint8)
+    base = manager_config_from_env(role)
+    cfg = replace(base, bootstrap_addr=spec.bootstrap, node_id=spec.node_id,
+                  engine=replace(base.engine, protocol=spec.protocol),
+                  bootstrap_timeout_s=spec.timeout_s, transfer_timeout_s=spec.timeout_s,
+                  **json.loads(args.config))
+    mgr = KVManager(cfg, pools, aux=aux)
+    rank = PrefillRank(spec, mgr, aux) if prefill else DecodeRank(spec, mgr, tensors, aux)
+    print("READY " + json.dumps({"session": mgr.rank.session, "endpoint": mgr.rank.control_endpoint,
+                                 **_stats(mgr)}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "exit":
+            break
+        try:
+            reply = rank.rooms(cmd) if cmd["op"] == "rooms" else {}
+        except Exception as exc:
+            reply = {"crash": f"{type(exc).__name__}: {exc}"}
+        reply.update(_stats(mgr))
+        print("REPLY " + json.dumps(reply), flush=True)
+    mgr.close()
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # skip the Mooncake engine's slow destructor
