@@ -12,6 +12,7 @@ a shared secret every message is sealed and must verify (see
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from typing import Any, Callable
@@ -30,7 +31,7 @@ class ControlChannel:
     """``send`` is thread-safe and never blocks; ``close`` stops the receiver."""
 
     def __init__(self, host: str, handler: Handler, *, port: int = 0, send_queue_msgs: int = 10000,
-                 secret: str | bytes | None = None) -> None:
+                 secret: str | bytes | None = None, max_peers: int = 1024) -> None:
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -48,7 +49,10 @@ class ControlChannel:
         self._handler = handler
         self._key = codec.secret_key(secret)
         self._send_queue_msgs = send_queue_msgs
-        self._dealers: dict[str, zmq.Socket] = {}
+        # Least recently used first; beyond ``max_peers`` the oldest socket is
+        # closed (a flood of introductions cannot exhaust file descriptors).
+        self._dealers: collections.OrderedDict[str, zmq.Socket] = collections.OrderedDict()
+        self._max_peers = max_peers
         self._send_lock = threading.Lock()
         self._closed = threading.Event()
         self.num_received = 0
@@ -65,7 +69,11 @@ class ControlChannel:
             if self._closed.is_set():
                 raise ClosedError("control channel is closed")
             sock = self._dealers.get(endpoint)
-            if sock is None:
+            if sock is not None:
+                self._dealers.move_to_end(endpoint)
+            else:
+                if len(self._dealers) >= self._max_peers:
+                    self._dealers.popitem(last=False)[1].close(0)
                 sock = self._ctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SNDHWM, self._send_queue_msgs)

@@ -28,6 +28,8 @@ log = logging.getLogger("kvferry.receiver")
 
 # Pause between bootstrap lookups while a prefill node is not ready yet.
 _RETRY_S = 0.02
+# How long a refused lookup fails new rooms before one is tried again.
+_REFUSAL_S = 1.0
 # A ready link used within this long is kept under liveness watch even with
 # no live room, so a prefill rank that died while idle is noticed (and its
 # link forgotten) before the next room needs it.
@@ -81,6 +83,9 @@ class DecodeRooms:
         self.links: dict[tuple[str, str, int], Link] = {}
         self.dp_sizes: dict[tuple[str, str], int] = {}  # 0: being looked up
         self._dp_wanted: dict[tuple[str, str], float] = {}
+        # A lookup refused for good (authentication, a conflict): rooms asking
+        # for the node within _REFUSAL_S fail with it; later ones try afresh.
+        self._dp_refused: dict[tuple[str, str], tuple[float, KVFerryError]] = {}
         self.receivers: dict[tuple[int, int], KVReceiver] = {}
         self._hellos: dict[str, _Hello] = {}
         self._clients: dict[str, BootstrapClient] = {}
@@ -97,6 +102,11 @@ class DecodeRooms:
         """The link for a room; None while the node's DP size is unknown."""
         now = time.monotonic()
         if dp_rank is None:
+            refused = self._dp_refused.get((addr, node))
+            if refused is not None and now - refused[0] < _REFUSAL_S:
+                link = Link((addr, node, -1))
+                link.state, link.error = LinkState.FAILED, refused[1]
+                return link
             dp_size = self.dp_sizes.get((addr, node))
             if dp_size is None:
                 self.dp_sizes[(addr, node)] = 0
@@ -112,6 +122,14 @@ class DecodeRooms:
             self._wake.set()
         link.last_wanted = now
         return link
+
+    def endpoint_of(self, session: str) -> str | None:
+        """The control endpoint of a prefill rank of a known link."""
+        for link in self.links.values():
+            for r in link.ranks:
+                if r.session == session:
+                    return r.control_endpoint
+        return None
 
     def live_peers(self, now: float) -> dict[str, str]:
         """Session -> control endpoint of the prefill ranks to watch (called
@@ -188,8 +206,14 @@ class DecodeRooms:
             for addr, node in dp_todo:
                 try:
                     reply = self._client(addr).lookup(node, 0)
-                except KVFerryError as exc:
-                    log.debug("dp size of %s at %s: %s", node, addr, exc)
+                except (BootstrapUnavailable, ProtocolError, BootstrapError) as exc:
+                    if isinstance(exc, BootstrapUnavailable):
+                        log.debug("dp size of %s at %s: %s", node, addr, exc)
+                        continue
+                    with self.mgr._lock:  # refused: retrying will not help
+                        self.dp_sizes.pop((addr, node), None)
+                        self._dp_refused[(addr, node)] = (time.monotonic(), type(exc)(
+                            f"{self.mgr.where}: looking up prefill node {node!r} at {addr}: {exc}"))
                     continue
                 if reply.dp_size:
                     with self.mgr._lock:

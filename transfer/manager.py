@@ -175,9 +175,16 @@ class KVManager:
 
     def _on_message(self, msg) -> None:
         if isinstance(msg, PeerPing):
-            self.liveness_heard(msg.session)
-            if msg.endpoint.startswith("tcp://"):
-                self.channel.send(msg.endpoint, PeerPong(session=self.rank.session, seq=msg.seq))
+            # Answer known peers only, at the endpoint we know them by: a ping
+            # cannot make this rank connect anywhere else.
+            with self._lock:
+                endpoint = self.rooms.endpoint_of(msg.session)
+                self.liveness.heard(msg.session, time.monotonic())
+            if endpoint is not None:
+                try:
+                    self.channel.send(endpoint, PeerPong(session=self.rank.session, seq=msg.seq))
+                except KVFerryError as exc:  # closing, or the peer's queue is full
+                    log.debug("%s: pong to %s not sent: %s", self.where, endpoint, exc)
             return
         if isinstance(msg, PeerPong):
             self.liveness_heard(msg.session)

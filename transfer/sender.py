@@ -20,6 +20,10 @@ from transfer.state import KVPoll, RoomState
 log = logging.getLogger("kvferry.sender")
 
 _REMEMBER_FINISHED = 65536
+# Bounds on requests kept for rooms whose sender the scheduler has not created
+# yet (a decode rank may be early; a flood must not exhaust memory).
+_EARLY_ROOMS = 4096
+_EARLY_PER_ROOM = 64
 
 
 class PrefillRooms:
@@ -35,7 +39,8 @@ class PrefillRooms:
         self.mgr = mgr
         self.peers: dict[str, RankInfo] = {}  # decode session -> its rank info
         self.senders: dict[int, KVSender] = {}
-        self._early: dict[int, list[tuple[float, object]]] = {}
+        self._early: dict[int, list[tuple[float, object]]] = {}  # insertion order = age
+        self.num_dropped_early = 0
         self._finished: collections.OrderedDict[tuple[int, int], None] = collections.OrderedDict()
         self.staging = PrefillStaging(mgr) if mgr.staging is not None else None
 
@@ -68,20 +73,33 @@ class PrefillRooms:
             if isinstance(msg, TransferRequest) and msg.request_id == abort.request_id:
                 kept.remove((t, msg))
                 self._finished[(msg.room, msg.request_id)] = None
+                peer = self.peers.get(msg.decode_session)
+                if peer is None:
+                    continue  # only handshaken peers are ever written to
                 try:
-                    self.mgr.channel.send(msg.decode_endpoint, RoomStatus(
+                    self.mgr.channel.send(peer.control_endpoint, RoomStatus(
                         room=msg.room, request_id=msg.request_id, prefill_tp_rank=self.mgr.rank.tp_rank,
                         status=Status.FAILED, sent=(), reason=f"{self.mgr.where}: aborted before its sender existed"))
                 except Exception as exc:
                     log.warning("%s: could not tell decode: %s", self.mgr.where, exc)
 
     def _keep_early(self, msg) -> None:
+        """Keep a message for a room whose sender does not exist yet, within
+        bounds: at most ``_EARLY_ROOMS`` rooms (the oldest go first) of at
+        most ``_EARLY_PER_ROOM`` messages, each for ``bootstrap_timeout_s``."""
         now = time.monotonic()
         horizon = now - self.mgr.config.bootstrap_timeout_s
-        if len(self._early) > 1024:
+        if len(self._early) >= _EARLY_ROOMS:
             for room in [r for r, msgs in self._early.items() if msgs[-1][0] < horizon]:
                 del self._early[room]
-        self._early.setdefault(msg.room, []).append((now, msg))
+            while len(self._early) >= _EARLY_ROOMS:
+                del self._early[next(iter(self._early))]
+                self.num_dropped_early += 1
+        kept = self._early.setdefault(msg.room, [])
+        if len(kept) >= _EARLY_PER_ROOM:
+            self.num_dropped_early += 1
+            return
+        kept.append((now, msg))
 
     def _on_hello(self, hello: PeerHello) -> None:
         try:
@@ -114,6 +132,11 @@ class PrefillRooms:
                 self._finished[(sender.room, rid)] = None
             while len(self._finished) > _REMEMBER_FINISHED:
                 self._finished.popitem(last=False)
+
+    def endpoint_of(self, session: str) -> str | None:
+        """The control endpoint of a handshaken decode rank."""
+        peer = self.peers.get(session)
+        return peer.control_endpoint if peer is not None else None
 
     def live_peers(self, now: float) -> dict[str, str]:
         """Session -> control endpoint of the decode ranks whose requests a
@@ -299,9 +322,12 @@ class KVSender:
                 if not self._requests or msg.request_id in [r.request_id for r in self._requests]:
                     self._fail(PeerError(f"{self._state.where}: decode aborted the room: {msg.reason}"))
                 return
-            if msg.decode_session not in self.mgr.rooms.peers:
+            peer = self.mgr.rooms.peers.get(msg.decode_session)
+            if peer is None or peer.control_endpoint != msg.decode_endpoint:
                 self._fail(PeerError(f"{self._state.where}: request from decode {msg.decode_session} "
-                                     "which has not completed the handshake"))
+                                     + ("which has not completed the handshake" if peer is None else
+                                        f"names endpoint {msg.decode_endpoint}, not its handshake's "
+                                        f"{peer.control_endpoint}")))
                 return
             self._requests.append(msg)
             if len(self._requests) > msg.num_requests:
