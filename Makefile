@@ -11,7 +11,7 @@ MOONCAKE_VERSION ?= 0.3.13.post1
 MOONCAKE_PKG ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo mooncake-transfer-engine || echo mooncake-transfer-engine-non-cuda)
 STAMP := $(VENV)/.kvferry-setup
 
-.PHONY: setup demo test bench clean debian-libs
+.PHONY: setup demo demo-load test bench clean debian-libs
 
 setup: $(STAMP)
 
@@ -34,7 +34,13 @@ $(STAMP): pyproject.toml Makefile | debian-libs
 	$(PY) -c "import torch, zmq, msgpack, mooncake.engine" 
 	@touch $(STAMP)
 
+# The two-node example on one host: a tiny MLA target + GQA draft model pair,
+# prefill TP 2 -> decode TP 1, tokens checked against a single-process run.
 demo: setup
+	$(PY) -m examples.two_node_demo
+
+# Many requests of a Llama-8B-like layout, every byte checked.
+demo-load: setup
 	$(PY) -m examples.loopback_demo
 
 test: setup

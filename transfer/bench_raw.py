@@ -2,7 +2,7 @@
 
 ``python -m transfer.bench_raw mc-recv --bytes N``: registers N pre-faulted
 bytes with a Mooncake TransferEngine and prints ``RAW_READY <session>
-<addr>``; exits when stdin closes.
+<addr>``; exits when stdin closes, or after ``--lifetime-s``.
 
 ``python -m transfer.bench_raw mc-send --session S --addr A ...``: writes
 ``requests`` requests of ``request_bytes`` each into that memory, at most
@@ -10,8 +10,20 @@ bytes with a Mooncake TransferEngine and prints ``RAW_READY <session>
 pattern (submit, then poll with short sleeps: the blocking calls busy-spin).
 Prints ``RAW_RESULT <json>`` with per-request latencies.
 
-``python -m transfer.bench_raw sock-recv --bytes N``: the link's limit on
-loopback, a plain TCP stream read into a buffer; prints ``SOCK_READY port``.
+``python -m transfer.bench_raw mc-pages --session S --addr A ...``: the
+same-pages baseline. The receiver's memory is a decode pool (``--buffers``,
+``--dst-pages``, see :mod:`transfer.bench_pages`); each request writes the
+pages a kvferry request of the workload writes (scattered source and
+destination pages drawn as ``transfer.workload`` draws them), one
+descriptor per run of pages adjacent on both sides, per buffer. ``--pattern
+submit``: one ``transfer_submit_write`` per descriptor, at most
+``--max-inflight`` outstanding, polled in order with sleeps sized to the
+outstanding bytes (kvferry's transport waits the same way); ``--pattern
+batch``: ``batch_transfer_async_write`` batches, two outstanding, waited on
+with ``get_batch_transfer_status``. Prints ``RAW_RESULT <json>``.
+
+``python -m transfer.bench_raw sock-recv --bytes N [--host H]``: the link's
+limit, a plain TCP stream read into a buffer; prints ``SOCK_READY port``.
 
 This module uses the Mooncake engine directly on purpose: it is the
 baseline that kvferry is measured against.
@@ -22,45 +34,58 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import socket
 import sys
 import time
 
 import numpy as np
 
+ACCEPT_TIMEOUT_S = 120.0  # sock-recv gives up when no sender connects
 
-def _engine(hostname: str, protocol: str):
+
+def make_engine(hostname: str, protocol: str, device: str = ""):
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     for key in ("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER"):
         os.environ.setdefault(key, "65535")
     os.environ.setdefault("MC_TCP_ADMISSION_TIMEOUT_MS", "60000")
+    # Bound every wait on a stalled peer (the status calls have no timeout of their own).
+    os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", "30")
+    os.environ.setdefault("MC_TRANSFER_TIMEOUT", "30")
     from mooncake.engine import TransferEngine
     engine = TransferEngine()
-    if engine.initialize(hostname, "P2PHANDSHAKE", protocol, "") != 0:
+    if engine.initialize(hostname, "P2PHANDSHAKE", protocol, device) != 0:
         raise SystemExit("mooncake initialize failed")
     return engine
 
 
-def _buffer(nbytes: int) -> np.ndarray:
+def register_buffer(engine, buf: np.ndarray) -> None:
+    """RDMA needs the local source registered too (TCP does not; it costs nothing there)."""
+    if engine.register_memory(buf.ctypes.data, buf.nbytes) != 0:
+        raise SystemExit("register_memory failed")
+
+
+def prefaulted_buffer(nbytes: int) -> np.ndarray:
     buf = np.empty(nbytes, dtype=np.uint8)
     buf.fill(0x5A)  # pre-fault
     return buf
 
 
 def mc_recv(args) -> int:
-    engine = _engine(args.hostname, args.protocol)
-    buf = _buffer(args.bytes)
-    addr = buf.ctypes.data
-    if engine.register_memory(addr, args.bytes) != 0:
-        raise SystemExit("register_memory failed")
-    print(f"RAW_READY {args.hostname}:{engine.get_rpc_port()} {addr}", flush=True)
-    sys.stdin.read()  # until the benchmark closes our stdin
+    engine = make_engine(args.hostname, args.protocol, args.device)
+    buf = prefaulted_buffer(args.bytes)
+    register_buffer(engine, buf)
+    print(f"RAW_READY {args.hostname}:{engine.get_rpc_port()} {buf.ctypes.data}", flush=True)
+    # Until the benchmark closes our stdin, or at most --lifetime-s.
+    if select.select([sys.stdin], [], [], args.lifetime_s)[0]:
+        sys.stdin.read()
     return 0
 
 
 def mc_send(args) -> int:
-    engine = _engine(args.hostname, args.protocol)
-    src = _buffer(args.request_bytes)
+    engine = make_engine(args.hostname, args.protocol, args.device)
+    src = prefaulted_buffer(args.request_bytes)
+    register_buffer(engine, src)
     base = src.ctypes.data
     offsets = list(range(0, args.request_bytes, args.entry_bytes))
     lengths = [min(args.entry_bytes, args.request_bytes - o) for o in offsets]
@@ -107,10 +132,12 @@ def mc_send(args) -> int:
 
 
 def sock_recv(args) -> int:
-    srv = socket.create_server(("127.0.0.1", 0))
+    srv = socket.create_server((args.host, 0))
+    srv.settimeout(ACCEPT_TIMEOUT_S)
     print(f"SOCK_READY {srv.getsockname()[1]}", flush=True)
     conn, _ = srv.accept()
-    buf = _buffer(min(args.bytes, 64 << 20))
+    conn.settimeout(ACCEPT_TIMEOUT_S)
+    buf = prefaulted_buffer(min(args.bytes, 64 << 20))
     view = memoryview(buf)
     left = args.bytes
     while left:
@@ -125,10 +152,13 @@ def sock_recv(args) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="kvferry benchmark baselines")
-    ap.add_argument("mode", choices=["mc-recv", "mc-send", "sock-recv"])
+    ap.add_argument("mode", choices=["mc-recv", "mc-send", "mc-pages", "sock-recv"])
     ap.add_argument("--bytes", type=int, default=0)
-    ap.add_argument("--hostname", default="127.0.0.1")
+    ap.add_argument("--hostname", default="127.0.0.1", help="this engine's address, as the peer reaches it")
     ap.add_argument("--protocol", default="tcp")
+    ap.add_argument("--device", default="", help="RDMA NIC (empty: the engine picks)")
+    ap.add_argument("--host", default="127.0.0.1", help="sock-recv: the address to listen on")
+    ap.add_argument("--lifetime-s", type=float, default=3600.0, help="mc-recv: exit after this long at most")
     ap.add_argument("--session", default="")
     ap.add_argument("--addr", type=int, default=0)
     ap.add_argument("--request-bytes", type=int, default=0)
@@ -136,8 +166,22 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=0)
     ap.add_argument("--concurrency", type=int, default=1)
+    pages = ap.add_argument_group("mc-pages (see transfer.bench_pages)")
+    pages.add_argument("--buffers", default="", help="the pool's buffers, COUNTxPAGE_BYTES[,...]")
+    pages.add_argument("--src-pages", type=int, default=0, help="pages of the source (prefill) pool")
+    pages.add_argument("--dst-pages", type=int, default=0, help="pages of the destination (decode) pool")
+    pages.add_argument("--page-size", type=int, default=16, help="tokens per page")
+    pages.add_argument("--tokens", type=int, default=0, help="tokens per request")
+    pages.add_argument("--seed", type=int, default=1234)
+    pages.add_argument("--first-room", type=int, default=1000)
+    pages.add_argument("--pattern", choices=["submit", "batch"], default="submit")
+    pages.add_argument("--max-inflight", type=int, default=1024, help="descriptors outstanding at most")
     args = ap.parse_args(argv)
-    code = {"mc-recv": mc_recv, "mc-send": mc_send, "sock-recv": sock_recv}[args.mode](args)
+    if args.mode == "mc-pages":
+        from transfer.bench_raw_pages import mc_pages
+        code = mc_pages(args)
+    else:
+        code = {"mc-recv": mc_recv, "mc-send": mc_send, "sock-recv": sock_recv}[args.mode](args)
     sys.stdout.flush()
     os._exit(code)  # skip the engine's slow destructor
 

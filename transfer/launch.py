@@ -78,12 +78,24 @@ class RankRun:
     log: str
 
 
-def start_ranks(spec: Spec, role: str, args: list[str]) -> tuple[subprocess.Popen, tempfile.TemporaryFile]:
+def start_ranks(spec: Spec, role: str, args: list[str],
+                env: dict[str, str] | None = None) -> tuple[subprocess.Popen, tempfile.TemporaryFile]:
+    """Start ``python -m transfer.workload`` for ``role``; ``env`` adds to
+    :func:`child_env` (``KVFERRY_HOST``, ... for another address)."""
     out = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen([sys.executable, "-m", "transfer.workload", "--role", role, *args,
                              "--spec", spec.to_json()], stdout=out, stderr=subprocess.STDOUT, text=True,
-                            env=child_env())
+                            env={**child_env(), **(env or {})})
     return proc, out
+
+
+def results_of(log: str, role: str, returncode: int | None) -> list[RankRun]:
+    """One RankRun per RESULT line in a workload process's output (one per
+    rank it ran); a single one without a result if it printed none."""
+    results = [json.loads(line[len("RESULT "):]) for line in log.splitlines() if line.startswith("RESULT ")]
+    if not results:
+        return [RankRun(role, -1, returncode, None, log)]
+    return [RankRun(role, r["tp_rank"], returncode, r, log) for r in results]
 
 
 def finish_ranks(proc, out, role: str, deadline: float) -> list[RankRun]:
@@ -97,10 +109,7 @@ def finish_ranks(proc, out, role: str, deadline: float) -> list[RankRun]:
     out.seek(0)
     log = out.read()
     out.close()
-    results = [json.loads(line[len("RESULT "):]) for line in log.splitlines() if line.startswith("RESULT ")]
-    if not results:
-        return [RankRun(role, -1, proc.returncode, None, log)]
-    return [RankRun(role, r["tp_rank"], proc.returncode, r, log) for r in results]
+    return results_of(log, role, proc.returncode)
 
 
 def run_pd(spec: Spec, *, timeout_s: float = 300.0, bootstrap: str | None = None,

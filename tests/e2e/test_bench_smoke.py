@@ -2,9 +2,13 @@
 asserts on: throughput belongs to the benchmark, not to the test suite."""
 
 import json
+import os
+import socket
 import subprocess
 import sys
+import time
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.e2e
@@ -29,3 +33,155 @@ def test_bench_runs_all_three_modes_and_writes_json(tmp_path):
     assert kv["descriptors_per_request"] == 65
     assert kv["bytes"] == 4 * 128 * 32 * 2 * 8 * 128 * 2
     assert "kvferry" in proc.stdout and "of mooncake" in proc.stdout
+
+
+# --- the same-pages raw baseline ------------------------------------------------------------
+
+def test_same_pages_mirror_the_pages_the_workload_writes():
+    """bench_pages draws a room's source pages and the decode allocator's
+    pages exactly as transfer.workload does (pure, no processes)."""
+    from transfer import workload
+    from transfer.bench_pages import DecodeAllocator, PageDraw, room_source_pages
+    from transfer.bench_workloads import FULL
+
+    w = next(w for w in FULL if w.name == "mha-2k-c8")
+    spec = w.spec()
+    draw = PageDraw(spec.seed, spec.min_tokens, spec.max_tokens, spec.page_size, spec.prefill_pages,
+                    spec.decode_pages)
+    free = [int(x) for x in workload._rng(spec.seed, "decode-alloc", 0).permutation(spec.decode_pages - 4)]
+    alloc = DecodeAllocator(draw)
+    for room in range(spec.first_room, spec.first_room + 5):
+        src = room_source_pages(draw, room)
+        assert list(src) == list(workload.room_plan(spec, room)[0])
+        want = workload._allocate(free, len(src), contiguous=False)
+        got = alloc.take(len(src))
+        assert got == want
+        if room % 2:  # give some back, as finished rooms do
+            free.extend(want)
+            alloc.give_back(got)
+
+
+def test_same_pages_descriptors_copy_exactly_the_pages():
+    """Applying the descriptors as copies between two arenas moves page
+    src[i] of every buffer onto page dst[i], touches nothing else, and
+    merges runs adjacent on both sides."""
+    from transfer.bench_pages import ArenaLayout, page_descriptors
+
+    buffers = (6, 6, 6, 10)  # page bytes per buffer
+    src_layout, dst_layout = ArenaLayout(buffers, 9), ArenaLayout(buffers, 12)
+    rng = np.random.default_rng(7)
+    src_arena = rng.integers(0, 256, src_layout.arena_bytes, dtype=np.uint8)
+    dst_arena = np.zeros(dst_layout.arena_bytes, dtype=np.uint8)
+    src_pages, dst_pages = [3, 4, 5, 0, 8, 1], [7, 8, 9, 2, 0, 1]  # runs: [3,4,5]->[7,8,9], 0->2, 8->0, 1->1
+    s, d, n = page_descriptors(src_layout, dst_layout, 0, 0, src_pages, dst_pages)
+    assert len(n) == 4 * len(buffers) and n.sum() == len(src_pages) * sum(buffers)
+    for a, b, k in zip(s, d, n):
+        dst_arena[b:b + k] = src_arena[a:a + k]
+    expected = np.zeros_like(dst_arena)
+    for i, page_bytes in enumerate(buffers):
+        so, do = src_layout.region_offsets[i], dst_layout.region_offsets[i]
+        for sp, dp in zip(src_pages, dst_pages):
+            expected[do + dp * page_bytes:do + (dp + 1) * page_bytes] = \
+                src_arena[so + sp * page_bytes:so + (sp + 1) * page_bytes]
+    assert np.array_equal(dst_arena, expected)
+
+
+def test_bench_same_pages_baseline_row(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "transfer.bench", "--quick", "--only", "mha-128-c64",
+                           "--requests", "2", "--modes", "mooncake-pages", "--json", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["mode"] == "mooncake" and row["baseline"] == "same-pages" and row["pattern"] == "submit"
+    # 2 measured requests of 128 tokens = 8 scattered pages x 32 layers x K/V, 32 KiB a page.
+    assert row["bytes"] == 2 * 8 * 64 * 32768
+    # One descriptor per page and buffer, but for runs adjacent on both sides (rare on random pages).
+    assert 8 * 64 * 0.75 <= row["descriptors_per_request"] <= 8 * 64
+    assert "same pages" in proc.stdout
+
+
+# --- two hosts: the decode side through an agent ---------------------------------------------
+
+def _start_agent(*args: str) -> tuple[subprocess.Popen, str]:
+    agent = subprocess.Popen([sys.executable, "-m", "transfer.bench", "agent", "--host", "127.0.0.1", "--port", "0",
+                              *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = agent.stdout.readline()  # the agent prints it once listening, or exits
+    if "listening on" not in line:
+        agent.kill()
+        agent.wait(10)
+        pytest.fail(f"agent did not start: {line!r}")
+    return agent, line.split()[-1]
+
+
+def _stop(agent: subprocess.Popen) -> None:
+    agent.terminate()
+    try:
+        agent.wait(10)
+    except subprocess.TimeoutExpired:
+        agent.kill()
+        agent.wait(10)
+
+
+def test_bench_two_hosts_through_an_agent(tmp_path):
+    """Loopback as the other host: the agent is a separate process, the
+    decode side answers on 127.0.0.2 and the prefill side on 127.0.0.1."""
+    agent, address = _start_agent()
+    try:
+        out = tmp_path / "bench.json"
+        proc = subprocess.run([sys.executable, "-m", "transfer.bench", "--quick", "--only", "mha-128-c64",
+                               "--requests", "2", "--peer", address, "--protocol", "tcp",
+                               "--hostname", "127.0.0.1", "--peer-hostname", "127.0.0.2", "--json", str(out)],
+                              capture_output=True, text=True, timeout=180)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    finally:
+        _stop(agent)
+    data = json.loads(out.read_text())
+    assert data["transport"] == "tcp"
+    assert data["machine"]["address"] == "127.0.0.1" and data["machine"]["peer"]["address"] == "127.0.0.2"
+    assert data["machine"]["peer"]["cpus"] >= 1
+    kinds = sorted((r["mode"], r.get("baseline", "")) for r in data["rows"])
+    assert kinds == [("kvferry", ""), ("limit", "memcpy"), ("limit", "tcp-stream"), ("mooncake", "merged"),
+                     ("mooncake", "same-pages")]
+    assert all(r["bytes"] > 0 for r in data["rows"]), data["rows"]
+    assert "of mooncake merged" in proc.stdout and "of mooncake same-pages" in proc.stdout
+
+
+def test_agent_kills_its_children_when_the_prefill_side_goes_away():
+    """A session's children die with it: when the connection drops, and when
+    the prefill side falls silent past the idle timeout. Bounded waits only."""
+    from transfer.bench_agent import AgentError, AgentHost, PROTOCOL_VERSION
+
+    def gone(pid: int, within_s: float) -> bool:
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return True
+            time.sleep(0.1)
+        return False
+
+    agent, address = _start_agent("--idle-timeout-s", "2")
+    try:
+        # The connection drops (the prefill process died): the child is killed at once.
+        host = AgentHost(address, heartbeat_s=0.5)
+        with pytest.raises(AgentError, match="not one of"):
+            host.spawn("mc-send", [])
+        with pytest.raises(AgentError, match="KVFERRY"):
+            host.spawn("sock-recv", [], env={"PATH": "/"})
+        child = host.spawn("sock-recv", ["--bytes", "1"])  # waits for a sender that never comes
+        assert child.wait_line("SOCK_READY ", 30)
+        host._sock.shutdown(socket.SHUT_RDWR)
+        host._sock.close()
+        assert gone(child.pid, 15), "the agent left a child of a closed session running"
+        # Silence (the prefill host vanished without closing): killed after the idle timeout.
+        agent_host, agent_port = address.rsplit(":", 1)
+        with socket.create_connection((agent_host, int(agent_port)), timeout=10) as sock:
+            request = {"v": PROTOCOL_VERSION, "op": "spawn", "command": "sock-recv", "args": ["--bytes", "1"]}
+            sock.sendall(json.dumps(request).encode() + b"\n")
+            reply = json.loads(sock.makefile("rb").readline())
+            assert reply["ok"], reply
+            assert gone(reply["pid"], 20), "the agent left a child of a silent session running"
+    finally:
+        _stop(agent)
