@@ -40,6 +40,10 @@ class PrefillRooms:
         self.peers: dict[str, RankInfo] = {}  # decode session -> its rank info
         self.senders: dict[int, KVSender] = {}
         self._early: dict[int, list[tuple[float, object]]] = {}  # insertion order = age
+        # Rooms whose sender failed before every decode request arrived: a
+        # late request gets the failure at once instead of waiting out its
+        # timeout (until a new sender takes the room id, or bootstrap_timeout_s).
+        self._refused: dict[int, tuple[float, str]] = {}
         self.num_dropped_early = 0
         self._finished: collections.OrderedDict[tuple[int, int], None] = collections.OrderedDict()
         self.staging = PrefillStaging(mgr) if mgr.staging is not None else None
@@ -59,11 +63,38 @@ class PrefillRooms:
                 return
             sender = self.senders.get(msg.room)
             if sender is None:
+                if isinstance(msg, TransferRequest) and self._refuse(msg):
+                    return
                 if isinstance(msg, RoomAbort):
                     self._abort_early(msg)
                 self._keep_early(msg)
                 return
         sender._on_message(msg)
+
+    def refuse_later(self, room: int, reason: str) -> None:
+        """The room's sender failed before all its requests arrived."""
+        now = time.monotonic()
+        if len(self._refused) >= _EARLY_ROOMS:
+            horizon = now - self.mgr.config.bootstrap_timeout_s
+            for r in [r for r, (t, _) in self._refused.items() if t < horizon] or [next(iter(self._refused))]:
+                del self._refused[r]
+        self._refused[room] = (now, reason)
+
+    def _refuse(self, req: TransferRequest) -> bool:
+        refused = self._refused.get(req.room)
+        if refused is None or time.monotonic() - refused[0] > self.mgr.config.bootstrap_timeout_s:
+            return False
+        self._finished[(req.room, req.request_id)] = None
+        peer = self.peers.get(req.decode_session)
+        if peer is not None:
+            try:
+                self.mgr.channel.send(peer.control_endpoint, RoomStatus(
+                    room=req.room, request_id=req.request_id, prefill_tp_rank=self.mgr.rank.tp_rank,
+                    status=Status.FAILED, sent=(), reason=f"{self.mgr.where} room {req.room} ended before this "
+                                                         f"request arrived: {refused[1]}"))
+            except Exception as exc:
+                log.warning("%s: could not tell decode: %s", self.mgr.where, exc)
+        return True
 
     def _abort_early(self, abort: RoomAbort) -> None:
         """Decode aborted a room whose sender does not exist yet: nothing was
@@ -121,6 +152,7 @@ class PrefillRooms:
             if old is not None and not old._state.terminal:
                 raise StateError(f"{self.mgr.where}: room {sender.room} already has a live sender")
             self.senders[sender.room] = sender
+            self._refused.pop(sender.room, None)
             horizon = time.monotonic() - self.mgr.config.bootstrap_timeout_s
             return [m for t, m in self._early.pop(sender.room, []) if t >= horizon]
 
@@ -374,6 +406,8 @@ class KVSender:
                 job.cancel()
             self._jobs.clear()
             self.mgr.rooms.detach(self, [r.request_id for r in self._requests])
+            if not self._requests or len(self._requests) < self._requests[0].num_requests:
+                self.mgr.rooms.refuse_later(self.room, str(error))
             self._failure_note = str(error) if notify else None
             if self.mgr.rooms.staging is not None:
                 self.mgr.rooms.staging.release(self)
