@@ -16,7 +16,11 @@
         ├── TransferError            the engine failed to move bytes
         ├── PeerError                the peer reported a failure or aborted the room
         ├── StateError               an API call that the room's state does not allow
-        └── ClosedError              the manager was closed
+        ├── ClosedError              the manager was closed
+        └── StorageError             a storage backend failed (``backend``, ``code``)
+            ├── StorageUnavailableError  the backend cannot be reached or used
+            │   └── StorageTimeoutError  a storage call ran out of time (also a KVTimeoutError)
+            └── StorageClosedError   the backend was closed
 
 Foreign errors (zmq, msgpack, Mooncake return codes, OS errors) are translated
 once, where they are raised, with ``raise ... from``.

@@ -16,7 +16,8 @@ _EXPORTS = {
     "manager_config_from_env": "transfer.config",
     **{name: "transfer.errors" for name in (
         "AuthError", "BootstrapError", "BootstrapUnavailable", "ClosedError", "IncompatibleLayoutError", "KVFerryError",
-        "KVTimeoutError", "PeerError", "ProtocolError", "StateError", "TransferError")},
+        "KVTimeoutError", "PeerError", "ProtocolError", "StateError", "StorageClosedError", "StorageError",
+        "StorageTimeoutError", "StorageUnavailableError", "TransferError")},
     "KVManager": "transfer.manager",
     "MHAPool": "transfer.pools", "MLAPool": "transfer.pools",
     "KVReceiver": "transfer.receiver",

@@ -46,7 +46,34 @@ class ClosedError(KVFerryError):
     """The manager was closed; its rooms fail with this."""
 
 
+# Storage tier (transfer.storage). A per-key miss is a result (False), never an
+# exception; these are failures of a backend as a whole.
+
+
+class StorageError(KVFerryError):
+    """A storage backend failed as a whole, not one key (``backend`` names it,
+    ``code`` is the foreign return code when there is one)."""
+
+    def __init__(self, message: str, *, backend: str = "", code: int | None = None) -> None:
+        super().__init__(message)
+        self.backend, self.code = backend, code
+
+
+class StorageUnavailableError(StorageError):
+    """The backend cannot be reached (its Mooncake master is down, an earlier
+    call is still stuck); retrying later, or another backend, may work."""
+
+
+class StorageTimeoutError(StorageUnavailableError, KVTimeoutError):
+    """A backend call ran past its time bound (also a ``KVTimeoutError``)."""
+
+
+class StorageClosedError(StorageError):
+    """The backend was called after ``close()``."""
+
+
 __all__ = [
     "AuthError", "BootstrapError", "BootstrapUnavailable", "ClosedError", "IncompatibleLayoutError",
-    "KVFerryError", "KVTimeoutError", "PeerError", "ProtocolError", "StateError", "TransferError",
+    "KVFerryError", "KVTimeoutError", "PeerError", "ProtocolError", "StateError", "StorageClosedError",
+    "StorageError", "StorageTimeoutError", "StorageUnavailableError", "TransferError",
 ]

@@ -112,11 +112,14 @@ class PrefillStaging:
             self._finish(part, None)
             return
         try:
+            peer = self.mgr.rooms.peers[part.req.decode_session]
+            if not 0 <= grant.offset <= peer.staging.nbytes - part.nbytes:
+                raise IndexError(f"decode granted [{grant.offset}, +{part.nbytes}) outside its staging buffer "
+                                 f"of {peer.staging.nbytes} bytes")
             offset = part.local_offset
             pages = torch.from_numpy(part.src_pages.astype(np.int64)).to(self.mgr.staging.device)
             for pool, sl in part.pools:
                 offset += gather(self.mgr.staging, offset, self.mgr.buffers, pool, sl, pages)
-            peer = self.mgr.rooms.peers[part.req.decode_session]
             plan = TransferPlan(np.asarray([self.mgr.rank.staging.addr + part.local_offset], dtype=np.uint64),
                                 np.asarray([peer.staging.addr + grant.offset], dtype=np.uint64),
                                 np.asarray([part.nbytes], dtype=np.uint64))
@@ -223,6 +226,15 @@ class DecodeStaging:
 
 def scatter_part(mgr, receiver, msg: ChunkStaged, offset: int, assignments) -> None:
     """Unpack a landed part into the receiver's pages, pool by pool."""
+    if not (0 <= msg.page_start and msg.num_pages > 0 and msg.page_start + msg.num_pages <= len(receiver._pages)):
+        raise IndexError(f"staged pages [{msg.page_start}, +{msg.num_pages}) outside the request's "
+                         f"{len(receiver._pages)} pages")
+    slices = [(mgr.rank.pool(a.role), a) for a in assignments if a.send]
+    expected = sum(staged_bytes(pool, page_slice(pool, a.dst_head_offset, a.num_heads), msg.num_pages)
+                   for pool, a in slices)
+    if expected != msg.nbytes:
+        raise ValueError(f"staged part of {msg.nbytes} bytes, but {msg.num_pages} pages of the requested pools "
+                         f"take {expected}")
     dst = receiver._pages[msg.page_start:msg.page_start + msg.num_pages]
     pages = torch.from_numpy(dst.astype(np.int64)).to(mgr.staging.device)
     for a in assignments:

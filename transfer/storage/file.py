@@ -1,0 +1,323 @@
+"""The local file store: one file per key under a root directory.
+
+``file:///path/to/dir?max_bytes=200GiB`` (or ``file://relative/dir``). Each
+value is ``root/<first two key characters>/<key>``: a 32-byte header (magic,
+format version, payload length, CRC-32 of the payload) and the payload, the
+concatenation of the key's segments.
+
+- **No Python copy.** Segments are wrapped as memoryviews over their
+  addresses (``ctypes``) and written with ``os.pwritev`` / read with
+  ``os.preadv``: the kernel copies between the page cache and the pool.
+  Segments must therefore be host memory.
+- **Atomic.** A put writes a private temporary file next to the target and
+  ``os.replace``-s it, so a reader sees the old value or the new one, never a
+  mix; concurrent writers of one key leave one of their values.
+- **Checked.** A file with a wrong magic or version, a length that disagrees
+  with its size, or a payload whose CRC differs is a miss, and is deleted.
+  The size checks happen before anything is read, so a short file leaves the
+  destination untouched; a CRC mismatch is only found after the read.
+- **Capped.** ``max_bytes`` bounds the files' total size; the least recently
+  used (put or hit) are deleted first. The recency index lives in memory,
+  rebuilt at open from the files' mtimes (a hit also bumps the file's mtime).
+  Several processes may share a root; each enforces the cap over the files it
+  has seen, so the cap is approximate then.
+
+Thread-safe: one object may be shared between threads. Calls are bounded by
+the file system's latency (local disks; a hung network mount would hang
+them). Nothing is fsync-ed: after a crash a lost or torn file fails its
+checks and is a miss.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import errno
+import itertools
+import logging
+import os
+import struct
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from transfer.errors import StorageClosedError, StorageError
+from transfer.storage.base import Segment, StorageBackend, StorageURL, check_batch, check_keys, config_from_options
+
+log = logging.getLogger("kvferry.storage.file")
+
+_MAGIC = b"KVFERRY1"
+_FORMAT_VERSION = 1
+# magic, format version, reserved, payload bytes, CRC-32 of the payload, padding to 32 bytes
+_HEADER = struct.Struct("<8sHHQI8x")
+_IOV_MAX = max(16, min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024))
+_TEMP_SUFFIX = ".tmp"
+# Temporary files older than this are leftovers of a crashed writer.
+_STALE_TEMP_S = 600.0
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FileStoreConfig:
+    """``root``: the directory (created if missing). ``max_bytes``: the cap on
+    the files' total size, headers included."""
+
+    root: str
+    max_bytes: int = 64 << 30
+
+    def __post_init__(self) -> None:
+        if not self.root:
+            raise ValueError("FileStoreConfig.root must not be empty")
+        if not isinstance(self.max_bytes, int) or self.max_bytes <= 0:
+            raise ValueError(f"FileStoreConfig.max_bytes must be > 0, got {self.max_bytes!r}")
+
+
+def _views(segments: Sequence[Segment]) -> list[memoryview]:
+    return [memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B") for addr, nbytes in segments]
+
+
+def _io_all(op, fd: int, views: list, offset: int) -> int:
+    """Run ``os.preadv``/``os.pwritev`` until every view is done or a read
+    hits the end of the file; returns the bytes moved."""
+    views, index, moved = list(views), 0, 0
+    while index < len(views):
+        n = op(fd, views[index:index + _IOV_MAX], offset)
+        if n == 0:
+            break
+        offset, moved = offset + n, moved + n
+        while n and index < len(views):
+            if n >= len(views[index]):
+                n -= len(views[index])
+                index += 1
+            else:
+                views[index], n = views[index][n:], 0
+    return moved
+
+
+def _crc(views: Sequence[memoryview]) -> int:
+    crc = 0
+    for view in views:
+        crc = zlib.crc32(view, crc)
+    return crc
+
+
+class FileStore(StorageBackend):
+    """The local file store (see the module docstring). Thread-safe."""
+
+    def __init__(self, config: FileStoreConfig, *, url: str = "") -> None:
+        self.config = config
+        self.url = url or f"file://{config.root}"
+        self._root = os.path.abspath(config.root)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._lru: collections.OrderedDict[str, int] = collections.OrderedDict()  # key -> file bytes, oldest first
+        self._total_bytes = 0
+        self._temp_names = itertools.count()
+        try:
+            os.makedirs(self._root, exist_ok=True)
+            self._rebuild_index()
+        except OSError as exc:
+            raise StorageError(f"{self.url}: cannot open the store directory: {exc}", backend=self.url) from exc
+        self._evict()
+
+    # -- index ------------------------------------------------------------
+
+    def _rebuild_index(self) -> None:
+        found = []
+        now = time.time()
+        for sub in os.scandir(self._root):
+            if not sub.is_dir(follow_symlinks=False):
+                continue
+            for entry in os.scandir(sub.path):
+                try:
+                    if not entry.is_file(follow_symlinks=False):
+                        continue
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if entry.name.startswith("."):
+                    if entry.name.endswith(_TEMP_SUFFIX) and now - st.st_mtime > _STALE_TEMP_S:
+                        self._unlink(entry.path)
+                    continue
+                if entry.name[:2] != sub.name:  # not one of ours
+                    continue
+                found.append((st.st_mtime, entry.name, st.st_size))
+        for _, key, nbytes in sorted(found):
+            self._lru[key] = nbytes
+            self._total_bytes += nbytes
+
+    def _touch(self, key: str, nbytes: int) -> list[str]:
+        """Record a put or hit of ``key``; returns the keys to evict (the
+        caller deletes them outside the lock)."""
+        with self._lock:
+            self._total_bytes += nbytes - self._lru.pop(key, 0)
+            self._lru[key] = nbytes
+            return self._victims(keep=key)
+
+    def _victims(self, keep: str | None = None) -> list[str]:
+        victims = []
+        while self._total_bytes > self.config.max_bytes and self._lru:
+            key = next(iter(self._lru))
+            if key == keep:
+                break
+            self._total_bytes -= self._lru.pop(key)
+            victims.append(key)
+        return victims
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            self._total_bytes -= self._lru.pop(key, 0)
+
+    def _evict(self, victims: list[str] | None = None) -> None:
+        if victims is None:
+            with self._lock:
+                victims = self._victims()
+        for key in victims:
+            self._unlink(self._path(key))
+        if victims:
+            log.debug("%s: evicted %d files", self.url, len(victims))
+
+    # -- files ------------------------------------------------------------
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self._root, key[:2], key)
+
+    @staticmethod
+    def _unlink(path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StorageClosedError(f"{self.url}: the store was closed", backend=self.url)
+
+    def _os_error(self, what: str, exc: OSError) -> StorageError:
+        return StorageError(f"{self.url}: {what}: {exc}", backend=self.url, code=exc.errno)
+
+    # -- the interface ----------------------------------------------------
+
+    def exists(self, keys: Sequence[str]) -> int:
+        self._check_open()
+        check_keys(keys)
+        for count, key in enumerate(keys):
+            try:
+                os.stat(self._path(key))
+            except FileNotFoundError:
+                self._forget(key)
+                return count
+            except OSError as exc:
+                raise self._os_error(f"stat of {key}", exc) from exc
+        return len(keys)
+
+    def put(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[bool]:
+        self._check_open()
+        totals = check_batch(keys, segments, unique=True)
+        return [self._put_one(key, segs, total) for key, segs, total in zip(keys, segments, totals)]
+
+    def _put_one(self, key: str, segments: Sequence[Segment], total: int) -> bool:
+        file_bytes = _HEADER.size + total
+        if file_bytes > self.config.max_bytes:
+            log.debug("%s: %s (%d bytes) is larger than the cap", self.url, key, file_bytes)
+            return False
+        views = _views(segments)
+        header = _HEADER.pack(_MAGIC, _FORMAT_VERSION, 0, total, _crc(views))
+        path = self._path(key)
+        temp = os.path.join(os.path.dirname(path),
+                            f".{key[:64]}.{os.getpid()}.{threading.get_ident()}.{next(self._temp_names)}{_TEMP_SUFFIX}")
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:
+                written = _io_all(os.pwritev, fd, [header, *views], 0)
+            finally:
+                os.close(fd)
+            if written != file_bytes:
+                raise OSError(errno.EIO, f"short write: {written} of {file_bytes} bytes")
+            os.replace(temp, path)
+        except OSError as exc:
+            self._unlink(temp)
+            if exc.errno in _NO_SPACE:
+                log.warning("%s: no space for %s: %s", self.url, key, exc)
+                return False
+            raise self._os_error(f"writing {key}", exc) from exc
+        self._evict(self._touch(key, file_bytes))
+        return True
+
+    def get_into(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[bool]:
+        self._check_open()
+        totals = check_batch(keys, segments)
+        return [self._get_one(key, segs, total) for key, segs, total in zip(keys, segments, totals)]
+
+    def _get_one(self, key: str, segments: Sequence[Segment], total: int) -> bool:
+        path = self._path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            self._forget(key)
+            return False
+        except OSError as exc:
+            raise self._os_error(f"opening {key}", exc) from exc
+        try:
+            st = os.fstat(fd)
+            header = os.pread(fd, _HEADER.size, 0)
+            if len(header) != _HEADER.size:
+                return self._corrupt(key, path, st, "shorter than its header")
+            magic, version, _, payload_bytes, crc = _HEADER.unpack(header)
+            if magic != _MAGIC or version != _FORMAT_VERSION:
+                return self._corrupt(key, path, st, "not a kvferry page file of this version")
+            if st.st_size != _HEADER.size + payload_bytes:
+                return self._corrupt(key, path, st, f"{st.st_size} bytes on disk, header says {payload_bytes}")
+            if payload_bytes != total:
+                log.debug("%s: %s holds %d bytes, %d expected", self.url, key, payload_bytes, total)
+                return False
+            views = _views(segments)
+            if _io_all(os.preadv, fd, views, _HEADER.size) != total:
+                return self._corrupt(key, path, st, "shrank while read")
+            if _crc(views) != crc:
+                return self._corrupt(key, path, st, "checksum mismatch")
+            self._bump_mtime(fd)
+        except OSError as exc:
+            raise self._os_error(f"reading {key}", exc) from exc
+        finally:
+            os.close(fd)
+        self._evict(self._touch(key, st.st_size))
+        return True
+
+    @staticmethod
+    def _bump_mtime(fd: int) -> None:
+        """Persist the hit for the next open's recency order (best effort:
+        another user's file in a shared directory may refuse it)."""
+        try:
+            os.utime(fd)
+        except OSError:
+            pass
+
+    def _corrupt(self, key: str, path: str, st: os.stat_result, why: str) -> bool:
+        log.warning("%s: %s is corrupt (%s); deleted", self.url, key, why)
+        try:
+            if os.stat(path).st_ino == st.st_ino:  # not a new value that replaced it meanwhile
+                self._unlink(path)
+        except FileNotFoundError:
+            pass
+        self._forget(key)
+        return False
+
+    def close(self) -> None:
+        self._closed = True
+
+    @property
+    def total_bytes(self) -> int:
+        """The files' total size as this object's index counts it."""
+        with self._lock:
+            return self._total_bytes
+
+
+def open_file_store(url: StorageURL, options: Mapping[str, Any]) -> FileStore:
+    """The ``file://`` opener: the URL's location is the root directory."""
+    if not url.location:
+        raise ValueError(f"{url.url}: a file store needs a directory, e.g. file:///var/cache/kvferry")
+    return FileStore(config_from_options(FileStoreConfig, options, url.url, root=url.location), url=url.url)
