@@ -20,7 +20,8 @@
         └── StorageError             a storage backend failed (``backend``, ``code``)
             ├── StorageUnavailableError  the backend cannot be reached or used
             │   └── StorageTimeoutError  a storage call ran out of time (also a KVTimeoutError)
-            └── StorageClosedError   the backend was closed
+            ├── StorageClosedError   the backend was closed
+            └── StorageMissError     a failed room could not be restored from storage
 
 Foreign errors (zmq, msgpack, Mooncake return codes, OS errors) are translated
 once, where they are raised, with ``raise ... from``.

@@ -16,7 +16,7 @@ _EXPORTS = {
     "manager_config_from_env": "transfer.config",
     **{name: "transfer.errors" for name in (
         "AuthError", "BootstrapError", "BootstrapUnavailable", "ClosedError", "IncompatibleLayoutError", "KVFerryError",
-        "KVTimeoutError", "PeerError", "ProtocolError", "StateError", "StorageClosedError", "StorageError",
+        "KVTimeoutError", "PeerError", "ProtocolError", "StateError", "StorageClosedError", "StorageError", "StorageMissError",
         "StorageTimeoutError", "StorageUnavailableError", "TransferError")},
     "KVManager": "transfer.manager",
     "MHAPool": "transfer.pools", "MLAPool": "transfer.pools",

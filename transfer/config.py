@@ -99,6 +99,19 @@ class ManagerConfig:
     (the bootstrap server and every rank must have the same one); empty:
     off. From the environment: ``KVFERRY_SECRET``.
 
+    Storage tier (off unless ``storage_url`` is set: ``file:///dir``,
+    ``mooncake://host:port``, ...; see :mod:`transfer.storage`). Pages are
+    keyed by a hash chain of the prompt's tokens (give ``token_ids`` to
+    ``KVSender.init`` / ``KVReceiver.init``) and by ``model_name`` and the
+    pool's layout. Prefill with ``storage_write_through`` writes each sent
+    chunk's full pages (and the aux row) in the background. Decode, with
+    ``storage_prefetch`` other than ``off``, loads the leading pages storage
+    already has and asks prefill for the rest only: ``wait_complete`` waits
+    for that prefetch, ``timeout`` at most ``storage_prefetch_timeout_s``,
+    ``best_effort`` not at all (it keeps what landed by the time the request
+    goes out). With ``storage_fallback``, a decode room whose transfer fails
+    loads its pages from storage and succeeds if they were all there.
+
     Staging: each rank keeps a registered ``staging_bytes`` tensor on its
     pools' device (0: none). A chunk whose direct plan averages descriptors
     smaller than ``stage_below_bytes`` is gathered into it, sent in parts of
@@ -127,6 +140,12 @@ class ManagerConfig:
     peer_timeout_s: float = 4.0
     register_interval_s: float = 2.0
     secret: str = field(default="", repr=False)
+    storage_url: str = ""
+    model_name: str = ""
+    storage_write_through: bool = True
+    storage_prefetch: str = "wait_complete"
+    storage_prefetch_timeout_s: float = 1.0
+    storage_fallback: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, Role):
@@ -139,6 +158,10 @@ class ManagerConfig:
             raise ValueError(f"ManagerConfig.bootstrap_addr must be host:port, got {self.bootstrap_addr!r}")
         _positive(self, "bootstrap_timeout_s", "transfer_timeout_s", "rpc_timeout_s", "register_timeout_s",
                   "stage_part_bytes", "heartbeat_interval_s", "peer_timeout_s", "register_interval_s")
+        if self.storage_prefetch not in ("off", "best_effort", "wait_complete", "timeout"):
+            raise ValueError("ManagerConfig.storage_prefetch must be off, best_effort, wait_complete or timeout, "
+                             f"got {self.storage_prefetch!r}")
+        _positive(self, "storage_prefetch_timeout_s")
         if self.heartbeat_interval_s * 2 > self.peer_timeout_s:
             raise ValueError(f"ManagerConfig.peer_timeout_s ({self.peer_timeout_s}) must be at least twice "
                              f"heartbeat_interval_s ({self.heartbeat_interval_s})")

@@ -72,8 +72,13 @@ class StorageClosedError(StorageError):
     """The backend was called after ``close()``."""
 
 
+class StorageMissError(StorageError):
+    """A failed room could not be restored from storage: the message names
+    the first failure and the missing page ranges."""
+
+
 __all__ = [
     "AuthError", "BootstrapError", "BootstrapUnavailable", "ClosedError", "IncompatibleLayoutError",
     "KVFerryError", "KVTimeoutError", "PeerError", "ProtocolError", "StateError", "StorageClosedError",
-    "StorageError", "StorageTimeoutError", "StorageUnavailableError", "TransferError",
+    "StorageError", "StorageMissError", "StorageTimeoutError", "StorageUnavailableError", "TransferError",
 ]

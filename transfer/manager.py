@@ -20,6 +20,7 @@ from transfer.pools import MHAPool, MLAPool, describe_aux, describe_pool, memory
 from transfer.links import DecodeRooms
 from transfer.sender import PrefillRooms
 from transfer.staging import StagingArea
+from transfer.tier import StorageTier
 from transfer.transport import MooncakeTransport
 
 log = logging.getLogger("kvferry.manager")
@@ -85,6 +86,14 @@ class KVManager:
             tp_rank=config.tp_rank, tp_size=config.tp_size, session=self.transport.session,
             control_endpoint=self.channel.endpoint, pools=descriptors, aux=aux_desc, staging=staging_desc,
         )
+        self.storage = None
+        if config.storage_url:
+            try:
+                self.storage = StorageTier(config, pools, aux, self.where)
+            except BaseException:
+                self.channel.close()
+                self.transport.close()
+                raise
         self.rooms = PrefillRooms(self) if config.role is Role.PREFILL else DecodeRooms(self)
         self._threads = [threading.Thread(target=self._watch, name="kvferry-liveness", daemon=True)]
         if config.role is Role.PREFILL:
@@ -232,6 +241,8 @@ class KVManager:
             rooms.close(ClosedError(f"{self.where}: manager closed"))
         self.channel.close()
         self.transport.close()
+        if self.storage is not None:
+            self.storage.close()
 
     def __enter__(self) -> "KVManager":
         return self

@@ -75,7 +75,9 @@ class TransferRequest:
     the order of the request's pages) and aux row ``dst_aux_index`` (-1: this
     rank does not send the aux row; exactly one contacted rank does).
     ``num_requests`` is how many decode ranks send a request for this room to
-    this prefill rank; it starts sending once all arrived."""
+    this prefill rank; it starts sending once all arrived. ``skip_pages``: the
+    request's leading pages decode already has (prefetched from storage);
+    prefill sends only the rest (the aux row always)."""
 
     room: int
     request_id: int
@@ -86,12 +88,15 @@ class TransferRequest:
     dst_aux_index: int
     assignments: tuple[PoolAssignment, ...]
     num_requests: int
+    skip_pages: int = 0
 
     def __post_init__(self) -> None:
         if len(self.dst_pages) % 4:
             raise ValueError("dst_pages must be little-endian int32")
         if self.num_requests < 1:
             raise ValueError("num_requests must be >= 1")
+        if not 0 <= self.skip_pages <= len(self.dst_pages) // 4:
+            raise ValueError("skip_pages must be within the request's pages")
 
 
 class Status(str, enum.Enum):

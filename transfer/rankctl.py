@@ -17,6 +17,12 @@ so decode can check every byte), creates its KVManager, prints ``READY
   ``abort_on_first_byte`` (decode: rooms to abort as soon as their first
   page shows transferred bytes, i.e. with writes surely in flight),
   ``timeout_s`` (bounds the whole command).
+  ``plans`` (room -> prefill page ids) replaces the seeded page choice of
+  a room on both sides; ``tokens`` (true: pass each room's prompt to
+  ``init`` for the storage tier; ``tail_tokens``: how many the last page
+  holds, default all). A room's prompt is derived from its
+  prefill pages (the same page always holds the same tokens, as a prefix
+  cache would), so rooms sharing leading pages share a prefix.
 - ``{"op": "stats"}``: threads, open file descriptors, RSS, counters.
 - ``{"op": "exit"}``.
 
@@ -48,6 +54,24 @@ from transfer.workload import (Spec, _allocate, _components, aux_row, build_pool
 SENTINEL = 0xA5
 
 
+def _plan(spec: Spec, cmd: dict, room: int):
+    plan = cmd.get("plans", {}).get(str(room))
+    if plan is not None:
+        return np.asarray(plan, dtype=np.int64)
+    return room_plan(spec, room)[0]
+
+
+def prompt_of(spec: Spec, pages, cmd: dict) -> np.ndarray | None:
+    """A room's prompt, if the command asks for tokens: each of its prefill
+    pages holds a seeded set of tokens; the last page holds ``tail_tokens``
+    of them (default: full)."""
+    if not cmd.get("tokens"):
+        return None
+    tokens = np.concatenate([np.random.default_rng([spec.seed, 11, int(p)]).integers(0, 2**31, spec.page_size)
+                             for p in pages])
+    return tokens[:len(tokens) - spec.page_size + int(cmd.get("tail_tokens", spec.page_size))]
+
+
 def _stats(mgr: KVManager) -> dict:
     rss = 0
     try:
@@ -61,7 +85,9 @@ def _stats(mgr: KVManager) -> dict:
         fds = -1
     return {"threads": threading.active_count(), "fds": fds, "rss": rss,
             "malformed": mgr.channel.num_malformed, "unauthenticated": mgr.channel.num_unauthenticated,
-            "received": mgr.channel.num_received}
+            "received": mgr.channel.num_received, "bytes_sent": mgr.transport.num_bytes,
+            "pages_written": mgr.storage.num_pages_written if mgr.storage else 0,
+            "pages_read": mgr.storage.num_pages_read if mgr.storage else 0}
 
 
 def _error(obj) -> tuple[str, str]:
@@ -97,8 +123,10 @@ class PrefillRank:
                     s.abort("aborted by the test's prefill scheduler")
                     state = s.poll()
                 if state is KVPoll.WaitingForInput and r["chunks"] is None:
-                    pages, sizes = room_plan(spec, room)
-                    s.init(len(pages), r["slot"])
+                    pages = _plan(spec, cmd, room)
+                    step = spec.chunk_pages or len(pages)
+                    sizes = [min(step, len(pages) - i) for i in range(0, len(pages), step)]
+                    s.init(len(pages), r["slot"], token_ids=prompt_of(spec, pages, cmd))
                     r["chunks"] = [pages, sizes, 0]
                 if r["chunks"] is not None and r["chunks"][1] and now >= r["next_at"] \
                         and state in (KVPoll.WaitingForInput, KVPoll.Transferring):
@@ -128,8 +156,7 @@ class DecodeRank:
                                   for c in _components(p)}
                          for p in spec.decode_pools if p.role in prefill_roles}
 
-    def _check(self, room: int, dst, slot) -> list[str]:
-        src, _ = room_plan(self.spec, room)
+    def _check(self, room: int, dst, slot, src) -> list[str]:
         bad = [f"room {room}: {role} {c} layer {l} differs"
                for role, bufs in self.expected.items() for c, ts in bufs.items() for l, want in enumerate(ts)
                if not torch.equal(self.tensors[role][c][l][dst].view(torch.uint8), want[src].view(torch.uint8))]
@@ -156,7 +183,8 @@ class DecodeRank:
         deadline = time.monotonic() + float(cmd.get("timeout_s", 60.0))
         live, out, guarded = {}, {}, []
         for room in cmd["rooms"]:
-            n = len(room_plan(spec, room)[0])
+            src = _plan(spec, cmd, room)
+            n = len(src)
             dst = _allocate(self.free, n, spec.page_placement == "contiguous")
             if dst is None:
                 raise RuntimeError(f"decode pool of {spec.decode_pages} pages is full")
@@ -165,8 +193,8 @@ class DecodeRank:
             slot = (room * 7) % spec.aux_slots
             self.aux[slot] = 0
             r = KVReceiver(mgr, spec.bootstrap, room, prefill_node=spec.node_id)
-            r.init(dst.numpy(), slot)
-            live[room] = {"r": r, "dst": dst, "slot": slot, "t0": time.monotonic()}
+            r.init(dst.numpy(), slot, token_ids=prompt_of(spec, src, cmd))
+            live[room] = {"r": r, "dst": dst, "slot": slot, "t0": time.monotonic(), "src": src}
         while live and time.monotonic() < deadline:
             seen = mgr.progress
             now = time.monotonic()
@@ -181,7 +209,9 @@ class DecodeRank:
                     continue
                 kind, msg = _error(x["r"])
                 res = {"state": state.name, "error_type": kind, "error": msg, "ended_at": time.time(),
-                       "mismatches": self._check(room, x["dst"], x["slot"]) if state is KVPoll.Success else []}
+                       "from_storage": x["r"].pages_from_storage, "pages": len(x["src"]),
+                       "mismatches": self._check(room, x["dst"], x["slot"], x["src"])
+                       if state is KVPoll.Success else []}
                 out[room] = res
                 del live[room]
                 if state is KVPoll.Failed and guard_s:

@@ -9,7 +9,8 @@ import time
 import numpy as np
 
 from bootstrap.messages import PoolRole
-from transfer.errors import KVFerryError, KVTimeoutError, PeerError, ProtocolError, StateError, TransferError
+from transfer.errors import (KVFerryError, KVTimeoutError, PeerError, ProtocolError, StateError, StorageMissError,
+                             TransferError)
 from transfer.links import Link, LinkState
 from transfer.messages import RoomAbort, RoomStatus, Status, TransferRequest
 from transfer.stageflow import scatter_part
@@ -60,11 +61,23 @@ class KVReceiver:
         self._failing: BaseException | None = None  # failed, waiting for the ranks below to stop writing
         self._draining: set[int] = set()
         self._drain_deadline = 0.0
+        self._tokens = None  # the prompt, for the storage tier
+        self._prefetch = None  # storage job loading the leading pages before the request goes out
+        self._skip = 0  # leading pages that came from storage: prefill does not send them
+        self._fallback = None  # storage job restoring a failed room
+        self._may_fall_back = False
+        #: pages of this room restored from storage (prefetch and fallback)
+        self.pages_from_storage = 0
+        #: False when the room succeeded from storage without its draft pages
+        self.draft_restored = True
         with mgr._lock:
             self.mgr.rooms.receivers[(self.room, self.request_id)] = self
 
-    def init(self, page_indices, aux_index: int | None = None) -> None:
-        """The decode pages (in request order) and aux slot to fill."""
+    def init(self, page_indices, aux_index: int | None = None, token_ids=None) -> None:
+        """The decode pages (in request order) and aux slot to fill.
+        ``token_ids`` (the prompt) lets the storage tier prefetch pages it
+        has and restore the room if the transfer fails (when the manager has
+        a storage tier)."""
         with self.mgr._lock:
             if self._pages is not None:
                 raise StateError(f"{self._state.where}: init() called twice")
@@ -76,6 +89,16 @@ class KVReceiver:
             self._pages = pages.astype("<i4")
             self._aux_index = -1 if aux_index is None else int(aux_index)
             self._init_at = time.monotonic()
+            tier = self.mgr.storage
+            if tier is not None and token_ids is not None:
+                self._tokens = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+                if -(-self._tokens.size // tier.page_size) != pages.size:
+                    self._fail(ValueError(f"{self._state.where}: {self._tokens.size} tokens take "
+                                          f"{-(-self._tokens.size // tier.page_size)} pages of {tier.page_size}, "
+                                          f"not the {pages.size} given"))
+                    return
+                if self.mgr.config.storage_prefetch != "off":
+                    self._prefetch = tier.read(self._storage_items(0), None, self._storage_done)
         self.poll()
 
     def poll(self) -> KVPoll:
@@ -85,14 +108,14 @@ class KVReceiver:
                 return st.state
             now = time.monotonic()
             if self._failing is not None:
-                if now > self._drain_deadline:
+                if self._fallback is None and now > self._drain_deadline:
                     log.warning("%s: prefill ranks %s did not confirm they stopped writing within %g s",
                                 st.where, sorted(self._draining), self.mgr.config.peer_timeout_s)
                     self._finish_fail(self._failing)
                 return st.state
             if st.state is KVPoll.Bootstrapping:
                 self._bootstrap(now)
-            if st.state is KVPoll.WaitingForInput and self._pages is not None:
+            if st.state is KVPoll.WaitingForInput and self._pages is not None and self._prefetched(now):
                 self._send_requests()
             if st.state is KVPoll.Transferring and now - self._init_at > self.mgr.config.transfer_timeout_s:
                 self._fail(KVTimeoutError(
@@ -106,8 +129,8 @@ class KVReceiver:
             raise self._state.error
 
     def abort(self, reason: str = "aborted by the decode scheduler") -> None:
-        """Fail the room here and tell the prefill ranks."""
-        self._fail(PeerError(f"{self._state.where}: {reason}"))
+        """Fail the room here and tell the prefill ranks (no storage fallback)."""
+        self._fail(PeerError(f"{self._state.where}: {reason}"), fall_back=False)
 
     def ranks_writing(self) -> set[int]:
         """Prefill ranks that may still write into this room's pages."""
@@ -116,6 +139,36 @@ class KVReceiver:
         return set(self._awaiting) if self._state.state is KVPoll.Transferring else set()
 
     # --- internals --------------------------------------------------------------
+
+    def _storage_items(self, start: int) -> dict:
+        """Per pool of this rank: (keys, destination pages) of the full pages
+        from request position ``start`` on."""
+        tier = self.mgr.storage
+        chains = tier.chains(self._tokens)
+        pages = self._pages[start:len(chains)].tolist()
+        return {role: (tier.keys(role, chains[start:]), pages) for role in tier.pools}
+
+    def _storage_done(self, job) -> None:
+        if job is self._fallback:
+            self._fallback_done(job)
+        else:
+            self.poll()  # a settled prefetch lets the request go out now
+
+    def _prefetched(self, now: float) -> bool:
+        """Whether the prefetch settled (per the policy); records what it loaded."""
+        job = self._prefetch
+        if job is None:
+            return True
+        if not job.finished:
+            policy = self.mgr.config.storage_prefetch
+            if policy == "best_effort" or (policy == "timeout" and
+                                           now - self._init_at > self.mgr.config.storage_prefetch_timeout_s):
+                job.cancel()  # the batch being loaded ends, then the request goes out
+            return False
+        self._prefetch = None
+        loaded = min(job.pages.values(), default=0) if job.error is None else 0
+        self._skip = self.pages_from_storage = loaded
+        return True
 
     def _peer_lost(self, session: str, silent_s: float) -> None:
         with self.mgr._lock:
@@ -163,7 +216,7 @@ class KVReceiver:
                     room=self.room, request_id=self.request_id, decode_session=self.mgr.rank.session,
                     decode_endpoint=self.mgr.rank.control_endpoint, decode_tp_rank=self.mgr.rank.tp_rank,
                     dst_pages=pages, dst_aux_index=self._aux_index if p == link.aux_rank else -1,
-                    assignments=assignments, num_requests=link.num_requests[p]))
+                    assignments=assignments, num_requests=link.num_requests[p], skip_pages=self._skip))
         except KVFerryError as exc:
             self._fail(exc)
 
@@ -207,14 +260,20 @@ class KVReceiver:
         except Exception as exc:
             self._fail(TransferError(f"{self._state.where}: scattering staged part {msg.part}: {exc}"))
 
-    def _fail(self, error: BaseException, *, notify: bool = True, stopped=(), drain: bool = True) -> None:
+    def _fail(self, error: BaseException, *, notify: bool = True, stopped=(), drain: bool = True,
+              fall_back: bool = True) -> None:
         """Fail the room: tell the prefill ranks (unless ``notify`` is False),
-        and report Failed once every rank that may still write has stopped
-        (``stopped``: ranks known to have stopped already; ``drain`` False:
-        at once, for a closing manager)."""
+        and once every rank that may still write has stopped (``stopped``:
+        ranks known to have stopped already; ``drain`` False: at once, for a
+        closing manager), restore it from storage if it can (``fall_back``),
+        or report Failed."""
         with self.mgr._lock:
             if self._state.terminal or self._failing is not None:
                 return
+            self._may_fall_back = fall_back and drain and self.mgr.config.storage_fallback and \
+                self._tokens is not None and self._pages is not None
+            if self._prefetch is not None:
+                self._prefetch.cancel()
             writing = self.ranks_writing() - set(stopped)
             link = self._link
             if notify and link is not None and link.ranks:
@@ -237,6 +296,54 @@ class KVReceiver:
             self._finish_fail(error)
 
     def _finish_fail(self, error: BaseException) -> None:
+        if self._state.terminal or self._fallback is not None:
+            return
+        if self._may_fall_back:
+            # Nothing writes into the pages any more: load them from storage.
+            log.warning("%s: transfer failed (%s); restoring the room from storage", self._state.where, error)
+            self._failing = error
+            start = self._skip
+            self._fallback = self.mgr.storage.read(
+                self._storage_items(start), (self.mgr.storage.aux_key(self._tokens), self._aux_index)
+                if self._aux_index >= 0 else None, self._storage_done)
+            self._fallback_start = start
+            return
+        self._really_fail(error)
+
+    def _fallback_done(self, job) -> None:
+        with self.mgr._lock:
+            if self._state.terminal:
+                return
+            tier, start, error = self.mgr.storage, self._fallback_start, self._failing
+            full = len(tier.chains(self._tokens))
+            missing = []
+            if job.error is not None:
+                missing.append(f"storage failed: {job.error}")
+            for role in tier.pools:
+                got = start + job.pages.get(role, 0)
+                if got < full:
+                    if role is PoolRole.DRAFT and self.mgr.config.allow_missing_draft:
+                        log.warning("%s: draft pages [%d, %d) not in storage; going on without draft KV "
+                                    "(allow_missing_draft)", self._state.where, got, full)
+                        self.draft_restored = False
+                        continue
+                    missing.append(f"{role.value} pages [{got}, {full}) not in storage")
+            if full < len(self._pages):
+                missing.append(f"page {full} (the last, partly filled) is never stored")
+            if self._aux_index >= 0 and not job.aux_ok:
+                missing.append("the aux row is not in storage")
+            if missing:
+                self._really_fail(StorageMissError(f"{error}; restoring from storage failed: {'; '.join(missing)}"))
+                return
+            self.pages_from_storage = full
+            if self.mgr.rooms.staging is not None:
+                self.mgr.rooms.staging.release_room(self.room, self.request_id)
+            log.warning("%s: restored from storage after: %s", self._state.where, error)
+            while self._state.state is not KVPoll.Success:  # forward through the table
+                self._state.move(KVPoll(self._state.state + 1))
+            self.mgr.rooms.receivers.pop((self.room, self.request_id), None)
+
+    def _really_fail(self, error: BaseException) -> None:
         if not self._state.fail(error):
             return
         self.mgr.rooms.receivers.pop((self.room, self.request_id), None)

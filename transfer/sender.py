@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from bootstrap.messages import RankInfo
+from bootstrap.messages import AttentionKind, RankInfo
 from transfer.errors import IncompatibleLayoutError, PeerError, StateError, KVTimeoutError
 from transfer.layout import check_compatible
 from transfer.messages import (PeerHello, PeerHelloReply, RoomAbort, RoomStatus, StageGrant, Status,
@@ -219,17 +219,28 @@ class KVSender:
         self._next_part = 0
         self._jobs: list = []  # transport handles, cancelled if the room fails
         self._failure_note: str | None = None  # to send decode once nothing is in flight
+        self._chains: list[bytes] | None = None  # the prompt's page chain hashes (write-through)
+        self._aux_key: str | None = None
+        self._storage_jobs: list = []
+        self._storage_pending = 0  # write-through jobs still reading this room's pages
+        self._decode_told = False
         for msg in mgr.rooms.attach(self):
             self._on_message(msg)
 
     # --- scheduler API ----------------------------------------------------------
 
-    def init(self, num_pages: int, aux_index: int | None = None) -> None:
-        """Declare the request's total pages and its aux slot on this rank."""
+    def init(self, num_pages: int, aux_index: int | None = None, token_ids=None) -> None:
+        """Declare the request's total pages and its aux slot on this rank.
+        ``token_ids`` (the prompt) lets the storage tier write the sent pages
+        through (when the manager has one)."""
         with self.mgr._lock:
             if self._num_pages is not None:
                 raise StateError(f"{self._state.where}: init() called twice")
             self._num_pages, self._aux_index = int(num_pages), aux_index
+            tier = self.mgr.storage
+            if tier is not None and token_ids is not None and self.mgr.config.storage_write_through:
+                self._chains = tier.chains(token_ids)[:self._num_pages]
+                self._aux_key = tier.aux_key(token_ids)
             self._check_sizes()
 
     def send(self, page_indices, last: bool = False) -> None:
@@ -256,6 +267,8 @@ class KVSender:
             self._num_inflight += len(jobs) + len(parts)
             if self._state.state is KVPoll.WaitingForInput:
                 self._state.move(KVPoll.Transferring)
+            if self._chains is not None:  # queued first: the room's success waits for it
+                self._write_through(pages, self._offset - pages.size, last)
             for session, plan in jobs:
                 handle = self.mgr.transport.submit(session, plan, self._on_chunk_done)
                 if handle is not None:
@@ -265,6 +278,8 @@ class KVSender:
 
     def poll(self) -> KVPoll:
         with self.mgr._lock:
+            if self._state.state is KVPoll.Failed and self._storage_pending:
+                return KVPoll.Transferring  # write-through still reads the pages: not free yet
             if self._state.state is KVPoll.Bootstrapping and \
                     time.monotonic() - self._created > self.mgr.config.bootstrap_timeout_s:
                 self._fail(KVTimeoutError(
@@ -284,6 +299,41 @@ class KVSender:
 
     # --- internals --------------------------------------------------------------
 
+    def _write_through(self, pages: np.ndarray, first: int, last: bool) -> None:
+        """Queue the chunk's full pages (and, with the last chunk, the aux
+        row) for the storage tier. MLA pools are the same on every TP rank,
+        so only rank 0 writes them."""
+        tier, rank = self.mgr.storage, self.mgr.rank
+        end = min(first + pages.size, len(self._chains))
+        items = {}
+        if end > first:
+            chains = self._chains[first:end]
+            for role in tier.pools:
+                if rank.pool(role).attention is AttentionKind.MLA and rank.tp_rank != 0:
+                    continue
+                items[role] = (tier.keys(role, chains), pages[:end - first].tolist())
+        aux = (self._aux_key, self._aux_index) if last and self._aux_index is not None and rank.tp_rank == 0 \
+            and tier._aux is not None else None
+        if not items and aux is None:
+            return
+        self._storage_pending += 1
+        self._storage_jobs.append(tier.write(items, aux, self._on_storage_done))
+
+    def _on_storage_done(self, job) -> None:
+        with self.mgr._lock:
+            self._storage_pending -= 1
+            if job.error is not None:
+                log.warning("%s: write-through failed (the transfer is not affected): %s", self._state.where,
+                            job.error)
+            if self._state.state is KVPoll.Transferring and self._decode_told and not self._storage_pending:
+                self._succeed()
+            elif self._state.terminal:
+                self.mgr._changed()  # poll() may now report the terminal state
+
+    def _succeed(self) -> None:
+        self._state.move(KVPoll.Success)
+        self.mgr.rooms.detach(self, [r.request_id for r in self._requests])
+
     def _plan_chunk(self, pages: np.ndarray, last: bool) -> tuple[list[tuple[str, TransferPlan]], list]:
         """Direct descriptor plans per decode rank, and staged parts where
         direct descriptors would be small (scattered pages, head slices)."""
@@ -296,20 +346,22 @@ class KVSender:
         jobs, staged = [], []
         for req in self._requests:
             peer = self.mgr.rooms.peers[req.decode_session]
-            dst = np.frombuffer(req.dst_pages, dtype="<i4")[self._offset:end]
-            sent = [a for a in req.assignments if a.send]
+            skip = min(pages.size, max(0, req.skip_pages - self._offset))  # decode has these from storage
+            src = pages[skip:]
+            dst = np.frombuffer(req.dst_pages, dtype="<i4")[self._offset + skip:end]
+            sent = [a for a in req.assignments if a.send] if src.size else []
             plans = []
-            if sent and self._stage(pages, dst, sent, local, peer):
+            if sent and self._stage(src, dst, sent, local, peer):
                 for a in sent:  # the same checks as the direct path, before any byte moves
-                    check_transfer(local.pool(a.role), peer.pool(a.role), pages, dst.astype(np.int64),
+                    check_transfer(local.pool(a.role), peer.pool(a.role), src, dst.astype(np.int64),
                                    src_head_offset=a.src_head_offset, dst_head_offset=a.dst_head_offset,
                                    num_heads=a.num_heads)
-                new = plan_parts(self, req, pages, self._offset, local, peer, part_bytes_for(self.mgr, peer),
+                new = plan_parts(self, req, src, self._offset + skip, local, peer, part_bytes_for(self.mgr, peer),
                                  self._next_part)
                 self._next_part += len(new)
                 staged.extend(new)
             else:
-                plans = [plan_pool(local.pool(a.role), peer.pool(a.role), pages, dst,
+                plans = [plan_pool(local.pool(a.role), peer.pool(a.role), src, dst,
                                    src_head_offset=a.src_head_offset, dst_head_offset=a.dst_head_offset,
                                    num_heads=a.num_heads) for a in sent]
             if last and local.aux is not None and self._aux_index is not None and req.dst_aux_index >= 0:
@@ -385,8 +437,9 @@ class KVSender:
             except Exception as exc:
                 self._fail(exc)
                 return
-            self._state.move(KVPoll.Success)
-            self.mgr.rooms.detach(self, [r.request_id for r in self._requests])
+            self._decode_told = True
+            if not self._storage_pending:  # else when the write-through is done
+                self._succeed()
 
     def _notify(self, status: Status, reason: str) -> None:
         for req in self._requests:
@@ -402,7 +455,7 @@ class KVSender:
             if not self._state.fail(error):
                 return
             log.warning("%s failed: %s", self._state.where, error)
-            for job in self._jobs:
+            for job in self._jobs:  # a write-through goes on: its pages are valid KV whatever the transfer did
                 job.cancel()
             self._jobs.clear()
             self.mgr.rooms.detach(self, [r.request_id for r in self._requests])
