@@ -6,6 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 TORCH_VERSION ?= 2.13.0
 MOONCAKE_VERSION ?= 0.3.13.post1
+NIXL_VERSION ?= 1.5.1
 # On machines without CUDA the non-CUDA build of the engine; both install the
 # same `mooncake` module, so an environment holds exactly one of them.
 MOONCAKE_PKG ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo mooncake-transfer-engine || echo mooncake-transfer-engine-non-cuda)
@@ -30,6 +31,8 @@ $(STAMP): pyproject.toml Makefile | debian-libs
 	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 	$(PIP) install -q --disable-pip-version-check torch==$(TORCH_VERSION)
 	$(PIP) install -q --disable-pip-version-check $(MOONCAKE_PKG)==$(MOONCAKE_VERSION)
+	# The nixl:// storage backend (optional for users, tested here); after torch, so pip keeps it.
+	$(PIP) install -q --disable-pip-version-check nixl-cu12==$(NIXL_VERSION)
 	$(PIP) install -q --disable-pip-version-check -e '.[test]'
 	$(PY) -c "import torch, zmq, msgpack, mooncake.engine" 
 	@touch $(STAMP)

@@ -6,6 +6,8 @@ MooncakeStore client with no memory of its own, against a real
 pool's memory, so every byte crosses the Store's TCP transport. The master
 and the holder are started once per session, bound to 127.0.0.1 on free
 ports, and stopped at the end; tests keep apart by using fresh keys.
+``nixl``: a NixlStore on NIXL's POSIX backend in a fresh temporary directory
+(skipped, with the reason, where NIXL does not import).
 """
 
 from __future__ import annotations
@@ -15,10 +17,13 @@ import uuid
 import pytest
 
 from transfer.storage.base import open_storage
+from transfer.storage.nixl import nixl_missing_reason
 
 from ._mooncake import MooncakeCluster
 
-BACKENDS = ["file", "mooncake"]
+NIXL_MISSING = nixl_missing_reason()
+BACKENDS = ["file", "mooncake",
+            pytest.param("nixl", marks=pytest.mark.skipif(bool(NIXL_MISSING), reason=f"nixl backend: {NIXL_MISSING}"))]
 
 
 @pytest.fixture(scope="session")
@@ -35,6 +40,8 @@ def backend_url(request, tmp_path):
     """A URL of a fresh store of each backend kind."""
     if request.param == "file":
         return f"file://{tmp_path / 'store'}"
+    if request.param == "nixl":
+        return f"nixl://{tmp_path / 'store'}?backend=POSIX&xfer_timeout_s=20"
     return request.getfixturevalue("mooncake_cluster").url + "&call_timeout_s=20"
 
 

@@ -200,6 +200,7 @@ Opener = Callable[[StorageURL, Mapping[str, Any]], StorageBackend]
 _SCHEMES: dict[str, str] = {
     "file": "transfer.storage.file:open_file_store",
     "mooncake": "transfer.storage.mooncake_store:open_mooncake_store",
+    "nixl": "transfer.storage.nixl:open_nixl_store",
 }
 
 
