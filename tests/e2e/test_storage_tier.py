@@ -11,7 +11,9 @@ import time
 import numpy as np
 import pytest
 
+from tests.storage._mooncake import MooncakeCluster
 from transfer.launch import BootstrapProcess
+from transfer.storage.nixl import nixl_missing_reason
 
 from .ranks import FAST, Rank, assert_all_success, fault_spec
 
@@ -26,18 +28,38 @@ def store_url(tmp_path):
     return f"file://{tmp_path / 'kv'}"
 
 
+NIXL_MISSING = nixl_missing_reason()
+
+
+@pytest.fixture(params=["file", pytest.param("nixl", marks=pytest.mark.skipif(
+    bool(NIXL_MISSING), reason=f"nixl backend: {NIXL_MISSING}")), "mooncake"])
+def any_store_url(request, tmp_path):
+    """A store both ranks share, of each backend: files, NIXL (POSIX) files,
+    Mooncake Store (a real master and a holder process on loopback)."""
+    if request.param == "file":
+        yield f"file://{tmp_path / 'kv'}"
+    elif request.param == "nixl":
+        yield f"nixl://{tmp_path / 'kv'}?backend=POSIX&xfer_timeout_s=20"
+    else:
+        cluster = MooncakeCluster(tmp_path, holder_bytes=256 << 20)
+        try:
+            yield cluster.url + "&call_timeout_s=20"
+        finally:
+            cluster.stop()
+
+
 def _ranks(server, store_url, **spec_kw):
     spec = fault_spec(server.address, **spec_kw)
     cfg = {**FAST, "storage_url": store_url, "model_name": "test-model"}
     return Rank("prefill", spec, cfg), Rank("decode", spec, cfg)
 
 
-def test_prefill_killed_mid_request_decode_restores_from_storage(store_url):
+def test_prefill_killed_mid_request_decode_restores_from_storage(any_store_url):
     """Prefill writes through and is killed (SIGKILL) while its transfers are
     stalled (decode stopped); decode, resumed, finds the prefill dead, and
     completes both rooms from storage, byte-exact, within the bound."""
     with BootstrapProcess() as server:
-        prefill, decode = _ranks(server, store_url, min_tokens=1024, max_tokens=1024, chunk_pages=16)
+        prefill, decode = _ranks(server, any_store_url, min_tokens=1024, max_tokens=1024, chunk_pages=16)
         try:
             p, d = _send_both(prefill, decode, [1], tokens=True)
             assert_all_success(p, [1])
