@@ -4,14 +4,23 @@
 request it allocates randomly chosen free pages of its target (MLA) and draft
 (GQA) pools, enough for the prompt and the tokens to come, and asks the
 prefill node (found through the bootstrap server) for the room's KV with
-``KVReceiver.init(prompt_pages, aux_slot)``. Once every room reached Success
-it generates ``--max-new-tokens`` tokens per request from the received KV:
-the first token comes from the aux row, then each step the draft proposes
-``--num-draft`` tokens and the target verifies them (greedy), both attending
-over their paged caches gathered by the request's page ids. The prompt's
-tokens are never used for that; ``--check`` derives them afterwards (from
-the shared ``--prompt-seed``) to run the single-process reference, target
-prefill and plain greedy decoding without any transfer, and compares.
+``KVReceiver.init(prompt_pages, aux_slot, token_ids=prompt)``. Once every
+room reached Success it generates ``--max-new-tokens`` tokens per request
+from the received KV: the first token comes from the aux row, then each step
+the draft proposes ``--num-draft`` tokens and the target verifies them
+(greedy), both attending over their paged caches gathered by the request's
+page ids. The prompt's tokens are never used for that; ``--check`` runs the
+single-process reference from them, target prefill and plain greedy decoding
+without any transfer, and compares.
+
+With ``--storage URL`` the prompt's tokens given to ``KVReceiver.init`` name
+the prompt's pages in the store (without, they are ignored): the leading
+full pages the store has are loaded from it (``--storage-prefetch``) and the
+prefill node sends only the rest (the last, partly filled page and the aux
+row always come from prefill); a room whose transfer fails (the prefill node
+died...) is restored from the store when every page of it and its aux row are
+there. Per request it reports how many pages came from the store, and the KV
+bytes that came over the network.
 
 Prints one line per request and one ``RESULT`` JSON line; exits 0 when every
 room succeeded, 1 otherwise.
@@ -26,8 +35,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from examples.node_common import (AUX_FIRST_TOKEN, AUX_PROMPT_TOKENS, Deadline, Request, add_node_args, exit_now,
-                                  make_requests, manager_config, model_pair, new_aux, print_result, why_failed)
+from examples.node_common import (AUX_FIRST_TOKEN, AUX_PROMPT_TOKENS, Deadline, Request, add_node_args,
+                                  check_node_args, exit_now, make_requests, manager_config, model_pair, new_aux,
+                                  print_result, storage_url, why_failed)
 from examples.paged_kv import PageAllocator, RankPools, pages_for
 from examples.speculative import Prefilled, reference_tokens, speculative, tokens_needed
 from examples.tiny_models import build_models
@@ -42,6 +52,8 @@ class _Room:
     created_at: float
     transferring_at: float = 0.0  # bootstrapping (lookup, handshake) done, requests sent
     done_at: float = 0.0
+    ended_at: float = 0.0  # done_at as wall-clock time (time.time()), to compare with other processes' events
+    prefetched: int = 0  # pages loaded from storage before the requests went out
 
 
 @dataclass
@@ -49,6 +61,8 @@ class _Summary:
     rooms: list = field(default_factory=list)  # one dict per request that succeeded
     failed: list = field(default_factory=list)  # [room, reason]
     kv_bytes: int = 0  # KV bytes received into the pools, aux rows left out
+    network_kv_bytes: int = 0  # of them, sent by the prefill node
+    storage_kv_bytes: int = 0  # of them, loaded from the storage tier
     aux_bytes: int = 0
     transfer_s: float = 0.0  # first receiver created -> last Success (lookup and handshake included)
 
@@ -57,14 +71,18 @@ def _receive(args, requests: list[Request], pools: RankPools, aux: torch.Tensor)
     """Every room's KV into the pools; returns the rooms that succeeded."""
     alloc = PageAllocator(args.num_pages, seed=args.first_room)
     summary, done = _Summary(), []
-    with KVManager(manager_config(args, Role.DECODE, 0, 1), pools.kvferry_pools(), aux=aux) as mgr:
+    prefetch = {} if args.storage_prefetch is None else {"storage_prefetch": args.storage_prefetch}
+    config = manager_config(args, Role.DECODE, 0, 1, **prefetch)
+    with KVManager(config, pools.kvferry_pools(), aux=aux) as mgr:
         start = time.monotonic()
         live = {}
         for r in requests:
             pages = alloc.take(pages_for(tokens_needed(r.prompt_tokens, args.max_new_tokens, args.num_draft),
                                          args.page_size))
             receiver = KVReceiver(mgr, args.bootstrap, r.room, prefill_node=args.node_id)
-            receiver.init(pages[:pages_for(r.prompt_tokens, args.page_size)], aux_index=r.aux_slot)
+            # The prompt's tokens name its pages in the store (with --storage); generation never reads them.
+            receiver.init(pages[:pages_for(r.prompt_tokens, args.page_size)], aux_index=r.aux_slot,
+                          token_ids=r.prompt)
             live[r.room] = _Room(r, receiver, pages, time.monotonic())
         # Each room is bounded by bootstrap_timeout_s and transfer_timeout_s; this is a backstop.
         deadline = Deadline(2 * args.timeout_s + 10)
@@ -74,8 +92,11 @@ def _receive(args, requests: list[Request], pools: RankPools, aux: torch.Tensor)
                 state = r.receiver.poll()
                 if not r.transferring_at and state in (KVPoll.Transferring, KVPoll.Success):
                     r.transferring_at = time.monotonic()
+                    # What the prefetch loaded; a restore from storage after a failed
+                    # transfer (which takes peer_timeout_s at least) comes later.
+                    r.prefetched = r.receiver.pages_from_storage
                 if state is KVPoll.Success:
-                    r.done_at = time.monotonic()
+                    r.done_at, r.ended_at = time.monotonic(), time.time()
                     done.append(r)
                 elif state is KVPoll.Failed:
                     summary.failed.append([room, why_failed(r.receiver)])
@@ -105,14 +126,28 @@ def _generate(args, rooms: list[_Room], pools: RankPools, aux: torch.Tensor, sum
         gen = speculative(target, draft, prefilled, args.max_new_tokens, args.num_draft)
         num_pages = pages_for(prompt_tokens, args.page_size)
         kv_bytes = num_pages * pools.page_bytes
+        from_storage = r.receiver.pages_from_storage
+        storage_bytes = from_storage * pools.page_bytes
         summary.kv_bytes += kv_bytes
+        summary.storage_kv_bytes += storage_bytes
+        summary.network_kv_bytes += kv_bytes - storage_bytes
         summary.aux_bytes += row_bytes
         summary.rooms.append(dict(room=req.room, prompt_tokens=prompt_tokens, pages=num_pages, kv_bytes=kv_bytes,
+                                  pages_from_storage=from_storage, prefetched_pages=r.prefetched,
+                                  restored_pages=from_storage - r.prefetched, storage_kv_bytes=storage_bytes,
+                                  network_kv_bytes=kv_bytes - storage_bytes,
                                   bootstrap_ms=(r.transferring_at - r.created_at) * 1e3,
-                                  transfer_ms=(r.done_at - r.transferring_at) * 1e3, tokens=gen.tokens,
-                                  proposed=gen.num_proposed, accepted=gen.num_accepted,
+                                  transfer_ms=(r.done_at - r.transferring_at) * 1e3, ended_at=r.ended_at,
+                                  tokens=gen.tokens, proposed=gen.num_proposed, accepted=gen.num_accepted,
                                   target_steps=gen.num_target_steps))
-        print(f"room {req.room}: {prompt_tokens} prompt tokens, {num_pages} pages, {kv_bytes:,} KV bytes in "
+        if storage_url(args):
+            restored = f", {from_storage - r.prefetched} restored after the transfer failed" \
+                if from_storage > r.prefetched else ""
+            moved = (f"{num_pages} pages ({from_storage} from storage{restored}), "
+                     f"{kv_bytes - storage_bytes:,} KV bytes over the network")
+        else:
+            moved = f"{num_pages} pages, {kv_bytes:,} KV bytes"
+        print(f"room {req.room}: {prompt_tokens} prompt tokens, {moved} in "
               f"{(r.done_at - r.transferring_at) * 1e3:.1f} ms; {len(gen.tokens)} tokens in "
               f"{gen.num_target_steps + 1} target steps, {gen.num_accepted} of {gen.num_proposed} draft tokens "
               f"accepted: {' '.join(map(str, gen.tokens))}", flush=True)
@@ -140,8 +175,14 @@ def main(argv=None) -> int:
                     help="draft tokens proposed per speculative step (default %(default)s)")
     ap.add_argument("--check", action="store_true",
                     help="also run the single-process reference and exit 1 unless the tokens are the same")
+    ap.add_argument("--storage-prefetch", default=None, choices=["wait_complete", "timeout", "best_effort", "off"],
+                    help="with --storage: load the leading full pages the store has before asking the prefill node "
+                         "for the rest, waiting for the load to complete, for at most "
+                         "KVFERRY_STORAGE_PREFETCH_TIMEOUT_S (timeout), not at all (best_effort); off: ask for "
+                         "every page (default: KVFERRY_STORAGE_PREFETCH, else wait_complete)")
     add_node_args(ap)
     args = ap.parse_args(argv)
+    check_node_args(ap, args)
     logging.basicConfig(level=logging.WARNING, format="[decode] %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(1)  # bit-identical float32 results in every process
     if args.max_new_tokens < 1 or args.num_draft < 1:
@@ -160,9 +201,11 @@ def main(argv=None) -> int:
         summary = _Summary(failed=[[-1, f"{type(exc).__name__}: {exc}"]])
     for room, why in summary.failed:
         print(f"decode: room {room} FAILED: {why}", flush=True)
-    print(f"decode: {len(summary.rooms)} of {len(requests)} requests served; {summary.kv_bytes:,} KV bytes "
-          f"(+ {summary.aux_bytes} aux bytes) received, {summary.transfer_s * 1e3:.1f} ms from the first request "
-          "to the last Success", flush=True)
+    from_storage = f" ({summary.storage_kv_bytes:,} from storage, {summary.network_kv_bytes:,} over the network)" \
+        if storage_url(args) else ""
+    print(f"decode: {len(summary.rooms)} of {len(requests)} requests served; {summary.kv_bytes:,} KV bytes"
+          f"{from_storage} and {summary.aux_bytes} aux bytes received, {summary.transfer_s * 1e3:.1f} ms from the "
+          "first request to the last Success", flush=True)
     print_result(vars(summary))
     return 0 if len(summary.rooms) == len(requests) and not summary.failed else 1
 

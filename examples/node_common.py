@@ -4,10 +4,12 @@ config, and the result line.
 
 Both nodes take the same ``--prompt-seed``, ``--prompt-lengths`` and
 ``--first-room``: request ``i`` is room ``first_room + i`` with a seeded
-random prompt of ``lengths[i]`` tokens. The prefill node computes its KV; the
-decode node knows each room's prompt length (to allocate pages), never its
-tokens: it continues from the KV it receives and the first generated token in
-the aux row.
+random prompt of ``lengths[i]`` tokens (``--only-requests`` serves some of
+them, the same prompts and rooms). The prefill node computes its KV; the
+decode node knows each room's prompt length (to allocate pages) and, with a
+storage tier (``--storage``), its tokens, which name its pages in storage;
+generation never reads them: it continues from the KV it receives and the
+first generated token in the aux row.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from transfer import EngineConfig, ManagerConfig, Role, manager_config_from_env
 AUX_FIRST_TOKEN, AUX_PROMPT_TOKENS, AUX_COLUMNS = 0, 1, 4
 AUX_SLOTS = 64
 RESULT_PREFIX = "RESULT "
+#: The models' name in storage keys (ManagerConfig.model_name); the weights' seed is appended.
+MODEL_NAME = "tiny-mla+gqa"
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,16 @@ def parse_lengths(text: str) -> list[int]:
     if not lengths or min(lengths) < 1:
         raise argparse.ArgumentTypeError(f"expected positive token counts, got {text!r}")
     return lengths
+
+
+def parse_indices(text: str) -> list[int]:
+    try:
+        indices = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated request indices, got {text!r}") from None
+    if not indices or min(indices) < 0:
+        raise argparse.ArgumentTypeError(f"expected request indices >= 0, got {text!r}")
+    return indices
 
 
 def add_node_args(ap: argparse.ArgumentParser) -> None:
@@ -82,6 +96,19 @@ def add_node_args(ap: argparse.ArgumentParser) -> None:
                     help="one request per length, in tokens (default %(default)s)")
     kv.add_argument("--first-room", type=int, default=1000,
                     help="bootstrap room of the first request; request i is room first_room + i")
+    kv.add_argument("--only-requests", type=parse_indices, default=None, metavar="I,J,...",
+                    help="serve only these requests, by index into --prompt-lengths (the others' prompts are "
+                         "still drawn, so prompts and rooms stay those of a run of all; default: all)")
+    st = ap.add_argument_group("storage tier")
+    st.add_argument("--storage", default="", metavar="URL",
+                    help="the KV storage tier both nodes share, e.g. file:///shared/dir: prefill writes the full "
+                         "pages it sends through to it, decode loads from it what it has (default: none)")
+
+
+def check_node_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse shared flags that do not fit together (``ap.error`` exits 2)."""
+    if args.only_requests is not None and max(args.only_requests) >= len(args.prompt_lengths):
+        ap.error(f"--only-requests {max(args.only_requests)}: there are {len(args.prompt_lengths)} prompt lengths")
 
 
 def parse_node_args(argv: list[str]) -> argparse.Namespace:
@@ -93,9 +120,17 @@ def parse_node_args(argv: list[str]) -> argparse.Namespace:
 
 
 def make_requests(args: argparse.Namespace, pair: ModelPair) -> list[Request]:
+    """The requests this node serves: every prompt is drawn, in order, so
+    ``--only-requests`` picks prompts and rooms exactly as in a run of all."""
     gen = torch.Generator().manual_seed(args.prompt_seed)
-    return [Request(room=args.first_room + i, prompt=torch.randint(0, pair.vocab_size, (n,), generator=gen))
-            for i, n in enumerate(args.prompt_lengths)]
+    requests = [Request(room=args.first_room + i, prompt=torch.randint(0, pair.vocab_size, (n,), generator=gen))
+                for i, n in enumerate(args.prompt_lengths)]
+    only = getattr(args, "only_requests", None)
+    if only is None:
+        return requests
+    if max(only) >= len(requests):
+        raise ValueError(f"--only-requests {max(only)}: there are {len(requests)} prompt lengths")
+    return [requests[i] for i in sorted(set(only))]
 
 
 def model_pair(args: argparse.Namespace) -> ModelPair:
@@ -106,15 +141,28 @@ def new_aux() -> torch.Tensor:
     return torch.zeros(AUX_SLOTS, AUX_COLUMNS, dtype=torch.int64)
 
 
-def manager_config(args: argparse.Namespace, role: Role, tp_rank: int, tp_size: int) -> ManagerConfig:
-    """The flags' settings over ``KVFERRY_*`` variables (which set the rest,
-    e.g. ``KVFERRY_STAGING_BYTES``)."""
+def storage_url(args: argparse.Namespace, role: Role = Role.DECODE) -> str:
+    """The storage tier the node uses: ``--storage``, else ``KVFERRY_STORAGE_URL``; empty: none."""
+    return args.storage or manager_config_from_env(role).storage_url
+
+
+def model_name(args: argparse.Namespace) -> str:
+    """What names the models' KV in storage: the architecture and the weights."""
+    return f"{MODEL_NAME}/seed-{args.model_seed}"
+
+
+def manager_config(args: argparse.Namespace, role: Role, tp_rank: int, tp_size: int, **overrides) -> ManagerConfig:
+    """The flags' settings (and ``overrides``, ManagerConfig fields) over
+    ``KVFERRY_*`` variables, which set the rest, e.g. ``KVFERRY_STAGING_BYTES``
+    (and the storage tier's ``KVFERRY_STORAGE_*`` fields where a node has no
+    flag for them)."""
     base = manager_config_from_env(role)
     engine: EngineConfig = replace(base.engine, protocol=args.protocol, hostname=args.hostname or args.host,
                                    device_name=args.device)
     return replace(base, bootstrap_addr=args.bootstrap, node_id=args.node_id, tp_rank=tp_rank, tp_size=tp_size,
                    host=args.host, engine=engine, bootstrap_timeout_s=args.timeout_s,
-                   transfer_timeout_s=args.timeout_s)
+                   transfer_timeout_s=args.timeout_s, storage_url=storage_url(args, role),
+                   model_name=model_name(args), **overrides)
 
 
 def why_failed(room_obj) -> str:

@@ -8,8 +8,16 @@ the same latent cache on every rank, half of the draft's KV heads each),
 writes the KV into randomly chosen free pages of its pools, fills the
 request's aux row (first generated token, prompt length), and sends the pages
 (the last, partly filled page whole) once the decode node asked for the room.
+With ``--storage URL`` it passes the prompt's tokens to ``KVSender.init``:
+the sent full pages of both pools and the aux row are written through to the
+store, and pages the decode node loaded from the store are not sent.
 Exits 0 when every room reached Success, 1 otherwise; prints one ``RESULT``
 JSON line.
+
+``--send-delay-s S`` is a demo and test aid: the rank waits ``S`` seconds
+after the decode node's requests for a room arrived before it sends, and
+says so (``room N: the decode node asked for it; sending in S s``), which
+gives a deterministic moment to kill it before it sent anything.
 """
 
 from __future__ import annotations
@@ -21,8 +29,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from examples.node_common import (AUX_FIRST_TOKEN, AUX_PROMPT_TOKENS, Deadline, Request, add_node_args, exit_now,
-                                  make_requests, manager_config, model_pair, new_aux, print_result, why_failed)
+from examples.node_common import (AUX_FIRST_TOKEN, AUX_PROMPT_TOKENS, Deadline, Request, add_node_args,
+                                  check_node_args, exit_now, make_requests, manager_config, model_pair, new_aux,
+                                  print_result, why_failed)
 from examples.paged_kv import PageAllocator, RankPools, pages_for
 from examples.speculative import first_token
 from examples.tiny_models import build_models
@@ -34,6 +43,7 @@ class _Room:
     request: Request
     sender: KVSender
     pages: list[int]
+    asked_at: float | None = None  # the decode node's requests arrived (WaitingForInput)
     sent_at: float | None = None
 
 
@@ -46,6 +56,7 @@ class _Summary:
     bytes_sent: int = 0
     descriptors: int = 0
     prefill_ms: float = 0.0
+    storage_pages_written: int = 0  # pages (of every pool) this rank wrote to the store; 0 without --storage
 
 
 class _PrefillRank:
@@ -78,8 +89,15 @@ class _PrefillRank:
             seen = self.mgr.progress
             for room, r in list(live.items()):
                 state = r.sender.poll()
-                if state is KVPoll.WaitingForInput and r.sent_at is None:
-                    r.sender.init(len(r.pages), r.request.aux_slot)
+                if state is KVPoll.WaitingForInput and r.asked_at is None:
+                    r.asked_at = time.monotonic()
+                    if self.args.send_delay_s:
+                        print(f"{self.where}: room {room}: the decode node asked for it; sending in "
+                              f"{self.args.send_delay_s:g} s (--send-delay-s)", flush=True)
+                if state is KVPoll.WaitingForInput and r.sent_at is None and \
+                        time.monotonic() - r.asked_at >= self.args.send_delay_s:
+                    # The prompt's tokens key its pages in the store (with --storage).
+                    r.sender.init(len(r.pages), r.request.aux_slot, token_ids=r.request.prompt)
                     r.sender.send(r.pages, last=True)
                     r.sent_at = time.monotonic()
                 elif state is KVPoll.Success:
@@ -92,7 +110,7 @@ class _PrefillRank:
                     self.alloc.free(r.pages)
                     del live[room]
             if live:
-                self.mgr.wait_for_progress(seen, 0.05)
+                self.mgr.wait_for_progress(seen, 0.05)  # also wakes for --send-delay-s
         for room, r in live.items():
             r.sender.abort(f"no Success within {deadline.seconds:g} s")
             summary.failed.append([room, f"no Success within {deadline.seconds:g} s"])
@@ -115,6 +133,7 @@ def serve(args: argparse.Namespace) -> _Summary:
         rank.drive(live, summary)
         summary.bytes_sent = mgr.transport.num_bytes
         summary.descriptors = mgr.transport.num_descriptors
+        summary.storage_pages_written = mgr.storage.num_pages_written if mgr.storage is not None else 0
     return summary
 
 
@@ -122,8 +141,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m examples.prefill_node", description=__doc__.split("\n")[0])
     ap.add_argument("--tp-rank", type=int, required=True, help="this process's TP rank, 0..tp-size-1")
     ap.add_argument("--tp-size", type=int, default=2, help="TP ranks of the prefill node (default %(default)s)")
+    ap.add_argument("--send-delay-s", type=float, default=0.0, metavar="S",
+                    help="demo/test aid: wait S seconds after the decode node asked for a room before sending it "
+                         "(default %(default)s)")
     add_node_args(ap)
     args = ap.parse_args(argv)
+    check_node_args(ap, args)
+    if args.send_delay_s < 0:
+        ap.error("--send-delay-s must be >= 0")
     logging.basicConfig(level=logging.WARNING, format=f"[prefill {args.tp_rank}] %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(1)  # bit-identical float32 results in every process
     try:

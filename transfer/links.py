@@ -14,7 +14,7 @@ from bootstrap.client import BootstrapClient
 from bootstrap.messages import AttentionKind, PoolRole, RankInfo
 from transfer import tp
 from transfer.errors import (BootstrapError, BootstrapUnavailable, IncompatibleLayoutError, KVFerryError,
-                             KVTimeoutError, ProtocolError)
+                             ProtocolError)
 from transfer.layout import check_compatible
 from transfer.messages import (ChunkStaged, PeerHello, PeerHelloReply, PoolAssignment, RoomAbort, RoomStatus,
                                StageRequest)
@@ -286,9 +286,13 @@ class DecodeRooms:
                     raise hello.error
                 if not hello.ok:
                     if time.monotonic() - hello.sent_at > self.mgr.config.rpc_timeout_s:
+                        # A dead rank the server still lists, or one restarting: look the node up
+                        # again (its rooms fail at their bootstrap timeout if it never answers).
                         del self._hellos[session]
-                        raise KVTimeoutError(f"{link.name}: prefill rank {p} at {link.ranks[p].control_endpoint} "
-                                             f"did not answer the handshake within {self.mgr.config.rpc_timeout_s:g} s")
+                        link.progress = (f"prefill rank {p} at {link.ranks[p].control_endpoint} did not answer "
+                                         f"the handshake within {self.mgr.config.rpc_timeout_s:g} s; looking it up again")
+                        link.ranks, link.routes = (), {}
+                        return
                     pending.append(p)
             if pending:
                 link.progress = f"waiting for the handshake of prefill ranks {pending}"

@@ -57,6 +57,8 @@ class KVManager:
         aux_desc = describe_aux(aux) if aux is not None else None
         #: (role, layer, component) -> tensor, for staging's gather and scatter.
         self.buffers = pool_tensors(pools)
+        #: staging's word views of ``buffers`` (see transfer.staging), built once each.
+        self.word_views: dict = {}
         self.staging, staging_desc, self.staging_area = None, None, None
         if config.staging_bytes:
             device = next(iter(self.buffers.values())).device

@@ -119,7 +119,7 @@ class PrefillStaging:
             offset = part.local_offset
             pages = torch.from_numpy(part.src_pages.astype(np.int64)).to(self.mgr.staging.device)
             for pool, sl in part.pools:
-                offset += gather(self.mgr.staging, offset, self.mgr.buffers, pool, sl, pages)
+                offset += gather(self.mgr.staging, offset, self.mgr.buffers, pool, sl, pages, self.mgr.word_views)
             plan = TransferPlan(np.asarray([self.mgr.rank.staging.addr + part.local_offset], dtype=np.uint64),
                                 np.asarray([peer.staging.addr + grant.offset], dtype=np.uint64),
                                 np.asarray([part.nbytes], dtype=np.uint64))
@@ -241,4 +241,4 @@ def scatter_part(mgr, receiver, msg: ChunkStaged, offset: int, assignments) -> N
         if a.send:
             pool = mgr.rank.pool(a.role)
             offset += scatter(mgr.staging, offset, mgr.buffers, pool,
-                              page_slice(pool, a.dst_head_offset, a.num_heads), pages)
+                              page_slice(pool, a.dst_head_offset, a.num_heads), pages, mgr.word_views)

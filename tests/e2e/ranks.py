@@ -124,4 +124,6 @@ def assert_failed_within(res: dict, since: float, bound_s: float, error_types=No
             if error_types:
                 assert r["error_type"] in error_types, f"room {room}: {r}"
             assert r["error"], f"room {room}: no failure message"
+    if failed:  # for the record (pytest -s): how long after the fault the last room ended
+        print(f"  {len(failed)} rooms failed, the last {max(r['ended_at'] for r in res['results'].values() if r['state'] == 'Failed') - since:.2f} s after the fault")
     return failed

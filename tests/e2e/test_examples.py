@@ -1,7 +1,9 @@
 """The two-node speculative-decoding example: the bootstrap server, two
 prefill rank processes and the decode node as separate processes, through
 the real Mooncake engine over TCP, on loopback and between two network
-namespaces; the decode node's tokens against the single-process run."""
+namespaces; the decode node's tokens against the single-process run. The
+demo's storage step: pages a file store has are not sent again, and a room
+whose prefill node was killed is restored from the store."""
 
 import json
 import os
@@ -60,18 +62,97 @@ def check_decode_result(decode: dict, prefill: list[dict], lengths, max_new_toke
     assert all(p["success"] == p["rooms"] == len(lengths) and p["failed"] == [] for p in prefill)
 
 
-def test_make_demo_matches_the_single_process_run(tmp_path):
-    out = tmp_path / "demo.json"
+@pytest.fixture(scope="module")
+def make_demo(tmp_path_factory):
+    """One run of the whole demo (``make demo``): the transfer, then the
+    storage step; its output and JSON."""
+    out = tmp_path_factory.mktemp("demo") / "demo.json"
     proc = subprocess.run([sys.executable, "-m", "examples.two_node_demo", "--json", str(out), "--timeout-s", "90"],
-                          cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=150)
+                          cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
+    return proc, json.loads(out.read_text()) if out.exists() else None
+
+
+def test_make_demo_matches_the_single_process_run(make_demo):
+    proc, data = make_demo
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "5 of 5 prompts" in proc.stdout and "(DIFFERENT)" not in proc.stdout
-    data = json.loads(out.read_text())
     nodes = {n["name"]: n for n in data["nodes"]}
     assert set(nodes) == {"prefill rank 0", "prefill rank 1", "decode"}
     assert all(n["returncode"] == 0 for n in nodes.values())
     check_decode_result(nodes["decode"]["result"], [nodes[f"prefill rank {r}"]["result"] for r in (0, 1)],
                         LENGTHS, 24)
+
+
+def test_only_requests_keeps_the_prompts_and_rooms_of_a_run_of_all():
+    lengths = "20,77,128,200,300,64"
+    every = make_requests(parse_node_args(["--prompt-lengths", lengths]), ModelPair())
+    some = make_requests(parse_node_args(["--prompt-lengths", lengths, "--only-requests", "5,2"]), ModelPair())
+    assert [r.room for r in some] == [1002, 1005]
+    assert all(r.prompt.equal(every[r.room - 1000].prompt) for r in some)
+    # Prompts are drawn in order: appending a length leaves the earlier prompts as they were.
+    fewer = make_requests(parse_node_args(["--prompt-lengths", "20,77,128,200,300"]), ModelPair())
+    assert all(a.prompt.equal(b.prompt) for a, b in zip(fewer, every))
+
+
+STORAGE_LENGTHS = LENGTHS + [4 * PAGE_SIZE]  # the demo's prompts and one of 4 full pages
+
+
+def test_demo_storage_step_skips_stored_pages_and_restores_a_killed_prefill(make_demo):
+    """``make demo``'s storage step: run 2 loads every full page from the
+    store and prefill sends only the partly filled last pages and the aux
+    rows (counted in bytes on both sides); then, with the prefill node killed
+    (SIGKILL) once it holds the decode node's requests for the two
+    page-aligned prompts, the decode node restores both rooms from the store.
+    Tokens equal the single-process run's throughout."""
+    proc, data = make_demo
+    output = proc.stdout[-4000:] + proc.stderr[-3000:]
+    assert data is not None and "storage" in data, output
+    data = data["storage"]
+    assert data["ok"] and "both behaviours shown" in proc.stdout and "DIFFERENT" not in proc.stdout, output
+    want = single_process_tokens(STORAGE_LENGTHS, 24)
+    page_bytes = RankPools.allocate(ModelPair(), num_pages=1, page_size=PAGE_SIZE).page_bytes
+    aux_row = AUX_COLUMNS * 8
+
+    # Write-through, then prefetch and selective send.
+    first, second = data["runs"]
+    for run in (first, second):
+        assert [n["name"] for n in run] == ["prefill rank 0", "decode"]  # TP 1 -> TP 1
+        assert all(n["returncode"] == 0 for n in run), run
+        rooms = sorted(run[-1]["result"]["rooms"], key=lambda r: r["room"])
+        assert [r["tokens"] for r in rooms] == want
+    full = [n // PAGE_SIZE for n in STORAGE_LENGTHS]
+    pages = [pages_for(n, PAGE_SIZE) for n in STORAGE_LENGTHS]
+    assert first[0]["result"]["storage_pages_written"] == 2 * sum(full)  # target and draft
+    rooms = sorted(data["rooms"], key=lambda r: r["room"])
+    assert [r["first_pages_from_storage"] for r in rooms] == [0] * len(pages)
+    assert [r["pages_from_storage"] for r in rooms] == full and sum(full) > 0
+    assert [r["first_network_kv_bytes"] for r in rooms] == [n * page_bytes for n in pages]
+    assert [r["network_kv_bytes"] for r in rooms] == [(n - f) * page_bytes for n, f in zip(pages, full)]
+    assert all(r["network_kv_bytes"] < r["first_network_kv_bytes"] and r["same_tokens"] for r in rooms)
+    # What the prefill node's engine wrote: every page, then the partial last pages; the aux rows both times.
+    aux = len(STORAGE_LENGTHS) * aux_row
+    assert first[0]["result"]["bytes_sent"] == sum(pages) * page_bytes + aux
+    assert second[0]["result"]["bytes_sent"] == (sum(pages) - sum(full)) * page_bytes + aux
+    assert second[0]["result"]["storage_pages_written"] == 0  # all there already
+
+    # Fallback: prefill killed before sending; decode restores the rooms from the store.
+    fallback = data["fallback"]
+    aligned = [1000 + i for i, n in enumerate(STORAGE_LENGTHS) if n % PAGE_SIZE == 0]
+    assert aligned == fallback["rooms_requested"] == [1002, 1005]
+    assert fallback["killed_at"] is not None and not fallback["sent_before_kill"]
+    prefill, decode = fallback["nodes"]
+    assert prefill["returncode"] == -9 and prefill["result"] is None  # SIGKILL-ed, no RESULT line
+    assert decode["returncode"] == 0 and decode["result"]["failed"] == []
+    assert decode["result"]["network_kv_bytes"] == 0
+    restored = sorted(decode["result"]["rooms"], key=lambda r: r["room"])
+    assert [r["room"] for r in restored] == aligned
+    for room in restored:
+        i = room["room"] - 1000
+        assert room["tokens"] == want[i]
+        assert room["prefetched_pages"] == 0 and room["restored_pages"] == room["pages"] == full[i]
+        after = room["ended_at"] - fallback["killed_at"]
+        assert 0 < after < fallback["peer_timeout_s"] + 8, after
+    assert [r["room"] for r in fallback["rooms"] if r["same_tokens"]] == aligned
 
 
 def test_a_page_size_mismatch_fails_every_node_with_a_reason():
