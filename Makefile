@@ -51,6 +51,7 @@ test: setup
 
 bench: setup
 	$(PY) -m transfer.bench
+	$(PY) -m transfer.bench --storage
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -25,6 +25,10 @@ prefill side runs here, the decode side through the agent
 
 Timings leave out one warm-up request (connection set-up). ``--quick`` runs
 a short-prompt and a long-prompt subset; ``--json PATH`` writes the figures.
+
+``--storage`` runs the storage tier's backends instead (write-through and
+prefetch of each, and the memcpy and file-system limits; see
+:mod:`transfer.bench_storage`), ``--storage-pages`` pages each.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import sys
 import threading
 from dataclasses import asdict, dataclass, replace
 
-from transfer import bench_agent
+from transfer import bench_agent, bench_storage
 from transfer.bench_hosts import LocalHost, Link, machine
 from transfer.bench_runs import run_kvferry, run_limits, run_mooncake, run_mooncake_pages
 from transfer.bench_workloads import DRAFT, FULL, MODELS, PAGE_SIZE, QUICK, Workload
@@ -140,7 +144,19 @@ def main(argv=None) -> int:
     two.add_argument("--peer-hostname", help="the decode node's address (default: --peer's host, or --hostname)")
     two.add_argument("--device", default="", help="this node's RDMA NIC (default: the engine picks)")
     two.add_argument("--peer-device", help="the decode node's RDMA NIC (default: --device)")
+    store = ap.add_argument_group("storage (instead of the transfer workloads)")
+    store.add_argument("--storage", action="store_true",
+                       help="write-through and prefetch with each storage backend (file, Mooncake Store, "
+                            "NIXL POSIX) and the memcpy and file-system limits; about 20 s on 2 cores")
+    store.add_argument("--storage-pages", type=int, default=bench_storage.DEFAULT_PAGES,
+                       help="pages (2 MiB each) per backend (default %(default)s)")
+    store.add_argument("--storage-backends", default=",".join(bench_storage.BACKENDS),
+                       help="comma-separated, of %(default)s")
     args = ap.parse_args(argv)
+    if args.storage:
+        if args.peer:
+            ap.error("--storage runs on this host only; leave out --peer")
+        return _main_storage(args, ap)
     workloads = QUICK if args.quick else FULL
     if args.only:
         wanted = set(args.only.split(","))
@@ -173,6 +189,22 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"machine": machines, "transport": link.protocol, "link": asdict(link), "rows": rows},
                       f, indent=1)
+    return 0
+
+
+def _main_storage(args, ap: argparse.ArgumentParser) -> int:
+    try:
+        config = bench_storage.StorageBenchConfig(num_pages=args.storage_pages,
+                                                  backends=tuple(args.storage_backends.split(",")))
+    except ValueError as exc:
+        ap.error(str(exc))
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: the Mooncake processes are stopped
+    rows, skipped = bench_storage.run_storage(config)
+    bench_storage.print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine(), "storage": {"skipped": skipped}, "rows": rows}, f, indent=1)
     return 0
 
 

@@ -35,6 +35,37 @@ def test_bench_runs_all_three_modes_and_writes_json(tmp_path):
     assert "kvferry" in proc.stdout and "of mooncake" in proc.stdout
 
 
+def test_bench_storage_mode_writes_rows_for_each_backend(tmp_path):
+    """``--storage``: write-through and prefetch rows for every backend that
+    runs here (the others skipped with a reason), and the limit rows."""
+    from transfer.bench_storage import mooncake_missing_reason
+    from transfer.storage.nixl import nixl_missing_reason
+
+    out = tmp_path / "storage.json"
+    proc = subprocess.run([sys.executable, "-m", "transfer.bench", "--storage", "--storage-pages", "4",
+                           "--json", str(out)], capture_output=True, text=True, timeout=180,
+                          env=dict(os.environ, TMPDIR=str(tmp_path)))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    missing = {"mooncake": mooncake_missing_reason(), "nixl": nixl_missing_reason()}
+    available = ["file"] + [name for name, why in missing.items() if not why]
+    assert sorted(data["storage"]["skipped"]) == sorted(name for name, why in missing.items() if why)
+    rows = {r["workload"]: r for r in data["rows"]}
+    expected = {f"storage-{name}-{op}" for name in available for op in ("write", "prefetch")}
+    expected |= {f"storage-{name}-fs-{op}" for name in available if name != "mooncake" for op in ("write", "read")}
+    assert set(rows) == expected | {"storage-memcpy"}
+    for row in rows.values():
+        for key in ("mode", "backend", "bytes", "gbps", "pages_per_s", "p50_ms", "p99_ms", "tokens", "concurrency",
+                    "descriptors_per_request"):
+            assert key in row, (key, row)
+        limit = row["workload"] == "storage-memcpy" or "-fs-" in row["workload"]
+        assert row["mode"] == ("limit" if limit else "storage")
+        # 4 pages of 32 layers x K/V x 16 tokens x 8 heads x 128 x bf16: 2 MiB a page.
+        assert row["pages"] == 4 and row["bytes"] == 4 * (2 << 20)
+    assert "storage-file-write" in proc.stdout
+    assert not list(tmp_path.glob("kvferry-bench-storage-*")), "the run left its directory behind"
+
+
 # --- the same-pages raw baseline ------------------------------------------------------------
 
 def test_same_pages_mirror_the_pages_the_workload_writes():
