@@ -30,7 +30,6 @@ checks and is a miss.
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import errno
 import itertools
@@ -38,13 +37,13 @@ import logging
 import os
 import struct
 import threading
-import time
 import zlib
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from transfer.errors import StorageClosedError, StorageError
 from transfer.storage.base import Segment, StorageBackend, StorageURL, check_batch, check_keys, config_from_options
+from transfer.storage.keyfiles import TEMP_SUFFIX, KeyFiles
 
 log = logging.getLogger("kvferry.storage.file")
 
@@ -53,9 +52,6 @@ _FORMAT_VERSION = 1
 # magic, format version, reserved, payload bytes, CRC-32 of the payload, padding to 32 bytes
 _HEADER = struct.Struct("<8sHHQI8x")
 _IOV_MAX = max(16, min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024))
-_TEMP_SUFFIX = ".tmp"
-# Temporary files older than this are leftovers of a crashed writer.
-_STALE_TEMP_S = 600.0
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -112,84 +108,38 @@ class FileStore(StorageBackend):
         self._root = os.path.abspath(config.root)
         self._lock = threading.Lock()
         self._closed = False
-        self._lru: collections.OrderedDict[str, int] = collections.OrderedDict()  # key -> file bytes, oldest first
-        self._total_bytes = 0
+        self._index = KeyFiles(self._root, config.max_bytes)
+        self._path, self._unlink = self._index.path, self._index.unlink
         self._temp_names = itertools.count()
         try:
             os.makedirs(self._root, exist_ok=True)
-            self._rebuild_index()
+            self._index.scan()
         except OSError as exc:
             raise StorageError(f"{self.url}: cannot open the store directory: {exc}", backend=self.url) from exc
         self._evict()
 
     # -- index ------------------------------------------------------------
 
-    def _rebuild_index(self) -> None:
-        found = []
-        now = time.time()
-        for sub in os.scandir(self._root):
-            if not sub.is_dir(follow_symlinks=False):
-                continue
-            for entry in os.scandir(sub.path):
-                try:
-                    if not entry.is_file(follow_symlinks=False):
-                        continue
-                    st = entry.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                if entry.name.startswith("."):
-                    if entry.name.endswith(_TEMP_SUFFIX) and now - st.st_mtime > _STALE_TEMP_S:
-                        self._unlink(entry.path)
-                    continue
-                if entry.name[:2] != sub.name:  # not one of ours
-                    continue
-                found.append((st.st_mtime, entry.name, st.st_size))
-        for _, key, nbytes in sorted(found):
-            self._lru[key] = nbytes
-            self._total_bytes += nbytes
-
     def _touch(self, key: str, nbytes: int) -> list[str]:
         """Record a put or hit of ``key``; returns the keys to evict (the
         caller deletes them outside the lock)."""
         with self._lock:
-            self._total_bytes += nbytes - self._lru.pop(key, 0)
-            self._lru[key] = nbytes
-            return self._victims(keep=key)
-
-    def _victims(self, keep: str | None = None) -> list[str]:
-        victims = []
-        while self._total_bytes > self.config.max_bytes and self._lru:
-            key = next(iter(self._lru))
-            if key == keep:
-                break
-            self._total_bytes -= self._lru.pop(key)
-            victims.append(key)
-        return victims
+            return self._index.touch(key, nbytes)
 
     def _forget(self, key: str) -> None:
         with self._lock:
-            self._total_bytes -= self._lru.pop(key, 0)
+            self._index.forget(key)
 
     def _evict(self, victims: list[str] | None = None) -> None:
         if victims is None:
             with self._lock:
-                victims = self._victims()
+                victims = self._index.victims()
         for key in victims:
             self._unlink(self._path(key))
         if victims:
             log.debug("%s: evicted %d files", self.url, len(victims))
 
     # -- files ------------------------------------------------------------
-
-    def _path(self, key: str) -> str:
-        return os.path.join(self._root, key[:2], key)
-
-    @staticmethod
-    def _unlink(path: str) -> None:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
 
     def _check_open(self) -> None:
         if self._closed:
@@ -227,7 +177,7 @@ class FileStore(StorageBackend):
         header = _HEADER.pack(_MAGIC, _FORMAT_VERSION, 0, total, _crc(views))
         path = self._path(key)
         temp = os.path.join(os.path.dirname(path),
-                            f".{key[:64]}.{os.getpid()}.{threading.get_ident()}.{next(self._temp_names)}{_TEMP_SUFFIX}")
+                            f".{key[:64]}.{os.getpid()}.{threading.get_ident()}.{next(self._temp_names)}{TEMP_SUFFIX}")
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
@@ -313,7 +263,7 @@ class FileStore(StorageBackend):
     def total_bytes(self) -> int:
         """The files' total size as this object's index counts it."""
         with self._lock:
-            return self._total_bytes
+            return self._index.total_bytes
 
 
 def open_file_store(url: StorageURL, options: Mapping[str, Any]) -> FileStore:

@@ -77,7 +77,6 @@ import struct
 import threading
 import time
 import zlib
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -85,6 +84,7 @@ import numpy as np
 
 from transfer.errors import StorageClosedError, StorageError, StorageTimeoutError, StorageUnavailableError
 from transfer.storage.base import Segment, StorageBackend, StorageURL, check_batch, check_keys, config_from_options
+from transfer.storage.keyfiles import TEMP_SUFFIX, KeyFiles
 
 log = logging.getLogger("kvferry.storage.nixl")
 
@@ -94,8 +94,6 @@ _HEADER = struct.Struct("<8sHHQI")  # magic, format version, flags, payload byte
 _HEADER_BYTES = 4096  # the payload's offset
 _FLAG_CRC = 1
 _ALIGN = 4096
-_TEMP_SUFFIX = ".tmp"
-_STALE_TEMP_S = 600.0
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _NIXL_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
 _INSTALL_HINT = "pip install 'kvferry[nixl]' (torch first)"
@@ -442,24 +440,24 @@ class NixlStore(StorageBackend):
         self._lock = threading.Lock()
         self._closed = False
         self._stopped = ""  # why, after a transfer that could not be cancelled
-        self._lru: OrderedDict[str, int] = OrderedDict()  # key -> file bytes, oldest first
-        self._total_bytes = 0
+        self._index = KeyFiles(self._root, config.max_bytes)
+        self._path, self._unlink = self._index.path, self._index.unlink
         self._temp_names = itertools.count()
         self._block = mmap.mmap(-1, _HEADER_BYTES)  # page-aligned: O_DIRECT header I/O
         self._registered = RegionSet()
         try:
             os.makedirs(self._root, exist_ok=True)
-            self._scan()
+            self._index.scan()
         except OSError as exc:
             raise StorageError(f"{self.url}: cannot open the store directory: {exc}", backend=self.url) from exc
         self._agent = _Agent(_import_nixl(), config, self.url)
         self.backend = self._agent.backend  # the NIXL backend in use (POSIX after a fallback)
-        self._remove(self._victims())
+        self._remove(self._index.victims())
 
     @property
     def total_bytes(self) -> int:
         with self._lock:
-            return self._total_bytes
+            return self._index.total_bytes
 
     # -- the interface ----------------------------------------------------
 
@@ -496,7 +494,7 @@ class NixlStore(StorageBackend):
                     results[entry.index] = self._publish(entry)
             finally:
                 self._close_files(entries, unlink_temps=True)
-            victims = [v for e in entries if results[e.index] for v in self._touch(e.key, _HEADER_BYTES + e.total)]
+            victims = [v for e in entries if results[e.index] for v in self._index.touch(e.key, _HEADER_BYTES + e.total)]
         self._remove(victims)
         return results
 
@@ -516,7 +514,7 @@ class NixlStore(StorageBackend):
                     results[entry.index] = self._verify(entry)
             finally:
                 self._close_files(entries, unlink_temps=False)
-            victims = [v for e in entries if results[e.index] for v in self._touch(e.key, e.stat.st_size)]
+            victims = [v for e in entries if results[e.index] for v in self._index.touch(e.key, e.stat.st_size)]
         self._remove(victims)
         return results
 
@@ -636,7 +634,7 @@ class NixlStore(StorageBackend):
         """Open a private temporary file for ``entry``; False when out of space."""
         path = self._path(entry.key)
         entry.temp = os.path.join(os.path.dirname(path), f".{entry.key[:64]}.{os.getpid()}."
-                                  f"{threading.get_ident()}.{next(self._temp_names)}{_TEMP_SUFFIX}")
+                                  f"{threading.get_ident()}.{next(self._temp_names)}{TEMP_SUFFIX}")
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             entry.fd = os.open(entry.temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | self._open_flags, 0o644)
@@ -675,7 +673,7 @@ class NixlStore(StorageBackend):
         try:
             entry.fd = os.open(self._path(entry.key), os.O_RDONLY | self._open_flags)
         except FileNotFoundError:
-            self._forget(entry.key)
+            self._index.forget(entry.key)
             return
         except OSError as exc:
             raise self._os_error(f"opening {entry.key}", exc) from exc
@@ -720,7 +718,7 @@ class NixlStore(StorageBackend):
                 os.unlink(path)
         except FileNotFoundError:
             pass
-        self._forget(entry.key)
+        self._index.forget(entry.key)
         self._drop(entry)
 
     def _close_files(self, entries: list[_Entry], *, unlink_temps: bool) -> None:
@@ -732,45 +730,6 @@ class NixlStore(StorageBackend):
 
     # -- index ------------------------------------------------------------
 
-    def _scan(self) -> None:
-        """Rebuild the recency index from the files' mtimes; delete stale temporaries."""
-        found, now = [], time.time()
-        for sub in os.scandir(self._root):
-            if not sub.is_dir(follow_symlinks=False):
-                continue
-            for entry in os.scandir(sub.path):
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                if entry.name.startswith("."):
-                    if entry.name.endswith(_TEMP_SUFFIX) and now - st.st_mtime > _STALE_TEMP_S:
-                        self._unlink(entry.path)
-                elif entry.is_file(follow_symlinks=False) and entry.name[:2] == sub.name:
-                    found.append((st.st_mtime, entry.name, st.st_size))
-        for _, key, nbytes in sorted(found):
-            self._lru[key] = nbytes
-            self._total_bytes += nbytes
-
-    def _touch(self, key: str, nbytes: int) -> list[str]:
-        """Record a put or hit (lock held); returns the keys to evict."""
-        self._total_bytes += nbytes - self._lru.pop(key, 0)
-        self._lru[key] = nbytes
-        return self._victims(keep=key)
-
-    def _victims(self, keep: str | None = None) -> list[str]:
-        victims = []
-        while self._total_bytes > self.config.max_bytes and self._lru:
-            key = next(iter(self._lru))
-            if key == keep:
-                break
-            self._total_bytes -= self._lru.pop(key)
-            victims.append(key)
-        return victims
-
-    def _forget(self, key: str) -> None:
-        self._total_bytes -= self._lru.pop(key, 0)
-
     def _remove(self, victims: list[str]) -> None:
         for key in victims:
             self._unlink(self._path(key))
@@ -778,16 +737,6 @@ class NixlStore(StorageBackend):
             log.debug("%s: evicted %d files", self.url, len(victims))
 
     # -- plumbing -----------------------------------------------------------
-
-    def _path(self, key: str) -> str:
-        return os.path.join(self._root, key[:2], key)
-
-    @staticmethod
-    def _unlink(path: str) -> None:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
 
     @contextlib.contextmanager
     def _held(self, what: str, *, check_open: bool = True):
