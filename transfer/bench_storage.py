@@ -29,17 +29,10 @@ p50/p99 are per batch call.
 
 from __future__ import annotations
 
-import ctypes
-import importlib.util
 import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +43,7 @@ from transfer.bench_workloads import MODELS, PAGE_SIZE
 from transfer.pools import MHAPool
 from transfer.storage.base import open_storage
 from transfer.storage.keys import chain_hashes, keys_from_chain
+from transfer.storage.local_mooncake import LocalMooncake, mooncake_missing_reason
 from transfer.storage.nixl import nixl_missing_reason
 from transfer.storage.segments import page_bytes, pages_segments, pool_fingerprint, pool_regions
 from transfer.tier import BATCH_PAGES
@@ -59,7 +53,6 @@ DEFAULT_PAGES = 384
 PROMPT_PAGES = 512  # pages of a random prompt (8k tokens; a multiple of BATCH_PAGES): one hash chain
 VOCAB = 128_256
 CALL_TIMEOUT_S = 60.0  # a network backend's bound on one call
-MOONCAKE_START_S = 15.0
 PAGE_CACHE_BACKENDS = ("file", "nixl")  # stores whose writes land in this host's page cache
 
 
@@ -301,113 +294,6 @@ def fs_limits(bench: Bench, name: str, directory: Path) -> list[dict]:
                      **common).row()]
 
 
-# --- a local Mooncake Store --------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tool(name: str) -> str | None:
-    path = Path(sys.executable).parent / name
-    return str(path) if path.exists() else shutil.which(name)
-
-
-def mooncake_missing_reason() -> str:
-    """Why no local Mooncake Store can run here, or ``""``."""
-    if importlib.util.find_spec("mooncake") is None:  # not imported: the Store reads MC_LOG_LEVEL on import
-        return "the Mooncake Store is not installed"
-    missing = [t for t in ("mooncake_master", "mooncake_client") if _tool(t) is None]
-    return f"{' and '.join(missing)} not found next to {Path(sys.executable).name} or on PATH" if missing else ""
-
-
-def _die_with_parent() -> None:
-    """In the child: SIGKILL it when this process dies without stopping it (Linux)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-class LocalMooncake:
-    """A ``mooncake_master`` and a holder (``mooncake_client`` contributing
-    ``holder_bytes``) on 127.0.0.1 free ports, children of this process,
-    logging into ``log_dir``; ``close()`` stops both (SIGTERM, then SIGKILL),
-    also when the start failed. Every wait is bounded."""
-
-    def __init__(self, log_dir: Path, holder_bytes: int) -> None:
-        self.log_dir, self._procs = log_dir, []
-        port = _free_port()
-        master_addr = f"127.0.0.1:{port}"
-        self.url = f"mooncake://{master_addr}?protocol=tcp&local_hostname=127.0.0.1&call_timeout_s={CALL_TIMEOUT_S}"
-        try:
-            master = self._spawn("master", [
-                _tool("mooncake_master"), f"--rpc_port={port}", "--rpc_address=127.0.0.1",
-                "--metrics_host=127.0.0.1", f"--metrics_port={_free_port()}", "--enable_metric_reporting=false",
-                "--rpc_thread_num=2"])
-            self._wait_for_port(port, master)
-            holder = self._spawn("holder", [
-                _tool("mooncake_client"), "--host=127.0.0.1", f"--port={_free_port()}",
-                f"--global_segment_size={holder_bytes}", "--local_buffer_size=16MB",
-                f"--master_server_address={master_addr}", "--metadata_server=P2PHANDSHAKE", "--protocol=tcp"])
-            self._wait_for_holder(holder)
-        except BaseException:
-            self.close()
-            raise
-
-    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
-        with open(self.log_dir / f"{name}.log", "ab") as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=dict(os.environ, MC_LOG_LEVEL="ERROR"), preexec_fn=_die_with_parent)
-        self._procs.append((name, proc))
-        return proc
-
-    def _log(self, name: str) -> str:
-        path = self.log_dir / f"{name}.log"
-        return path.read_text(errors="replace")[-2000:] if path.exists() else ""
-
-    def _check_alive(self, name: str, proc: subprocess.Popen) -> None:
-        if proc.poll() is not None:
-            raise RuntimeError(f"mooncake {name} exited with {proc.returncode}:\n{self._log(name)}")
-
-    def _wait_for_port(self, port: int, proc: subprocess.Popen) -> None:
-        deadline = time.monotonic() + MOONCAKE_START_S
-        while time.monotonic() < deadline:
-            self._check_alive("master", proc)
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"mooncake master did not listen within {MOONCAKE_START_S} s:\n{self._log('master')}")
-
-    def _wait_for_holder(self, holder: subprocess.Popen) -> None:
-        """Until a put succeeds, i.e. the holder's memory is mounted."""
-        probe = (ctypes.c_char * 64)()
-        key = f"probe-{uuid.uuid4().hex}"
-        with open_storage(self.url, call_timeout_s=5.0) as store:
-            deadline = time.monotonic() + MOONCAKE_START_S
-            while time.monotonic() < deadline:
-                self._check_alive("holder", holder)
-                if store.put([key], [[(ctypes.addressof(probe), 64)]]) == [True]:
-                    return
-                time.sleep(0.1)
-        raise RuntimeError(f"the holder's memory was not usable within {MOONCAKE_START_S} s:\n{self._log('holder')}")
-
-    def close(self) -> None:
-        for _, proc in reversed(self._procs):
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=5)
-        self._procs = []
-
-
 # --- the run -----------------------------------------------------------------------------------
 
 
@@ -423,7 +309,7 @@ def _run_named(bench: Bench, name: str, directory: Path) -> list[dict]:
             holder_bytes = (bench.num_pages + 1) * bench.src.page_bytes * 5 // 4 + (64 << 20)
             cluster = LocalMooncake(directory, holder_bytes=holder_bytes)
             try:
-                return run_backend(bench, name, cluster.url)
+                return run_backend(bench, name, f"{cluster.url}&call_timeout_s={CALL_TIMEOUT_S}")
             finally:
                 cluster.close()
         limits = fs_limits(bench, name, directory / "fs-limit")
