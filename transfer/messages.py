@@ -108,7 +108,8 @@ class Status(str, enum.Enum):
 @dataclass(frozen=True)
 class RoomStatus:
     """A prefill rank's terminal state for a room, sent after the bytes landed.
-    ``sent`` lists the pools it actually wrote."""
+    ``sent`` lists the pools it actually wrote. ``aborted``: the prefill
+    scheduler cancelled the request (decode does not restore it from storage)."""
 
     room: int
     request_id: int
@@ -116,6 +117,7 @@ class RoomStatus:
     status: Status
     sent: tuple[PoolRole, ...]
     reason: str
+    aborted: bool = False
 
 
 @message("room_abort")

@@ -236,7 +236,7 @@ class KVReceiver:
         where = f"prefill rank {msg.prefill_tp_rank} of {self._link.name}"
         if msg.status is Status.FAILED:
             self._fail(PeerError(f"{self._state.where}: {where} failed: {msg.reason}"),
-                       stopped={msg.prefill_tp_rank})
+                       stopped={msg.prefill_tp_rank}, fall_back=not msg.aborted)
             return
         expected = self._awaiting.get(msg.prefill_tp_rank)
         if expected is None:

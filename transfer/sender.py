@@ -224,6 +224,7 @@ class KVSender:
         self._storage_jobs: list = []
         self._storage_pending = 0  # write-through jobs still reading this room's pages
         self._decode_told = False
+        self._aborted = False  # by this side's scheduler
         for msg in mgr.rooms.attach(self):
             self._on_message(msg)
 
@@ -294,7 +295,9 @@ class KVSender:
             raise self._state.error
 
     def abort(self, reason: str = "aborted by the prefill scheduler") -> None:
-        """Fail the room here and tell the decode ranks."""
+        """Fail the room here and tell the decode ranks (which then do not
+        restore it from storage)."""
+        self._aborted = True
         self._fail(PeerError(f"{self._state.where}: {reason}"))
 
     # --- internals --------------------------------------------------------------
@@ -446,7 +449,8 @@ class KVSender:
             sent = tuple(a.role for a in req.assignments if a.send)
             self.mgr.channel.send(req.decode_endpoint, RoomStatus(
                 room=self.room, request_id=req.request_id, prefill_tp_rank=self.mgr.rank.tp_rank,
-                status=status, sent=sent if status is Status.SUCCESS else (), reason=reason))
+                status=status, sent=sent if status is Status.SUCCESS else (), reason=reason,
+                aborted=self._aborted))
 
     def _fail(self, error: BaseException, *, notify: bool = True) -> None:
         """Fail the room, stop submitting its writes, and tell decode once

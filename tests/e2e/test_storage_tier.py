@@ -48,10 +48,10 @@ def any_store_url(request, tmp_path):
             cluster.stop()
 
 
-def _ranks(server, store_url, **spec_kw):
+def _ranks(server, store_url, decode_cfg=None, **spec_kw):
     spec = fault_spec(server.address, **spec_kw)
     cfg = {**FAST, "storage_url": store_url, "model_name": "test-model"}
-    return Rank("prefill", spec, cfg), Rank("decode", spec, cfg)
+    return Rank("prefill", spec, cfg), Rank("decode", spec, {**cfg, **(decode_cfg or {})})
 
 
 def test_prefill_killed_mid_request_decode_restores_from_storage(any_store_url):
@@ -131,6 +131,29 @@ def test_restore_fails_naming_the_missing_range(store_url):
             assert "target pages [0, 62) not in storage" in r["error"]
             assert "page 62 (the last, partly filled) is never stored" in r["error"]
             assert r["ended_at"] - killed_at < FAST["peer_timeout_s"] + 8
+        finally:
+            prefill.close()
+            decode.close()
+
+
+def test_prefill_abort_is_not_restored_from_storage(store_url):
+    """A room the prefill scheduler cancels stays cancelled on decode, even
+    with every page in storage; a room whose prefill fails otherwise is
+    restored (the kill tests above)."""
+    with BootstrapProcess() as server:
+        prefill, decode = _ranks(server, store_url, {"storage_prefetch": "off"}, min_tokens=512, max_tokens=512,
+                                 chunk_pages=4)
+        try:
+            plans = {"40": list(range(32)), "41": list(range(32))}  # the same prompt twice
+            p, d = _send_both(prefill, decode, [40], tokens=True, plans=plans)
+            assert_all_success(d, [40])
+            decode.send(op="rooms", rooms=[41], timeout_s=60, tokens=True, plans=plans)
+            prefill.send(op="rooms", rooms=[41], timeout_s=60, tokens=True, plans=plans, chunk_delay_s=0.3,
+                         abort={"41": 0.5})
+            p, r = prefill.reply(), decode.reply()["results"]["41"]
+            assert p["results"]["41"]["state"] == "Failed"
+            assert r["state"] == "Failed" and r["error_type"] == "PeerError", r
+            assert "aborted by the test's prefill scheduler" in r["error"] and r["from_storage"] == 0
         finally:
             prefill.close()
             decode.close()
