@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import selectors
 import signal
 import subprocess
 import sys
@@ -44,7 +43,7 @@ from examples.node_common import RESULT_PREFIX, make_requests, model_pair, parse
 from examples.speculative import reference_tokens
 from examples.tiny_models import build_models
 from transfer import Role, manager_config_from_env
-from transfer.launch import child_env
+from transfer.launch import BootstrapProcess, child_env
 
 TP_SIZE = 2
 # The storage step's prefill node runs TP 1, as the decode node: the storage
@@ -95,42 +94,12 @@ def _finish(name: str, proc: subprocess.Popen, out, deadline: float) -> NodeRun:
     return NodeRun(name, proc.returncode, results[-1] if results else None, log)
 
 
-class _Bootstrap:
-    """``examples.bootstrap_server`` on a free port; ``address`` once it listens."""
-
-    def __init__(self, prefix: tuple[str, ...], host: str, timeout_s: float) -> None:
-        self._log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "examples.bootstrap_server", "--host", host,
-                                      "--port", "0", "--log-level", "WARNING"],
-                                     stdout=subprocess.PIPE, stderr=self._log, text=True, env=child_env())
-        line = ""
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.proc.stdout, selectors.EVENT_READ)
-            if sel.select(timeout_s):
-                line = self.proc.stdout.readline()
-        if "listening on" not in line:
-            self.close()
-            raise RuntimeError(f"the bootstrap server did not start within {timeout_s:g} s: {line!r}")
-        self.address = line.split()[-1]
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self.proc.stdout.close()
-        self._log.close()
-
-
 def _log_so_far(out) -> str:
     out.seek(0)
     return out.read()
 
 
-def _start_nodes(bootstrap: _Bootstrap, node_args: list[str], decode_args: list[str], prefill_args: list[str],
+def _start_nodes(bootstrap: BootstrapProcess, node_args: list[str], decode_args: list[str], prefill_args: list[str],
                  placement: Placement, tp_size: int) -> list[tuple[str, subprocess.Popen, tempfile.TemporaryFile]]:
     """Prefill ranks 0..tp_size-1, then the decode node."""
     shared = ["--bootstrap", bootstrap.address, *node_args]
@@ -151,7 +120,8 @@ def run_two_nodes(node_args: list[str], decode_args: list[str], *, prefill_args:
     node to the end (killing what outlives ``timeout_s``). ``node_args`` go
     to both nodes, ``decode_args`` to the decode node only, ``prefill_args``
     to the prefill ranks only."""
-    bootstrap = _Bootstrap(placement.prefill_prefix, placement.prefill_host, timeout_s=30)
+    bootstrap = BootstrapProcess(placement.prefill_host, 30, prefix=placement.prefill_prefix,
+                                 module="examples.bootstrap_server")
     try:
         procs = _start_nodes(bootstrap, node_args, decode_args, list(prefill_args), placement, tp_size)
         deadline = time.monotonic() + timeout_s
@@ -174,7 +144,8 @@ def run_killing_prefill(node_args: list[str], decode_args: list[str], num_rooms:
     (``--send-delay-s``) once the decode node's requests for it arrived; as
     soon as every rank has all ``num_rooms`` requests, kill the ranks
     (SIGKILL), then let the decode node run to its end."""
-    bootstrap = _Bootstrap(placement.prefill_prefix, placement.prefill_host, timeout_s=30)
+    bootstrap = BootstrapProcess(placement.prefill_host, 30, prefix=placement.prefill_prefix,
+                                 module="examples.bootstrap_server")
     try:
         procs = _start_nodes(bootstrap, node_args, decode_args, ["--send-delay-s", str(FALLBACK_SEND_DELAY_S)],
                              placement, tp_size)

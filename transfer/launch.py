@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import selectors
 import subprocess
 import sys
 import tempfile
@@ -27,29 +28,32 @@ def child_env() -> dict[str, str]:
 
 
 class BootstrapProcess:
-    """``python -m bootstrap`` on a free loopback port (or ``port``);
-    ``address`` once up. ``secret`` turns authentication on."""
+    """``python -m bootstrap`` (or ``module``) on a free loopback port (or
+    ``port``), started under ``prefix`` (e.g. ``ip netns exec NS``);
+    ``address`` once it listens, within ``timeout_s``. ``secret`` turns
+    authentication on ("" off; None: as this process's environment says)."""
 
     def __init__(self, host: str = "127.0.0.1", timeout_s: float = 20.0, *, port: int = 0,
-                 secret: str | None = None, extra_args: tuple[str, ...] = ()) -> None:
+                 secret: str | None = None, extra_args: tuple[str, ...] = (), prefix: tuple[str, ...] = (),
+                 module: str = "bootstrap") -> None:
         self._log = tempfile.TemporaryFile()
         env = child_env()
-        env.pop("KVFERRY_SECRET", None)
-        if secret:
-            env["KVFERRY_SECRET"] = secret
-        self.proc = subprocess.Popen([sys.executable, "-m", "bootstrap", "--host", host, "--port", str(port),
+        if secret is not None:
+            env.pop("KVFERRY_SECRET", None)
+            if secret:
+                env["KVFERRY_SECRET"] = secret
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", module, "--host", host, "--port", str(port),
                                       "--log-level", "WARNING", *extra_args],
                                      stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
-        deadline = time.monotonic() + timeout_s
         line = ""
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if "listening on" in line or not line:
-                break
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            if sel.select(timeout_s):
+                line = self.proc.stdout.readline()
         if "listening on" not in line:
             self.close()
-            raise RuntimeError(f"bootstrap server did not start: {line!r}")
-        self.address = line.strip().rsplit(" ", 1)[-1]
+            raise RuntimeError(f"the bootstrap server did not start within {timeout_s:g} s: {line!r}")
+        self.address = line.split()[-1]
 
     def close(self) -> None:
         if self.proc.poll() is None:
