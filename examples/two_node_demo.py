@@ -43,7 +43,7 @@ from examples.node_common import RESULT_PREFIX, make_requests, model_pair, parse
 from examples.speculative import reference_tokens
 from examples.tiny_models import build_models
 from transfer import Role, manager_config_from_env
-from transfer.launch import BootstrapProcess, child_env
+from transfer.launch import BootstrapProcess, child_env, collect
 
 TP_SIZE = 2
 # The storage step's prefill node runs TP 1, as the decode node: the storage
@@ -82,14 +82,7 @@ def _start(name: str, command: list[str]) -> tuple[str, subprocess.Popen, tempfi
 
 
 def _finish(name: str, proc: subprocess.Popen, out, deadline: float) -> NodeRun:
-    try:
-        proc.wait(max(0.1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
-    out.seek(0)
-    log = out.read()
-    out.close()
+    log = collect(proc, out, deadline)
     results = [json.loads(line[len(RESULT_PREFIX):]) for line in log.splitlines() if line.startswith(RESULT_PREFIX)]
     return NodeRun(name, proc.returncode, results[-1] if results else None, log)
 

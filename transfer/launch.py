@@ -102,9 +102,9 @@ def results_of(log: str, role: str, returncode: int | None) -> list[RankRun]:
     return [RankRun(role, r["tp_rank"], returncode, r, log) for r in results]
 
 
-def finish_ranks(proc, out, role: str, deadline: float) -> list[RankRun]:
-    """One RankRun per RESULT line the process printed (one per rank it ran);
-    a single one without a result if it printed none."""
+def collect(proc: subprocess.Popen, out, deadline: float) -> str:
+    """Wait for ``proc`` until ``deadline`` (then kill it); its output,
+    written to the temporary file ``out``, which is closed."""
     try:
         proc.wait(max(0.1, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
@@ -113,7 +113,13 @@ def finish_ranks(proc, out, role: str, deadline: float) -> list[RankRun]:
     out.seek(0)
     log = out.read()
     out.close()
-    return results_of(log, role, proc.returncode)
+    return log
+
+
+def finish_ranks(proc, out, role: str, deadline: float) -> list[RankRun]:
+    """One RankRun per RESULT line the process printed (one per rank it ran);
+    a single one without a result if it printed none."""
+    return results_of(collect(proc, out, deadline), role, proc.returncode)
 
 
 def run_pd(spec: Spec, *, timeout_s: float = 300.0, bootstrap: str | None = None,

@@ -221,7 +221,6 @@ class KVSender:
         self._failure_note: str | None = None  # to send decode once nothing is in flight
         self._chains: list[bytes] | None = None  # the prompt's page chain hashes (write-through)
         self._aux_key: str | None = None
-        self._storage_jobs: list = []
         self._storage_pending = 0  # write-through jobs still reading this room's pages
         self._decode_told = False
         self._aborted = False  # by this side's scheduler
@@ -320,7 +319,7 @@ class KVSender:
         if not items and aux is None:
             return
         self._storage_pending += 1
-        self._storage_jobs.append(tier.write(items, aux, self._on_storage_done))
+        tier.write(items, aux, self._on_storage_done)
 
     def _on_storage_done(self, job) -> None:
         with self.mgr._lock:
