@@ -12,6 +12,7 @@ replies carry ``"ok"`` and, when false, ``"error"``. Operations:
   here; replies with its ``id`` and ``pid``;
 - ``poll`` (``id``, ``offset``): its output from ``offset`` (at most
   256 KiB; ``more`` says whether there is more) and exit status;
+- ``write`` (``id``, ``line``): one line (at most 1 KiB) to its stdin;
 - ``close_stdin``, ``kill`` (``id``); ``ping``; ``bye`` (ends the session).
 
 Every wait is bounded, so a dead prefill node leaves nothing behind: the
@@ -40,6 +41,7 @@ from transfer.bench_hosts import COMMANDS, ENV_NAME, Child, LocalChild, LocalHos
 PROTOCOL_VERSION = 1
 MAX_LINE_BYTES = 4 << 20
 MAX_OUTPUT_CHUNK = 256 << 10
+MAX_STDIN_LINE = 1024
 log = logging.getLogger("kvferry.bench.agent")
 
 
@@ -115,7 +117,7 @@ class _Session:
             if op == "bye":
                 return {"ok": True}, True
             handler = {"hello": self._hello, "ping": lambda m: {}, "spawn": self._spawn, "poll": self._poll,
-                       "close_stdin": self._close_stdin, "kill": self._kill}.get(op)
+                       "write": self._write, "close_stdin": self._close_stdin, "kill": self._kill}.get(op)
             if handler is None:
                 raise AgentError(f"unknown op {op!r}")
             return {"ok": True, **handler(msg)}, False
@@ -152,6 +154,13 @@ class _Session:
         data = child.read_bytes(offset, MAX_OUTPUT_CHUNK)
         return {"returncode": rc, "output": data.decode("utf-8", "replace"), "next_offset": offset + len(data),
                 "more": len(data) == MAX_OUTPUT_CHUNK}
+
+    def _write(self, msg: dict) -> dict:
+        line = msg.get("line")
+        if not isinstance(line, str) or len(line) > MAX_STDIN_LINE or "\n" in line:
+            raise AgentError(f"line must be a string of at most {MAX_STDIN_LINE} characters, without a newline")
+        self._child(msg).send_line(line)
+        return {}
 
     def _close_stdin(self, msg: dict) -> dict:
         self._child(msg).close_stdin()
@@ -309,6 +318,9 @@ class RemoteChild(Child):
             self.output += reply["output"]
             if not reply["more"]:
                 return reply["returncode"]
+
+    def send_line(self, line: str) -> None:
+        self._host.call("write", id=self._id, line=line)
 
     def close_stdin(self) -> None:
         self._host.call("close_stdin", id=self._id)

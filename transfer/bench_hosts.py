@@ -108,6 +108,10 @@ class Child:
         (None while running). Output read after a non-None status is complete."""
         raise NotImplementedError
 
+    def send_line(self, line: str) -> None:
+        """Write one line to its stdin."""
+        raise NotImplementedError
+
     def close_stdin(self) -> None:
         raise NotImplementedError
 
@@ -172,6 +176,12 @@ class LocalChild(Child):
             self._offset += len(chunk)
             self.output += chunk.decode("utf-8", "replace")
         return rc
+
+    def send_line(self, line: str) -> None:
+        if self.proc.stdin is None or self.proc.stdin.closed:
+            raise RuntimeError(f"{self.name}: its stdin is closed")
+        self.proc.stdin.write(line.encode() + b"\n")
+        self.proc.stdin.flush()
 
     def close_stdin(self) -> None:
         if self.proc.stdin and not self.proc.stdin.closed:

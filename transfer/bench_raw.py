@@ -7,7 +7,8 @@ bytes with a Mooncake TransferEngine and prints ``RAW_READY <session>
 ``python -m transfer.bench_raw mc-send --session S --addr A ...``: writes
 ``requests`` requests of ``request_bytes`` each into that memory, at most
 ``concurrency`` in flight, as entries of ``entry_bytes``: the engine's best
-pattern (submit, then poll with short sleeps: the blocking calls busy-spin).
+pattern (submit, then poll in order with sleeps sized to the outstanding
+bytes, as kvferry's transport waits: the blocking calls busy-spin).
 Prints ``RAW_RESULT <json>`` with per-request latencies.
 
 ``python -m transfer.bench_raw mc-pages --session S --addr A ...``: the
@@ -41,6 +42,8 @@ import time
 
 import numpy as np
 
+from transfer.hostmem import host_array
+
 ACCEPT_TIMEOUT_S = 120.0  # sock-recv gives up when no sender connects
 
 
@@ -59,6 +62,17 @@ def make_engine(hostname: str, protocol: str, device: str = ""):
     return engine
 
 
+PENDING_WINDOW = 64  # pending ids one poll round looks at (as kvferry's transport)
+_ASSUMED_BYTES_PER_S = 2e9
+_MIN_SLEEP_S, _MAX_SLEEP_S = 20e-6, 1e-3
+
+
+def poll_sleep_s(inflight_bytes: int) -> float:
+    """A quarter of the time the outstanding bytes need, within 20 us - 1 ms
+    (kvferry's transport sleeps the same way)."""
+    return min(_MAX_SLEEP_S, max(_MIN_SLEEP_S, inflight_bytes / _ASSUMED_BYTES_PER_S / 4))
+
+
 def register_buffer(engine, buf: np.ndarray) -> None:
     """RDMA needs the local source registered too (TCP does not; it costs nothing there)."""
     if engine.register_memory(buf.ctypes.data, buf.nbytes) != 0:
@@ -66,9 +80,8 @@ def register_buffer(engine, buf: np.ndarray) -> None:
 
 
 def prefaulted_buffer(nbytes: int) -> np.ndarray:
-    buf = np.empty(nbytes, dtype=np.uint8)
-    buf.fill(0x5A)  # pre-fault
-    return buf
+    """Touched huge-page memory: the same kind kvferry's ranks use here (see transfer.hostmem)."""
+    return host_array(nbytes, fill=0x5A)
 
 
 def mc_recv(args) -> int:
@@ -76,9 +89,16 @@ def mc_recv(args) -> int:
     buf = prefaulted_buffer(args.bytes)
     register_buffer(engine, buf)
     print(f"RAW_READY {args.hostname}:{engine.get_rpc_port()} {buf.ctypes.data}", flush=True)
-    # Until the benchmark closes our stdin, or at most --lifetime-s.
-    if select.select([sys.stdin], [], [], args.lifetime_s)[0]:
-        sys.stdin.read()
+    # Until the benchmark closes our stdin, or at most --lifetime-s. A line
+    # "cpu TOKEN" asks for this process's CPU time (the engine's receiving
+    # threads), which the benchmark adds to the sender's.
+    deadline = time.monotonic() + args.lifetime_s
+    while select.select([sys.stdin], [], [], max(0.0, deadline - time.monotonic()))[0]:
+        line = sys.stdin.readline()
+        if not line:
+            break
+        if line.startswith("cpu "):
+            print(f"RAW_CPU {line.split()[1]} {time.process_time()}", flush=True)
     return 0
 
 
@@ -105,24 +125,25 @@ def mc_send(args) -> int:
             if 0 in ids:
                 raise SystemExit("transfer_submit_write failed")
             live[req] = (time.monotonic(), ids)
-        progressed = False
+        inflight = 0
         for req, (started, ids) in list(live.items()):
-            rest = []
-            for tid in ids:
-                status = check(tid)
+            done = 0  # the engine finishes entries about in order: check up to the first pending one
+            while done < len(ids):
+                status = check(ids[done])
                 if status == 0:
-                    rest.append(tid)
-                elif status != 1:
+                    break
+                if status != 1:
                     raise SystemExit(f"write failed with status {status}")
-            progressed |= len(rest) != len(ids)
-            if rest:
-                live[req] = (started, rest)
+                done += 1
+            if done < len(ids):
+                live[req] = (started, ids[done:])
+                inflight += (len(ids) - done) * args.entry_bytes
             else:
                 del live[req]
                 if req >= args.warmup:
                     latencies.append((time.monotonic() - started) * 1e3)
-        if not progressed:
-            time.sleep(0.0002)
+        if live:
+            time.sleep(poll_sleep_s(inflight))
     elapsed = time.monotonic() - t0
     print("RAW_RESULT " + json.dumps({"elapsed_s": elapsed, "cpu_s": time.process_time() - cpu0,
                                       "latencies_ms": latencies,

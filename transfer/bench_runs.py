@@ -17,6 +17,8 @@ import numpy as np
 from transfer.bench_hosts import Child, LocalHost, Link, forwarded_env
 from transfer.bench_pages import ArenaLayout, format_buffers
 from transfer.bench_workloads import Workload
+from transfer.bench_raw import prefaulted_buffer
+from transfer.hostmem import host_array
 from transfer.launch import BootstrapProcess, finish_ranks, results_of, start_ranks
 
 KVFERRY_TIMEOUT_S = 900.0
@@ -86,9 +88,28 @@ def _raw_result(sender: Child) -> dict:
         sender.finish(30)
 
 
+def _receiver_cpu(recv: Child, token: str) -> float:
+    recv.send_line(f"cpu {token}")
+    return float(recv.wait_line(f"RAW_CPU {token} ", READY_TIMEOUT_S))
+
+
+def _raw_run(recv: Child, token: str, start_sender, measured_share: float) -> dict:
+    """One raw sender run to its result. Its ``cpu_s`` (the sender's, over the
+    measured requests) gains the receiver's CPU over the run, times
+    ``measured_share`` (the warm-up requests' part left out), so that CPU
+    per GB counts both processes as kvferry's does."""
+    before = _receiver_cpu(recv, f"{token}-start")
+    res = _raw_result(start_sender())
+    res["receiver_cpu_s"] = (_receiver_cpu(recv, f"{token}-end") - before) * measured_share
+    res["cpu_s"] += res["receiver_cpu_s"]
+    return res
+
+
 def _raw_row(w: Workload, res: dict, **extra) -> dict:
+    gb = res["bytes"] / 1e9
     return row(w, "mooncake", res["bytes"], res["elapsed_s"], res["latencies_ms"], res["descriptors_per_request"],
-               cpu_s_per_gb=round(res["cpu_s"] / (res["bytes"] / 1e9), 3), **extra)
+               cpu_s_per_gb=round(res["cpu_s"] / gb, 3),
+               receiver_cpu_s_per_gb=round(res.get("receiver_cpu_s", 0.0) / gb, 3), **extra)
 
 
 def _best(rows: list[dict]) -> dict:
@@ -106,10 +127,10 @@ def run_mooncake(w: Workload, decode, link: Link, entry_sizes: list[int]) -> dic
         rows = []
         for entry in entry_sizes:
             entry = min(entry, size)
-            res = _raw_result(_LOCAL.spawn("mc-send", [
+            res = _raw_run(recv, f"merged-{entry}", lambda: _LOCAL.spawn("mc-send", [
                 "--session", session, "--addr", addr, "--request-bytes", str(size), "--entry-bytes", str(entry),
                 "--requests", str(w.requests + 1), "--warmup", "1", "--concurrency", str(w.concurrency),
-                *link.engine_args(False)]))
+                *link.engine_args(False)]), w.requests / (w.requests + 1))
             rows.append(_raw_row(w, res, baseline="merged", entry_bytes=entry))
         return _best(rows)
     finally:
@@ -130,13 +151,13 @@ def run_mooncake_pages(w: Workload, decode, link: Link, patterns: list[str]) -> 
         session, addr = recv.wait_line("RAW_READY ", READY_TIMEOUT_S).split()
         rows = []
         for pattern in patterns:
-            res = _raw_result(_LOCAL.spawn("mc-pages", [
+            res = _raw_run(recv, f"pages-{pattern}", lambda: _LOCAL.spawn("mc-pages", [
                 "--session", session, "--addr", addr, "--buffers", format_buffers(buffers),
                 "--src-pages", str(spec.prefill_pages), "--dst-pages", str(spec.decode_pages),
                 "--page-size", str(spec.page_size), "--tokens", str(w.tokens), "--seed", str(spec.seed),
                 "--first-room", str(spec.first_room), "--requests", str(spec.num_rooms),
                 "--warmup", str(spec.warmup_rooms), "--concurrency", str(w.concurrency), "--pattern", pattern,
-                *link.engine_args(False)]))
+                *link.engine_args(False)]), (spec.num_rooms - spec.warmup_rooms) / spec.num_rooms)
             rows.append(_raw_row(w, res, baseline="same-pages", pattern=pattern))
         return _best(rows)
     finally:
@@ -178,7 +199,7 @@ def _tcp_stream(w: Workload, decode, link: Link) -> dict:
 
 def _memcpy(w: Workload) -> dict:
     n = min(w.request_bytes(), 1 << 30)
-    src, dst = np.full(n, 0x5A, dtype=np.uint8), np.full(n, 1, dtype=np.uint8)
+    src, dst = prefaulted_buffer(n), host_array(n, fill=1)
     reps = max(1, min(w.requests, (4 << 30) // n))
     t0 = time.monotonic()
     for _ in range(reps):

@@ -133,9 +133,9 @@ class ManagerConfig:
     rpc_timeout_s: float = 5.0
     register_timeout_s: float = 30.0
     allow_missing_draft: bool = False
-    staging_bytes: int = 64 << 20
+    staging_bytes: int = 256 << 20
     stage_below_bytes: int = 256 << 10
-    stage_part_bytes: int = 16 << 20
+    stage_part_bytes: int = 64 << 20
     heartbeat_interval_s: float = 0.5
     peer_timeout_s: float = 4.0
     register_interval_s: float = 2.0

@@ -19,6 +19,7 @@ from transfer.messages import PeerPing, PeerPong
 from transfer.pools import MHAPool, MLAPool, describe_aux, describe_pool, memory_regions, pool_tensors
 from transfer.links import DecodeRooms
 from transfer.sender import PrefillRooms
+from transfer.hostmem import host_tensor
 from transfer.staging import StagingArea
 from transfer.tier import StorageTier
 from transfer.transport import MooncakeTransport
@@ -62,8 +63,10 @@ class KVManager:
         self.staging, staging_desc, self.staging_area = None, None, None
         if config.staging_bytes:
             device = next(iter(self.buffers.values())).device
-            self.staging = torch.empty(config.staging_bytes, dtype=torch.uint8, device=device)
-            self.staging.fill_(0)  # pre-fault: first touch is slow and erratic
+            if device.type == "cpu":  # huge pages: the engine's kernel copies run faster (see hostmem)
+                self.staging = host_tensor(config.staging_bytes)
+            else:
+                self.staging = torch.zeros(config.staging_bytes, dtype=torch.uint8, device=device)
             staging_desc = StagingDescriptor(addr=self.staging.data_ptr(), nbytes=config.staging_bytes)
             self.staging_area = StagingArea(config.staging_bytes)
         self._lock = threading.RLock()

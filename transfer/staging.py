@@ -88,35 +88,56 @@ def staged_bytes(pool: PoolDescriptor, sl: PageSlice, num_pages: int) -> int:
     return num_pages * sl.packed_bytes * pool.num_layers * len(components_of(pool.attention))
 
 
-def _pairs(staging: torch.Tensor, offset: int, tensors: dict, pool: PoolDescriptor, sl: PageSlice, n: int,
-           cache: dict | None = None):
-    """For each buffer of ``pool`` in packing order: (its page slices as
-    words, the packed region of ``staging`` that holds them). ``cache``
-    (owned by whoever owns ``tensors``) keeps the word views of the pool
-    tensors: building them costs about half as much as the copy itself."""
-    per_buffer = n * sl.packed_bytes
-    for layer in range(pool.num_layers):
-        for comp in components_of(pool.attention):
-            key = (pool.role, layer, comp)
-            t = tensors[key]
-            width, dtype = _word(sl, t.data_ptr(), staging.data_ptr() + offset)
-            packed = staging[offset:offset + per_buffer].view(dtype).view(n, sl.rows, sl.nbytes // width)
-            if cache is None:
-                rows = _rows(t, pool.num_pages, sl, width, dtype)
-            else:
-                rows = cache.get((key, sl, width))
-                if rows is None:
-                    rows = cache[(key, sl, width)] = _rows(t, pool.num_pages, sl, width, dtype)
-            yield rows, packed
-            offset += per_buffer
+class _PoolWords:
+    """One pool's buffers as word views of one page slice each (packing
+    order), with numpy twins on CPU. Built once per (pool, slice, word) and
+    kept in the owner's cache: building views costs about half as much as
+    the copy of a staging part itself."""
+
+    def __init__(self, tensors: dict, pool: PoolDescriptor, sl: PageSlice, width: int, dtype: torch.dtype) -> None:
+        bufs = [tensors[(pool.role, layer, comp)] for layer in range(pool.num_layers)
+                for comp in components_of(pool.attention)]
+        self.width, self.dtype = width, dtype
+        self.rows = [_rows(t, pool.num_pages, sl, width, dtype) for t in bufs]
+        self.arrays = [r.numpy() for r in self.rows] if bufs and bufs[0].device.type == "cpu" else None
+
+
+def _pool_words(staging: torch.Tensor, offset: int, tensors: dict, pool: PoolDescriptor, sl: PageSlice,
+                cache: dict | None) -> _PoolWords:
+    """The widest word that divides the slice, every buffer's address and
+    the staging offset, and the pool's views in it."""
+    addrs = cache.get(("addrs", pool.role)) if cache is not None else None
+    if addrs is None:
+        addrs = tuple(tensors[(pool.role, layer, comp)].data_ptr() for layer in range(pool.num_layers)
+                      for comp in components_of(pool.attention))
+        if cache is not None:
+            cache[("addrs", pool.role)] = addrs
+    width, dtype = _word(sl, staging.data_ptr() + offset, *addrs)
+    key = (pool.role, sl, width)
+    words = cache.get(key) if cache is not None else None
+    if words is None:
+        words = _PoolWords(tensors, pool, sl, width, dtype)
+        if cache is not None:
+            cache[key] = words
+    return words
+
+
+def _packed(staging: torch.Tensor, offset: int, words: _PoolWords, sl: PageSlice, n: int) -> torch.Tensor:
+    """The staging region of a pool's part: [buffers, pages, rows, words]."""
+    count = len(words.rows)
+    nbytes = count * n * sl.packed_bytes
+    return staging[offset:offset + nbytes].view(words.dtype).view(count, n, sl.rows, sl.nbytes // words.width)
 
 
 def gather(staging: torch.Tensor, offset: int, tensors: dict, pool: PoolDescriptor, sl: PageSlice,
            pages: torch.Tensor, cache: dict | None = None) -> int:
     """Pack ``pages`` of every buffer of ``pool`` into ``staging[offset:]``;
-    returns the bytes written."""
-    for rows, packed in _pairs(staging, offset, tensors, pool, sl, pages.numel(), cache):
-        torch.index_select(rows, 0, pages, out=packed)
+    returns the bytes written. ``cache`` (owned by whoever owns ``tensors``)
+    keeps the pool's word views between calls."""
+    words = _pool_words(staging, offset, tensors, pool, sl, cache)
+    packed = _packed(staging, offset, words, sl, pages.numel())
+    for i, rows in enumerate(words.rows):
+        torch.index_select(rows, 0, pages, out=packed[i])
     _sync(staging)
     return staged_bytes(pool, sl, pages.numel())
 
@@ -124,15 +145,17 @@ def gather(staging: torch.Tensor, offset: int, tensors: dict, pool: PoolDescript
 def scatter(staging: torch.Tensor, offset: int, tensors: dict, pool: PoolDescriptor, sl: PageSlice,
             pages: torch.Tensor, cache: dict | None = None) -> int:
     """Unpack what :func:`gather` packed into ``pages`` of this side's pool."""
-    on_cpu = staging.device.type == "cpu"
-    index = pages.numpy() if on_cpu else pages
-    for rows, packed in _pairs(staging, offset, tensors, pool, sl, pages.numel(), cache):
-        if on_cpu:
-            # numpy's row assignment copies whole rows with memcpy: about 4x
-            # torch's index_copy_ on CPU, writing through the same memory.
-            rows.numpy()[index] = packed.numpy()
-        else:
-            rows.index_copy_(0, pages, packed)
+    words = _pool_words(staging, offset, tensors, pool, sl, cache)
+    packed = _packed(staging, offset, words, sl, pages.numel())
+    if words.arrays is not None:
+        # numpy's row assignment copies whole rows with memcpy: about 4x
+        # torch's index_copy_ on CPU, writing through the same memory.
+        index, src = pages.numpy(), packed.numpy()
+        for i, rows in enumerate(words.arrays):
+            rows[index] = src[i]
+    else:
+        for i, rows in enumerate(words.rows):
+            rows.index_copy_(0, pages, packed[i])
     _sync(staging)
     return staged_bytes(pool, sl, pages.numel())
 

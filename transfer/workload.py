@@ -29,6 +29,7 @@ import torch
 from bootstrap.messages import PoolRole
 from transfer import tp
 from transfer.config import Role, manager_config_from_env
+from transfer.hostmem import host_tensor
 from transfer.manager import KVManager
 from transfer.pools import MHAPool, MLAPool
 from transfer.receiver import KVReceiver
@@ -112,20 +113,29 @@ def global_buffer(spec: Spec, pool: PoolSpec, layer: int, comp: str, num_pages: 
     dtype = _TORCH_DTYPES[pool.dtype]
     shape = (num_pages, spec.page_size, heads, pool.head_dim)
     nbytes = int(np.prod(shape)) * torch.tensor([], dtype=dtype).element_size()
-    if spec.fill == "constant":
-        # Touches (pre-faults) every page, as a serving engine's pool would be.
-        return torch.full((nbytes,), 0x5A, dtype=torch.uint8).view(dtype).view(shape)
-    raw = _rng(spec.seed, seed_side, pool.role, layer, comp).bytes(nbytes)
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).view(shape)
+    # Huge-page host memory, touched, like the raw baselines' buffers (see transfer.hostmem).
+    buf = host_tensor(nbytes, fill=0x5A)
+    if spec.fill != "constant":
+        buf.numpy()[:] = np.frombuffer(_rng(spec.seed, seed_side, pool.role, layer, comp).bytes(nbytes), dtype=np.uint8)
+    return buf.view(dtype).view(shape)
 
 
 def rank_slice(t: torch.Tensor, pool: PoolSpec, rank: int, tp_size: int) -> torch.Tensor:
     """The heads a TP rank holds, in the pool's page layout."""
     if pool.attention != "mha":
-        return t[:, :, 0, :].contiguous()
+        return _packed(t[:, :, 0, :])
     r = tp.heads_of(rank, tp_size, pool.total_heads)
     part = t[:, :, r.start:r.start + r.count, :]
-    return (part.permute(0, 2, 1, 3) if pool.page_layout == "hnd" else part).contiguous()
+    return _packed(part.permute(0, 2, 1, 3) if pool.page_layout == "hnd" else part)
+
+
+def _packed(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself if contiguous, else a contiguous copy in huge-page host memory."""
+    if t.is_contiguous():
+        return t
+    out = host_tensor(t.numel() * t.element_size()).view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
 
 
 def _components(pool: PoolSpec) -> tuple[str, ...]:

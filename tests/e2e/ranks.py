@@ -28,8 +28,11 @@ def fault_spec(bootstrap: str, **kw) -> Spec:
     return Spec(**base)
 
 
-# Liveness settings of the tests: a peer is given up after 2 s of silence.
-FAST = {"peer_timeout_s": 2.0, "heartbeat_interval_s": 0.25, "register_interval_s": 0.5}
+# The fault tests' settings: a peer is given up after 2 s of silence, and
+# staged rooms go in 16 MiB parts (a 64 MiB room in four), so that a fault
+# or an abort can land between the parts of one room.
+FAST = {"peer_timeout_s": 2.0, "heartbeat_interval_s": 0.25, "register_interval_s": 0.5,
+        "stage_part_bytes": 16 << 20}
 
 
 class Rank:
