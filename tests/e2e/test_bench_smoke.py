@@ -35,6 +35,10 @@ def test_bench_runs_all_three_modes_and_writes_json(tmp_path):
     # Raw Mooncake's CPU counts its receiving process too, as kvferry's counts both ranks.
     raw = next(r for r in data["rows"] if r["mode"] == "mooncake")
     assert 0 < raw["receiver_cpu_s_per_gb"] < raw["cpu_s_per_gb"]
+    # Three alternating rounds: each mode keeps its median run, and the per-round ratios are paired.
+    assert kv["rounds"] == raw["rounds"] == 3 and len(kv["gbps_all"]) == 3
+    paired = sorted(k / r for k, r in zip(kv["gbps_all"], raw["gbps_all"]))
+    assert kv["paired_ratio_merged"] == round(paired[1], 3)
     assert "kvferry" in proc.stdout and "of mooncake" in proc.stdout
 
 
