@@ -2,7 +2,9 @@
 
 ``python -m transfer.bench_raw mc-recv --bytes N``: registers N pre-faulted
 bytes with a Mooncake TransferEngine and prints ``RAW_READY <session>
-<addr>``; exits when stdin closes, or after ``--lifetime-s``.
+<addr>``; answers each stdin line ``cpu TOKEN`` with ``RAW_CPU TOKEN
+<seconds>`` (its process CPU time); exits when stdin closes, or after
+``--lifetime-s``.
 
 ``python -m transfer.bench_raw mc-send --session S --addr A ...``: writes
 ``requests`` requests of ``request_bytes`` each into that memory, at most
@@ -63,17 +65,6 @@ def make_engine(hostname: str, protocol: str, device: str = ""):
     return engine
 
 
-PENDING_WINDOW = 64  # pending ids one poll round looks at (as kvferry's transport)
-_ASSUMED_BYTES_PER_S = 2e9
-_MIN_SLEEP_S, _MAX_SLEEP_S = 20e-6, 1e-3
-
-
-def poll_sleep_s(inflight_bytes: int) -> float:
-    """A quarter of the time the outstanding bytes need, within 20 us - 1 ms
-    (kvferry's transport sleeps the same way)."""
-    return min(_MAX_SLEEP_S, max(_MIN_SLEEP_S, inflight_bytes / _ASSUMED_BYTES_PER_S / 4))
-
-
 def register_buffer(engine, buf: np.ndarray) -> None:
     """RDMA needs the local source registered too (TCP does not; it costs nothing there)."""
     if engine.register_memory(buf.ctypes.data, buf.nbytes) != 0:
@@ -93,13 +84,15 @@ def mc_recv(args) -> int:
     # Until the benchmark closes our stdin, or at most --lifetime-s. A line
     # "cpu TOKEN" asks for this process's CPU time (the engine's receiving
     # threads), which the benchmark adds to the sender's.
-    deadline = time.monotonic() + args.lifetime_s
+    deadline, pending = time.monotonic() + args.lifetime_s, b""
     while select.select([sys.stdin], [], [], max(0.0, deadline - time.monotonic()))[0]:
-        line = sys.stdin.readline()
-        if not line:
+        data = os.read(sys.stdin.fileno(), 4096)  # unbuffered: select sees every line
+        if not data:
             break
-        if line.startswith("cpu "):
-            print(f"RAW_CPU {line.split()[1]} {time.process_time()}", flush=True)
+        *lines, pending = (pending + data).split(b"\n")
+        for words in (line.split() for line in lines):
+            if len(words) == 2 and words[0] == b"cpu":
+                print(f"RAW_CPU {words[1].decode(errors='replace')} {time.process_time()}", flush=True)
     return 0
 
 

@@ -21,8 +21,11 @@ import time
 
 from transfer.bench_pages import ArenaLayout, DecodeAllocator, PageDraw, page_descriptors, parse_buffers, \
     room_source_pages
-from transfer.bench_raw import PENDING_WINDOW as _PENDING_WINDOW, make_engine, poll_sleep_s, prefaulted_buffer, register_buffer
+from transfer.bench_raw import make_engine, prefaulted_buffer, register_buffer
 
+_PENDING_WINDOW = 64  # pending ids one poll round looks at (as kvferry's transport)
+_ASSUMED_BYTES_PER_S = 2e9
+_MIN_SLEEP_S, _MAX_SLEEP_S = 20e-6, 1e-3
 
 
 class _Requests:
@@ -109,7 +112,7 @@ def _send_submit(engine, session: str, reqs: _Requests, max_inflight: int, done)
         if pending >= _PENDING_WINDOW:
             outstanding.rotate(-(len(outstanding) - pending))
         if outstanding:
-            time.sleep(poll_sleep_s(inflight_bytes))
+            time.sleep(min(_MAX_SLEEP_S, max(_MIN_SLEEP_S, inflight_bytes / _ASSUMED_BYTES_PER_S / 4)))
 
 
 def _send_batch(engine, session: str, reqs: _Requests, max_inflight: int, done) -> None:
