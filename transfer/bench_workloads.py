@@ -40,7 +40,7 @@ class Workload:
                     decode_pages=(self.concurrency + 1) * pages + 8, aux_slots=128,
                     num_rooms=self.requests + 1, warmup_rooms=1, concurrency=self.concurrency,
                     min_tokens=self.tokens, max_tokens=self.tokens, page_placement=self.placement,
-                    fill="constant", verify=False, timeout_s=600)
+                    fill="constant", touch_staging=True, verify=False, timeout_s=600)
 
     def request_bytes(self) -> int:
         pools = self.spec().decode_pools

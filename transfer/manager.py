@@ -63,8 +63,9 @@ class KVManager:
         self.staging, staging_desc, self.staging_area = None, None, None
         if config.staging_bytes:
             device = next(iter(self.buffers.values())).device
-            if device.type == "cpu":  # huge pages: the engine's kernel copies run faster (see hostmem)
-                self.staging = host_tensor(config.staging_bytes)
+            if device.type == "cpu":  # huge pages: the engine's kernel copies run faster (see hostmem);
+                # untouched: its pages fault in as parts first use them, not all at start-up.
+                self.staging = host_tensor(config.staging_bytes, fill=None)
             else:
                 self.staging = torch.zeros(config.staging_bytes, dtype=torch.uint8, device=device)
             staging_desc = StagingDescriptor(addr=self.staging.data_ptr(), nbytes=config.staging_bytes)

@@ -81,6 +81,7 @@ class Spec:
     slow_prefill_rank: int = -1  # this prefill TP rank holds each room's last chunk back...
     slow_delay_s: float = 0.0  # ...for this long (decode must wait for it)
     fill: str = "random"  # "random" bytes, or "constant" (cheap, for the benchmark)
+    touch_staging: bool = False  # fault in the CPU staging buffer at start, as a warmed-up server has (benchmark)
     verify: bool = True  # decode checks every byte (the benchmark turns it off)
     warmup_rooms: int = 0  # leading rooms left out of timings (connection set-up)
 
@@ -219,7 +220,10 @@ def _manager(spec: Spec, role: Role, rank: int, dp_rank: int, pools, aux) -> KVM
                   engine=replace(base.engine, protocol=spec.protocol),
                   bootstrap_timeout_s=spec.timeout_s, transfer_timeout_s=spec.timeout_s,
                   allow_missing_draft=spec.allow_missing_draft)
-    return KVManager(cfg, pools, aux=aux)
+    mgr = KVManager(cfg, pools, aux=aux)
+    if spec.touch_staging and mgr.staging is not None:
+        mgr.staging.fill_(0)
+    return mgr
 
 
 def _rooms(spec: Spec) -> list[int]:

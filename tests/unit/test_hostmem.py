@@ -34,6 +34,26 @@ def test_host_array_is_filled_writable_and_exactly_sized():
     assert a[-1] == 7 and host_array(0).size == 0
 
 
+def _rss_kib(addr: int) -> int:
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0] if line else ""
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and line.startswith("Rss:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+def test_an_untouched_buffer_faults_in_only_what_is_used():
+    a = host_array(32 * HUGE_PAGE, fill=None)  # the staging buffer's way: no start-up cost
+    assert _rss_kib(a.ctypes.data) < 4 * HUGE_PAGE // 1024
+    a[:8 * HUGE_PAGE] = 9
+    assert 8 * HUGE_PAGE // 1024 <= _rss_kib(a.ctypes.data) < 12 * HUGE_PAGE // 1024
+    assert int(a[8 * HUGE_PAGE:].max()) == 0 and int(a[:8 * HUGE_PAGE].min()) == 9
+
+
 def test_host_tensor_shares_the_array_memory():
     t = host_tensor(HUGE_PAGE, fill=3)
     assert t.dtype == torch.uint8 and t.numel() == HUGE_PAGE and int(t.sum()) == 3 * HUGE_PAGE
