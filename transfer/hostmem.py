@@ -1,5 +1,6 @@
 """Host memory for buffers the engine moves: anonymous mappings backed by
-transparent huge pages where the kernel allows it, touched up front.
+transparent huge pages where the kernel allows it, touched up front or left
+to fault in as used.
 
 On TCP the kernel copies every byte between user memory and socket buffers;
 with 4 KiB pages those copies miss the TLB far more often than with 2 MiB

@@ -14,12 +14,12 @@ from bootstrap.messages import RankInfo, StagingDescriptor
 from transfer.channel import ControlChannel
 from transfer.config import ManagerConfig, Role
 from transfer.errors import BootstrapError, BootstrapUnavailable, ClosedError, KVFerryError
+from transfer.hostmem import host_tensor
 from transfer.liveness import Liveness
 from transfer.messages import PeerPing, PeerPong
 from transfer.pools import MHAPool, MLAPool, describe_aux, describe_pool, memory_regions, pool_tensors
 from transfer.links import DecodeRooms
 from transfer.sender import PrefillRooms
-from transfer.hostmem import host_tensor
 from transfer.staging import StagingArea
 from transfer.tier import StorageTier
 from transfer.transport import MooncakeTransport

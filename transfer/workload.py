@@ -115,8 +115,8 @@ def global_buffer(spec: Spec, pool: PoolSpec, layer: int, comp: str, num_pages: 
     shape = (num_pages, spec.page_size, heads, pool.head_dim)
     nbytes = int(np.prod(shape)) * torch.tensor([], dtype=dtype).element_size()
     # Huge-page host memory, touched, like the raw baselines' buffers (see transfer.hostmem).
-    buf = host_tensor(nbytes, fill=0x5A)
-    if spec.fill != "constant":
+    buf = host_tensor(nbytes, fill=0x5A if spec.fill == "constant" else None)
+    if spec.fill != "constant":  # the copy touches every page
         buf.numpy()[:] = np.frombuffer(_rng(spec.seed, seed_side, pool.role, layer, comp).bytes(nbytes), dtype=np.uint8)
     return buf.view(dtype).view(shape)
 
