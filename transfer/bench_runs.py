@@ -17,7 +17,6 @@ import numpy as np
 from transfer.bench_hosts import Child, LocalHost, Link, forwarded_env
 from transfer.bench_pages import ArenaLayout, format_buffers
 from transfer.bench_workloads import Workload
-from transfer.bench_raw import prefaulted_buffer
 from transfer.hostmem import host_array
 from transfer.launch import BootstrapProcess, finish_ranks, results_of, start_ranks
 
@@ -109,7 +108,7 @@ def _raw_row(w: Workload, res: dict, **extra) -> dict:
     gb = res["bytes"] / 1e9
     return row(w, "mooncake", res["bytes"], res["elapsed_s"], res["latencies_ms"], res["descriptors_per_request"],
                cpu_s_per_gb=round(res["cpu_s"] / gb, 3),
-               receiver_cpu_s_per_gb=round(res.get("receiver_cpu_s", 0.0) / gb, 3), **extra)
+               receiver_cpu_s_per_gb=round(res["receiver_cpu_s"] / gb, 3), **extra)
 
 
 def _best(rows: list[dict]) -> dict:
@@ -199,7 +198,7 @@ def _tcp_stream(w: Workload, decode, link: Link) -> dict:
 
 def _memcpy(w: Workload) -> dict:
     n = min(w.request_bytes(), 1 << 30)
-    src, dst = prefaulted_buffer(n), host_array(n, fill=1)
+    src, dst = host_array(n, fill=0x5A), host_array(n, fill=1)
     reps = max(1, min(w.requests, (4 << 30) // n))
     t0 = time.monotonic()
     for _ in range(reps):

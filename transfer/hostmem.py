@@ -57,10 +57,10 @@ def host_tensor(nbytes: int, fill: int | None = 0):
     return torch.from_numpy(host_array(nbytes, fill))
 
 
-def is_huge_backed(tensor) -> bool | None:
-    """Whether the first 2 MiB of a CPU tensor's memory sit in a huge page
-    (None where /proc does not say). For tests and diagnostics."""
-    addr = tensor.ctypes.data if isinstance(tensor, np.ndarray) else tensor.data_ptr()
+def smaps_kib(addr: int, field: str) -> int | None:
+    """A field (``Rss``, ``AnonHugePages``, ...) of the mapping of this
+    process that holds ``addr``, in KiB; None where no mapping holds it or
+    /proc does not say. For tests and diagnostics."""
     try:
         with open("/proc/self/smaps") as f:
             lines = f.read().splitlines()
@@ -72,6 +72,14 @@ def is_huge_backed(tensor) -> bool | None:
         if "-" in head and ":" not in head:
             lo, hi = (int(x, 16) for x in head.split("-"))
             inside = lo <= addr < hi
-        elif inside and line.startswith("AnonHugePages:"):
-            return int(line.split()[1]) > 0
+        elif inside and line.startswith(field + ":"):
+            return int(line.split()[1])
     return None
+
+
+def is_huge_backed(tensor) -> bool | None:
+    """Whether a CPU tensor's (or array's) mapping holds huge pages (None
+    where /proc does not say)."""
+    addr = tensor.ctypes.data if isinstance(tensor, np.ndarray) else tensor.data_ptr()
+    kib = smaps_kib(addr, "AnonHugePages")
+    return None if kib is None else kib > 0

@@ -134,8 +134,8 @@ def _packed(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself if contiguous, else a contiguous copy in huge-page host memory."""
     if t.is_contiguous():
         return t
-    out = host_tensor(t.numel() * t.element_size()).view(t.dtype).view(t.shape)
-    out.copy_(t)
+    out = host_tensor(t.numel() * t.element_size(), fill=None).view(t.dtype).view(t.shape)
+    out.copy_(t)  # touches every page
     return out
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from transfer.hostmem import HUGE_PAGE, host_array, host_tensor, is_huge_backed
+from transfer.hostmem import HUGE_PAGE, host_array, host_tensor, is_huge_backed, smaps_kib
 
 
 def _thp_mode() -> str:
@@ -18,14 +18,6 @@ def _thp_mode() -> str:
     return text[text.index("[") + 1:text.index("]")] if "[" in text else ""
 
 
-def _mapped(addr: int) -> bool:
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-        if lo <= addr < hi:
-            return True
-    return False
-
-
 def test_host_array_is_filled_writable_and_exactly_sized():
     a = host_array(3 * HUGE_PAGE + 5, fill=0x5A)
     assert a.dtype == np.uint8 and a.size == 3 * HUGE_PAGE + 5
@@ -34,23 +26,11 @@ def test_host_array_is_filled_writable_and_exactly_sized():
     assert a[-1] == 7 and host_array(0).size == 0
 
 
-def _rss_kib(addr: int) -> int:
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0] if line else ""
-        if "-" in head and ":" not in head:
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= addr < hi
-        elif inside and line.startswith("Rss:"):
-            return int(line.split()[1])
-    raise AssertionError(f"no mapping holds {addr:#x}")
-
-
 def test_an_untouched_buffer_faults_in_only_what_is_used():
     a = host_array(32 * HUGE_PAGE, fill=None)  # the staging buffer's way: no start-up cost
-    assert _rss_kib(a.ctypes.data) < 4 * HUGE_PAGE // 1024
+    assert smaps_kib(a.ctypes.data, "Rss") < 4 * HUGE_PAGE // 1024
     a[:8 * HUGE_PAGE] = 9
-    assert 8 * HUGE_PAGE // 1024 <= _rss_kib(a.ctypes.data) < 12 * HUGE_PAGE // 1024
+    assert 8 * HUGE_PAGE // 1024 <= smaps_kib(a.ctypes.data, "Rss") < 12 * HUGE_PAGE // 1024
     assert int(a[8 * HUGE_PAGE:].max()) == 0 and int(a[:8 * HUGE_PAGE].min()) == 9
 
 
@@ -73,8 +53,8 @@ def test_memory_is_unmapped_with_its_last_reference():
     addr = t.data_ptr()
     del t
     gc.collect()
-    assert _mapped(addr), "a view keeps the mapping alive"
+    assert smaps_kib(addr, "Rss") is not None, "a view keeps the mapping alive"
     assert int(view[0]) == 0x01010101
     del view
     gc.collect()
-    assert not _mapped(addr)
+    assert smaps_kib(addr, "Rss") is None
