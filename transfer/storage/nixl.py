@@ -15,7 +15,7 @@ device, no cuFile, a NIXL build without the plugin) raises
 ``allow_fallback=1`` the store uses POSIX instead and logs a warning naming
 why (host memory only: a VRAM pool has no fallback).
 
-**Files.** A 4 KiB header block (magic, format version, flags, payload bytes,
+**Files** (:mod:`~transfer.storage.nixl_files`). A 4 KiB header block (magic, format version, flags, payload bytes,
 CRC-32 of the payload when flagged), then the payload, the key's segments
 concatenated, 4 KiB aligned as cuFile and ``direct_io=1`` (``O_DIRECT``; every
 segment then a multiple of 4 KiB, host segments 4 KiB aligned) want. The
@@ -35,7 +35,10 @@ is retried key by key, so a bad file costs only its key.
 the agent once; segments outside it are registered for one call. NIXL refuses
 a descriptor that is not inside one registered region and mis-resolves
 overlapping registrations, so the store keeps its registrations disjoint:
-overlapping ones are replaced by their union (:func:`plan_registration`).
+overlapping ones are replaced by their union (:func:`plan_registration`, in
+:mod:`~transfer.storage.nixl_regions`; NIXL's agent is wrapped in
+:mod:`~transfer.storage.nixl_agent`, backend selection in
+:mod:`~transfer.storage.nixl_probe`).
 
 **Checks.** With ``checksum`` (default) and host memory, the header holds the
 payload's CRC-32, computed by the CPU from the pool; a mismatch on a get is a
@@ -65,116 +68,30 @@ whole file); ``get_xfer_descs`` of Nx3 arrays; ``initialize_xfer("WRITE" |
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
-import itertools
 import logging
-import mmap
 import os
-import struct
 import threading
 import time
-import zlib
-from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from transfer.errors import StorageClosedError, StorageError, StorageTimeoutError, StorageUnavailableError
 from transfer.storage.base import Segment, StorageBackend, StorageURL, check_batch, check_keys, config_from_options
-from transfer.storage.keyfiles import TEMP_SUFFIX, KeyFiles
-from transfer.storage.nixl_agent import (RegionSet, _Agent, _import_nixl, _TransferStuck, gds_unavailable_reason,
-                                         merge_regions, nixl_missing_reason, plan_registration)
+from transfer.storage.keyfiles import KeyFiles
+from transfer.storage.nixl_agent import _Agent, _TransferStuck
+from transfer.storage.nixl_config import NixlStoreConfig
+from transfer.storage.nixl_files import HEADER_BYTES as _HEADER_BYTES
+from transfer.storage.nixl_files import PageEntry as _Entry
+from transfer.storage.nixl_files import PageFiles, file_descriptors, os_error
+from transfer.storage.nixl_files import (_ALIGN, _FLAG_CRC, _FORMAT_VERSION, _HEADER, _MAGIC,  # noqa: F401 (old names)
+                                         _NO_SPACE, _crc, _views)
+from transfer.storage.nixl_probe import _import_nixl, gds_unavailable_reason, nixl_missing_reason
+from transfer.storage.nixl_regions import RegionSet, merge_regions, plan_registration
 
 __all__ = ["NixlStore", "NixlStoreConfig", "open_nixl_store", "file_descriptors",
-           # from transfer.storage.nixl_agent, named here for the store's callers
+           # from the nixl_* modules, named here for the store's callers
            "RegionSet", "gds_unavailable_reason", "merge_regions", "nixl_missing_reason", "plan_registration"]
 
 log = logging.getLogger("kvferry.storage.nixl")
-
-_MAGIC = b"KVFNIXL1"
-_FORMAT_VERSION = 1
-_HEADER = struct.Struct("<8sHHQI")  # magic, format version, flags, payload bytes, CRC-32
-_HEADER_BYTES = 4096  # the payload's offset
-_FLAG_CRC = 1
-_ALIGN = 4096
-_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-
-
-@dataclass(frozen=True, kw_only=True)
-class NixlStoreConfig:
-    """``root``: the directory (created if missing). ``backend``: ``POSIX``,
-    ``GDS`` or ``GDS_MT``; ``allow_fallback``: POSIX when GDS cannot run.
-    ``memory``: ``DRAM`` or ``VRAM`` (GPU ``device_id``), where every segment
-    lies. ``max_bytes``: the cap on the files' total size. ``checksum``:
-    CRC-32 of host-memory values. ``direct_io``: open files ``O_DIRECT``.
-    ``xfer_timeout_s``: the bound on one call's transfers.
-    ``max_descs_per_xfer``: descriptors per NIXL transfer (POSIX's I/O pool
-    holds 65,536)."""
-
-    root: str
-    backend: str = "POSIX"
-    allow_fallback: bool = False
-    memory: str = "DRAM"
-    device_id: int = 0
-    max_bytes: int = 64 << 30
-    checksum: bool = True
-    direct_io: bool = False
-    xfer_timeout_s: float = 30.0
-    max_descs_per_xfer: int = 16384
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "backend", str(self.backend).upper())
-        object.__setattr__(self, "memory", str(self.memory).upper())
-        if not self.root:
-            raise ValueError("NixlStoreConfig.root must not be empty")
-        if self.backend not in ("POSIX", "GDS", "GDS_MT"):
-            raise ValueError(f"NixlStoreConfig.backend must be POSIX, GDS or GDS_MT, got {self.backend!r}")
-        if self.memory not in ("DRAM", "VRAM"):
-            raise ValueError(f"NixlStoreConfig.memory must be DRAM or VRAM, got {self.memory!r}")
-        if self.backend == "POSIX" and self.memory == "VRAM":
-            raise ValueError("NixlStoreConfig: the POSIX backend cannot reach GPU memory; use backend=GDS")
-        for name in ("max_bytes", "xfer_timeout_s", "max_descs_per_xfer"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"NixlStoreConfig.{name} must be > 0, got {getattr(self, name)!r}")
-        if self.device_id < 0:
-            raise ValueError(f"NixlStoreConfig.device_id must be >= 0, got {self.device_id!r}")
-
-
-# -- registrations (pure) ---------------------------------------------------
-
-
-def file_descriptors(fd: int, segments: Sequence[Segment]) -> list[tuple[int, int, int]]:
-    """FILE descriptors ``(offset, nbytes, fd)`` placing ``segments`` one after
-    another in a file's payload."""
-    out, offset = [], _HEADER_BYTES
-    for _, nbytes in segments:
-        out.append((offset, nbytes, fd))
-        offset += nbytes
-    return out
-
-
-def _views(segments: Sequence[Segment]) -> list[memoryview]:
-    return [memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B") for addr, nbytes in segments]
-
-
-def _crc(segments: Sequence[Segment]) -> int:
-    crc = 0
-    for view in _views(segments):
-        crc = zlib.crc32(view, crc)
-    return crc
-
-
-@dataclass
-class _Entry:
-    """One key of a batch: its file and where its bytes go."""
-
-    index: int
-    key: str
-    segments: Sequence[Segment]
-    total: int
-    fd: int = -1
-    temp: str = ""
-    crc: int | None = None
-    stat: os.stat_result | None = None
 
 
 class NixlStore(StorageBackend):
@@ -188,9 +105,8 @@ class NixlStore(StorageBackend):
         self._closed = False
         self._stopped = ""  # why, after a transfer that could not be cancelled
         self._index = KeyFiles(self._root, config.max_bytes)
-        self._path, self._unlink = self._index.path, self._index.unlink
-        self._temp_names = itertools.count()
-        self._block = mmap.mmap(-1, _HEADER_BYTES)  # page-aligned: O_DIRECT header I/O
+        self._path = self._index.path
+        self._files = PageFiles(config, self.url, self._index)
         self._registered = RegionSet()
         try:
             os.makedirs(self._root, exist_ok=True)
@@ -199,7 +115,7 @@ class NixlStore(StorageBackend):
             raise StorageError(f"{self.url}: cannot open the store directory: {exc}", backend=self.url) from exc
         self._agent = _Agent(_import_nixl(), config, self.url)
         self.backend = self._agent.backend  # the NIXL backend in use (POSIX after a fallback)
-        self._remove(self._index.victims())
+        self._files.remove(self._index.victims())
 
     @property
     def total_bytes(self) -> int:
@@ -218,14 +134,14 @@ class NixlStore(StorageBackend):
             except FileNotFoundError:
                 pass
             except OSError as exc:
-                raise self._os_error(f"stat of {key}", exc) from exc
+                raise os_error(self.url, f"stat of {key}", exc) from exc
             return count
         return len(keys)
 
     def put(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[bool]:
         self._check_open()
         totals = check_batch(keys, segments, unique=True)
-        self._check_direct(segments)
+        self._files.check_direct(segments)
         results = [False] * len(keys)
         entries = []
         for i, (key, segs, total) in enumerate(zip(keys, segments, totals)):
@@ -235,20 +151,20 @@ class NixlStore(StorageBackend):
                 log.debug("%s: %s (%d bytes) is larger than the cap", self.url, key, _HEADER_BYTES + total)
         with self._held("put"):
             try:
-                entries = [e for e in entries if self._create_temp(e)]
+                entries = [e for e in entries if self._files.create_temp(e)]
                 moved = self._move("WRITE", entries)
                 for entry in moved:
-                    results[entry.index] = self._publish(entry)
+                    results[entry.index] = self._files.publish(entry)
             finally:
-                self._close_files(entries, unlink_temps=True)
+                self._files.close_files(entries, unlink_temps=True, keep_fds=bool(self._stopped))
             victims = [v for e in entries if results[e.index] for v in self._index.touch(e.key, _HEADER_BYTES + e.total)]
-        self._remove(victims)
+        self._files.remove(victims)
         return results
 
     def get_into(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[bool]:
         self._check_open()
         totals = check_batch(keys, segments)
-        self._check_direct(segments)
+        self._files.check_direct(segments)
         results = [False] * len(keys)
         with self._held("get_into"):
             entries = []
@@ -258,11 +174,11 @@ class NixlStore(StorageBackend):
                     entries.append(entry)
                     self._open_value(entry)
                 for entry in self._move("READ", [e for e in entries if e.fd >= 0]):
-                    results[entry.index] = self._verify(entry)
+                    results[entry.index] = self._files.verify(entry)
             finally:
-                self._close_files(entries, unlink_temps=False)
+                self._files.close_files(entries, unlink_temps=False, keep_fds=bool(self._stopped))
             victims = [v for e in entries if results[e.index] for v in self._index.touch(e.key, e.stat.st_size)]
-        self._remove(victims)
+        self._files.remove(victims)
         return results
 
     def register_memory(self, regions: Sequence[Segment]) -> None:
@@ -361,127 +277,9 @@ class NixlStore(StorageBackend):
             log.warning("%s: NIXL could not %s %s", self.url, "write" if op == "WRITE" else "read", chunk[0].key)
         return False
 
-    # -- files --------------------------------------------------------------
-
-    @property
-    def _open_flags(self) -> int:
-        return os.O_CLOEXEC | (os.O_DIRECT if self.config.direct_io else 0)
-
-    def _check_direct(self, segments: Sequence[Sequence[Segment]]) -> None:
-        if not self.config.direct_io:
-            return
-        host = self.config.memory == "DRAM"
-        for segs in segments:
-            for addr, nbytes in segs:
-                if nbytes % _ALIGN or host and addr % _ALIGN:
-                    raise ValueError(f"direct_io: segment {(addr, nbytes)} must be {_ALIGN}-byte sized"
-                                     + (" and aligned" if host else ""))
-
-    def _create_temp(self, entry: _Entry) -> bool:
-        """Open a private temporary file for ``entry``; False when out of space."""
-        path = self._path(entry.key)
-        entry.temp = os.path.join(os.path.dirname(path), f".{entry.key[:64]}.{os.getpid()}."
-                                  f"{threading.get_ident()}.{next(self._temp_names)}{TEMP_SUFFIX}")
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            entry.fd = os.open(entry.temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | self._open_flags, 0o644)
-        except OSError as exc:
-            if exc.errno in _NO_SPACE:
-                log.warning("%s: no space for %s: %s", self.url, entry.key, exc)
-                return False
-            raise self._os_error(f"creating a file for {entry.key}", exc) from exc
-        if self.config.checksum and self.config.memory == "DRAM":
-            entry.crc = _crc(entry.segments)
-        return True
-
-    def _publish(self, entry: _Entry) -> bool:
-        """Write the header of a moved value and rename it into place."""
-        flags, crc = (0, 0) if entry.crc is None else (_FLAG_CRC, entry.crc)
-        self._block[:] = _HEADER.pack(_MAGIC, _FORMAT_VERSION, flags, entry.total, crc).ljust(_HEADER_BYTES, b"\0")
-        try:
-            written = os.pwrite(entry.fd, self._block, 0)
-            size = os.fstat(entry.fd).st_size
-            if written != _HEADER_BYTES or size != _HEADER_BYTES + entry.total:
-                log.warning("%s: %s: %d bytes on disk after the write, %d expected", self.url, entry.key, size,
-                            _HEADER_BYTES + entry.total)
-                return False
-            os.replace(entry.temp, self._path(entry.key))
-        except OSError as exc:
-            if exc.errno in _NO_SPACE:
-                log.warning("%s: no space for %s: %s", self.url, entry.key, exc)
-                return False
-            raise self._os_error(f"writing {entry.key}", exc) from exc
-        entry.temp = ""
-        return True
-
     def _open_value(self, entry: _Entry) -> None:
-        """Open ``entry``'s file and check its header and size; leaves
-        ``entry.fd`` -1 for a miss."""
-        try:
-            entry.fd = os.open(self._path(entry.key), os.O_RDONLY | self._open_flags)
-        except FileNotFoundError:
-            self._index.forget(entry.key)
-            return
-        except OSError as exc:
-            raise self._os_error(f"opening {entry.key}", exc) from exc
-        try:
-            entry.stat = os.fstat(entry.fd)
-            if os.preadv(entry.fd, [self._block], 0) < _HEADER.size:
-                return self._corrupt(entry, "shorter than its header")
-            magic, version, flags, payload_bytes, crc = _HEADER.unpack_from(self._block)
-        except OSError as exc:
-            raise self._os_error(f"reading {entry.key}", exc) from exc
-        if magic != _MAGIC or version != _FORMAT_VERSION:
-            return self._corrupt(entry, "not a kvferry NIXL page file of this version")
-        if entry.stat.st_size != _HEADER_BYTES + payload_bytes:
-            return self._corrupt(entry, f"{entry.stat.st_size} bytes on disk, header says {payload_bytes}")
-        if payload_bytes != entry.total:
-            log.debug("%s: %s holds %d bytes, %d expected", self.url, entry.key, payload_bytes, entry.total)
-            return self._drop(entry)
-        verify = flags & _FLAG_CRC and self.config.checksum and self.config.memory == "DRAM"
-        entry.crc = crc if verify else None
-
-    def _verify(self, entry: _Entry) -> bool:
-        """After a read: the checksum, when there is one; a hit bumps the mtime."""
-        if entry.crc is not None and _crc(entry.segments) != entry.crc:
-            self._corrupt(entry, "checksum mismatch")
-            return False
-        try:
-            os.utime(entry.fd)  # the next open's recency order; best effort
-        except OSError:
-            pass
-        return True
-
-    def _drop(self, entry: _Entry) -> None:
-        if entry.fd >= 0:
-            os.close(entry.fd)
-            entry.fd = -1
-
-    def _corrupt(self, entry: _Entry, why: str) -> None:
-        log.warning("%s: %s is corrupt (%s); deleted", self.url, entry.key, why)
-        path = self._path(entry.key)
-        try:
-            if os.stat(path).st_ino == entry.stat.st_ino:  # not a new value that replaced it meanwhile
-                os.unlink(path)
-        except FileNotFoundError:
-            pass
-        self._index.forget(entry.key)
-        self._drop(entry)
-
-    def _close_files(self, entries: list[_Entry], *, unlink_temps: bool) -> None:
-        for entry in entries:
-            if not self._stopped:  # else a cancelled-but-running transfer may still use the fd
-                self._drop(entry)
-            if unlink_temps and entry.temp:
-                self._unlink(entry.temp)
-
-    # -- index ------------------------------------------------------------
-
-    def _remove(self, victims: list[str]) -> None:
-        for key in victims:
-            self._unlink(self._path(key))
-        if victims:
-            log.debug("%s: evicted %d files", self.url, len(victims))
+        """Open ``entry``'s file and check it (:meth:`PageFiles.open_value`)."""
+        self._files.open_value(entry)
 
     # -- plumbing -----------------------------------------------------------
 
@@ -502,9 +300,6 @@ class NixlStore(StorageBackend):
             raise StorageClosedError(f"{self.url}: the store was closed", backend=self.url)
         if self._stopped:
             raise StorageUnavailableError(self._stopped, backend=self.url)
-
-    def _os_error(self, what: str, exc: OSError) -> StorageError:
-        return StorageError(f"{self.url}: {what}: {exc}", backend=self.url, code=exc.errno)
 
 
 def open_nixl_store(url: StorageURL, options: Mapping[str, Any]) -> NixlStore:

@@ -1,201 +1,30 @@
-"""NIXL plumbing for the ``nixl://`` store (:mod:`transfer.storage.nixl`):
-finding and importing NIXL, choosing its storage backend (GDS where it can
-run, else a clear reason), the agent's registration and bounded transfers,
-and the disjoint-registration planning NIXL needs. Importing this module
-does not import NIXL."""
+"""The ``nixl://`` store's NIXL agent: registration of memory and files and
+bounded transfers, with NIXL's exceptions translated into kvferry's
+(:mod:`transfer.storage.nixl` is the store built on it). Backend selection
+lives in :mod:`~transfer.storage.nixl_probe`, registration planning in
+:mod:`~transfer.storage.nixl_regions`; their names are re-exported here for
+older imports. Importing this module does not import NIXL."""
 
 from __future__ import annotations
 
-import bisect
-import ctypes
-import importlib
-import itertools
 import logging
-import os
 import time
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from transfer.errors import StorageError, StorageTimeoutError, StorageUnavailableError
 from transfer.storage.base import Segment
+from transfer.storage.nixl_config import NixlStoreConfig
+# re-exported: these names were importable from this module before the split
+from transfer.storage.nixl_probe import (_INSTALL_HINT, _NIXL_MODULES, _choose_backend, _cuda_missing_reason,  # noqa: F401
+                                         _import_nixl, _loads, _new_agent, _start_backend, gds_unavailable_reason,
+                                         nixl_missing_reason)
+from transfer.storage.nixl_regions import RegionSet, merge_regions, plan_registration  # noqa: F401
 
-if TYPE_CHECKING:
-    from transfer.storage.nixl import NixlStoreConfig
+__all__ = ["RegionSet", "gds_unavailable_reason", "merge_regions", "nixl_missing_reason", "plan_registration"]
 
 log = logging.getLogger("kvferry.storage.nixl")
-
-_NIXL_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
-_INSTALL_HINT = "pip install 'kvferry[nixl]' (torch first)"
-
-
-def merge_regions(regions: Iterable[Segment]) -> list[Segment]:
-    """The sorted union of ``regions``: overlapping or touching ones become one."""
-    merged: list[Segment] = []
-    for addr, nbytes in sorted(regions):
-        if merged and addr <= merged[-1][0] + merged[-1][1]:
-            start, length = merged[-1]
-            merged[-1] = (start, max(length, addr + nbytes - start))
-        else:
-            merged.append((addr, nbytes))
-    return merged
-
-
-class RegionSet:
-    """Disjoint ``(address, nbytes)`` regions, sorted, with bisect lookups."""
-
-    def __init__(self, regions: Iterable[Segment] = ()) -> None:
-        self._regions: list[Segment] = []
-        for region in regions:
-            self.add(region)
-
-    def __iter__(self):
-        return iter(list(self._regions))
-
-    def __len__(self) -> int:
-        return len(self._regions)
-
-    def covers(self, addr: int, nbytes: int) -> bool:
-        """Whether one region holds all of ``[addr, addr + nbytes)``."""
-        i = bisect.bisect_right(self._regions, (addr, float("inf"))) - 1
-        return i >= 0 and addr + nbytes <= self._regions[i][0] + self._regions[i][1]
-
-    def overlapping(self, addr: int, nbytes: int) -> list[Segment]:
-        """The regions sharing a byte with ``[addr, addr + nbytes)``."""
-        i = max(bisect.bisect_right(self._regions, (addr, float("inf"))) - 1, 0)
-        found = []
-        for start, length in itertools.islice(self._regions, i, None):
-            if start >= addr + nbytes:
-                break
-            if start + length > addr:
-                found.append((start, length))
-        return found
-
-    def add(self, region: Segment) -> None:
-        if self.overlapping(*region):
-            raise ValueError(f"region {region} overlaps a registered one")
-        bisect.insort(self._regions, region)
-
-    def remove(self, region: Segment) -> None:
-        self._regions.remove(region)
-
-
-def plan_registration(registered: RegionSet, wanted: Iterable[Segment]) -> tuple[list[Segment], list[Segment]]:
-    """``(lift, add)``: deregister the registered regions ``lift`` and register
-    ``add``, and every wanted region lies inside one registered region while
-    no two overlap. Both empty when ``registered`` already covers ``wanted``."""
-    missing = [region for region in wanted if not registered.covers(*region)]
-    if not missing:
-        return [], []
-    lift = sorted({found for region in missing for found in registered.overlapping(*region)})
-    return lift, merge_regions(missing + lift)
-
-
-# -- NIXL --------------------------------------------------------------------
-
-
-def _import_nixl():
-    """NIXL's Python API module (the ``nixl`` meta package's, else a wheel's);
-    StorageUnavailableError naming the install when none imports."""
-    broken = []
-    for name in _NIXL_MODULES:
-        try:
-            return importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name not in (name, name.partition(".")[0]):
-                broken.append(f"{name}: {exc}")
-        except ImportError as exc:
-            broken.append(f"{name}: {exc}")
-    if broken:
-        raise StorageUnavailableError(f"NIXL does not import ({'; '.join(broken)})")
-    raise StorageUnavailableError(f"NIXL is not installed; {_INSTALL_HINT}")
-
-
-def nixl_missing_reason() -> str:
-    """Why NIXL cannot be imported here, or ``""`` when it can."""
-    try:
-        _import_nixl()
-    except StorageUnavailableError as exc:
-        return str(exc)
-    return ""
-
-
-def _cuda_missing_reason() -> str:
-    """What of GPUDirect Storage's stack this machine lacks, as far as its
-    libraries tell (``""``: nothing found missing)."""
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return "no NVIDIA driver (libcuda.so.1 not found), so no GPU"
-    count = ctypes.c_int(0)
-    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0 or count.value == 0:
-        return "no CUDA device"
-    for names, what in ((("libcudart.so.12", "libcudart.so.13"), "the CUDA runtime"),
-                        (("libcufile.so.0",), "cuFile (GPUDirect Storage)")):
-        if not any(_loads(name) for name in names):
-            return f"{what} is not installed ({' or '.join(names)} not found)"
-    return ""
-
-
-def _loads(library: str) -> bool:
-    try:
-        ctypes.CDLL(library)
-    except OSError:
-        return False
-    return True
-
-
-_agent_names = itertools.count()
-
-
-def _new_agent(api):
-    config = api.nixl_agent_config(backends=[], enable_prog_thread=False, enable_listen_thread=False)
-    return api.nixl_agent(f"kvferry-storage-{os.getpid()}-{next(_agent_names)}", config)
-
-
-def _start_backend(agent, backend: str, memory: str) -> str:
-    """Create ``backend`` in ``agent``; ``""``, or why it cannot serve here."""
-    if backend not in agent.get_plugin_list():
-        return f"this NIXL build has no {backend} plugin"
-    try:
-        agent.create_backend(backend, {})
-    except Exception as exc:  # NIXL raises its own exception types
-        why = _cuda_missing_reason() if backend.startswith("GDS") else ""
-        return why or f"NIXL could not start it ({type(exc).__name__}: {exc})"
-    mem_types = agent.get_backend_mem_types(backend)
-    if f"{memory}_SEG" not in mem_types or "FILE_SEG" not in mem_types:
-        return f"it moves {', '.join(mem_types)}, not {memory} to FILE"
-    return ""
-
-
-def gds_unavailable_reason(backend: str = "GDS", memory: str = "DRAM") -> str:
-    """Why NIXL's ``backend`` (GDS or GDS_MT) cannot run here, or ``""``."""
-    try:
-        api = _import_nixl()
-    except StorageUnavailableError as exc:
-        return str(exc)
-    return _start_backend(_new_agent(api), backend, memory)
-
-
-def _choose_backend(agent, config: NixlStoreConfig, url: str) -> str:
-    """Start the configured backend, or POSIX when allowed; returns its name."""
-    why = _start_backend(agent, config.backend, config.memory)
-    if not why:
-        return config.backend
-    if config.backend == "POSIX":
-        raise StorageUnavailableError(f"{url}: NIXL's POSIX backend cannot run: {why}", backend=url)
-    if not config.allow_fallback:
-        raise StorageUnavailableError(f"{url}: NIXL's {config.backend} backend is not available here: {why} "
-                                      "(allow_fallback=1 uses POSIX instead)", backend=url)
-    if config.memory == "VRAM":
-        raise StorageUnavailableError(f"{url}: NIXL's {config.backend} backend is not available here: {why}; "
-                                      "no fallback for GPU memory (POSIX reaches host memory only)", backend=url)
-    fallback_why = _start_backend(agent, "POSIX", "DRAM")
-    if fallback_why:
-        raise StorageUnavailableError(f"{url}: NIXL's {config.backend} backend is not available here ({why}), "
-                                      f"nor POSIX ({fallback_why})", backend=url)
-    log.warning("%s: NIXL's %s backend is not available here: %s; using POSIX instead", url, config.backend, why)
-    return "POSIX"
 
 
 class _TransferStuck(StorageTimeoutError):
@@ -277,6 +106,3 @@ class _Agent:
         except Exception as exc:  # a failed I/O surfaces as a raised NIXL status
             log.debug("NIXL transfer failed: %s", exc)
             return "ERR"
-
-
-# -- the store ---------------------------------------------------------------
