@@ -82,7 +82,8 @@ from transfer.storage.nixl_config import NixlStoreConfig
 from transfer.storage.nixl_files import HEADER_BYTES as _HEADER_BYTES
 from transfer.storage.nixl_files import PageEntry as _Entry
 from transfer.storage.nixl_files import PageFiles, file_descriptors, os_error
-from transfer.storage.nixl_files import (_ALIGN, _FLAG_CRC, _FORMAT_VERSION, _HEADER, _MAGIC,  # noqa: F401 (old names)
+# the names this module held before the split, for older imports
+from transfer.storage.nixl_files import (_ALIGN, _FLAG_CRC, _FORMAT_VERSION, _HEADER, _MAGIC,  # noqa: F401
                                          _NO_SPACE, _crc, _views)
 from transfer.storage.nixl_probe import _import_nixl, gds_unavailable_reason, nixl_missing_reason
 from transfer.storage.nixl_regions import RegionSet, merge_regions, plan_registration

@@ -17,9 +17,9 @@ from transfer.errors import StorageError, StorageTimeoutError, StorageUnavailabl
 from transfer.storage.base import Segment
 from transfer.storage.nixl_config import NixlStoreConfig
 # re-exported: these names were importable from this module before the split
-from transfer.storage.nixl_probe import (_INSTALL_HINT, _NIXL_MODULES, _choose_backend, _cuda_missing_reason,  # noqa: F401
-                                         _import_nixl, _loads, _new_agent, _start_backend, gds_unavailable_reason,
-                                         nixl_missing_reason)
+from transfer.storage.nixl_probe import (_INSTALL_HINT, _NIXL_MODULES, _choose_backend,  # noqa: F401
+                                         _cuda_missing_reason, _import_nixl, _loads, _new_agent, _start_backend,
+                                         gds_unavailable_reason, nixl_missing_reason)
 from transfer.storage.nixl_regions import RegionSet, merge_regions, plan_registration  # noqa: F401
 
 __all__ = ["RegionSet", "gds_unavailable_reason", "merge_regions", "nixl_missing_reason", "plan_registration"]
