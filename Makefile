@@ -50,8 +50,8 @@ test: setup
 	$(PY) -m pytest -q
 
 bench: setup
-	$(PY) -m transfer.bench
-	$(PY) -m transfer.bench --storage
+	$(PY) -m benchmarks
+	$(PY) -m benchmarks --storage
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

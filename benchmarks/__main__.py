@@ -1,0 +1,7 @@
+"""``python -m benchmarks [...]``, ``python -m benchmarks agent [...]``: see :mod:`benchmarks.cli`."""
+
+import sys
+
+from benchmarks.cli import main
+
+sys.exit(main())
