@@ -63,7 +63,7 @@ class Link:
         return {"KVFERRY_HOST": host, "KVFERRY_HOSTNAME": host, "KVFERRY_DEVICE_NAME": device}
 
     def engine_args(self, decode: bool) -> list[str]:
-        """``bench_raw`` arguments for a raw engine on one side."""
+        """``benchmarks.raw`` arguments for a raw engine on one side."""
         host, device = (self.peer_hostname, self.peer_device) if decode else (self.hostname, self.device)
         return ["--hostname", host, "--protocol", self.protocol, "--device", device]
 

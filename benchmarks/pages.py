@@ -1,5 +1,5 @@
 """The pages a kvferry request of a benchmark workload writes, for the raw
-same-pages baseline (``bench_raw mc-pages``). Pure: numpy only.
+same-pages baseline (``python -m benchmarks.raw mc-pages``). Pure: numpy only.
 
 Geometry: a pool side is an arena holding one region per buffer (per layer a
 K and a V region of ``[num_pages, page_size, heads, head_dim]``, or one
