@@ -1,7 +1,10 @@
 # kvferry: set-up, demo and tests. Every target does its own set-up.
 SHELL := /bin/bash
 PYTHON ?= python3.11
-VENV := .venv
+# One virtual environment per Python: .venv for 3.11 (the default, used by CI),
+# .venv-X.Y for another (`make test PYTHON=python3.12` builds .venv-3.12).
+PY_VERSION := $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)
+VENV := $(if $(filter 3.11,$(PY_VERSION)),.venv,.venv-$(PY_VERSION))
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 TORCH_VERSION ?= 2.13.0
@@ -26,9 +29,12 @@ debian-libs:
 	fi
 
 $(STAMP): pyproject.toml Makefile | debian-libs
+	@test -n "$(PY_VERSION)" || { echo "$(PYTHON) does not run here (installed, on PATH, enabled in pyenv?)"; exit 1; }
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --disable-pip-version-check --upgrade pip
 	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
+	# (Where no CPU build of this version exists for the Python, pip takes PyPI's
+	# CUDA build of it: about 4 GB, which still runs on the CPU.)
 	$(PIP) install -q --disable-pip-version-check torch==$(TORCH_VERSION)
 	$(PIP) install -q --disable-pip-version-check $(MOONCAKE_PKG)==$(MOONCAKE_VERSION)
 	# The nixl:// storage backend (optional for users, tested here); after torch, so pip keeps it.
@@ -50,8 +56,8 @@ test: setup
 	$(PY) -m pytest -q
 
 bench: setup
-	$(PY) -m transfer.bench
-	$(PY) -m transfer.bench --storage
+	$(PY) -m benchmarks
+	$(PY) -m benchmarks --storage
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

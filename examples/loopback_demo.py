@@ -15,8 +15,8 @@ import time
 
 import numpy as np
 
-from transfer.launch import run_pd
-from transfer.workload import PoolSpec, Spec
+from harness.launch import run_pd
+from harness.workload import PoolSpec, Spec
 
 
 def main(argv=None) -> int:

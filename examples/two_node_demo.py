@@ -43,7 +43,7 @@ from examples.node_common import RESULT_PREFIX, make_requests, model_pair, parse
 from examples.speculative import reference_tokens
 from examples.tiny_models import build_models
 from transfer import Role, manager_config_from_env
-from transfer.launch import BootstrapProcess, child_env, collect
+from harness.launch import BootstrapProcess, child_env, collect
 
 TP_SIZE = 2
 # The storage step's prefill node runs TP 1, as the decode node: the storage

@@ -1,10 +1,28 @@
 """Configuration: frozen, keyword-only dataclasses, validated with ValueError.
 
 This is the only module of kvferry that reads ``os.environ``; every variable
-has the prefix ``KVFERRY_`` (see :func:`manager_config_from_env`). The
-Mooncake engine's own ``MC_*`` variables are derived from
-:class:`EngineConfig` by :meth:`EngineConfig.mooncake_env`, and set by
-:func:`apply_mooncake_env` before an engine is built.
+has the prefix ``KVFERRY_`` (see :func:`manager_config_from_env`).
+
+Mooncake's own settings. The Mooncake engine reads its tuning from ``MC_*``
+environment variables when an engine is built (the Store: when
+``mooncake.store`` is imported); it has no per-engine API for them, so they
+are process-wide, and shared with every other Mooncake user in the process
+(a serving engine's own, for one). :func:`apply_mooncake_env` runs right
+before kvferry builds an engine and only fills in variables that are not set:
+a value the user exported always wins, also one set to the engine's default.
+It fills in, from :class:`EngineConfig` (:meth:`EngineConfig.mooncake_env`):
+
+- always: ``MC_LOG_LEVEL`` (``log_level``) and ``MC_TRANSFER_TIMEOUT``
+  (``max(5, progress_timeout_s)``: how long a blocking transfer call waits);
+- for ``protocol="tcp"`` only: ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` and
+  ``MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER`` (65535, their maximum; kvferry
+  caps its own in-flight descriptors per peer below them),
+  ``MC_TCP_ADMISSION_TIMEOUT_MS`` (60000) and ``MC_TCP_PROGRESS_TIMEOUT_SEC``
+  (``progress_timeout_s``).
+
+A user who sets one of these lower than kvferry's value keeps it; kvferry
+then still keeps at most ``max_inflight_per_peer`` descriptors outstanding per
+peer, which must stay below the user's queue caps.
 """
 
 from __future__ import annotations
@@ -58,17 +76,19 @@ class EngineConfig:
             raise ValueError("EngineConfig.max_inflight_per_peer must stay below the engine's cap of 65535")
 
     def mooncake_env(self) -> dict[str, str]:
-        """The engine variables (read when a TransferEngine is constructed)."""
-        return {
-            "MC_LOG_LEVEL": self.log_level,
-            # The engine rejects (and may wedge on) more than queue+pending entries
-            # per peer; we cap below both, and raise both to their maximum.
-            "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
-            "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535",
-            "MC_TCP_ADMISSION_TIMEOUT_MS": "60000",
-            "MC_TCP_PROGRESS_TIMEOUT_SEC": str(self.progress_timeout_s),
-            "MC_TRANSFER_TIMEOUT": str(max(5, self.progress_timeout_s)),
-        }
+        """The ``MC_*`` variables an engine of this config needs (read when a
+        TransferEngine is constructed); see the module docstring."""
+        env = {"MC_LOG_LEVEL": self.log_level, "MC_TRANSFER_TIMEOUT": str(max(5, self.progress_timeout_s))}
+        if self.protocol == "tcp":
+            env.update({
+                # The engine rejects (and may wedge on) more than queue+pending entries
+                # per peer; we cap below both, and raise both to their maximum.
+                "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
+                "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535",
+                "MC_TCP_ADMISSION_TIMEOUT_MS": "60000",
+                "MC_TCP_PROGRESS_TIMEOUT_SEC": str(self.progress_timeout_s),
+            })
+        return env
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,8 +221,13 @@ def manager_config_from_env(role: Role, **overrides) -> ManagerConfig:
     return replace(base, engine=manager_kw.pop("engine", engine), **manager_kw)
 
 
-def apply_mooncake_env(engine: EngineConfig) -> None:
-    """Set the engine's ``MC_*`` variables (the engine reads them at
-    construction). Values the operator exported already win."""
+def apply_mooncake_env(engine: EngineConfig) -> dict[str, str]:
+    """Fill in the ``MC_*`` variables ``engine`` needs that are not set yet
+    (process-wide: Mooncake reads them from the environment when an engine is
+    built). A variable already set, by the user or earlier, is never changed.
+    Returns the variables this call set."""
+    added = {}
     for key, value in engine.mooncake_env().items():
-        os.environ.setdefault(key, value)
+        if key not in os.environ:
+            os.environ[key] = added[key] = value
+    return added

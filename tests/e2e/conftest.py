@@ -3,7 +3,7 @@ processes, real Mooncake engine over TCP on loopback."""
 
 import pytest
 
-from transfer.launch import BootstrapProcess
+from harness.launch import BootstrapProcess
 
 
 @pytest.fixture

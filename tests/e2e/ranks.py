@@ -1,5 +1,5 @@
 """Helpers for the fault tests: long-lived rank processes driven over stdin
-(:mod:`transfer.rankctl`), with every wait bounded."""
+(:mod:`harness.rankctl`), with every wait bounded."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import sys
 import threading
 import time
 
-from transfer.launch import child_env
-from transfer.workload import PoolSpec, Spec
+from harness.launch import child_env
+from harness.workload import PoolSpec, Spec
 
 # 4 layers of 8 KV heads x 128 x bf16: 16 KiB per token; rooms of 2k tokens
 # (32 MiB) sent in 8 chunks, so a fault can land in the middle of one.
@@ -36,7 +36,7 @@ FAST = {"peer_timeout_s": 2.0, "heartbeat_interval_s": 0.25, "register_interval_
 
 
 class Rank:
-    """One ``transfer.rankctl`` process."""
+    """One ``harness.rankctl`` process."""
 
     def __init__(self, role: str, spec: Spec, config: dict | None = None, env: dict | None = None,
                  start_timeout_s: float = 60.0) -> None:
@@ -44,7 +44,7 @@ class Rank:
         e = child_env()
         e.update(env or {})
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "transfer.rankctl", "--role", role, "--spec", spec.to_json(),
+            [sys.executable, "-m", "harness.rankctl", "--role", role, "--spec", spec.to_json(),
              "--config", json.dumps(config or {})],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e)
         self._lines: queue.Queue[str | None] = queue.Queue()

@@ -12,7 +12,7 @@ import zmq
 from bootstrap import codec
 from bootstrap.client import BootstrapClient
 from bootstrap.errors import AuthError
-from transfer.launch import BootstrapProcess, child_env
+from harness.launch import BootstrapProcess, child_env
 from transfer.messages import PeerHello, TransferRequest
 
 from .ranks import FAST, Rank, assert_all_success, fault_spec
@@ -85,7 +85,7 @@ def test_rank_without_the_secret_is_refused_with_a_clear_error():
     with BootstrapProcess(secret=SECRET) as server:
         spec = fault_spec(server.address, min_tokens=512, max_tokens=1024)
         # A prefill rank without the secret cannot register.
-        proc = subprocess.run([sys.executable, "-m", "transfer.rankctl", "--role", "prefill", "--spec", spec.to_json(),
+        proc = subprocess.run([sys.executable, "-m", "harness.rankctl", "--role", "prefill", "--spec", spec.to_json(),
                                "--config", '{"register_timeout_s": 5}'],
                               input="", capture_output=True, text=True, timeout=120, env=child_env())
         assert proc.returncode != 0

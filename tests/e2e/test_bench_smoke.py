@@ -16,7 +16,7 @@ pytestmark = pytest.mark.e2e
 
 def test_bench_runs_all_three_modes_and_writes_json(tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "-m", "transfer.bench", "--only", "mha-128", "--requests", "4",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--only", "mha-128", "--requests", "4",
                            "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     data = json.loads(out.read_text())
@@ -45,11 +45,11 @@ def test_bench_runs_all_three_modes_and_writes_json(tmp_path):
 def test_bench_storage_mode_writes_rows_for_each_backend(tmp_path):
     """``--storage``: write-through and prefetch rows for every backend that
     runs here (the others skipped with a reason), and the limit rows."""
-    from transfer.bench_storage import mooncake_missing_reason
+    from benchmarks.storage import mooncake_missing_reason
     from transfer.storage.nixl import nixl_missing_reason
 
     out = tmp_path / "storage.json"
-    proc = subprocess.run([sys.executable, "-m", "transfer.bench", "--storage", "--storage-pages", "4",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--storage", "--storage-pages", "4",
                            "--json", str(out)], capture_output=True, text=True, timeout=180,
                           env=dict(os.environ, TMPDIR=str(tmp_path)))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -77,10 +77,10 @@ def test_bench_storage_mode_writes_rows_for_each_backend(tmp_path):
 
 def test_same_pages_mirror_the_pages_the_workload_writes():
     """bench_pages draws a room's source pages and the decode allocator's
-    pages exactly as transfer.workload does (pure, no processes)."""
+    pages exactly as harness.workload does (pure, no processes)."""
     from transfer import workload
-    from transfer.bench_pages import DecodeAllocator, PageDraw, room_source_pages
-    from transfer.bench_workloads import FULL
+    from benchmarks.pages import DecodeAllocator, PageDraw, room_source_pages
+    from benchmarks.workloads import FULL
 
     w = next(w for w in FULL if w.name == "mha-2k-c8")
     spec = w.spec()
@@ -103,7 +103,7 @@ def test_same_pages_descriptors_copy_exactly_the_pages():
     """Applying the descriptors as copies between two arenas moves page
     src[i] of every buffer onto page dst[i], touches nothing else, and
     merges runs adjacent on both sides."""
-    from transfer.bench_pages import ArenaLayout, page_descriptors
+    from benchmarks.pages import ArenaLayout, page_descriptors
 
     buffers = (6, 6, 6, 10)  # page bytes per buffer
     src_layout, dst_layout = ArenaLayout(buffers, 9), ArenaLayout(buffers, 12)
@@ -126,7 +126,7 @@ def test_same_pages_descriptors_copy_exactly_the_pages():
 
 def test_bench_same_pages_baseline_row(tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "-m", "transfer.bench", "--quick", "--only", "mha-128-c64",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--only", "mha-128-c64",
                            "--requests", "2", "--modes", "mooncake-pages", "--json", str(out)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -142,7 +142,7 @@ def test_bench_same_pages_baseline_row(tmp_path):
 # --- two hosts: the decode side through an agent ---------------------------------------------
 
 def _start_agent(*args: str) -> tuple[subprocess.Popen, str]:
-    agent = subprocess.Popen([sys.executable, "-m", "transfer.bench", "agent", "--host", "127.0.0.1", "--port", "0",
+    agent = subprocess.Popen([sys.executable, "-m", "benchmarks", "agent", "--host", "127.0.0.1", "--port", "0",
                               *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     line = agent.stdout.readline()  # the agent prints it once listening, or exits
     if "listening on" not in line:
@@ -167,7 +167,7 @@ def test_bench_two_hosts_through_an_agent(tmp_path):
     agent, address = _start_agent()
     try:
         out = tmp_path / "bench.json"
-        proc = subprocess.run([sys.executable, "-m", "transfer.bench", "--quick", "--only", "mha-128-c64",
+        proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--only", "mha-128-c64",
                                "--requests", "2", "--peer", address, "--protocol", "tcp",
                                "--hostname", "127.0.0.1", "--peer-hostname", "127.0.0.2", "--json", str(out)],
                               capture_output=True, text=True, timeout=180)
@@ -188,7 +188,7 @@ def test_bench_two_hosts_through_an_agent(tmp_path):
 def test_agent_kills_its_children_when_the_prefill_side_goes_away():
     """A session's children die with it: when the connection drops, and when
     the prefill side falls silent past the idle timeout. Bounded waits only."""
-    from transfer.bench_agent import AgentError, AgentHost, PROTOCOL_VERSION
+    from benchmarks.agent import AgentError, AgentHost, PROTOCOL_VERSION
 
     def gone(pid: int, within_s: float) -> bool:
         deadline = time.monotonic() + within_s

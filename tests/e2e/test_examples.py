@@ -19,7 +19,7 @@ from examples.paged_kv import RankPools, pages_for
 from examples.speculative import reference_tokens
 from examples.tiny_models import ModelPair, build_models
 from examples.two_node_demo import Placement, run_two_nodes
-from transfer.launch import child_env
+from harness.launch import child_env
 
 pytestmark = pytest.mark.e2e
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from transfer.launch import BootstrapProcess
+from harness.launch import BootstrapProcess
 
 from .ranks import FAST, Rank, assert_all_success, assert_failed_within, fault_spec
 

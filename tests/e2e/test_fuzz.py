@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from bootstrap import codec
 from bootstrap.client import BootstrapClient
 from tests.unit.test_codec import SAMPLES
-from transfer.launch import BootstrapProcess
+from harness.launch import BootstrapProcess
 
 from .ranks import FAST, Rank, assert_all_success, fault_spec
 

@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from transfer.launch import BootstrapProcess
+from harness.launch import BootstrapProcess
 
 from .ranks import FAST, Rank, fault_spec
 

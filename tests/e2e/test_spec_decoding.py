@@ -4,8 +4,8 @@ Mooncake engine over TCP loopback, random data and pages, byte-exact."""
 
 import pytest
 
-from transfer.launch import run_pd
-from transfer.workload import PoolSpec, Spec
+from harness.launch import run_pd
+from harness.workload import PoolSpec, Spec
 
 from tests.e2e.conftest import assert_all_succeeded
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.storage._mooncake import MooncakeCluster
-from transfer.launch import BootstrapProcess
+from harness.launch import BootstrapProcess
 from transfer.storage.nixl import nixl_missing_reason
 
 from .ranks import FAST, Rank, assert_all_success, fault_spec

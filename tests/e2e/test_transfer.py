@@ -3,8 +3,8 @@ the real Mooncake engine (TCP, loopback), checked byte for byte."""
 
 import pytest
 
-from transfer.launch import run_pd
-from transfer.workload import PoolSpec, Spec
+from harness.launch import run_pd
+from harness.workload import PoolSpec, Spec
 
 from tests.e2e.conftest import assert_all_succeeded
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from transfer.storage.local_mooncake import LocalMooncake, free_port, mooncake_missing_reason
+from harness.local_mooncake import LocalMooncake, free_port, mooncake_missing_reason
 
 __all__ = ["MooncakeCluster", "free_port"]
 

@@ -41,7 +41,7 @@ def test_configs_are_frozen_and_keyword_only():
 
 
 def test_mooncake_env():
-    env = EngineConfig(log_level="INFO", progress_timeout_s=3).mooncake_env()
+    env = EngineConfig(protocol="tcp", log_level="INFO", progress_timeout_s=3).mooncake_env()
     assert env["MC_LOG_LEVEL"] == "INFO"
     assert env["MC_TCP_PROGRESS_TIMEOUT_SEC"] == "3"
     assert env["MC_TRANSFER_TIMEOUT"] == "5"
@@ -52,11 +52,34 @@ def test_mooncake_env():
 def test_apply_mooncake_env_keeps_operator_values(monkeypatch):
     fake = {"MC_LOG_LEVEL": "TRACE", "PATH": "/bin"}
     monkeypatch.setattr(os, "environ", fake)  # no leak into the real environment
-    apply_mooncake_env(EngineConfig(log_level="ERROR", progress_timeout_s=7))
+    apply_mooncake_env(EngineConfig(protocol="tcp", log_level="ERROR", progress_timeout_s=7))
     assert fake["MC_LOG_LEVEL"] == "TRACE"  # the operator's value wins
     assert fake["MC_TCP_PROGRESS_TIMEOUT_SEC"] == "7"
     assert fake["MC_TRANSFER_TIMEOUT"] == "7"
     assert set(EngineConfig().mooncake_env()) <= set(fake)
+
+
+def test_mooncake_env_sets_tcp_variables_for_tcp_engines_only():
+    tcp = EngineConfig(protocol="tcp").mooncake_env()
+    rdma = EngineConfig(protocol="rdma").mooncake_env()
+    assert set(rdma) == {"MC_LOG_LEVEL", "MC_TRANSFER_TIMEOUT"}
+    assert set(tcp) - set(rdma) == {"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER",
+                                    "MC_TCP_ADMISSION_TIMEOUT_MS", "MC_TCP_PROGRESS_TIMEOUT_SEC"}
+
+
+def test_a_user_set_mooncake_variable_survives(monkeypatch):
+    config = EngineConfig(protocol="tcp", log_level="ERROR", progress_timeout_s=9)
+    for key in config.mooncake_env():
+        monkeypatch.delenv(key, raising=False)  # restored (or removed again) after the test
+    monkeypatch.setenv("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "2048")
+    monkeypatch.setenv("MC_LOG_LEVEL", "INFO")
+    added = apply_mooncake_env(config)
+    assert os.environ["MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"] == "2048"
+    assert os.environ["MC_LOG_LEVEL"] == "INFO"
+    assert os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"] == "9"
+    assert set(added) == set(config.mooncake_env()) - {"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "MC_LOG_LEVEL"}
+    assert apply_mooncake_env(dataclasses.replace(config, progress_timeout_s=20)) == {}  # the first engine's values stay
+    assert os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"] == "9"
 
 
 def test_manager_defaults_valid():

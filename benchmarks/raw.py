@@ -1,12 +1,12 @@
 """Baselines for the benchmark, with no kvferry code in the data path.
 
-``python -m transfer.bench_raw mc-recv --bytes N``: registers N pre-faulted
+``python -m benchmarks.raw mc-recv --bytes N``: registers N pre-faulted
 bytes with a Mooncake TransferEngine and prints ``RAW_READY <session>
 <addr>``; answers each stdin line ``cpu TOKEN`` with ``RAW_CPU TOKEN
 <seconds>`` (its process CPU time); exits when stdin closes, or after
 ``--lifetime-s``.
 
-``python -m transfer.bench_raw mc-send --session S --addr A ...``: writes
+``python -m benchmarks.raw mc-send --session S --addr A ...``: writes
 ``requests`` requests of ``request_bytes`` each into that memory, at most
 ``concurrency`` in flight, as entries of ``entry_bytes``: the engine's best
 pattern (submit, then check every id, sleeping 0.2 ms after a round without
@@ -14,11 +14,11 @@ progress: the blocking calls busy-spin; in-order checks with kvferry's
 longer sleeps measured about 10% slower here).
 Prints ``RAW_RESULT <json>`` with per-request latencies.
 
-``python -m transfer.bench_raw mc-pages --session S --addr A ...``: the
+``python -m benchmarks.raw mc-pages --session S --addr A ...``: the
 same-pages baseline. The receiver's memory is a decode pool (``--buffers``,
-``--dst-pages``, see :mod:`transfer.bench_pages`); each request writes the
+``--dst-pages``, see :mod:`benchmarks.pages`); each request writes the
 pages a kvferry request of the workload writes (scattered source and
-destination pages drawn as ``transfer.workload`` draws them), one
+destination pages drawn as ``harness.workload`` draws them), one
 descriptor per run of pages adjacent on both sides, per buffer. ``--pattern
 submit``: one ``transfer_submit_write`` per descriptor, at most
 ``--max-inflight`` outstanding, polled in order with sleeps sized to the
@@ -26,7 +26,7 @@ outstanding bytes (kvferry's transport waits the same way); ``--pattern
 batch``: ``batch_transfer_async_write`` batches, two outstanding, waited on
 with ``get_batch_transfer_status``. Prints ``RAW_RESULT <json>``.
 
-``python -m transfer.bench_raw sock-recv --bytes N [--host H]``: the link's
+``python -m benchmarks.raw sock-recv --bytes N [--host H]``: the link's
 limit, a plain TCP stream read into a buffer; prints ``SOCK_READY port``.
 
 This module uses the Mooncake engine directly on purpose: it is the
@@ -43,37 +43,9 @@ import socket
 import sys
 import time
 
-import numpy as np
-
-from transfer.hostmem import host_array
+from benchmarks.rawengine import make_engine, prefaulted_buffer, register_buffer
 
 ACCEPT_TIMEOUT_S = 120.0  # sock-recv gives up when no sender connects
-
-
-def make_engine(hostname: str, protocol: str, device: str = ""):
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    for key in ("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER"):
-        os.environ.setdefault(key, "65535")
-    os.environ.setdefault("MC_TCP_ADMISSION_TIMEOUT_MS", "60000")
-    # Bound every wait on a stalled peer (the status calls have no timeout of their own).
-    os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", "30")
-    os.environ.setdefault("MC_TRANSFER_TIMEOUT", "30")
-    from mooncake.engine import TransferEngine
-    engine = TransferEngine()
-    if engine.initialize(hostname, "P2PHANDSHAKE", protocol, device) != 0:
-        raise SystemExit("mooncake initialize failed")
-    return engine
-
-
-def register_buffer(engine, buf: np.ndarray) -> None:
-    """RDMA needs the local source registered too (TCP does not; it costs nothing there)."""
-    if engine.register_memory(buf.ctypes.data, buf.nbytes) != 0:
-        raise SystemExit("register_memory failed")
-
-
-def prefaulted_buffer(nbytes: int) -> np.ndarray:
-    """Touched huge-page memory: the same kind kvferry's ranks use here (see transfer.hostmem)."""
-    return host_array(nbytes, fill=0x5A)
 
 
 def mc_recv(args) -> int:
@@ -180,7 +152,7 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=0)
     ap.add_argument("--concurrency", type=int, default=1)
-    pages = ap.add_argument_group("mc-pages (see transfer.bench_pages)")
+    pages = ap.add_argument_group("mc-pages (see benchmarks.pages)")
     pages.add_argument("--buffers", default="", help="the pool's buffers, COUNTxPAGE_BYTES[,...]")
     pages.add_argument("--src-pages", type=int, default=0, help="pages of the source (prefill) pool")
     pages.add_argument("--dst-pages", type=int, default=0, help="pages of the destination (decode) pool")
@@ -192,7 +164,7 @@ def main(argv=None) -> int:
     pages.add_argument("--max-inflight", type=int, default=1024, help="descriptors outstanding at most")
     args = ap.parse_args(argv)
     if args.mode == "mc-pages":
-        from transfer.bench_raw_pages import mc_pages
+        from benchmarks.raw_pages import mc_pages
         code = mc_pages(args)
     else:
         code = {"mc-recv": mc_recv, "mc-send": mc_send, "sock-recv": sock_recv}[args.mode](args)

@@ -1,7 +1,7 @@
 """One benchmark run of each mode for one workload, as table rows.
 
 The prefill side runs on this host; the decode side on ``decode`` (this host
-or another node's agent, see :mod:`transfer.bench_hosts`), reached at the
+or another node's agent, see :mod:`benchmarks.hosts`), reached at the
 addresses of ``link``. Every wait is bounded.
 """
 
@@ -14,11 +14,11 @@ from dataclasses import replace
 
 import numpy as np
 
-from transfer.bench_hosts import Child, LocalHost, Link, forwarded_env
-from transfer.bench_pages import ArenaLayout, format_buffers
-from transfer.bench_workloads import Workload
+from benchmarks.hosts import Child, LocalHost, Link, forwarded_env
+from benchmarks.pages import ArenaLayout, format_buffers
+from benchmarks.workloads import Workload
 from transfer.hostmem import host_array
-from transfer.launch import BootstrapProcess, finish_ranks, results_of, start_ranks
+from harness.launch import BootstrapProcess, finish_ranks, results_of, start_ranks
 
 KVFERRY_TIMEOUT_S = 900.0
 READY_TIMEOUT_S = 120.0  # a receiver's set-up (engine, pre-faulting its pool)
@@ -139,7 +139,7 @@ def run_mooncake(w: Workload, decode, link: Link, entry_sizes: list[int]) -> dic
 def run_mooncake_pages(w: Workload, decode, link: Link, patterns: list[str]) -> dict:
     """Raw Mooncake, ``baseline="same-pages"``: the pages a kvferry request
     of ``w`` writes, between pools of kvferry's geometry (see
-    :mod:`transfer.bench_raw_pages`), in each pattern given; the best kept."""
+    :mod:`benchmarks.raw_pages`), in each pattern given; the best kept."""
     if not w.has_same_pages_baseline:
         raise ValueError(f"{w.name}: the same-pages baseline needs scattered pages and TP 1 -> 1")
     spec = w.spec()

@@ -1,4 +1,4 @@
-"""``python -m transfer.bench``: kvferry side by side with raw Mooncake and the
+"""``python -m benchmarks``: kvferry side by side with raw Mooncake and the
 machine's limits, in one run.
 
 Each workload runs these ways (rows of ``mode`` ``kvferry``, ``mooncake`` and
@@ -13,22 +13,22 @@ Each workload runs these ways (rows of ``mode`` ``kvferry``, ``mooncake`` and
 - ``mooncake``, ``baseline="same-pages"`` (scattered workloads, TP 1 -> 1):
   the bare engine writing exactly the pages a kvferry request writes, between
   pools of kvferry's geometry, one descriptor per run of pages adjacent on
-  both sides, no staging buffer (see :mod:`transfer.bench_raw_pages`);
+  both sides, no staging buffer (see :mod:`benchmarks.raw_pages`);
 - ``limit``: a plain TCP stream of the same bytes to the decode side (TCP
   only; on RDMA raw Mooncake is the limit), and a memcpy on this host.
 
-Two hosts: ``python -m transfer.bench agent --host H --port P`` on the decode
-node, then ``python -m transfer.bench --peer H:P --protocol rdma --hostname
+Two hosts: ``python -m benchmarks agent --host H --port P`` on the decode
+node, then ``python -m benchmarks --peer H:P --protocol rdma --hostname
 <this node's IP> --peer-hostname <its IP> [--device mlx5_0]`` here: the
 prefill side runs here, the decode side through the agent
-(:mod:`transfer.bench_agent`).
+(:mod:`benchmarks.agent`).
 
 Timings leave out one warm-up request (connection set-up). ``--quick`` runs
 a short-prompt and a long-prompt subset; ``--json PATH`` writes the figures.
 
 ``--storage`` runs the storage tier's backends instead (write-through and
 prefetch of each, and the memcpy and file-system limits; see
-:mod:`transfer.bench_storage`), ``--storage-pages`` pages each.
+:mod:`benchmarks.storage`), ``--storage-pages`` pages each.
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ import sys
 import threading
 from dataclasses import asdict, dataclass, replace
 
-from transfer import bench_agent, bench_storage
-from transfer.bench_hosts import LocalHost, Link, machine
-from transfer.bench_runs import run_kvferry, run_limits, run_mooncake, run_mooncake_pages
-from transfer.bench_workloads import DRAFT, FULL, MODELS, PAGE_SIZE, QUICK, Workload
+from benchmarks import agent, storage
+from benchmarks.hosts import LocalHost, Link, machine
+from benchmarks.runs import run_kvferry, run_limits, run_mooncake, run_mooncake_pages
+from benchmarks.workloads import DRAFT, FULL, MODELS, PAGE_SIZE, QUICK, Workload
 
 __all__ = ["DRAFT", "FULL", "MODELS", "PAGE_SIZE", "QUICK", "Workload", "main", "print_table"]
 
@@ -142,9 +142,9 @@ def _machines(link: Link, decode) -> dict:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["agent"]:
-        return bench_agent.main(argv[1:])
-    ap = argparse.ArgumentParser(description="kvferry benchmark (see the module docstring); "
-                                             "'python -m transfer.bench agent --help' for the decode node's agent")
+        return agent.main(argv[1:])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks", description="kvferry benchmark (see the module docstring); "
+                                             "'python -m benchmarks agent --help' for the decode node's agent")
     ap.add_argument("--quick", action="store_true", help="a short and a long prompt subset, under 2 minutes")
     ap.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     ap.add_argument("--only", help="comma-separated workload names")
@@ -166,9 +166,9 @@ def main(argv=None) -> int:
     store.add_argument("--storage", action="store_true",
                        help="write-through and prefetch with each storage backend (file, Mooncake Store, "
                             "NIXL POSIX) and the memcpy and file-system limits; about 20 s on 2 cores")
-    store.add_argument("--storage-pages", type=int, default=bench_storage.DEFAULT_PAGES,
+    store.add_argument("--storage-pages", type=int, default=storage.DEFAULT_PAGES,
                        help="pages (2 MiB each) per backend (default %(default)s)")
-    store.add_argument("--storage-backends", default=",".join(bench_storage.BACKENDS),
+    store.add_argument("--storage-backends", default=",".join(storage.BACKENDS),
                        help="comma-separated, of %(default)s")
     args = ap.parse_args(argv)
     if args.storage:
@@ -192,7 +192,7 @@ def main(argv=None) -> int:
     # SIGTERM unwinds like Ctrl-C: every process started here, and the agent's session, is ended.
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    decode = bench_agent.AgentHost(args.peer) if args.peer else LocalHost()
+    decode = agent.AgentHost(args.peer) if args.peer else LocalHost()
     rows: list[dict] = []
     try:
         for w in workloads:
@@ -212,19 +212,16 @@ def main(argv=None) -> int:
 
 def _main_storage(args, ap: argparse.ArgumentParser) -> int:
     try:
-        config = bench_storage.StorageBenchConfig(num_pages=args.storage_pages,
+        config = storage.StorageBenchConfig(num_pages=args.storage_pages,
                                                   backends=tuple(args.storage_backends.split(",")))
     except ValueError as exc:
         ap.error(str(exc))
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: the Mooncake processes are stopped
-    rows, skipped = bench_storage.run_storage(config)
-    bench_storage.print_table(rows)
+    rows, skipped = storage.run_storage(config)
+    storage.print_table(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": machine(), "storage": {"skipped": skipped}, "rows": rows}, f, indent=1)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,14 +1,14 @@
 """The benchmark between two hosts: an agent on the decode node, and the
 prefill node's handle on it.
 
-``python -m transfer.bench agent --host H --port P`` (on the decode node)
+``python -m benchmarks agent --host H --port P`` (on the decode node)
 serves one benchmark at a time over a plain TCP line protocol: each request
 and each reply is one JSON object on one line, ``{"v": 1, "op": ...}``;
 replies carry ``"ok"`` and, when false, ``"error"``. Operations:
 
 - ``hello``: the agent's machine description and the commands it runs;
 - ``spawn`` (``command``, ``args``, ``env``, ``lifetime_s``): start one of
-  :data:`transfer.bench_hosts.COMMANDS` (decode ranks, the raw receivers)
+  :data:`benchmarks.hosts.COMMANDS` (decode ranks, the raw receivers)
   here; replies with its ``id`` and ``pid``;
 - ``poll`` (``id``, ``offset``): its output from ``offset`` (at most
   256 KiB; ``more`` says whether there is more) and exit status;
@@ -36,7 +36,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from transfer.bench_hosts import COMMANDS, ENV_NAME, Child, LocalChild, LocalHost, machine
+from benchmarks.hosts import COMMANDS, ENV_NAME, Child, LocalChild, LocalHost, machine
 
 PROTOCOL_VERSION = 1
 MAX_LINE_BYTES = 4 << 20
@@ -205,7 +205,7 @@ def serve(config: AgentConfig) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m transfer.bench agent",
+    ap = argparse.ArgumentParser(prog="python -m benchmarks agent",
                                  description="run the decode side of a two-host benchmark on this node")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (a trusted network's)")
     ap.add_argument("--port", type=int, default=0, help="port (0 picks one; the line printed names it)")

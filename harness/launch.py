@@ -17,11 +17,22 @@ import tempfile
 import time
 from dataclasses import dataclass, replace
 
-from transfer.workload import Spec
+from harness.workload import Spec
+
+
+# The repository root: the harness, the benchmark and the examples are not
+# installed, so a child started from another directory finds them here.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def child_env() -> dict[str, str]:
+    """This process's environment for a rank or server process, with the
+    repository on ``PYTHONPATH`` (``python -m harness.workload`` works from
+    any directory)."""
     env = dict(os.environ)
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if REPO_ROOT not in paths:
+        env["PYTHONPATH"] = os.pathsep.join([REPO_ROOT, *paths])
     env.setdefault("OMP_NUM_THREADS", "1")  # two cores shared by several ranks
     env.setdefault("MC_LOG_LEVEL", "ERROR")
     return env
@@ -84,10 +95,10 @@ class RankRun:
 
 def start_ranks(spec: Spec, role: str, args: list[str],
                 env: dict[str, str] | None = None) -> tuple[subprocess.Popen, tempfile.TemporaryFile]:
-    """Start ``python -m transfer.workload`` for ``role``; ``env`` adds to
+    """Start ``python -m harness.workload`` for ``role``; ``env`` adds to
     :func:`child_env` (``KVFERRY_HOST``, ... for another address)."""
     out = tempfile.TemporaryFile(mode="w+")
-    proc = subprocess.Popen([sys.executable, "-m", "transfer.workload", "--role", role, *args,
+    proc = subprocess.Popen([sys.executable, "-m", "harness.workload", "--role", role, *args,
                              "--spec", spec.to_json()], stdout=out, stderr=subprocess.STDOUT, text=True,
                             env={**child_env(), **(env or {})})
     return proc, out

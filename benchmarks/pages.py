@@ -1,5 +1,5 @@
 """The pages a kvferry request of a benchmark workload writes, for the raw
-same-pages baseline (``bench_raw mc-pages``). Pure: numpy only.
+same-pages baseline (``python -m benchmarks.raw mc-pages``). Pure: numpy only.
 
 Geometry: a pool side is an arena holding one region per buffer (per layer a
 K and a V region of ``[num_pages, page_size, heads, head_dim]``, or one
@@ -9,11 +9,11 @@ layer, component). Page ``p`` of buffer ``b`` starts at
 separate allocations change no descriptor: runs are merged within a buffer
 only.
 
-Page choice mirrors ``transfer.workload`` exactly (same seeds, same order):
+Page choice mirrors ``harness.workload`` exactly (same seeds, same order):
 ``room_source_pages`` is ``room_plan``'s page list and :class:`DecodeAllocator`
 its decode-side free list for scattered placement, so with the benchmark's
 spec the raw sender writes the very pages kvferry's ranks write. A test
-checks the mirror against ``transfer.workload``.
+checks the mirror against ``harness.workload``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "int8": 1}
-CANARY_PAGES = 4  # transfer.workload keeps the last 4 decode pages out of the allocator
+CANARY_PAGES = 4  # harness.workload keeps the last 4 decode pages out of the allocator
 
 
 @dataclass(frozen=True)
@@ -72,14 +72,14 @@ def format_buffers(page_bytes: tuple[int, ...]) -> str:
 
 
 def _rng(*key: int | str) -> np.random.Generator:
-    # transfer.workload._rng
+    # harness.workload._rng
     return np.random.default_rng([int.from_bytes(hashlib.sha256(k.encode()).digest()[:8], "little")
                                   if isinstance(k, str) else k for k in key])
 
 
 @dataclass(frozen=True)
 class PageDraw:
-    """The workload parameters that choose pages (``transfer.workload.Spec``'s)."""
+    """The workload parameters that choose pages (``harness.workload.Spec``'s)."""
 
     seed: int
     min_tokens: int

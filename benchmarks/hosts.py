@@ -4,7 +4,7 @@ The prefill side (the bootstrap server, the prefill ranks, the raw senders)
 always runs on this host. The decode side (decode ranks, the raw Mooncake
 receiver, the socket-stream receiver) runs on a *decode host*: this one
 (:class:`LocalHost`) or another node through its agent
-(:class:`transfer.bench_agent.AgentHost`). Both hand back :class:`Child`
+(:class:`transfer.agent.AgentHost`). Both hand back :class:`Child`
 objects with the same bounded waits, so every benchmark mode is written once.
 
 A decode host runs only the commands named in :data:`COMMANDS`, with the
@@ -24,18 +24,18 @@ import time
 from dataclasses import dataclass
 from importlib import metadata
 
-from transfer.launch import child_env
+from harness.launch import child_env
 
 # Commands a decode host runs: name -> the interpreter's arguments before the caller's.
 COMMANDS = {
-    "workload-decode": ["-m", "transfer.workload", "--role", "decode"],
-    "mc-recv": ["-m", "transfer.bench_raw", "mc-recv"],
-    "sock-recv": ["-m", "transfer.bench_raw", "sock-recv"],
+    "workload-decode": ["-m", "harness.workload", "--role", "decode"],
+    "mc-recv": ["-m", "benchmarks.raw", "mc-recv"],
+    "sock-recv": ["-m", "benchmarks.raw", "sock-recv"],
 }
 # Commands that only run on this (the prefill) host.
 LOCAL_COMMANDS = {
-    "mc-send": ["-m", "transfer.bench_raw", "mc-send"],
-    "mc-pages": ["-m", "transfer.bench_raw", "mc-pages"],
+    "mc-send": ["-m", "benchmarks.raw", "mc-send"],
+    "mc-pages": ["-m", "benchmarks.raw", "mc-pages"],
 }
 ENV_NAME = re.compile(r"^(KVFERRY|MC)_[A-Z0-9_]+$")
 # Set per host from the Link, never forwarded from this host's environment.
@@ -63,7 +63,7 @@ class Link:
         return {"KVFERRY_HOST": host, "KVFERRY_HOSTNAME": host, "KVFERRY_DEVICE_NAME": device}
 
     def engine_args(self, decode: bool) -> list[str]:
-        """``bench_raw`` arguments for a raw engine on one side."""
+        """``benchmarks.raw`` arguments for a raw engine on one side."""
         host, device = (self.peer_hostname, self.peer_device) if decode else (self.hostname, self.device)
         return ["--hostname", host, "--protocol", self.protocol, "--device", device]
 

@@ -1,4 +1,4 @@
-"""``python -m transfer.bench --storage``: the storage tier's backends, write-through
+"""``python -m benchmarks --storage``: the storage tier's backends, write-through
 and prefetch, side by side with the machine's limits, in one run.
 
 Each backend (``file`` in a temporary directory; ``mooncake``, a Mooncake
@@ -39,11 +39,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from transfer.bench_workloads import MODELS, PAGE_SIZE
+from benchmarks.workloads import MODELS, PAGE_SIZE
 from transfer.pools import MHAPool
 from transfer.storage.base import open_storage
 from transfer.storage.keys import chain_hashes, keys_from_chain
-from transfer.storage.local_mooncake import LocalMooncake, mooncake_missing_reason
+from harness.local_mooncake import LocalMooncake, mooncake_missing_reason
 from transfer.storage.nixl import nixl_missing_reason
 from transfer.storage.segments import page_bytes, pages_segments, pool_fingerprint, pool_regions
 from transfer.tier import BATCH_PAGES

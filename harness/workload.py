@@ -1,7 +1,7 @@
 """A scripted prefill or decode rank for the demo, the end-to-end tests and
 the benchmark: real processes, real Mooncake, random data, byte-exact checks.
 
-``python -m transfer.workload --role prefill|decode --tp-rank R --spec JSON``
+``python -m harness.workload --role prefill|decode --tp-rank R --spec JSON``
 runs one rank. Both sides derive everything from the spec's seed: the prefill
 pools' content (each pool buffer is a slice of a seeded *global* tensor
 ``[num_pages, page_size, total_heads, head_dim]``, so any TP rank's heads can

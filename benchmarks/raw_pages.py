@@ -1,6 +1,6 @@
-"""``python -m transfer.bench_raw mc-pages``: the same-pages raw baseline
-(see :mod:`transfer.bench_raw` for the command line, and
-:mod:`transfer.bench_pages` for the pool geometry and the page choice).
+"""``python -m benchmarks.raw mc-pages``: the same-pages raw baseline
+(see :mod:`benchmarks.raw` for the command line, and
+:mod:`benchmarks.pages` for the pool geometry and the page choice).
 
 Bare Mooncake writing the pages a kvferry request of a scattered workload
 writes, without a staging buffer: one descriptor per run of pages adjacent on
@@ -19,9 +19,9 @@ import collections
 import json
 import time
 
-from transfer.bench_pages import ArenaLayout, DecodeAllocator, PageDraw, page_descriptors, parse_buffers, \
+from benchmarks.pages import ArenaLayout, DecodeAllocator, PageDraw, page_descriptors, parse_buffers, \
     room_source_pages
-from transfer.bench_raw import make_engine, prefaulted_buffer, register_buffer
+from benchmarks.rawengine import make_engine, prefaulted_buffer, register_buffer
 
 _PENDING_WINDOW = 64  # pending ids one poll round looks at (as kvferry's transport)
 _ASSUMED_BYTES_PER_S = 2e9

@@ -1,7 +1,7 @@
 """A scripted rank driven over stdin, for the fault, abort and soak tests.
 
-``python -m transfer.rankctl --role prefill|decode --spec JSON [--config JSON]``
-builds one rank's pools from the spec (the content of :mod:`transfer.workload`,
+``python -m harness.rankctl --role prefill|decode --spec JSON [--config JSON]``
+builds one rank's pools from the spec (the content of :mod:`harness.workload`,
 so decode can check every byte), creates its KVManager, prints ``READY
 {...}`` and then answers one JSON command per stdin line with one ``REPLY
 {...}`` line:
@@ -48,7 +48,7 @@ from transfer.manager import KVManager
 from transfer.receiver import KVReceiver
 from transfer.sender import KVSender
 from transfer.state import KVPoll
-from transfer.workload import (Spec, _allocate, _components, aux_row, build_pools, global_buffer, prefill_side,
+from harness.workload import (Spec, _allocate, _components, aux_row, build_pools, global_buffer, prefill_side,
                                rank_slice, room_plan)
 
 SENTINEL = 0xA5

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from transfer.bench_pages import DTYPE_BYTES
-from transfer.workload import PoolSpec, Spec
+from benchmarks.pages import DTYPE_BYTES
+from harness.workload import PoolSpec, Spec
 
 PAGE_SIZE = 16
 MODELS = {
