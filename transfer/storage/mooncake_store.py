@@ -120,7 +120,7 @@ class MooncakeStore(StorageBackend):
     def __init__(self, config: MooncakeStoreConfig, *, url: str = "") -> None:
         self.config = config
         self.url = url or f"mooncake://{config.master_addr}"
-        apply_mooncake_env(EngineConfig(log_level=config.log_level))  # MC_LOG_LEVEL is read on import
+        apply_mooncake_env(EngineConfig(log_level=config.log_level, protocol=config.protocol))  # MC_LOG_LEVEL is read on import
         try:
             from mooncake.store import MooncakeDistributedStore, ReplicateConfig
         except ImportError as exc:
