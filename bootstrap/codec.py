@@ -41,7 +41,7 @@ import msgpack
 
 from bootstrap.errors import AuthError, ProtocolError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 #: Largest encoded message accepted, in bytes. Control messages carry page
 #: lists and buffer descriptors, never KV bytes.

@@ -1,9 +1,11 @@
-"""The bootstrap server: a ZMQ ROUTER answering Register, Lookup and Ping.
+"""The bootstrap server: a ZMQ ROUTER answering Register, Unregister, Lookup,
+Status and Ping.
 
 It serves REQ clients (frames ``[id, b"", payload]``) and DEALER clients
-(``[id, payload]``). Whatever arrives, the serving loop answers it or drops
-it and goes on: malformed input gets an :class:`ErrorReply` naming the
-problem and is counted; no request can stop the server.
+(``[id, payload]``, or ``[id, request id, b"", payload]`` to correlate).
+Whatever arrives, the serving loop answers it or drops it and goes on:
+malformed input gets an :class:`ErrorReply` naming the problem and is
+counted; no request can stop the server.
 """
 
 from __future__ import annotations
@@ -11,50 +13,95 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 
 import zmq
 
 from bootstrap import codec
 from bootstrap.errors import AuthError, ProtocolError
-from bootstrap.messages import ErrorReply, Lookup, Ping, Pong, Register
+from bootstrap.messages import ErrorReply, Lookup, Ping, Pong, Register, Unregister
+from bootstrap.protect import check_protected
 from bootstrap.registry import Registry, RegistryConflict
+from bootstrap.status import MAX_STATUS_RANKS, PoolSummary, RankStatus, Status, StatusReply
 
 log = logging.getLogger("kvferry.bootstrap")
 
 DEFAULT_PORT = 8998
 
 
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    """One bootstrap server.
+
+    ``secret``: authenticates every message (None: off). A ``host`` that is
+    not a loopback address needs a secret or ``insecure=True`` (see
+    :mod:`bootstrap.protect`). ``rank_ttl_s``: drop a rank not re-registered
+    for that long (0: never). ``node_grace_s``: for that long after start a
+    lookup of a node nobody registered is "not ready" (the ranks of a
+    restarted server re-register within it: they do every 2 s); after it,
+    "unknown node". ``metrics_port``: serve Prometheus ``/metrics`` there, on
+    ``host`` (needs ``prometheus-client``; None: off, 0: any free port).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    secret: str | bytes | None = None
+    rank_ttl_s: float = 15.0
+    node_grace_s: float = 4.0
+    insecure: bool = False
+    metrics_port: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"ServerConfig.port must be in [0, 65536), got {self.port}")
+        if self.rank_ttl_s < 0 or self.node_grace_s < 0:
+            raise ValueError("ServerConfig.rank_ttl_s and node_grace_s must be >= 0")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"ServerConfig.metrics_port must be in [0, 65536), got {self.metrics_port}")
+        check_protected(self.host, has_secret=bool(self.secret), insecure=self.insecure,
+                        what="the bootstrap server", how_insecure="--insecure (KVFERRY_INSECURE=1)")
+
+
 class BootstrapServer:
     """Owns the ROUTER socket and the registry.
 
-    ``serve_forever()`` blocks until :meth:`close` is called (from another
-    thread or a signal handler); ``start()`` runs it on a daemon thread.
+    ``BootstrapServer(ServerConfig(...))``, or ``BootstrapServer(host, port,
+    **fields of ServerConfig)``. Raises ``InsecureBindError`` (protected
+    mode), ``OSError`` when the address cannot be bound. ``serve_forever()``
+    blocks until :meth:`close` is called (from another thread or a signal
+    handler); ``start()`` runs it on a daemon thread.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, secret: str | bytes | None = None,
-                 rank_ttl_s: float = 15.0) -> None:
+    def __init__(self, host: str | ServerConfig = "127.0.0.1", port: int = DEFAULT_PORT, **options) -> None:
+        config = host if isinstance(host, ServerConfig) else ServerConfig(host=host, port=port, **options)
+        self.config = config
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, codec.MAX_MESSAGE_BYTES)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         try:
-            if port == 0:
-                port = self._sock.bind_to_random_port(f"tcp://{host}")
+            if config.port == 0:
+                port = self._sock.bind_to_random_port(f"tcp://{config.host}")
             else:
-                self._sock.bind(f"tcp://{host}:{port}")
+                port = config.port
+                self._sock.bind(f"tcp://{config.host}:{port}")
         except zmq.ZMQError as exc:
             self._sock.close()
             self._ctx.term()
-            raise OSError(f"bootstrap server cannot bind tcp://{host}:{port}: {exc}") from exc
-        self.host, self.port = host, port
-        self.registry = Registry(ttl_s=rank_ttl_s)
-        self._key = codec.secret_key(secret)
+            raise OSError(f"bootstrap server cannot bind tcp://{config.host}:{config.port}: {exc}") from exc
+        self.host, self.port = config.host, port
+        self.started_at = time.monotonic()
+        self.registry = Registry(ttl_s=config.rank_ttl_s, node_grace_s=config.node_grace_s,
+                                 started_at=self.started_at)
+        self._key = codec.secret_key(config.secret)
         self.num_requests = 0
         self.num_errors = 0
         self.num_unauthenticated = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._handlers = {Register: self._register, Unregister: self._unregister, Lookup: self._lookup,
+                          Status: self._status, Ping: self._ping}
 
     @property
     def address(self) -> str:
@@ -107,17 +154,10 @@ class BootstrapServer:
     def _answer(self, payload: bytes):
         try:
             request = codec.decode(payload, self._key)
-            if isinstance(request, Register):
-                reply = self.registry.register(request.rank, time.monotonic())
-                log.debug("bootstrap: registered %s dp %d tp %d/%d (%d of %d)",
-                         request.rank.node_id, request.rank.dp_rank, request.rank.tp_rank,
-                         request.rank.tp_size, reply.num_registered, reply.tp_size)
-                return reply
-            if isinstance(request, Lookup):
-                return self.registry.lookup(request.node_id, request.dp_rank, time.monotonic())
-            if isinstance(request, Ping):
-                return Pong(num_nodes=self.registry.num_nodes, num_errors=self.num_errors)
-            raise ProtocolError(f"the bootstrap server does not serve {request.KIND!r} messages")
+            handler = self._handlers.get(type(request))
+            if handler is None:
+                raise ProtocolError(f"the bootstrap server does not serve {request.KIND!r} messages")
+            return handler(request, time.monotonic())
         except AuthError as exc:
             self.num_errors += 1
             self.num_unauthenticated += 1
@@ -134,6 +174,40 @@ class BootstrapServer:
             self.num_errors += 1
             log.exception("bootstrap: internal error")
             return ErrorReply(code="internal", message=f"{type(exc).__name__}: {exc}")
+
+    # --- one handler per request kind: (request, monotonic now) -> reply ----------
+
+    def _register(self, request: Register, now: float):
+        reply = self.registry.register(request.rank, now)
+        log.debug("bootstrap: registered %s dp %d tp %d/%d (%d of %d)", request.rank.node_id,
+                  request.rank.dp_rank, request.rank.tp_rank, request.rank.tp_size, reply.num_registered,
+                  reply.tp_size)
+        return reply
+
+    def _unregister(self, request: Unregister, now: float):
+        reply = self.registry.unregister(request.node_id, request.dp_rank, request.tp_rank, request.session)
+        log.info("bootstrap: %s %s dp %d tp %d (session %s)", "unregistered" if reply.removed else
+                 "ignored the unregistration of", request.node_id, request.dp_rank, request.tp_rank, request.session)
+        return reply
+
+    def _lookup(self, request: Lookup, now: float):
+        return self.registry.lookup(request.node_id, request.dp_rank, now)
+
+    def _status(self, request: Status, now: float):
+        entries = self.registry.entries(now)
+        ranks = tuple(
+            RankStatus(node_id=r.node_id, dp_rank=r.dp_rank, dp_size=r.dp_size, tp_rank=r.tp_rank, tp_size=r.tp_size,
+                       session=r.session, control_endpoint=r.control_endpoint, age_s=round(age, 3),
+                       pools=tuple(PoolSummary.of(p) for p in r.pools))
+            for r, age in entries[:MAX_STATUS_RANKS])
+        return StatusReply(uptime_s=round(now - self.started_at, 3), rank_ttl_s=self.config.rank_ttl_s,
+                           node_grace_s=self.config.node_grace_s, num_requests=self.num_requests,
+                           num_errors=self.num_errors, num_unauthenticated=self.num_unauthenticated,
+                           num_expired=self.registry.num_expired, ranks=ranks,
+                           num_omitted=max(0, len(entries) - MAX_STATUS_RANKS))
+
+    def _ping(self, request: Ping, now: float):
+        return Pong(num_nodes=self.registry.num_nodes, num_errors=self.num_errors)
 
     def _send(self, head: list[bytes], reply, *, seal: bool = True) -> None:
         try:
