@@ -72,6 +72,8 @@ def serve(argv: list[str]) -> int:
     # The line tests and launch scripts wait for; it names the bound port.
     auth = " (authenticated)" if secret else ""
     print(f"kvferry bootstrap{auth} listening on {server.address}", flush=True)
+    if server.metrics.port is not None:
+        print(f"kvferry bootstrap metrics on http://{server.host}:{server.metrics.port}/metrics", flush=True)
     server.serve_forever()
     return 0
 

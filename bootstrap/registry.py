@@ -54,12 +54,14 @@ class Registry:
         self.node_grace_s = node_grace_s
         self.started_at = started_at
         self.num_expired = 0
+        self._num_ranks = 0
         #: Bumped whenever what a lookup returns may change (replies may be cached by it).
         self.version = 0
 
     @property
     def num_ranks(self) -> int:
-        return sum(len(g.ranks) for n in self._nodes.values() for g in n.groups.values())
+        """Ranks registered now (kept up to date, O(1))."""
+        return self._num_ranks
 
     def known_nodes(self, limit: int = MAX_KNOWN_NODES) -> tuple[str, ...]:
         """Up to ``limit`` registered node ids, sorted."""
@@ -86,6 +88,7 @@ class Registry:
                 for tp_rank in [r for r, t in group.seen.items() if now - t > self.ttl_s]:
                     del group.ranks[tp_rank], group.seen[tp_rank]
                     self.num_expired += 1
+                    self._num_ranks -= 1
                     self.version += 1
                 if not group.ranks:
                     del node.groups[dp]
@@ -112,9 +115,11 @@ class Registry:
         if node is None:
             node = self._nodes[rank.node_id] = _Node(dp_size=rank.dp_size)
         if group is None or group.tp_size != rank.tp_size:
+            self._num_ranks -= len(group.ranks) if group else 0
             group = node.groups[rank.dp_rank] = _Group(tp_size=rank.tp_size)
         if group.ranks.get(rank.tp_rank) != rank:
             self.version += 1
+            self._num_ranks += rank.tp_rank not in group.ranks
         group.ranks[rank.tp_rank] = rank
         group.seen[rank.tp_rank] = now
         return Registered(
@@ -133,6 +138,7 @@ class Registry:
         if removed:
             del group.ranks[tp_rank], group.seen[tp_rank]
             self.version += 1
+            self._num_ranks -= 1
             if not group.ranks:
                 del node.groups[dp_rank]
             if not node.groups:

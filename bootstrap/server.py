@@ -20,6 +20,7 @@ import zmq
 from bootstrap import codec
 from bootstrap.errors import AuthError, ProtocolError
 from bootstrap.messages import ErrorReply, Lookup, Ping, Pong, Register, Unregister
+from bootstrap.metrics import NoMetrics, PrometheusMetrics, require_prometheus
 from bootstrap.protect import check_protected
 from bootstrap.registry import Registry, RegistryConflict
 from bootstrap.status import MAX_STATUS_RANKS, PoolSummary, RankStatus, Status, StatusReply
@@ -75,6 +76,8 @@ class BootstrapServer:
     def __init__(self, host: str | ServerConfig = "127.0.0.1", port: int = DEFAULT_PORT, **options) -> None:
         config = host if isinstance(host, ServerConfig) else ServerConfig(host=host, port=port, **options)
         self.config = config
+        if config.metrics_port is not None:
+            require_prometheus()  # before anything is bound
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -91,6 +94,14 @@ class BootstrapServer:
             self._ctx.term()
             raise OSError(f"bootstrap server cannot bind tcp://{config.host}:{config.port}: {exc}") from exc
         self.host, self.port = config.host, port
+        try:
+            self.metrics = NoMetrics() if config.metrics_port is None else PrometheusMetrics(config.host,
+                                                                                             config.metrics_port)
+        except OSError as exc:
+            self._sock.close()
+            self._ctx.term()
+            raise OSError(f"bootstrap server cannot serve metrics on {config.host}:{config.metrics_port}: "
+                          f"{exc}") from exc
         self.started_at = time.monotonic()
         self.registry = Registry(ttl_s=config.rank_ttl_s, node_grace_s=config.node_grace_s,
                                  started_at=self.started_at)
@@ -99,6 +110,7 @@ class BootstrapServer:
         self.num_errors = 0
         self.num_unauthenticated = 0
         self._stop = threading.Event()
+        self._serving = False
         self._thread: threading.Thread | None = None
         self._handlers = {Register: self._register, Unregister: self._unregister, Lookup: self._lookup,
                           Status: self._status, Ping: self._ping}
@@ -113,6 +125,7 @@ class BootstrapServer:
         return self
 
     def serve_forever(self) -> None:
+        self._serving = True
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         while not self._stop.is_set():
@@ -130,10 +143,12 @@ class BootstrapServer:
             self._serve(frames)
         self._sock.close()
         self._ctx.term()
+        self.metrics.close()
 
     def _serve(self, frames: list[bytes]) -> None:
         # REQ clients send [id, (correlation id,) b"", payload]: everything up
         # to the empty delimiter is echoed back. DEALER clients send [id, payload].
+        started = time.perf_counter()
         self.num_requests += 1
         if len(frames) >= 3 and frames[-2] == b"":
             head, payload = frames[:-1], frames[-1]
@@ -141,44 +156,52 @@ class BootstrapServer:
             head, payload = frames[:1], frames[1]
         else:
             self.num_errors += 1
+            self.metrics.on_dropped("malformed")
             log.warning("bootstrap: dropped a request of %d frames", len(frames))
             if len(frames) > 2:
                 reply = ErrorReply(code="protocol", message=f"expected 1 payload frame, got {len(frames) - 1}")
                 self._send(frames[:1], reply)
             return
-        reply = self._answer(payload)
+        kind, reply = self._answer(payload)
         # A refused requester has no secret (or the wrong one): it could not
         # read a sealed error, so that one reply goes out bare.
         self._send(head, reply, seal=not (isinstance(reply, ErrorReply) and reply.code == "auth"))
+        self.metrics.on_request(kind, time.perf_counter() - started, self.registry.num_ranks)
 
-    def _answer(self, payload: bytes):
+    def _answer(self, payload: bytes) -> tuple[str, object]:
+        """(the request's kind, or "invalid"; the reply)."""
+        kind = "invalid"
         try:
             request = codec.decode(payload, self._key)
             handler = self._handlers.get(type(request))
             if handler is None:
                 raise ProtocolError(f"the bootstrap server does not serve {request.KIND!r} messages")
-            return handler(request, time.monotonic())
+            kind = request.KIND
+            return kind, handler(request, time.monotonic())
         except AuthError as exc:
             self.num_errors += 1
             self.num_unauthenticated += 1
+            self.metrics.on_dropped("unauthenticated")
             log.warning("bootstrap: refused: %s", exc)
-            return ErrorReply(code="auth", message=str(exc))
+            return kind, ErrorReply(code="auth", message=str(exc))
         except ProtocolError as exc:
             self.num_errors += 1
+            self.metrics.on_dropped("malformed")
             log.warning("bootstrap: bad request: %s", exc)
-            return ErrorReply(code="protocol", message=str(exc))
+            return kind, ErrorReply(code="protocol", message=str(exc))
         except RegistryConflict as exc:
             self.num_errors += 1
-            return ErrorReply(code="conflict", message=str(exc))
+            return kind, ErrorReply(code="conflict", message=str(exc))
         except Exception as exc:  # the loop must survive anything a request triggers
             self.num_errors += 1
             log.exception("bootstrap: internal error")
-            return ErrorReply(code="internal", message=f"{type(exc).__name__}: {exc}")
+            return kind, ErrorReply(code="internal", message=f"{type(exc).__name__}: {exc}")
 
     # --- one handler per request kind: (request, monotonic now) -> reply ----------
 
     def _register(self, request: Register, now: float):
         reply = self.registry.register(request.rank, now)
+        self.metrics.on_registration()
         log.debug("bootstrap: registered %s dp %d tp %d/%d (%d of %d)", request.rank.node_id,
                   request.rank.dp_rank, request.rank.tp_rank, request.rank.tp_size, reply.num_registered,
                   reply.tp_size)
@@ -186,12 +209,20 @@ class BootstrapServer:
 
     def _unregister(self, request: Unregister, now: float):
         reply = self.registry.unregister(request.node_id, request.dp_rank, request.tp_rank, request.session)
+        if reply.removed:
+            self.metrics.on_unregistration()
         log.info("bootstrap: %s %s dp %d tp %d (session %s)", "unregistered" if reply.removed else
                  "ignored the unregistration of", request.node_id, request.dp_rank, request.tp_rank, request.session)
         return reply
 
     def _lookup(self, request: Lookup, now: float):
-        return self.registry.lookup(request.node_id, request.dp_rank, now)
+        try:
+            reply = self.registry.lookup(request.node_id, request.dp_rank, now)
+        except RegistryConflict:
+            self.metrics.on_lookup("refused")
+            raise
+        self.metrics.on_lookup("ready" if reply.ready else "unknown_node" if reply.unknown_node else "not_ready")
+        return reply
 
     def _status(self, request: Status, now: float):
         entries = self.registry.entries(now)
@@ -216,6 +247,13 @@ class BootstrapServer:
             log.warning("bootstrap: reply dropped: %s", exc)
 
     def close(self, timeout_s: float = 2.0) -> None:
+        """Stop serving; the serving loop closes the socket and the metrics
+        server. Safe to call from a signal handler while serve_forever() runs."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
+        elif not self._serving:  # never served: nothing else will close them
+            self._serving = True
+            self._sock.close()
+            self._ctx.term()
+            self.metrics.close()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bootstrap.messages import MAX_KNOWN_NODES, LookupReply, Registered
 from bootstrap.registry import Registry, RegistryConflict
@@ -209,3 +211,22 @@ def test_entries_are_ordered_with_their_age():
     reg.register(make_rank(node_id="a"), now=8.0)
     got = [(r.node_id, r.tp_rank, age) for r, age in reg.entries(now=10.0)]
     assert got == [("a", 0, 2.0), ("b", 0, 3.0), ("b", 1, 5.0)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["register", "unregister", "expire"]), st.sampled_from(["a", "b"]),
+                          st.integers(0, 2), st.sampled_from([2, 3]), st.sampled_from(["s1", "s2"])), max_size=40))
+def test_num_ranks_always_counts_the_entries(ops):
+    reg = Registry(ttl_s=5.0)
+    for now, (op, node, tp, tp_size, session) in enumerate(ops):
+        if op == "register" and tp < tp_size:
+            try:
+                reg.register(make_rank(node_id=node, tp_rank=tp, tp_size=tp_size, session=session), now=now)
+            except RegistryConflict:
+                pass
+        elif op == "unregister":
+            reg.unregister(node, 0, tp, session)
+        else:
+            reg.expire(now)
+        entries = reg.entries(now)  # expires first
+        assert reg.num_ranks == len(entries)
