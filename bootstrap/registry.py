@@ -55,8 +55,19 @@ class Registry:
         self.started_at = started_at
         self.num_expired = 0
         self._num_ranks = 0
+        self._next_expiry = 0.0
         #: Bumped whenever what a lookup returns may change (replies may be cached by it).
         self.version = 0
+        self._node_versions: dict[str, int] = {}
+
+    def _changed(self, node_id: str) -> None:
+        self.version += 1
+        self._node_versions[node_id] = self.version
+
+    def node_version(self, node_id: str) -> int:
+        """Changes whenever what a lookup of ``node_id`` returns may change
+        (the registry's version at the node's last change; -1: not known)."""
+        return self._node_versions.get(node_id, -1)
 
     @property
     def num_ranks(self) -> int:
@@ -70,7 +81,7 @@ class Registry:
     def entries(self, now: float = 0.0) -> list[tuple[RankInfo, float]]:
         """Every registered rank with the seconds since it last registered,
         ordered by (node, DP rank, TP rank)."""
-        self.expire(now)
+        self.expire_if_due(now)
         return [(group.ranks[tp], now - group.seen[tp])
                 for node_id in sorted(self._nodes) for dp, group in sorted(self._nodes[node_id].groups.items())
                 for tp in sorted(group.ranks)]
@@ -79,27 +90,35 @@ class Registry:
     def num_nodes(self) -> int:
         return len(self._nodes)
 
+    def expire_if_due(self, now: float) -> None:
+        """:meth:`expire`, at most every ``min(1 s, ttl_s / 8)`` (it scans
+        every rank): a dead rank goes between ``ttl_s`` and that much later."""
+        if self.ttl_s and now >= self._next_expiry:
+            self.expire(now)
+
     def expire(self, now: float) -> None:
         """Drop ranks not registered again within ``ttl_s`` (0: never)."""
         if not self.ttl_s:
             return
+        self._next_expiry = now + min(1.0, self.ttl_s / 8)
         for node_id, node in list(self._nodes.items()):
             for dp, group in list(node.groups.items()):
                 for tp_rank in [r for r, t in group.seen.items() if now - t > self.ttl_s]:
                     del group.ranks[tp_rank], group.seen[tp_rank]
                     self.num_expired += 1
                     self._num_ranks -= 1
-                    self.version += 1
+                    self._changed(node_id)
                 if not group.ranks:
                     del node.groups[dp]
             if not node.groups:
                 del self._nodes[node_id]
+                self._node_versions.pop(node_id, None)
 
     def register(self, rank: RankInfo, now: float = 0.0) -> Registered:
         """Add or replace a rank (``now``: a monotonic clock, for the TTL).
         Raises :class:`RegistryConflict` when its ``dp_size`` or ``tp_size``
         disagree with ranks already registered."""
-        self.expire(now)
+        self.expire_if_due(now)
         node = self._nodes.get(rank.node_id)
         if node is not None and node.dp_size != rank.dp_size:
             raise RegistryConflict(
@@ -117,8 +136,9 @@ class Registry:
         if group is None or group.tp_size != rank.tp_size:
             self._num_ranks -= len(group.ranks) if group else 0
             group = node.groups[rank.dp_rank] = _Group(tp_size=rank.tp_size)
-        if group.ranks.get(rank.tp_rank) != rank:
-            self.version += 1
+        old = group.ranks.get(rank.tp_rank)
+        if old is not rank and old != rank:
+            self._changed(rank.node_id)
             self._num_ranks += rank.tp_rank not in group.ranks
         group.ranks[rank.tp_rank] = rank
         group.seen[rank.tp_rank] = now
@@ -137,12 +157,13 @@ class Registry:
         removed = rank is not None and rank.session == session
         if removed:
             del group.ranks[tp_rank], group.seen[tp_rank]
-            self.version += 1
+            self._changed(node_id)
             self._num_ranks -= 1
             if not group.ranks:
                 del node.groups[dp_rank]
             if not node.groups:
                 del self._nodes[node_id]
+                self._node_versions.pop(node_id, None)
         return Unregistered(node_id=node_id, dp_rank=dp_rank, tp_rank=tp_rank, removed=removed,
                             num_registered=len(group.ranks) if group else 0)
 
@@ -155,7 +176,7 @@ class Registry:
         """The group's ranks ordered by TP rank once all registered; a
         not-ready reply (empty ``ranks``) before that, also for a node not
         registered yet; an ``unknown_node`` reply (see :meth:`is_unknown`)."""
-        self.expire(now)
+        self.expire_if_due(now)
         node = self._nodes.get(node_id)
         group = node.groups.get(dp_rank) if node else None
         if node is not None and dp_rank >= node.dp_size:

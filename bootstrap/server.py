@@ -27,6 +27,12 @@ from bootstrap.status import MAX_STATUS_RANKS, PoolSummary, RankStatus, Status, 
 
 log = logging.getLogger("kvferry.bootstrap")
 
+#: Decoded requests are kept by their (authenticated) payload bytes, up to
+#: this many of at most _CACHE_BYTES each: a rank re-registers the same bytes
+#: every 2 s, and decoding a Register checks every buffer of every layer.
+_CACHE_ENTRIES = 8192
+_CACHE_BYTES = 64 << 10
+
 DEFAULT_PORT = 8998
 
 
@@ -112,6 +118,9 @@ class BootstrapServer:
         self._stop = threading.Event()
         self._serving = False
         self._thread: threading.Thread | None = None
+        self._decoded: dict[bytes, object] = {}
+        # Encoded ready lookup replies by (node, dp), valid for one version of the node.
+        self._replies: dict[tuple[str, int], tuple[int, bytes]] = {}
         self._handlers = {Register: self._register, Unregister: self._unregister, Lookup: self._lookup,
                           Status: self._status, Ping: self._ping}
 
@@ -165,14 +174,21 @@ class BootstrapServer:
         kind, reply = self._answer(payload)
         # A refused requester has no secret (or the wrong one): it could not
         # read a sealed error, so that one reply goes out bare.
-        self._send(head, reply, seal=not (isinstance(reply, ErrorReply) and reply.code == "auth"))
+        if isinstance(reply, bytes):  # encoded already
+            data = codec.seal(reply, self._key)
+        else:
+            data = codec.encode(reply, None if isinstance(reply, ErrorReply) and reply.code == "auth" else self._key)
+        try:
+            self._sock.send_multipart([*head, data], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("bootstrap: reply dropped: %s", exc)
         self.metrics.on_request(kind, time.perf_counter() - started, self.registry.num_ranks)
 
     def _answer(self, payload: bytes) -> tuple[str, object]:
         """(the request's kind, or "invalid"; the reply)."""
         kind = "invalid"
         try:
-            request = codec.decode(payload, self._key)
+            request = self._decode(payload)
             handler = self._handlers.get(type(request))
             if handler is None:
                 raise ProtocolError(f"the bootstrap server does not serve {request.KIND!r} messages")
@@ -197,6 +213,19 @@ class BootstrapServer:
             log.exception("bootstrap: internal error")
             return kind, ErrorReply(code="internal", message=f"{type(exc).__name__}: {exc}")
 
+    def _decode(self, frame: bytes):
+        """The request in ``frame``: authenticated first, then decoded, or
+        taken from the cache of recently decoded payloads."""
+        payload = codec.unseal(frame, self._key)
+        request = self._decoded.get(payload)
+        if request is None:
+            request = codec.decode(payload)
+            if len(payload) <= _CACHE_BYTES:
+                if len(self._decoded) >= _CACHE_ENTRIES:
+                    del self._decoded[next(iter(self._decoded))]  # the oldest
+                self._decoded[payload] = request
+        return request
+
     # --- one handler per request kind: (request, monotonic now) -> reply ----------
 
     def _register(self, request: Register, now: float):
@@ -216,13 +245,27 @@ class BootstrapServer:
         return reply
 
     def _lookup(self, request: Lookup, now: float):
+        """A ready reply (8 ranks of 61 layers: ~27 KB, ~1.5 ms to encode) is
+        encoded once per version of its node and sent as bytes after that."""
+        key = (request.node_id, request.dp_rank)
+        self.registry.expire_if_due(now)
+        cached = self._replies.get(key)
+        if cached is not None and cached[0] == self.registry.node_version(request.node_id):
+            self.metrics.on_lookup("ready")
+            return cached[1]
         try:
             reply = self.registry.lookup(request.node_id, request.dp_rank, now)
         except RegistryConflict:
             self.metrics.on_lookup("refused")
             raise
         self.metrics.on_lookup("ready" if reply.ready else "unknown_node" if reply.unknown_node else "not_ready")
-        return reply
+        if not reply.ready:
+            return reply
+        if len(self._replies) >= _CACHE_ENTRIES:
+            self._replies.clear()
+        payload = codec.encode(reply)
+        self._replies[key] = (self.registry.node_version(request.node_id), payload)
+        return payload
 
     def _status(self, request: Status, now: float):
         entries = self.registry.entries(now)
@@ -240,9 +283,9 @@ class BootstrapServer:
     def _ping(self, request: Ping, now: float):
         return Pong(num_nodes=self.registry.num_nodes, num_errors=self.num_errors)
 
-    def _send(self, head: list[bytes], reply, *, seal: bool = True) -> None:
+    def _send(self, head: list[bytes], reply) -> None:
         try:
-            self._sock.send_multipart([*head, codec.encode(reply, self._key if seal else None)], zmq.NOBLOCK)
+            self._sock.send_multipart([*head, codec.encode(reply, self._key)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             log.warning("bootstrap: reply dropped: %s", exc)
 
