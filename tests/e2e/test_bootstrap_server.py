@@ -1,6 +1,7 @@
 """The bootstrap server as a separate process: registration, not-ready
 lookups, and bad input that gets an error reply while the server goes on."""
 
+import dataclasses
 import socket
 import time
 
@@ -123,3 +124,26 @@ def test_server_gone_after_serving_is_refused_fast():
         with pytest.raises(BootstrapRefused):
             client.ping()
         assert time.monotonic() - start < 1.0
+
+
+def test_lookup_replies_follow_reregistration_unregistration_and_expiry():
+    # The server encodes a ready reply once per change of its node: every change must show.
+    with BootstrapProcess(extra_args=("--rank-ttl", "1")) as server:
+        with BootstrapClient(server.address, timeout_s=5) as client:
+            client.register(_rank(0))
+            client.register(_rank(1))
+            client.register(_rank(0, tp_size=1, node="other"))
+            first = client.lookup("p0", 0)
+            assert first.ready and client.lookup("p0", 0) == first
+            moved = dataclasses.replace(_rank(1), control_endpoint="tcp://127.0.0.1:2999")
+            client.register(moved)
+            assert client.lookup("p0", 0).ranks[1].control_endpoint == "tcp://127.0.0.1:2999"
+            client.register(_rank(0, tp_size=1, node="other"))  # another node's change keeps p0's reply right
+            assert client.lookup("p0", 0).ranks == (_rank(0), moved)
+            client.unregister(moved)
+            assert not client.lookup("p0", 0).ready
+            client.register(moved)
+            assert client.lookup("p0", 0).ready
+            time.sleep(1.5)  # nobody re-registers: expired
+            gone = client.lookup("p0", 0)
+            assert not gone.ready and gone.dp_size == 0
