@@ -11,7 +11,7 @@ import zmq
 from bootstrap import codec
 from bootstrap.errors import (AuthError, BootstrapError, BootstrapRefused, BootstrapUnavailable, ProtocolError,
                               UnknownNodeError)
-from bootstrap.messages import (ErrorReply, Lookup, LookupReply, Ping, Pong, RankInfo, Register, Registered,
+from bootstrap.messages import (MAX_KNOWN_NODES, ErrorReply, Lookup, LookupReply, Ping, Pong, RankInfo, Register, Registered,
                                 Unregister, Unregistered)
 from bootstrap.status import Status, StatusReply
 
@@ -157,6 +157,8 @@ class BootstrapClient:
         reply = self._expect(self.request(Lookup(node_id=node_id, dp_rank=dp_rank)), LookupReply)
         if strict and reply.unknown_node:
             known = ", ".join(map(repr, reply.known_nodes)) or "none"
+            if len(reply.known_nodes) == MAX_KNOWN_NODES:
+                known += ", ... (the first few only)"
             raise UnknownNodeError(f"bootstrap server {self.address} knows no prefill node {node_id!r} "
                                    f"(known nodes: {known})", node_id=node_id, known_nodes=reply.known_nodes)
         return reply
