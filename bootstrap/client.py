@@ -11,8 +11,8 @@ import zmq
 from bootstrap import codec
 from bootstrap.errors import (AuthError, BootstrapError, BootstrapRefused, BootstrapUnavailable, ProtocolError,
                               UnknownNodeError)
-from bootstrap.messages import (MAX_KNOWN_NODES, ErrorReply, Lookup, LookupReply, Ping, Pong, RankInfo, Register, Registered,
-                                Unregister, Unregistered)
+from bootstrap.messages import (MAX_KNOWN_NODES, ErrorReply, Lookup, LookupReply, Ping, Pong, RankInfo, Register,
+                                Registered, Unregister, Unregistered)
 from bootstrap.status import Status, StatusReply
 
 #: How long a request waits for its reply before it checks, with a plain TCP
