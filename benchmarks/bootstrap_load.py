@@ -98,7 +98,8 @@ def _summary(merged: dict, seconds: float, cpu_s: float, idle_cpu_per_s: float) 
     p50, p99 = _percentile(lat, 0.5), _percentile(lat, 0.99)
     extra_s = max(0.0, cpu_s - idle_cpu_per_s * seconds)
     return {**merged, "answered": answered, "achieved_rate": round(answered / seconds, 1),
-            "p50_ms": None if p50 is None else round(p50 * 1e3, 3), "p99_ms": None if p99 is None else round(p99 * 1e3, 3),
+            "p50_ms": None if p50 is None else round(p50 * 1e3, 3),
+            "p99_ms": None if p99 is None else round(p99 * 1e3, 3),
             "server_cpu_percent": round(100 * cpu_s / seconds, 1),
             "server_cpu_us_per_lookup": round(1e6 * extra_s / answered, 1) if answered else None,
             "client_cpu_percent": round(100 * merged.get("client_cpu_s", 0.0) / seconds, 1)}
@@ -214,7 +215,8 @@ def _print(result: dict) -> None:
           f"(new one listening after {m['restart_s']:.2f} s): achieved {m['achieved_rate']:g}/s, p50 {m['p50_ms']} ms, "
           f"p99 {m['p99_ms']} ms; failed {m['failed']} of {m['sent']} (lost {m['lost']}, not ready {m['not_ready']}, "
           f"unknown node {m['unknown_node']}, error {m['error']}); first ready reply "
-          f"{_s(m['first_ready_after_s'])} s after the restart began, last failed lookup sent {_s(m['last_failed_sent_after_s'])} s "
+          f"{_s(m['first_ready_after_s'])} s after the restart began, last failed lookup sent "
+          f"{_s(m['last_failed_sent_after_s'])} s "
           f"after it")
     r = result["registrations"]
     print(f"registrations: {r['answered']} of {r['sent']} answered, {r['errors']} errors, p50 {r['p50_ms']} ms, "
