@@ -2,28 +2,62 @@
 
 from __future__ import annotations
 
+import socket
 import threading
+import time
 
 import zmq
 
 from bootstrap import codec
-from bootstrap.errors import AuthError, BootstrapError, BootstrapUnavailable, ProtocolError
-from bootstrap.messages import ErrorReply, Lookup, LookupReply, Ping, Pong, RankInfo, Register, Registered
+from bootstrap.errors import (AuthError, BootstrapError, BootstrapRefused, BootstrapUnavailable, ProtocolError,
+                              UnknownNodeError)
+from bootstrap.messages import (MAX_KNOWN_NODES, ErrorReply, Lookup, LookupReply, Ping, Pong, RankInfo, Register,
+                                Registered, Unregister, Unregistered)
+from bootstrap.status import Status, StatusReply
+
+#: How long a request waits for its reply before it checks, with a plain TCP
+#: connect, whether anything listens at the server's address at all.
+PROBE_AFTER_S = 0.1
+#: The connect timeout of that check.
+PROBE_TIMEOUT_S = 0.5
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) as (host, port); ValueError otherwise."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"bootstrap address must be host:port, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def refuses_connections(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """True when a TCP connect to ``address`` is refused (nothing listens
+    there). False when it connects, or fails otherwise within ``timeout_s``
+    (a slow or filtered network tells nothing)."""
+    try:
+        with socket.create_connection(split_address(address), timeout=timeout_s):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
 
 
 class BootstrapClient:
     """Talks to one bootstrap server at ``address`` (``host:port``).
 
-    Every call blocks for at most ``timeout_s`` and then raises
-    :class:`BootstrapUnavailable`; an error reply raises
+    Every call blocks for at most ``timeout_s`` (or the call's own timeout)
+    and then raises :class:`BootstrapUnavailable`. If no reply came within
+    :data:`PROBE_AFTER_S`, one TCP connect checks the address: when it is
+    refused, :class:`BootstrapRefused` (a ``BootstrapUnavailable``) is raised
+    at once, not at the timeout. An error reply raises
     :class:`BootstrapError`, a refused or unauthenticated exchange
     :class:`AuthError`. With ``secret``, requests are sealed and replies must
     be (see :mod:`bootstrap.codec`). Thread-safe (calls are serialized).
     """
 
     def __init__(self, address: str, *, timeout_s: float = 5.0, secret: str | bytes | None = None) -> None:
-        if ":" not in address:
-            raise ValueError(f"bootstrap address must be host:port, got {address!r}")
+        split_address(address)
         self.address = address
         self.timeout_s = timeout_s
         self._key = codec.secret_key(secret)
@@ -38,32 +72,52 @@ class BootstrapClient:
             sock.setsockopt(zmq.REQ_RELAXED, 1)
             sock.setsockopt(zmq.REQ_CORRELATE, 1)
             sock.setsockopt(zmq.MAXMSGSIZE, codec.MAX_MESSAGE_BYTES)
-            timeout_ms = max(1, int(self.timeout_s * 1000))
-            sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
-            sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+            sock.setsockopt(zmq.SNDTIMEO, max(1, int(self.timeout_s * 1000)))
             sock.connect(f"tcp://{self.address}")
             self._sock = sock
         return self._sock
 
-    def request(self, msg):
+    def _drop_socket(self) -> None:
+        # A fresh socket cannot get the abandoned request's late reply.
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+
+    def request(self, msg, *, timeout_s: float | None = None):
         """Send ``msg`` and return the decoded reply (never an ErrorReply)."""
         payload = codec.encode(msg, self._key)
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
             sock = self._socket()
             try:
                 sock.send(payload)
-                data = sock.recv()
-            except zmq.Again:
-                # Drop the socket: a fresh one cannot get this request's late reply.
-                sock.close(0)
-                self._sock = None
-                raise BootstrapUnavailable(
-                    f"bootstrap server {self.address} did not answer {msg.KIND!r} within {self.timeout_s:g} s"
-                ) from None
+                data = self._receive(sock, msg, timeout_s)
             except zmq.ZMQError as exc:
-                sock.close(0)
-                self._sock = None
+                self._drop_socket()
                 raise BootstrapUnavailable(f"bootstrap server {self.address}: {exc}") from exc
+            except BootstrapUnavailable:
+                self._drop_socket()
+                raise
+        return self._decode(data)
+
+    def _receive(self, sock: zmq.Socket, msg, timeout_s: float) -> bytes:
+        deadline = time.monotonic() + timeout_s
+        probed = False
+        while True:
+            left = deadline - time.monotonic()
+            wait = left if probed else min(left, PROBE_AFTER_S)
+            if wait > 0 and sock.poll(max(1, int(wait * 1000)), zmq.POLLIN):
+                return sock.recv()
+            if time.monotonic() >= deadline:
+                raise BootstrapUnavailable(
+                    f"bootstrap server {self.address} did not answer {msg.KIND!r} within {timeout_s:g} s")
+            if not probed:
+                probed = True
+                if refuses_connections(self.address, min(PROBE_TIMEOUT_S, max(0.05, left))):
+                    raise BootstrapRefused(f"bootstrap server {self.address} refused the connection "
+                                           f"(nothing listens there); {msg.KIND!r} not sent")
+
+    def _decode(self, data: bytes):
         try:
             reply = codec.decode(data, self._key)
         except AuthError as exc:
@@ -87,8 +141,30 @@ class BootstrapClient:
     def register(self, rank: RankInfo) -> Registered:
         return self._expect(self.request(Register(rank=rank)), Registered)
 
-    def lookup(self, node_id: str, dp_rank: int) -> LookupReply:
-        return self._expect(self.request(Lookup(node_id=node_id, dp_rank=dp_rank)), LookupReply)
+    def unregister(self, rank: RankInfo, *, timeout_s: float = 0.5) -> Unregistered:
+        """Remove ``rank``'s entry now (only if the server holds it with
+        ``rank.session``). For a closing prefill rank: a short timeout, and
+        the caller may ignore :class:`BootstrapUnavailable` (the entry then
+        expires at the server's rank TTL)."""
+        msg = Unregister(node_id=rank.node_id, dp_rank=rank.dp_rank, tp_rank=rank.tp_rank, session=rank.session)
+        return self._expect(self.request(msg, timeout_s=timeout_s), Unregistered)
+
+    def lookup(self, node_id: str, dp_rank: int, *, strict: bool = False) -> LookupReply:
+        """The DP group's ranks (``ready``) or the progress (not ready). An
+        unknown node (see :class:`LookupReply`) is a not-ready reply with
+        ``unknown_node`` set, or, with ``strict``, raises
+        :class:`UnknownNodeError` naming the known nodes."""
+        reply = self._expect(self.request(Lookup(node_id=node_id, dp_rank=dp_rank)), LookupReply)
+        if strict and reply.unknown_node:
+            known = ", ".join(map(repr, reply.known_nodes)) or "none"
+            if len(reply.known_nodes) == MAX_KNOWN_NODES:
+                known += ", ... (the first few only)"
+            raise UnknownNodeError(f"bootstrap server {self.address} knows no prefill node {node_id!r} "
+                                   f"(known nodes: {known})", node_id=node_id, known_nodes=reply.known_nodes)
+        return reply
+
+    def status(self) -> StatusReply:
+        return self._expect(self.request(Status()), StatusReply)
 
     def ping(self) -> Pong:
         return self._expect(self.request(Ping()), Pong)
@@ -100,9 +176,7 @@ class BootstrapClient:
 
     def close(self) -> None:
         with self._lock:
-            if self._sock is not None:
-                self._sock.close(0)
-                self._sock = None
+            self._drop_socket()
 
     def __enter__(self) -> "BootstrapClient":
         return self

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import hmac
 import time
@@ -41,7 +42,7 @@ import msgpack
 
 from bootstrap.errors import AuthError, ProtocolError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 #: Largest encoded message accepted, in bytes. Control messages carry page
 #: lists and buffer descriptors, never KV bytes.
@@ -101,7 +102,13 @@ def encode(msg: Any, key: bytes | None = None) -> bytes:
     if kind is None or _MESSAGES.get(kind) is not type(msg):
         raise ProtocolError(f"{type(msg).__name__} is not a registered message")
     body = _dump_struct(msg, kind)
-    payload = msgpack.packb({"v": PROTOCOL_VERSION, "kind": kind, "body": body}, use_bin_type=True)
+    return seal(msgpack.packb({"v": PROTOCOL_VERSION, "kind": kind, "body": body}, use_bin_type=True), key)
+
+
+def seal(payload: bytes, key: bytes | None) -> bytes:
+    """The frame for an encoded (unsealed) message: sealed now with ``key``,
+    or the payload itself without one. Lets a sender encode a message once
+    and seal it afresh for each send (the timestamp is per frame)."""
     if key is None:
         return payload
     head = MAGIC + int(time.time() * 1000).to_bytes(8, "big")
@@ -173,6 +180,21 @@ def _require_frozen(cls: type) -> None:
         raise TypeError(f"{cls.__name__} must be a frozen dataclass")
 
 
+@functools.cache
+def _fields(cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+@functools.cache
+def _origin(tp: Any) -> Any:
+    return typing.get_origin(tp)
+
+
+@functools.cache
+def _args(tp: Any) -> tuple:
+    return typing.get_args(tp)
+
+
 def _hints(cls: type) -> dict[str, Any]:
     hints = _HINTS.get(cls)
     if hints is None:
@@ -183,13 +205,12 @@ def _hints(cls: type) -> dict[str, Any]:
 
 def _dump_struct(obj: Any, path: str) -> dict[str, Any]:
     hints = _hints(type(obj))
-    return {
-        f.name: _dump(getattr(obj, f.name), hints[f.name], f"{path}.{f.name}")
-        for f in dataclasses.fields(obj)
-    }
+    return {name: _dump(getattr(obj, name), hints[name], f"{path}.{name}") for name in _fields(type(obj))}
 
 
 def _dump(value: Any, tp: Any, path: str) -> Any:
+    if type(value) is tp and tp in _SCALARS:  # the common case, checked below otherwise
+        return value
     _check(value, tp, path, decoding=False)
     if value is None:
         return None
@@ -207,8 +228,8 @@ def _load_struct(cls: type, body: Any, path: str) -> Any:
     if not isinstance(body, dict):
         raise ProtocolError(f"{path}: expected a map, got {type(body).__name__}", field=path)
     hints = _hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    extra = set(body) - set(fields)
+    fields = _fields(cls)
+    extra = body.keys() - fields.keys()
     if extra:
         name = sorted(map(str, extra))[0]
         raise ProtocolError(f"{path}: unexpected field {name!r}", field=f"{path}.{name}")
@@ -228,9 +249,11 @@ def _load_struct(cls: type, body: Any, path: str) -> Any:
 
 
 def _load(value: Any, tp: Any, path: str) -> Any:
-    origin = typing.get_origin(tp)
+    if type(value) is tp and tp in _SCALARS:  # the common case, checked below otherwise
+        return value
+    origin = _origin(tp)
     if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
+        args = _args(tp)
         if value is None:
             if type(None) in args:
                 return None
@@ -255,7 +278,7 @@ def _load(value: Any, tp: Any, path: str) -> Any:
 
 
 def _tuple_item(tp: Any) -> tuple[Any]:
-    args = typing.get_args(tp)
+    args = _args(tp)
     if len(args) != 2 or args[1] is not Ellipsis:
         raise TypeError(f"only tuple[T, ...] is supported, not {tp}")
     return (args[0],)
@@ -265,9 +288,9 @@ _SCALARS = {int, float, str, bytes, bool}
 
 
 def _check(value: Any, tp: Any, path: str, *, decoding: bool) -> None:
-    origin = typing.get_origin(tp)
+    origin = _origin(tp)
     if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
+        args = _args(tp)
         if value is None and type(None) in args:
             return
         (inner,) = [a for a in args if a is not type(None)]

@@ -9,8 +9,12 @@
     │                                mistyped field (also a ValueError)
     │   └── AuthError                not authenticated with the shared secret
     ├── BootstrapError               the bootstrap server answered with an error
+    │   └── UnknownNodeError         no such prefill node (after the server's node grace time)
+    ├── InsecureBindError            a non-loopback bind without a shared secret or an
+    │                                explicit insecure opt-out (also a ValueError)
     ├── KVTimeoutError               a bounded wait ran out (also a TimeoutError)
     │   └── BootstrapUnavailable     the bootstrap server did not answer in time
+    │       └── BootstrapRefused     nothing listens at its address (connection refused)
     └── (transfer.errors)
         ├── IncompatibleLayoutError  the handshake found a field that differs
         ├── TransferError            the engine failed to move bytes
@@ -64,3 +68,27 @@ class KVTimeoutError(KVFerryError, TimeoutError):
 
 class BootstrapUnavailable(KVTimeoutError):
     """The bootstrap server did not answer within the request timeout."""
+
+
+class BootstrapRefused(BootstrapUnavailable):
+    """Nothing listens at the bootstrap server's address: a TCP connect was
+    refused, so waiting out the request timeout would not help (known in
+    milliseconds). A server being restarted looks the same for a moment."""
+
+
+class UnknownNodeError(BootstrapError):
+    """The bootstrap server knows no rank of ``node_id`` although it has been
+    up for its node grace time (every live rank re-registers within it): the
+    name is wrong or the node is down. ``known_nodes``: (some of) the node ids
+    it does know."""
+
+    def __init__(self, message: str, *, node_id: str, known_nodes: tuple[str, ...] = ()) -> None:
+        super().__init__(message, code="unknown_node")
+        self.node_id = node_id
+        self.known_nodes = known_nodes
+
+
+class InsecureBindError(KVFerryError, ValueError):
+    """A server or rank would bind a non-loopback address without a shared
+    secret, and no explicit insecure opt-out was given (see
+    :func:`bootstrap.protect.check_protected`)."""

@@ -9,7 +9,9 @@ by position.
 Request/reply pairs served by the bootstrap server::
 
     Register   -> Registered | ErrorReply
-    Lookup     -> LookupReply (ready or not) | ErrorReply
+    Unregister -> Unregistered | ErrorReply
+    Lookup     -> LookupReply (ready, not ready, or unknown node) | ErrorReply
+    Status     -> StatusReply (in :mod:`bootstrap.status`)
     Ping       -> Pong
 """
 
@@ -22,6 +24,8 @@ from dataclasses import dataclass
 from bootstrap.codec import message, struct
 
 _MAX_NAME = 256
+#: At most this many node ids are named in an unknown-node reply.
+MAX_KNOWN_NODES = 32
 
 
 class PoolRole(str, enum.Enum):
@@ -262,7 +266,12 @@ class Lookup:
 class LookupReply:
     """``ready`` once all ``tp_size`` ranks of the group registered; until then
     ``ranks`` is empty and ``num_registered`` tells the progress (a not-ready
-    reply is not an error). ``dp_size`` is 0 while nothing of the node is known."""
+    reply is not an error). ``dp_size`` is 0 while nothing of the node is known.
+
+    ``unknown_node``: no rank of the node is registered although the server
+    has been up for its node grace time (every live rank re-registers within
+    it), so the name is wrong or the node is down; ``known_nodes`` then lists
+    (at most :data:`MAX_KNOWN_NODES` of) the node ids it does know."""
 
     node_id: str
     dp_rank: int
@@ -271,6 +280,44 @@ class LookupReply:
     tp_size: int
     num_registered: int
     ranks: tuple[RankInfo, ...]
+    unknown_node: bool = False
+    known_nodes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _require(len(self.known_nodes) <= MAX_KNOWN_NODES, f"known_nodes holds more than {MAX_KNOWN_NODES} ids")
+        _require(not (self.unknown_node and self.ready), "an unknown node cannot be ready")
+
+
+@message("unregister")
+@dataclass(frozen=True)
+class Unregister:
+    """A closing prefill rank leaves at once. The server drops the entry only
+    if ``session`` is the one registered, so the late close of an old process
+    cannot remove the rank that has replaced it."""
+
+    node_id: str
+    dp_rank: int
+    tp_rank: int
+    session: str
+
+    def __post_init__(self) -> None:
+        _check_name(self.node_id, "node_id")
+        _check_name(self.session, "session")
+        _require(self.dp_rank >= 0, f"dp_rank must be >= 0, got {self.dp_rank}")
+        _require(self.tp_rank >= 0, f"tp_rank must be >= 0, got {self.tp_rank}")
+
+
+@message("unregistered")
+@dataclass(frozen=True)
+class Unregistered:
+    """``removed``: the entry was there with that session and is gone;
+    ``num_registered``: ranks of the group still registered."""
+
+    node_id: str
+    dp_rank: int
+    tp_rank: int
+    removed: bool
+    num_registered: int
 
 
 @message("ping")

@@ -31,6 +31,8 @@ import enum
 import os
 from dataclasses import dataclass, field, fields, replace
 
+from bootstrap.protect import check_protected
+
 ENV_PREFIX = "KVFERRY_"
 
 
@@ -117,7 +119,10 @@ class ManagerConfig:
 
     ``secret``: a shared secret that authenticates every control message
     (the bootstrap server and every rank must have the same one); empty:
-    off. From the environment: ``KVFERRY_SECRET``.
+    off. From the environment: ``KVFERRY_SECRET``. Protected mode: a ``host``
+    that is not a loopback address (127.0.0.0/8, ::1, ``localhost``; names
+    are not resolved) needs a secret, or ``insecure=True``
+    (``KVFERRY_INSECURE=1``) to run unauthenticated on a trusted network.
 
     Storage tier (off unless ``storage_url`` is set: ``file:///dir``,
     ``mooncake://host:port``, ...; see :mod:`transfer.storage`). Pages are
@@ -160,6 +165,7 @@ class ManagerConfig:
     peer_timeout_s: float = 4.0
     register_interval_s: float = 2.0
     secret: str = field(default="", repr=False)
+    insecure: bool = False
     storage_url: str = ""
     model_name: str = ""
     storage_write_through: bool = True
@@ -189,6 +195,9 @@ class ManagerConfig:
             raise ValueError("ManagerConfig.staging_bytes and stage_below_bytes must be >= 0")
         if self.staging_bytes and self.stage_part_bytes > self.staging_bytes:
             raise ValueError("ManagerConfig.stage_part_bytes must not exceed staging_bytes")
+        check_protected(self.host, has_secret=bool(self.secret), insecure=self.insecure,
+                        what=f"a {self.role.value} rank (ManagerConfig.host)",
+                        how_insecure="insecure=True (KVFERRY_INSECURE=1)")
 
 
 _ENGINE_KEYS = {f.name for f in fields(EngineConfig)}

@@ -1,15 +1,20 @@
 """The bootstrap server as a separate process: registration, not-ready
 lookups, and bad input that gets an error reply while the server goes on."""
 
+import dataclasses
+import socket
+import time
+
 import msgpack
 import pytest
 import zmq
 
 from bootstrap import codec
 from bootstrap.client import BootstrapClient
-from bootstrap.errors import BootstrapError, BootstrapUnavailable
+from bootstrap.errors import BootstrapError, BootstrapRefused, BootstrapUnavailable
 from bootstrap.messages import (AttentionKind, BufferRef, Component, ErrorReply, Lookup, PageLayout, PoolDescriptor,
                                 PoolRole, RankInfo)
+from transfer.launch import BootstrapProcess
 
 pytestmark = pytest.mark.e2e
 
@@ -88,6 +93,57 @@ def test_extra_frames_get_an_error_reply(bootstrap_server):
 
 
 def test_unreachable_server_times_out_with_a_clear_error():
-    with BootstrapClient("127.0.0.1:1", timeout_s=0.3) as client:
-        with pytest.raises(BootstrapUnavailable, match="did not answer 'ping' within 0.3 s"):
+    # Something listens (a bare TCP socket that never speaks): only the timeout can tell.
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        with BootstrapClient(address, timeout_s=0.3) as client:
+            with pytest.raises(BootstrapUnavailable, match="did not answer 'ping' within 0.3 s") as info:
+                client.ping()
+            assert not isinstance(info.value, BootstrapRefused)
+
+
+def test_closed_port_is_refused_within_well_under_a_second():
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    # The port is closed now: nothing listens there.
+    with BootstrapClient(address, timeout_s=5) as client:
+        for call in (client.ping, lambda: client.lookup("p0", 0)):  # the first request and a later one
+            start = time.monotonic()
+            with pytest.raises(BootstrapRefused, match=f"bootstrap server {address} refused the connection "
+                                                       r"\(nothing listens there\)"):
+                call()
+            assert time.monotonic() - start < 1.0
+
+
+def test_server_gone_after_serving_is_refused_fast():
+    server = BootstrapProcess()
+    with BootstrapClient(server.address, timeout_s=5) as client:
+        assert client.ping().num_nodes == 0
+        server.close()
+        start = time.monotonic()
+        with pytest.raises(BootstrapRefused):
             client.ping()
+        assert time.monotonic() - start < 1.0
+
+
+def test_lookup_replies_follow_reregistration_unregistration_and_expiry():
+    # The server encodes a ready reply once per change of its node: every change must show.
+    with BootstrapProcess(extra_args=("--rank-ttl", "1")) as server:
+        with BootstrapClient(server.address, timeout_s=5) as client:
+            client.register(_rank(0))
+            client.register(_rank(1))
+            client.register(_rank(0, tp_size=1, node="other"))
+            first = client.lookup("p0", 0)
+            assert first.ready and client.lookup("p0", 0) == first
+            moved = dataclasses.replace(_rank(1), control_endpoint="tcp://127.0.0.1:2999")
+            client.register(moved)
+            assert client.lookup("p0", 0).ranks[1].control_endpoint == "tcp://127.0.0.1:2999"
+            client.register(_rank(0, tp_size=1, node="other"))  # another node's change keeps p0's reply right
+            assert client.lookup("p0", 0).ranks == (_rank(0), moved)
+            client.unregister(moved)
+            assert not client.lookup("p0", 0).ready
+            client.register(moved)
+            assert client.lookup("p0", 0).ready
+            time.sleep(1.5)  # nobody re-registers: expired
+            gone = client.lookup("p0", 0)
+            assert not gone.ready and gone.dp_size == 0

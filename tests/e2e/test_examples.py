@@ -173,9 +173,12 @@ def _ip(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture
-def two_hosts():
+def two_hosts(monkeypatch):
     """Two network namespaces joined by a veth pair: the prefill host at
-    10.77.0.1, the decode host at 10.77.0.2; nothing else is reachable."""
+    10.77.0.1, the decode host at 10.77.0.2; nothing else is reachable.
+    Their addresses are not loopback: the bootstrap server and the ranks run
+    unauthenticated only with KVFERRY_INSECURE=1 (protected mode)."""
+    monkeypatch.setenv("KVFERRY_INSECURE", "1")
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root (id -u is not 0)")
     if shutil.which("ip") is None:

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import bootstrap.messages as bm
+import bootstrap.status as bs
 import transfer.messages as tm
 from bootstrap import codec
 from bootstrap.errors import AuthError, KVFerryError, ProtocolError
@@ -78,6 +79,16 @@ def samples() -> list:
         tm.StageGrant(room=12, request_id=5, part=3, offset=32 << 20),
         tm.ChunkStaged(room=12, request_id=5, prefill_tp_rank=1, part=3, offset=32 << 20, nbytes=16 << 20,
                        page_start=24, num_pages=8),
+        bm.LookupReply(node_id="prefil-0", dp_rank=0, ready=False, dp_size=0, tp_size=0, num_registered=0,
+                       ranks=(), unknown_node=True, known_nodes=("prefill-0", "prefill-1")),
+        bm.Unregister(node_id="prefill-0", dp_rank=1, tp_rank=3, session="10.0.0.1:17001"),
+        bm.Unregistered(node_id="prefill-0", dp_rank=1, tp_rank=3, removed=True, num_registered=3),
+        bs.Status(),
+        bs.StatusReply(uptime_s=12.5, rank_ttl_s=15.0, node_grace_s=4.0, num_requests=99, num_errors=1,
+                       num_unauthenticated=0, num_expired=2, num_omitted=0,
+                       ranks=(bs.RankStatus(node_id="prefill-0", dp_rank=1, dp_size=2, tp_rank=1, tp_size=4,
+                                            session="10.0.0.1:17001", control_endpoint="tcp://10.0.0.1:5557",
+                                            age_s=0.7, pools=tuple(bs.PoolSummary.of(p) for p in rank.pools)),)),
     ]
 
 

@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from bootstrap.errors import InsecureBindError
 from transfer.config import (ENV_PREFIX, EngineConfig, ManagerConfig, Role, apply_mooncake_env,
                              manager_config_from_env)
 
@@ -126,6 +127,7 @@ def test_from_env_reads_variables(clean_env):
         "KVFERRY_DP_RANK": "1",
         "KVFERRY_DP_SIZE": "2",
         "KVFERRY_HOST": "10.1.2.4",
+        "KVFERRY_INSECURE": "1",  # a non-loopback host needs a secret or this
         "KVFERRY_TRANSFER_TIMEOUT_S": "2.5",
         "KVFERRY_RPC_TIMEOUT_S": "1",
         "KVFERRY_ALLOW_MISSING_DRAFT": "yes",
@@ -143,7 +145,7 @@ def test_from_env_reads_variables(clean_env):
     assert (c.tp_rank, c.tp_size, c.dp_rank, c.dp_size) == (3, 4, 1, 2)
     assert c.transfer_timeout_s == 2.5 and isinstance(c.transfer_timeout_s, float)
     assert c.rpc_timeout_s == 1.0 and isinstance(c.rpc_timeout_s, float)
-    assert c.allow_missing_draft is True
+    assert c.allow_missing_draft is True and c.insecure is True
     assert c.engine == EngineConfig(protocol="tcp", max_inflight_per_peer=64, progress_timeout_s=3,
                                     log_level="INFO", device_name="mlx5_0")
     # untouched fields keep their defaults
@@ -189,3 +191,28 @@ def test_from_env_bad_values(clean_env, var, text):
     clean_env.setenv(var, text)
     with pytest.raises(ValueError):
         manager_config_from_env(Role.PREFILL)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.4", "prefill-7.cluster", ""])
+def test_non_loopback_host_needs_a_secret_or_insecure(host):
+    with pytest.raises(InsecureBindError, match="KVFERRY_SECRET") as info:
+        ManagerConfig(role=Role.PREFILL, host=host)
+    assert "KVFERRY_INSECURE=1" in str(info.value) and isinstance(info.value, ValueError)
+    assert ManagerConfig(role=Role.PREFILL, host=host, secret="s").host == host
+    assert ManagerConfig(role=Role.DECODE, host=host, insecure=True).insecure is True
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "localhost"])
+def test_loopback_host_stays_zero_config(host):
+    assert ManagerConfig(role=Role.PREFILL, host=host).secret == ""
+
+
+def test_insecure_and_secret_from_env(clean_env):
+    clean_env.setenv("KVFERRY_HOST", "0.0.0.0")
+    with pytest.raises(InsecureBindError):
+        manager_config_from_env(Role.PREFILL)
+    clean_env.setenv("KVFERRY_SECRET", "s")
+    assert manager_config_from_env(Role.PREFILL).secret == "s"
+    clean_env.delenv("KVFERRY_SECRET")
+    clean_env.setenv("KVFERRY_INSECURE", "1")
+    assert manager_config_from_env(Role.PREFILL).insecure is True

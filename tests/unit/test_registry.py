@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from bootstrap.messages import LookupReply, Registered
+from bootstrap.messages import MAX_KNOWN_NODES, LookupReply, Registered
 from bootstrap.registry import Registry, RegistryConflict
 
 from ._fixtures import make_rank
@@ -144,3 +146,87 @@ def test_ttl_zero_keeps_ranks_forever():
     reg = Registry()
     reg.register(make_rank(tp_rank=0, tp_size=1), now=0.0)
     assert reg.lookup("prefill-0", 0, now=1e9).ready
+
+
+def test_unregister_drops_only_the_registered_session():
+    reg = Registry()
+    rank = make_rank(tp_rank=0, tp_size=2)
+    reg.register(rank)
+    reg.register(make_rank(tp_rank=1, tp_size=2))
+    stale = reg.unregister(rank.node_id, 0, 0, "some-older-session")
+    assert stale.removed is False and stale.num_registered == 2
+    assert reg.lookup(rank.node_id, 0).ready is True
+    gone = reg.unregister(rank.node_id, 0, 0, rank.session)
+    assert gone.removed is True and gone.num_registered == 1
+    reply = reg.lookup(rank.node_id, 0)
+    assert reply.ready is False and reply.num_registered == 1
+    assert reg.unregister(rank.node_id, 0, 0, rank.session).removed is False  # twice: a no-op
+    assert reg.unregister("nobody", 3, 1, "s").num_registered == 0
+
+
+def test_unregistering_the_last_rank_forgets_the_node():
+    reg = Registry()
+    rank = make_rank()
+    reg.register(rank)
+    reg.unregister(rank.node_id, rank.dp_rank, rank.tp_rank, rank.session)
+    assert reg.num_nodes == 0 and reg.num_ranks == 0 and reg.known_nodes() == ()
+
+
+def test_unknown_node_only_after_the_grace_time():
+    reg = Registry(node_grace_s=4.0, started_at=100.0)
+    reg.register(make_rank(node_id="prefill-0"), now=100.5)
+    early = reg.lookup("prefil-0", 0, now=103.9)
+    assert early.unknown_node is False and early.known_nodes == () and early.ready is False
+    late = reg.lookup("prefil-0", 0, now=104.0)
+    assert late.unknown_node is True and late.ready is False and late.known_nodes == ("prefill-0",)
+    assert reg.lookup("prefill-0", 0, now=105.0).unknown_node is False  # a known node is never unknown
+    assert Registry().lookup("x", 0, now=1e9).unknown_node is False  # no grace configured: never unknown
+
+
+def test_known_nodes_are_bounded_and_sorted():
+    reg = Registry(node_grace_s=0.0)
+    for i in range(MAX_KNOWN_NODES + 10):
+        reg.register(make_rank(node_id=f"n{i:03d}"))
+    reply = reg.lookup("missing", 0, now=1.0)
+    assert reply.unknown_node and reply.known_nodes == tuple(f"n{i:03d}" for i in range(MAX_KNOWN_NODES))
+
+
+def test_version_moves_only_when_lookups_may_change():
+    reg = Registry(ttl_s=10.0)
+    rank = make_rank()
+    reg.register(rank, now=0.0)
+    v = reg.version
+    reg.register(rank, now=1.0)  # a re-registration of the same rank
+    assert reg.version == v
+    reg.register(make_rank(session="restarted:1"), now=2.0)
+    assert reg.version == v + 1
+    reg.expire(now=20.0)
+    assert reg.version == v + 2 and reg.num_ranks == 0
+
+
+def test_entries_are_ordered_with_their_age():
+    reg = Registry()
+    reg.register(make_rank(node_id="b", tp_rank=1, tp_size=2), now=5.0)
+    reg.register(make_rank(node_id="b", tp_rank=0, tp_size=2), now=7.0)
+    reg.register(make_rank(node_id="a"), now=8.0)
+    got = [(r.node_id, r.tp_rank, age) for r, age in reg.entries(now=10.0)]
+    assert got == [("a", 0, 2.0), ("b", 0, 3.0), ("b", 1, 5.0)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["register", "unregister", "expire"]), st.sampled_from(["a", "b"]),
+                          st.integers(0, 2), st.sampled_from([2, 3]), st.sampled_from(["s1", "s2"])), max_size=40))
+def test_num_ranks_always_counts_the_entries(ops):
+    reg = Registry(ttl_s=5.0)
+    for now, (op, node, tp, tp_size, session) in enumerate(ops):
+        if op == "register" and tp < tp_size:
+            try:
+                reg.register(make_rank(node_id=node, tp_rank=tp, tp_size=tp_size, session=session), now=now)
+            except RegistryConflict:
+                pass
+        elif op == "unregister":
+            reg.unregister(node, 0, tp, session)
+        else:
+            reg.expire(now)
+        entries = reg.entries(now)  # expires first
+        assert reg.num_ranks == len(entries)
