@@ -69,9 +69,8 @@ class KVReceiver:
         self._phases = DecodePhases(f"{ctx.where} room {self.room}", on_change=ctx.changed)
         self._created = time.monotonic()
         self._link: Link | None = None
-        self._pages: np.ndarray | None = None
-        self._aux_index = -1
-        self._init_at = 0.0
+        self._pages: np.ndarray | None = None  # decode page ids, request order, and the aux slot: from init()
+        self._aux_index, self._init_at = -1, 0.0
         self._awaiting: dict[int, set[PoolRole]] = {}  # TRANSFERRING: ranks not done yet, and their pools
         self._failure: BaseException | None = None  # DRAINING, RESTORING: why the room failed
         self._draining: set[int] = set()  # ranks that may still write
@@ -79,8 +78,7 @@ class KVReceiver:
         self._storage: RoomStorage | None = None  # with a storage tier and the prompt
         self._prefetch = None  # storage job loading the leading pages before the request goes out
         self._skip = 0  # leading pages that came from storage: prefill does not send them
-        self._restore = None  # RESTORING: the storage job, and the first page it loads
-        self._restore_start = 0
+        self._restore = None  # RESTORING: the storage job loading the pages from ``_skip`` on
         self._may_fall_back = False
         #: pages of this room restored from storage (prefetch and fallback)
         self.pages_from_storage = 0
@@ -106,15 +104,12 @@ class KVReceiver:
             self._pages = pages.astype("<i4")
             self._aux_index = -1 if aux_index is None else int(aux_index)
             self._init_at = time.monotonic()
-            tier = ctx.storage
-            if tier is not None and token_ids is not None:
-                tokens = np.asarray(token_ids, dtype=np.int64).reshape(-1)
-                if -(-tokens.size // tier.page_size) != pages.size:
-                    self.fail(ValueError(f"{self.where}: {tokens.size} tokens take "
-                                         f"{-(-tokens.size // tier.page_size)} pages of {tier.page_size}, "
-                                         f"not the {pages.size} given"))
+            if ctx.storage is not None and token_ids is not None:
+                try:
+                    self._storage = RoomStorage(ctx.storage, token_ids, self._pages, self._aux_index)
+                except ValueError as exc:
+                    self.fail(ValueError(f"{self.where}: {exc}"))
                     return
-                self._storage = RoomStorage(tier, tokens, self._pages, self._aux_index)
                 if ctx.config.storage_prefetch != "off":
                     self._prefetch = self._storage.prefetch(self._storage_done)
         self.poll()
@@ -169,10 +164,6 @@ class KVReceiver:
     @property
     def phase(self) -> DecodePhase:
         return self._phases.phase
-
-    @property
-    def bootstrapping(self) -> bool:
-        return self._phases.phase is P.BOOTSTRAPPING
 
     @property
     def link(self) -> Link | None:
@@ -257,16 +248,8 @@ class KVReceiver:
             writing = self.ranks_writing() - set(stopped)
             link = self._link
             if notify and link is not None and link.ranks:
-                # Every prefill rank of the room learns it is over, also those
-                # a failed handshake kept us from sending a request to.
-                targets = link.routes or {r.tp_rank: () for r in link.ranks}
-                for p in targets:
-                    try:
-                        ctx.channel.send(link.ranks[p].control_endpoint, RoomAbort(
-                            room=self.room, request_id=self.request_id, reason=str(error)))
-                    except KVFerryError as exc:
-                        log.warning("%s: could not tell prefill rank %d: %s", self.where, p, exc)
-                        writing.discard(p)
+                writing -= self._table.abort_on_prefill(link, RoomAbort(
+                    room=self.room, request_id=self.request_id, reason=str(error)), self.where)
             if writing and drain:
                 log.warning("%s failing, waiting for prefill ranks %s to stop writing: %s", self.where,
                             sorted(writing), error)
@@ -286,18 +269,12 @@ class KVReceiver:
 
     def _prefetched(self, now: float) -> bool:
         """Whether the prefetch settled (per the policy); records what it loaded."""
-        job = self._prefetch
-        if job is None:
-            return True
-        if not job.finished:
-            policy = self._ctx.config.storage_prefetch
-            if policy == "best_effort" or (policy == "timeout" and
-                                           now - self._init_at > self._ctx.config.storage_prefetch_timeout_s):
-                job.cancel()  # the batch being loaded ends, then the request goes out
-            return False
-        self._prefetch = None
-        loaded = min(job.pages.values(), default=0) if job.error is None else 0
-        self._skip = self.pages_from_storage = loaded
+        if self._prefetch is not None:
+            loaded = self._storage.settled(self._prefetch, now - self._init_at, self._ctx.config)
+            if loaded is None:
+                return False
+            self._prefetch = None
+            self._skip = self.pages_from_storage = loaded
         return True
 
     def _bootstrap(self, now: float) -> None:
@@ -343,7 +320,6 @@ class KVReceiver:
             log.warning("%s: transfer failed (%s); restoring the room from storage", self.where, error)
             self._failure = error
             self._phases.move(P.RESTORING)
-            self._restore_start = self._skip
             self._restore = self._storage.restore(self._skip, self._storage_done)
             return
         self._really_fail(error)
@@ -354,7 +330,7 @@ class KVReceiver:
                 return
             error = self._failure
             missing, self.draft_restored = self._storage.shortfall(
-                job, self._restore_start, allow_missing_draft=self._ctx.config.allow_missing_draft, where=self.where)
+                job, self._skip, allow_missing_draft=self._ctx.config.allow_missing_draft, where=self.where)
             if missing:
                 self._really_fail(StorageMissError(f"{error}; restoring from storage failed: {'; '.join(missing)}"))
                 return

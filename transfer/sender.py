@@ -148,6 +148,72 @@ class KVSender:
         """The decode requests that arrived for this room."""
         return tuple(self._requests)
 
+    def on_message(self, msg) -> None:
+        """A TransferRequest or RoomAbort for this room."""
+        with self._ctx.lock:
+            if self._state.terminal:
+                return
+            if isinstance(msg, RoomAbort):
+                # Before any request arrived, the abort is for the request this
+                # sender would get (request ids are random per decode room).
+                if not self._requests or msg.request_id in [r.request_id for r in self._requests]:
+                    self.fail(PeerError(f"{self._state.where}: decode aborted the room: {msg.reason}"))
+                return
+            peer = self._table.peers.get(msg.decode_session)
+            if peer is None or peer.control_endpoint != msg.decode_endpoint:
+                self.fail(PeerError(f"{self._state.where}: request from decode {msg.decode_session} "
+                                     + ("which has not completed the handshake" if peer is None else
+                                        f"names endpoint {msg.decode_endpoint}, not its handshake's "
+                                        f"{peer.control_endpoint}")))
+                return
+            self._requests.append(msg)
+            if len(self._requests) > msg.num_requests:
+                self.fail(PeerError(f"{self._state.where}: {len(self._requests)} decode requests, "
+                                     f"expected {msg.num_requests}"))
+            elif len(self._requests) == msg.num_requests:
+                self._state.move(KVPoll.WaitingForInput)
+                self._check_sizes()
+
+    def on_chunk_done(self, error) -> None:
+        """A transport job or staged part of this room ended (``error`` None:
+        it landed); called once per job or part submitted."""
+        with self._ctx.lock:
+            self._num_inflight -= 1
+            if self._state.state is KVPoll.Failed:
+                self._tell_failure_when_drained()
+                return
+            if error is not None:
+                self.fail(error)
+                return
+            if self._state.terminal or not self._last_sent or self._num_inflight:
+                return
+            try:
+                self._notify(Status.SUCCESS, "")
+            except Exception as exc:
+                self.fail(exc)
+                return
+            self._decode_told = True
+            if not self._storage_pending:  # else when the write-through is done
+                self._succeed()
+
+    def fail(self, error: BaseException, *, notify: bool = True) -> None:
+        """Fail the room, stop submitting its writes, and tell decode once
+        none is in flight any more (decode then knows its pages are free)."""
+        with self._ctx.lock:
+            if not self._state.fail(error):
+                return
+            log.warning("%s failed: %s", self._state.where, error)
+            for job in self._jobs:  # a write-through goes on: its pages are valid KV whatever the transfer did
+                job.cancel()
+            self._jobs.clear()
+            self._table.detach(self, [r.request_id for r in self._requests])
+            if not self._requests or len(self._requests) < self._requests[0].num_requests:
+                self._table.refuse_later(self.room, str(error))
+            self._failure_note = str(error) if notify else None
+            if self._table.staging is not None:
+                self._table.staging.release(self)
+            self._tell_failure_when_drained()
+
     # --- internals --------------------------------------------------------------
 
     def _write_through(self, pages: np.ndarray, first: int, last: bool) -> None:
@@ -247,51 +313,6 @@ class KVSender:
                 self.fail(ValueError(f"{self._state.where}: decode rank {req.decode_tp_rank} allocated "
                                       f"{len(req.dst_pages) // 4} pages, this request has {self._num_pages}"))
 
-    def on_message(self, msg) -> None:
-        with self._ctx.lock:
-            if self._state.terminal:
-                return
-            if isinstance(msg, RoomAbort):
-                # Before any request arrived, the abort is for the request this
-                # sender would get (request ids are random per decode room).
-                if not self._requests or msg.request_id in [r.request_id for r in self._requests]:
-                    self.fail(PeerError(f"{self._state.where}: decode aborted the room: {msg.reason}"))
-                return
-            peer = self._table.peers.get(msg.decode_session)
-            if peer is None or peer.control_endpoint != msg.decode_endpoint:
-                self.fail(PeerError(f"{self._state.where}: request from decode {msg.decode_session} "
-                                     + ("which has not completed the handshake" if peer is None else
-                                        f"names endpoint {msg.decode_endpoint}, not its handshake's "
-                                        f"{peer.control_endpoint}")))
-                return
-            self._requests.append(msg)
-            if len(self._requests) > msg.num_requests:
-                self.fail(PeerError(f"{self._state.where}: {len(self._requests)} decode requests, "
-                                     f"expected {msg.num_requests}"))
-            elif len(self._requests) == msg.num_requests:
-                self._state.move(KVPoll.WaitingForInput)
-                self._check_sizes()
-
-    def on_chunk_done(self, error) -> None:
-        with self._ctx.lock:
-            self._num_inflight -= 1
-            if self._state.state is KVPoll.Failed:
-                self._tell_failure_when_drained()
-                return
-            if error is not None:
-                self.fail(error)
-                return
-            if self._state.terminal or not self._last_sent or self._num_inflight:
-                return
-            try:
-                self._notify(Status.SUCCESS, "")
-            except Exception as exc:
-                self.fail(exc)
-                return
-            self._decode_told = True
-            if not self._storage_pending:  # else when the write-through is done
-                self._succeed()
-
     def _notify(self, status: Status, reason: str) -> None:
         for req in self._requests:
             sent = tuple(a.role for a in req.assignments if a.send)
@@ -299,24 +320,6 @@ class KVSender:
                 room=self.room, request_id=req.request_id, prefill_tp_rank=self._ctx.rank.tp_rank,
                 status=status, sent=sent if status is Status.SUCCESS else (), reason=reason,
                 aborted=self._aborted))
-
-    def fail(self, error: BaseException, *, notify: bool = True) -> None:
-        """Fail the room, stop submitting its writes, and tell decode once
-        none is in flight any more (decode then knows its pages are free)."""
-        with self._ctx.lock:
-            if not self._state.fail(error):
-                return
-            log.warning("%s failed: %s", self._state.where, error)
-            for job in self._jobs:  # a write-through goes on: its pages are valid KV whatever the transfer did
-                job.cancel()
-            self._jobs.clear()
-            self._table.detach(self, [r.request_id for r in self._requests])
-            if not self._requests or len(self._requests) < self._requests[0].num_requests:
-                self._table.refuse_later(self.room, str(error))
-            self._failure_note = str(error) if notify else None
-            if self._table.staging is not None:
-                self._table.staging.release(self)
-            self._tell_failure_when_drained()
 
     def _tell_failure_when_drained(self) -> None:
         if self._failure_note is None or self._num_inflight > 0:

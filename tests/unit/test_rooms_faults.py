@@ -77,7 +77,8 @@ def test_a_lost_prefill_rank_ends_the_drain(cluster):
     """Decode aborts while a write is in flight, and the prefill rank is then
     unreachable: its silence (liveness), not the scheduler's polling, ends
     the drain."""
-    prefill, decode = cluster.rank(Role.PREFILL), cluster.rank(Role.DECODE)
+    prefill, decode = cluster.rank(Role.PREFILL), cluster.rank(Role.DECODE, heartbeat_interval_s=0.05,
+                                                                peer_timeout_s=0.5)
     rng = np.random.default_rng(3)
     src, dst = random_pages(rng, 16), random_pages(rng, 16)
     cluster.fabric.hold_writes()

@@ -11,8 +11,10 @@ import logging
 import time
 from typing import Protocol
 
+from transfer.errors import KVFerryError
 from transfer.messages import ChunkStaged, PeerHelloReply, RoomAbort, RoomStatus, StageRequest
 from transfer.rooms.context import RoomContext
+from transfer.rooms.decode_phases import DecodePhase
 from transfer.rooms.links import Link, LinkResolver
 from transfer.staging.decode_flow import DecodeStaging
 
@@ -29,7 +31,7 @@ class Receiver(Protocol):
     def link(self) -> Link | None: ...
 
     @property
-    def bootstrapping(self) -> bool: ...
+    def phase(self) -> DecodePhase: ...
 
     def ranks_writing(self) -> set[int]: ...
 
@@ -71,6 +73,19 @@ class DecodeRooms:
 
     def forget(self, link: Link) -> None:
         self.links.forget(link)
+
+    def abort_on_prefill(self, link: Link, abort: RoomAbort, where: str) -> set[int]:
+        """Tell every prefill rank of the room it is over, also those a failed
+        handshake kept the room from sending a request to; returns the ranks
+        that could not be told."""
+        untold = set()
+        for p in link.routes or {r.tp_rank: () for r in link.ranks}:
+            try:
+                self.ctx.channel.send(link.ranks[p].control_endpoint, abort)
+            except KVFerryError as exc:
+                log.warning("%s: could not tell prefill rank %d: %s", where, p, exc)
+                untold.add(p)
+        return untold
 
     # --- used by the manager ------------------------------------------------------------
 
@@ -132,7 +147,7 @@ class DecodeRooms:
         """Advance waiting receivers now, not at their scheduler's next poll,
         so requests reach prefill as soon as the node is resolved."""
         with self.ctx.lock:
-            waiting = [r for r in self.receivers.values() if r.bootstrapping]
+            waiting = [r for r in self.receivers.values() if r.phase is DecodePhase.BOOTSTRAPPING]
         for r in waiting:
             r.poll()
 

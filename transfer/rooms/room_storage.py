@@ -17,7 +17,12 @@ class RoomStorage:
     """``tokens`` (the prompt) and ``pages`` (decode page ids, request order)
     of one room; ``aux_index`` -1 when the room has no aux row."""
 
-    def __init__(self, tier: StorageTier, tokens: np.ndarray, pages: np.ndarray, aux_index: int) -> None:
+    def __init__(self, tier: StorageTier, token_ids, pages: np.ndarray, aux_index: int) -> None:
+        """Raises ValueError when the prompt does not take ``len(pages)`` pages."""
+        tokens = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        if -(-tokens.size // tier.page_size) != pages.size:
+            raise ValueError(f"{tokens.size} tokens take {-(-tokens.size // tier.page_size)} pages of "
+                             f"{tier.page_size}, not the {pages.size} given")
         self.tier, self.tokens, self.pages, self.aux_index = tier, tokens, pages, aux_index
         self.num_full_pages = len(tier.chains(tokens))
 
@@ -31,6 +36,19 @@ class RoomStorage:
     def prefetch(self, done) -> Job:
         """Load the leading pages storage has (``done(job)`` on the tier's thread)."""
         return self.tier.read(self.items(0), None, done)
+
+    @staticmethod
+    def settled(job: Job, waited_s: float, config) -> int | None:
+        """How many leading pages a prefetch loaded, once it settled; None
+        while it runs. Per ``config.storage_prefetch``: ``best_effort`` stops
+        it at once, ``timeout`` after ``storage_prefetch_timeout_s`` (the batch
+        being loaded ends first), ``wait_complete`` waits."""
+        if not job.finished:
+            policy = config.storage_prefetch
+            if policy == "best_effort" or (policy == "timeout" and waited_s > config.storage_prefetch_timeout_s):
+                job.cancel()
+            return None
+        return min(job.pages.values(), default=0) if job.error is None else 0
 
     def restore(self, start: int, done) -> Job:
         """Load the full pages from ``start`` on, and the aux row."""
