@@ -33,6 +33,16 @@ def test_bootstrap_server_deploys_without_torch_mooncake_or_transfer():
     assert not {m for m in loaded if m.split(".")[0] in ("torch", "mooncake", "transfer")}
 
 
+def test_old_module_paths_keep_working():
+    code = ("from transfer.channel import ControlChannel\nfrom transfer.transport import MooncakeTransport\n"
+            "from transfer.tier import StorageTier, BATCH_PAGES\n"
+            "from transfer.staging import StagingArea, gather, scatter, staged_bytes\n"
+            "from transfer.control.zmq_channel import ZmqChannel\nassert ControlChannel is ZmqChannel")
+    loaded = _modules_after(code)
+    assert {"transfer.control.zmq_channel", "transfer.transport.mooncake", "transfer.storage.tier"} <= loaded
+    assert "mooncake" not in {m.split(".")[0] for m in loaded}
+
+
 def test_the_public_api_is_exported():
     loaded = _modules_after("from transfer import KVManager, KVSender, KVReceiver, KVPoll, MHAPool, MLAPool")
     assert "transfer.manager" in loaded

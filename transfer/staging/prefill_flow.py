@@ -7,14 +7,8 @@ Prefill, per part (a run of a chunk's pages for one decode rank)::
     StageGrant                 ->  gather into local staging, write it to decode's region
     write landed               ->  ChunkStaged to decode; the part counts as done
 
-Decode: a StageRequest gets a region of the staging buffer (FIFO when it is
-full); ChunkStaged scatters the region into the request's pages and frees
-it. ChunkStaged and the final RoomStatus travel on the same ordered channel,
-so decode has scattered every part before it reports Success.
-
-A region granted to a room that then fails is freed only after
-``quarantine_s``: a write still in flight to it would otherwise land in a
-region handed to someone else.
+A part's local region is freed when its write ended (or, for a room that
+failed, when no write reads it); a part of a failed room counts as done.
 """
 
 from __future__ import annotations

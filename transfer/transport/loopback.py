@@ -6,7 +6,8 @@ a worker thread copies each descriptor with ``memmove``, after checking that
 the source lies in memory this transport registered and the destination in
 memory the peer registered (a TransferError otherwise, as a remote engine
 would refuse); the callback runs once, on the worker thread, after the last
-descriptor. The fabric also routes the control messages of
+descriptor. Host memory only (a CUDA pointer cannot be memmoved). The
+fabric also routes the control messages of
 :class:`~transfer.control.loopback.LoopbackChannel` s.
 
 Faults, for tests: ``hold_writes`` / ``release_writes`` stop and resume every
