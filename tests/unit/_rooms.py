@@ -62,9 +62,12 @@ class Cluster:
     seed: int = 0
     ranks: list[Rank] = field(default_factory=list)
 
-    def rank(self, role: Role, **overrides) -> Rank:
+    def rank(self, role: Role, *, heads: int = NUM_HEADS, total_heads: int | None = None,
+             page_size: int = PAGE_SIZE, **overrides) -> Rank:
+        """A manager with one MHA pool of ``heads`` KV heads (of ``total_heads``
+        in the model) and an aux tensor; prefill's are random, decode's zero."""
         gen = torch.Generator().manual_seed(self.seed + len(self.ranks))
-        shape = (NUM_PAGES, PAGE_SIZE, NUM_HEADS, HEAD_DIM)
+        shape = (NUM_PAGES, page_size, heads, HEAD_DIM)
         fill = role is Role.PREFILL
         k = [_random(shape, gen) if fill else torch.zeros(shape, dtype=torch.bfloat16) for _ in range(NUM_LAYERS)]
         v = [_random(shape, gen) if fill else torch.zeros(shape, dtype=torch.bfloat16) for _ in range(NUM_LAYERS)]
@@ -72,7 +75,7 @@ class Cluster:
             else torch.zeros((AUX_SLOTS, AUX_BYTES), dtype=torch.uint8)
         cfg = ManagerConfig(role=role, bootstrap_addr=self.server.address, node_id="prefill",
                             **{**FAST, **overrides})
-        mgr = KVManager(cfg, [MHAPool(k=k, v=v)], aux=aux, transport=self.fabric.transport(),
+        mgr = KVManager(cfg, [MHAPool(k=k, v=v, total_kv_heads=total_heads)], aux=aux, transport=self.fabric.transport(),
                         channel_factory=self.fabric.channel)
         self.stack.callback(mgr.close)
         rank = Rank(mgr, k, v, aux)
