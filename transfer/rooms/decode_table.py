@@ -8,7 +8,6 @@ watch for liveness."""
 from __future__ import annotations
 
 import logging
-import time
 from typing import Protocol
 
 from transfer.errors import KVFerryError
