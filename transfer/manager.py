@@ -1,4 +1,7 @@
-"""KVManager: one per rank and role; owns the engine, buffers, sockets and threads."""
+"""KVManager: one per rank and role. Wiring: it builds (or is given) the
+transport and the control channel, the staging memory and the storage tier,
+hands the room layer a :class:`~transfer.rooms.context.RoomContext`, and runs
+the liveness and registration threads."""
 
 from __future__ import annotations
 
@@ -11,18 +14,21 @@ import torch
 
 from bootstrap.client import BootstrapClient
 from bootstrap.messages import RankInfo, StagingDescriptor
-from transfer.channel import ControlChannel
 from transfer.config import ManagerConfig, Role
+from transfer.control.base import ChannelFactory, ControlChannel
+from transfer.control.zmq_channel import zmq_channel
 from transfer.errors import BootstrapError, BootstrapUnavailable, ClosedError, KVFerryError
 from transfer.hostmem import host_tensor
 from transfer.liveness import Liveness
 from transfer.messages import PeerPing, PeerPong
 from transfer.pools import MHAPool, MLAPool, describe_aux, describe_pool, memory_regions, pool_tensors
-from transfer.links import DecodeRooms
-from transfer.sender import PrefillRooms
-from transfer.staging import StagingArea
-from transfer.tier import StorageTier
-from transfer.transport import MooncakeTransport
+from transfer.rooms.context import RoomContext
+from transfer.rooms.decode_table import DecodeRooms
+from transfer.rooms.prefill_table import PrefillRooms
+from transfer.staging.area import StagingArea, StagingMemory
+from transfer.storage.tier import StorageTier
+from transfer.transport.base import Transport
+from transfer.transport.mooncake import MooncakeTransport
 
 log = logging.getLogger("kvferry.manager")
 
@@ -47,29 +53,35 @@ class KVManager:
 
     ``close()`` fails every live room with ClosedError, stops the threads and
     unregisters memory; the manager is a context manager.
+
+    Seams (for tests, or another engine): ``transport`` is a
+    :class:`~transfer.transport.base.Transport` not yet registered (default:
+    a :class:`~transfer.transport.mooncake.MooncakeTransport` of
+    ``config.engine``); ``channel_factory(host, handler, secret)`` builds the
+    :class:`~transfer.control.base.ControlChannel` (default: zmq). The
+    manager registers the transport's memory and closes both.
     """
 
-    def __init__(self, config: ManagerConfig, pools: Sequence[MHAPool | MLAPool], aux=None) -> None:
+    def __init__(self, config: ManagerConfig, pools: Sequence[MHAPool | MLAPool], aux=None, *,
+                 transport: Transport | None = None, channel_factory: ChannelFactory | None = None) -> None:
         self.config = config
         # The engine holds raw pointers into these tensors: keep them alive as
         # long as the manager, whatever the caller does with its references.
         self._tensors = (tuple(pools), aux)
         descriptors = tuple(describe_pool(p) for p in pools)
         aux_desc = describe_aux(aux) if aux is not None else None
-        #: (role, layer, component) -> tensor, for staging's gather and scatter.
-        self.buffers = pool_tensors(pools)
-        #: staging's word views of ``buffers`` (see transfer.staging), built once each.
-        self.word_views: dict = {}
-        self.staging, staging_desc, self.staging_area = None, None, None
+        #: the staging tensor (uint8; None without staging)
+        self.staging, staging_desc, staging_mem = None, None, None
         if config.staging_bytes:
-            device = next(iter(self.buffers.values())).device
+            buffers = pool_tensors(pools)  # (role, layer, component) -> tensor, for gather and scatter
+            device = next(iter(buffers.values())).device
             if device.type == "cpu":  # huge pages: the engine's kernel copies run faster (see hostmem);
                 # untouched: its pages fault in as parts first use them, not all at start-up.
                 self.staging = host_tensor(config.staging_bytes, fill=None)
             else:
                 self.staging = torch.zeros(config.staging_bytes, dtype=torch.uint8, device=device)
             staging_desc = StagingDescriptor(addr=self.staging.data_ptr(), nbytes=config.staging_bytes)
-            self.staging_area = StagingArea(config.staging_bytes)
+            staging_mem = StagingMemory(self.staging, StagingArea(config.staging_bytes), buffers)
         self._lock = threading.RLock()
         self._progress = threading.Condition(self._lock)
         self._generation = 0
@@ -77,13 +89,14 @@ class KVManager:
         self._stop = threading.Event()
         self.liveness = Liveness(config.heartbeat_interval_s, config.peer_timeout_s)
         self._ping_seq = 0
-        self.transport = MooncakeTransport(config.engine)
+        self.transport: Transport = transport if transport is not None else MooncakeTransport(config.engine)
         try:
             regions = memory_regions(descriptors, aux_desc)
             if staging_desc is not None:
                 regions.append((staging_desc.addr, staging_desc.nbytes))
             self.transport.register(regions)
-            self.channel = ControlChannel(config.host, self._on_message, secret=config.secret or None)
+            factory = channel_factory if channel_factory is not None else zmq_channel
+            self.channel: ControlChannel = factory(config.host, self._on_message, config.secret or None)
         except BaseException:
             self.transport.close()
             raise
@@ -100,7 +113,13 @@ class KVManager:
                 self.channel.close()
                 self.transport.close()
                 raise
-        self.rooms = PrefillRooms(self) if config.role is Role.PREFILL else DecodeRooms(self)
+        #: what the room layer gets of this manager
+        self.context = RoomContext(
+            config=config, where=self.where, rank=self.rank, lock=self._lock, changed=self._changed,
+            transport=self.transport, channel=self.channel, staging=staging_mem, storage=self.storage,
+            bootstrap_client=self.bootstrap_client)
+        #: the room table (prefill or decode)
+        self.rooms = PrefillRooms(self.context) if config.role is Role.PREFILL else DecodeRooms(self.context)
         self._threads = [threading.Thread(target=self._watch, name="kvferry-liveness", daemon=True)]
         if config.role is Role.PREFILL:
             try:

@@ -1,4 +1,5 @@
-"""The architecture's import rules, checked in fresh interpreters."""
+"""The architecture's import rules, checked in fresh interpreters and on the
+source (ast)."""
 
 import ast
 import subprocess
@@ -15,7 +16,8 @@ def _modules_after(code: str) -> set[str]:
 
 
 PURE = ["transfer.config", "transfer.errors", "transfer.layout", "transfer.messages", "transfer.plan",
-        "transfer.state", "transfer.tp", "bootstrap.codec", "bootstrap.messages", "bootstrap.registry"]
+        "transfer.state", "transfer.tp", "bootstrap.codec", "bootstrap.messages", "bootstrap.registry",
+        "transfer.rooms.decode_phases", "transfer.transport.base", "transfer.control.base"]
 
 
 @pytest.mark.parametrize("module", PURE)
@@ -29,6 +31,16 @@ def test_bootstrap_server_deploys_without_torch_mooncake_or_transfer():
     loaded = _modules_after("import bootstrap.__main__, bootstrap.server, bootstrap.client")
     assert "bootstrap.server" in loaded and "zmq" in loaded
     assert not {m for m in loaded if m.split(".")[0] in ("torch", "mooncake", "transfer")}
+
+
+def test_old_module_paths_keep_working():
+    code = ("from transfer.channel import ControlChannel\nfrom transfer.transport import MooncakeTransport\n"
+            "from transfer.tier import StorageTier, BATCH_PAGES\n"
+            "from transfer.staging import StagingArea, gather, scatter, staged_bytes\n"
+            "from transfer.control.zmq_channel import ZmqChannel\nassert ControlChannel is ZmqChannel")
+    loaded = _modules_after(code)
+    assert {"transfer.control.zmq_channel", "transfer.transport.mooncake", "transfer.storage.tier"} <= loaded
+    assert "mooncake" not in {m.split(".")[0] for m in loaded}
 
 
 def test_the_public_api_is_exported():
@@ -69,3 +81,108 @@ def test_no_library_source_names_the_benchmark_or_the_harness():
             offending += [f"{path.relative_to(root)}:{node.lineno} imports {n}" for n in names
                           if n.split(".")[0] in ("benchmarks", "harness", "examples", "tests")]
     assert not offending
+
+
+ROOM_LAYER = ["transfer.rooms.context", "transfer.rooms.prefill_table", "transfer.rooms.decode_table",
+              "transfer.rooms.links", "transfer.rooms.decode_phases", "transfer.rooms.room_storage",
+              "transfer.staging.area", "transfer.staging.copies", "transfer.staging.prefill_flow",
+              "transfer.staging.decode_flow", "transfer.sender", "transfer.receiver",
+              "transfer.transport.base", "transfer.transport.loopback", "transfer.control.base",
+              "transfer.control.loopback", "transfer.transport", "transfer.control",
+              "transfer.transport.mooncake"]  # Mooncake is imported when a transport is built
+
+
+@pytest.mark.parametrize("module", ROOM_LAYER)
+def test_the_room_layer_loads_neither_zmq_nor_mooncake(module):
+    """Rooms, staging and the loopback pair run without zmq or Mooncake: the
+    engines come in only through the manager's seams. (The bootstrap client,
+    zmq, reaches the rooms as a factory in their context.)"""
+    loaded = _modules_after(f"import {module}")
+    assert module in loaded
+    assert not {m for m in loaded if m.split(".")[0] in ("zmq", "mooncake")}
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _library_files() -> list[Path]:
+    return [p for pkg in ("transfer", "bootstrap") for p in sorted((ROOT / pkg).rglob("*.py"))]
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports anywhere (functions and TYPE_CHECKING
+    blocks included), absolute or relative, as dotted names."""
+    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)  # ``from pkg import module``
+    return found
+
+
+def test_only_the_engine_modules_import_zmq_and_mooncake():
+    allowed = {"zmq": {"transfer/control/zmq_channel.py", "bootstrap/client.py", "bootstrap/server.py"},
+               "mooncake": {"transfer/transport/mooncake.py", "transfer/storage/mooncake_store.py"}}
+    for path in _library_files():
+        rel = path.relative_to(ROOT).as_posix()
+        for engine, files in allowed.items():
+            if any(m.split(".")[0] == engine for m in _imports(path)):
+                assert rel in files, f"{rel} imports {engine}"
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[set[str]] = []
+
+    def visit(m: str) -> None:
+        index[m] = low[m] = len(index)
+        stack.append(m)
+        for d in graph[m]:
+            if d not in index:
+                visit(d)
+                low[m] = min(low[m], low[d])
+            elif d in stack:
+                low[m] = min(low[m], index[d])
+        if low[m] == index[m]:
+            component = set()
+            while True:
+                x = stack.pop()
+                component.add(x)
+                if x == m:
+                    break
+            if len(component) > 1:
+                found.append(component)
+
+    for m in sorted(graph):
+        if m not in index:
+            visit(m)
+    return found
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles_in_transfer_or_bootstrap():
+    files = {_module_name(p): p for p in _library_files()}
+    assert len(files) > 40 and "transfer.rooms.decode_table" in files
+    graph = {m: {i for i in _imports(p) if i in files and i != m} for m, p in files.items()}
+    # A module's package __init__ runs first; a module importing its own package is not a cycle.
+    graph = {m: {i for i in deps if not m.startswith(i + ".")} for m, deps in graph.items()}
+    cycles = _cycles(graph)
+    assert not cycles, f"import cycles: {cycles}"

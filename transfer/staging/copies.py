@@ -1,5 +1,5 @@
-"""Staging: gather scattered pages into one registered buffer, send it as a
-few large descriptors, scatter it on the other side.
+"""Staging copies: gather scattered pages into one registered buffer, send it
+as a few large descriptors, scatter it on the other side.
 
 On TCP every descriptor costs about 30 us whatever its size, so a
 layer-first pool with scattered pages (one 32 KiB descriptor per page, layer
@@ -9,62 +9,17 @@ registered staging tensor on the pools' device; a staged chunk is packed
 buffer by buffer (the pool's canonical (layer, component) order), page by
 page, each page's :class:`~transfer.plan.PageSlice`.
 
-:class:`StagingArea` hands out regions of it (first fit, freed explicitly).
+:class:`~transfer.staging.area.StagingArea` hands out regions of it.
 ``gather`` and ``scatter`` run torch index ops on uint8 views of the pool
 tensors: no Python loop over pages, and the same code on CPU or CUDA.
 """
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from bootstrap.messages import PoolDescriptor, components_of
 from transfer.plan import PageSlice
-
-
-class StagingArea:
-    """First-fit allocator over ``nbytes`` of staging memory, 4 KiB aligned.
-    Thread-safe. ``alloc`` returns an offset or None when no region fits."""
-
-    ALIGN = 4096
-
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
-        self._free: list[tuple[int, int]] = [(0, nbytes)]  # sorted (offset, size)
-        self._lock = threading.Lock()
-
-    def alloc(self, nbytes: int) -> int | None:
-        size = -(-nbytes // self.ALIGN) * self.ALIGN
-        with self._lock:
-            for i, (off, free) in enumerate(self._free):
-                if free >= size:
-                    if free == size:
-                        del self._free[i]
-                    else:
-                        self._free[i] = (off + size, free - size)
-                    return off
-        return None
-
-    def free(self, offset: int, nbytes: int) -> None:
-        size = -(-nbytes // self.ALIGN) * self.ALIGN
-        with self._lock:
-            self._free.append((offset, size))
-            self._free.sort()
-            merged: list[tuple[int, int]] = []
-            for off, n in self._free:
-                if merged and merged[-1][0] + merged[-1][1] == off:
-                    merged[-1] = (merged[-1][0], merged[-1][1] + n)
-                else:
-                    merged.append((off, n))
-            self._free = merged
-
-    @property
-    def free_bytes(self) -> int:
-        with self._lock:
-            return sum(n for _, n in self._free)
-
 
 _WIDE = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 

@@ -1,6 +1,7 @@
-"""Decode side: the rank's links to prefill nodes (bootstrap lookup and
-handshake, on a background thread) and the routing of incoming control
-messages to live receivers."""
+"""Decode side: the rank's links to prefill nodes. A :class:`Link` is one
+prefill DP group (its ranks, and what each sends for a room); the
+:class:`LinkResolver` finds them (bootstrap lookup, then a handshake with
+each prefill rank) on a background thread."""
 
 from __future__ import annotations
 
@@ -8,21 +9,15 @@ import enum
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Callable
 
-from bootstrap.client import BootstrapClient
 from bootstrap.messages import AttentionKind, PoolRole, RankInfo
 from transfer import tp
 from transfer.errors import (BootstrapError, BootstrapUnavailable, IncompatibleLayoutError, KVFerryError,
                              ProtocolError)
 from transfer.layout import check_compatible
-from transfer.messages import (ChunkStaged, PeerHello, PeerHelloReply, PoolAssignment, RoomAbort, RoomStatus,
-                               StageRequest)
-from transfer.stageflow import DecodeStaging
-from transfer.state import KVPoll
-
-if TYPE_CHECKING:
-    from transfer.receiver import KVReceiver
+from transfer.messages import PeerHello, PeerHelloReply, PoolAssignment
+from transfer.rooms.context import LookupClient, RoomContext
 
 log = logging.getLogger("kvferry.receiver")
 
@@ -72,31 +67,32 @@ class _Hello:
         self.error: KVFerryError | None = None
 
 
-class DecodeRooms:
-    """Resolves prefill nodes (bootstrap lookup, then a handshake with each
-    prefill rank) on a background thread, and routes RoomStatus and RoomAbort
-    messages to live receivers. A failed link is forgotten, so the next
-    receiver tries afresh: no peer is blacklisted for good."""
+class LinkResolver:
+    """Resolves prefill nodes for one decode rank on the ``kvferry-resolver``
+    thread. Receivers ask for links under ``ctx.lock`` (:meth:`link`); a
+    failed link is forgotten, so the next room tries afresh: no peer is
+    blacklisted for good. After each round in which something was being
+    resolved it calls ``kick()`` (waiting receivers advance at once), and
+    after every round ``tick()`` (housekeeping of the owner), both without
+    the lock."""
 
-    def __init__(self, mgr) -> None:
-        self.mgr = mgr
+    def __init__(self, ctx: RoomContext, kick: Callable[[], None], tick: Callable[[], None]) -> None:
+        self.ctx = ctx
+        self._kick, self._tick = kick, tick
         self.links: dict[tuple[str, str, int], Link] = {}
         self.dp_sizes: dict[tuple[str, str], int] = {}  # 0: being looked up
         self._dp_wanted: dict[tuple[str, str], float] = {}
         # A lookup refused for good (authentication, a conflict): rooms asking
         # for the node within _REFUSAL_S fail with it; later ones try afresh.
         self._dp_refused: dict[tuple[str, str], tuple[float, KVFerryError]] = {}
-        self.receivers: dict[tuple[int, int], KVReceiver] = {}
         self._hellos: dict[str, _Hello] = {}
-        self._clients: dict[str, BootstrapClient] = {}
-        self.staging = DecodeStaging(mgr, quarantine_s=2.0 * mgr.config.engine.progress_timeout_s) \
-            if mgr.staging is not None else None
+        self._clients: dict[str, LookupClient] = {}
         self._wake = threading.Event()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="kvferry-resolver", daemon=True)
         self._thread.start()
 
-    # --- used by receivers (under mgr._lock) -----------------------------------------
+    # --- used under ctx.lock ----------------------------------------------------------
 
     def link(self, addr: str, node: str, dp_rank: int | None, room: int) -> Link | None:
         """The link for a room; None while the node's DP size is unknown."""
@@ -131,31 +127,22 @@ class DecodeRooms:
                     return r.control_endpoint
         return None
 
-    def live_peers(self, now: float) -> dict[str, str]:
-        """Session -> control endpoint of the prefill ranks to watch (called
-        under the lock): ranks a live room still awaits (or waits to hear
-        have stopped writing), and the ranks of recently used ready links."""
+    def watched(self, now: float) -> dict[str, str]:
+        """Session -> control endpoint of the sending ranks of ready links
+        used within ``_WATCH_IDLE_LINKS_S``."""
         peers = {}
         for link in self.links.values():
             if link.state is LinkState.READY and now - link.last_wanted < _WATCH_IDLE_LINKS_S:
                 for p in link.routes:
                     peers[link.ranks[p].session] = link.ranks[p].control_endpoint
-        for r in self.receivers.values():
-            if r._link is not None and r._link.ranks:
-                for p in r.ranks_writing():
-                    peers[r._link.ranks[p].session] = r._link.ranks[p].control_endpoint
         return peers
 
-    def peer_lost(self, session: str, silent_s: float) -> None:
+    def forget_session(self, session: str) -> None:
         """A prefill rank went silent: forget every link through it (the next
-        room looks the node up afresh) and fail the rooms that await it."""
-        with self.mgr._lock:
-            for link in [l for l in self.links.values() if any(r.session == session for r in l.ranks)]:
-                self.forget(link)
-            self._hellos.pop(session, None)
-            receivers = list(self.receivers.values())
-        for r in receivers:
-            r._peer_lost(session, silent_s)
+        room looks the node up afresh)."""
+        for link in [l for l in self.links.values() if any(r.session == session for r in l.ranks)]:
+            self.forget(link)
+        self._hellos.pop(session, None)
 
     def forget(self, link: Link) -> None:
         if self.links.get(link.key) is link:
@@ -165,33 +152,13 @@ class DecodeRooms:
             if hello is not None and not hello.ok:
                 del self._hellos[r.session]
 
-    # --- messages -------------------------------------------------------------------
-
-    def on_message(self, msg) -> None:
-        with self.mgr._lock:
-            if isinstance(msg, PeerHelloReply):
-                hello = self._hellos.get(msg.session)
-                if hello is not None:
-                    hello.ok = msg.ok
-                    if not msg.ok:
-                        hello.error = IncompatibleLayoutError(msg.field, "decode side", "prefill side",
-                                                              detail=msg.reason)
-                    self._wake.set()
-                return
-            if isinstance(msg, (RoomStatus, RoomAbort)):
-                receiver = self.receivers.get((msg.room, msg.request_id))
-                if receiver is not None:
-                    receiver._on_message(msg)
-                return
-            if isinstance(msg, StageRequest) and self.staging is not None:
-                self.staging.on_request(msg)
-                return
-            if isinstance(msg, ChunkStaged) and self.staging is not None:
-                # Under the lock on purpose: a room cannot turn Failed (and its
-                # pages be reused by the scheduler) halfway through a scatter.
-                self.staging.on_staged(msg, self.receivers.get((msg.room, msg.request_id)))
-                return
-        log.warning("%s: ignored a %s message", self.mgr.where, msg.KIND)
+    def on_hello_reply(self, msg: PeerHelloReply) -> None:
+        hello = self._hellos.get(msg.session)
+        if hello is not None:
+            hello.ok = msg.ok
+            if not msg.ok:
+                hello.error = IncompatibleLayoutError(msg.field, "decode side", "prefill side", detail=msg.reason)
+            self._wake.set()
 
     # --- resolver thread --------------------------------------------------------------
 
@@ -199,8 +166,8 @@ class DecodeRooms:
         while not self._closed:
             self._wake.wait(0.05)
             self._wake.clear()
-            with self.mgr._lock:
-                self._expire(time.monotonic() - self.mgr.config.bootstrap_timeout_s)
+            with self.ctx.lock:
+                self._expire(time.monotonic() - self.ctx.config.bootstrap_timeout_s)
                 dp_todo = [k for k, v in self.dp_sizes.items() if v == 0]
                 todo = [l for l in self.links.values() if l.state is LinkState.RESOLVING]
             for addr, node in dp_todo:
@@ -210,29 +177,28 @@ class DecodeRooms:
                     if isinstance(exc, BootstrapUnavailable):
                         log.debug("dp size of %s at %s: %s", node, addr, exc)
                         continue
-                    with self.mgr._lock:  # refused: retrying will not help
+                    with self.ctx.lock:  # refused: retrying will not help
                         self.dp_sizes.pop((addr, node), None)
                         self._dp_refused[(addr, node)] = (time.monotonic(), type(exc)(
-                            f"{self.mgr.where}: looking up prefill node {node!r} at {addr}: {exc}"))
+                            f"{self.ctx.where}: looking up prefill node {node!r} at {addr}: {exc}"))
                     continue
                 if reply.dp_size:
-                    with self.mgr._lock:
+                    with self.ctx.lock:
                         self.dp_sizes[(addr, node)] = reply.dp_size
             for link in todo:
                 try:
                     self._step(link)
                 except KVFerryError as exc:
-                    with self.mgr._lock:
+                    with self.ctx.lock:
                         link.state, link.error = LinkState.FAILED, exc
                 except Exception as exc:  # the resolver must outlive any one link
                     log.exception("resolving %s", link.name)
-                    with self.mgr._lock:
+                    with self.ctx.lock:
                         link.state = LinkState.FAILED
                         link.error = ProtocolError(f"{link.name}: {type(exc).__name__}: {exc}")
             if dp_todo or todo:
                 self._kick()
-            if self.staging is not None:
-                self.staging.pump()  # frees quarantined regions
+            self._tick()
             if dp_todo or any(l.state is LinkState.RESOLVING for l in todo):
                 time.sleep(_RETRY_S)
 
@@ -245,18 +211,10 @@ class DecodeRooms:
                      if l.state is not LinkState.READY and l.last_wanted < horizon]:
             self.forget(link)
 
-    def _kick(self) -> None:
-        """Advance waiting receivers now, not at their scheduler's next poll,
-        so requests reach prefill as soon as the node is resolved."""
-        with self.mgr._lock:
-            waiting = [r for r in self.receivers.values() if r._state.state is KVPoll.Bootstrapping]
-        for r in waiting:
-            r.poll()
-
-    def _client(self, addr: str) -> BootstrapClient:
+    def _client(self, addr: str) -> LookupClient:
         client = self._clients.get(addr)
         if client is None:
-            client = self._clients[addr] = self.mgr.bootstrap_client(addr)
+            client = self._clients[addr] = self.ctx.bootstrap_client(addr)
         return client
 
     def _step(self, link: Link) -> None:
@@ -268,29 +226,29 @@ class DecodeRooms:
                 link.progress = str(exc)
                 return
             except BootstrapError as exc:
-                raise BootstrapError(f"{self.mgr.where}: looking up {link.name}: {exc}", code=exc.code) from exc
+                raise BootstrapError(f"{self.ctx.where}: looking up {link.name}: {exc}", code=exc.code) from exc
             if not reply.ready:
                 link.progress = f"{reply.num_registered} of {reply.tp_size or '?'} prefill ranks registered"
                 return
             self._route(link, reply.ranks)
-        with self.mgr._lock:
+        with self.ctx.lock:
             pending = []
             for p in link.routes:
                 session = link.ranks[p].session
                 hello = self._hellos.get(session)
                 if hello is None:
                     hello = self._hellos[session] = _Hello()
-                    self.mgr.channel.send(link.ranks[p].control_endpoint, PeerHello(
-                        rank=self.mgr.rank, allow_missing_draft=self.mgr.config.allow_missing_draft))
+                    self.ctx.channel.send(link.ranks[p].control_endpoint, PeerHello(
+                        rank=self.ctx.rank, allow_missing_draft=self.ctx.config.allow_missing_draft))
                 if hello.error is not None:
                     raise hello.error
                 if not hello.ok:
-                    if time.monotonic() - hello.sent_at > self.mgr.config.rpc_timeout_s:
+                    if time.monotonic() - hello.sent_at > self.ctx.config.rpc_timeout_s:
                         # A dead rank the server still lists, or one restarting: look the node up
                         # again (its rooms fail at their bootstrap timeout if it never answers).
                         del self._hellos[session]
                         link.progress = (f"prefill rank {p} at {link.ranks[p].control_endpoint} did not answer "
-                                         f"the handshake within {self.mgr.config.rpc_timeout_s:g} s; looking it up again")
+                                         f"the handshake within {self.ctx.config.rpc_timeout_s:g} s; looking it up again")
                         link.ranks, link.routes = (), {}
                         return
                     pending.append(p)
@@ -300,11 +258,11 @@ class DecodeRooms:
                 link.state = LinkState.READY
 
     def _route(self, link: Link, ranks: tuple[RankInfo, ...]) -> None:
-        local = self.mgr.rank
+        local = self.ctx.rank
         link.ranks = ranks  # known before the check, so a failure can reach every rank
         for r in ranks:
             check_compatible(local, r, local_is_prefill=False,
-                             allow_missing_draft=self.mgr.config.allow_missing_draft)
+                             allow_missing_draft=self.ctx.config.allow_missing_draft)
         prefill_tp, decode_tp = ranks[0].tp_size, local.tp_size
         shapes = tuple(
             tp.PoolShape(role=p.role, is_mla=p.attention is AttentionKind.MLA, total_heads=p.total_kv_heads)
@@ -321,13 +279,9 @@ class DecodeRooms:
         senders_of_target = [p for p, by_role in routes.items() if by_role.get(PoolRole.TARGET)]
         link.aux_rank = senders_of_target[0]
 
-    def close(self, error: BaseException) -> None:
+    def close(self) -> None:
         self._closed = True
         self._wake.set()
         self._thread.join(2.0)
-        with self.mgr._lock:
-            receivers = list(self.receivers.values())
-        for r in receivers:
-            r._fail(error, drain=False)
         for c in self._clients.values():
             c.close()

@@ -1,4 +1,5 @@
-"""The data path: the only module that talks to the Mooncake transfer engine.
+"""The Mooncake transport: the only module of ``transfer`` that talks to the
+Mooncake transfer engine. It keeps the contract of :mod:`transfer.transport.base`.
 
 :class:`MooncakeTransport` owns one ``TransferEngine`` (P2P handshake, no
 metadata server) and one worker thread that moves plans. A plan's entries are
@@ -13,6 +14,9 @@ A job's callback runs exactly once, on the worker thread, after every
 descriptor it submitted has finished or failed, so the source memory may be
 reused when it runs. It must be quick and must not call back into the
 transport's blocking methods.
+
+Importing this module does not import Mooncake: the engine is imported when
+a transport is built.
 """
 
 from __future__ import annotations
@@ -23,15 +27,13 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 from transfer.config import EngineConfig, apply_mooncake_env
 from transfer.errors import ClosedError, TransferError
 from transfer.plan import TransferPlan, split_entries
+from transfer.transport.base import DoneCallback
 
 log = logging.getLogger("kvferry.transport")
-
-DoneCallback = Callable[[TransferError | None], None]
 
 # How many consecutive still-pending descriptors a poll round looks at before
 # it stops: the engine finishes them roughly in order, and checking thousands

@@ -1,0 +1,104 @@
+"""An in-process control channel for unit tests; keeps the contract of
+:mod:`transfer.control.base`.
+
+Messages go through the codec both ways (encoded, sealed with the secret,
+decoded by the destination), so codec and authentication errors happen as
+they would on zmq. Delivery is one thread per channel, in send order; the
+:class:`~transfer.transport.loopback.LoopbackFabric` routes payloads between
+channels and applies the tests' faults (held, dropped or delayed messages).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import Protocol
+
+from bootstrap import codec
+from transfer.control.base import Handler
+from transfer.errors import AuthError, ClosedError, ProtocolError
+
+log = logging.getLogger("kvferry.channel")
+
+
+class Router(Protocol):
+    def route(self, src: str, dst: str, payload: bytes, msg=None) -> None:
+        """Deliver ``payload`` (``msg`` encoded) from ``src`` to the channel bound at ``dst`` (or not)."""
+
+    def unbind(self, endpoint: str) -> None: ...
+
+
+class LoopbackChannel:
+    """Bound at ``endpoint`` on ``router`` (the fabric that built it)."""
+
+    def __init__(self, router: Router, endpoint: str, handler: Handler, secret: str | bytes | None = None) -> None:
+        self.endpoint = endpoint
+        self._router = router
+        self._handler = handler
+        self._key = codec.secret_key(secret)
+        self._inbox: collections.deque[tuple[float, bytes]] = collections.deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self.num_received = 0
+        self.num_malformed = 0
+        self.num_unauthenticated = 0
+        self._thread = threading.Thread(target=self._run, name="kvferry-control", daemon=True)
+        self._thread.start()
+
+    def send(self, endpoint: str, msg) -> None:
+        payload = codec.encode(msg, self._key)
+        if self._closed:
+            raise ClosedError("control channel is closed")
+        self._router.route(self.endpoint, endpoint, payload, msg)
+
+    def forget(self, endpoint: str) -> None:
+        """Nothing is queued on this side: messages wait at the destination."""
+
+    def deliver(self, payload: bytes, due: float = 0.0) -> None:
+        """Called by the fabric: queue ``payload`` for the handler, not before ``due``."""
+        with self._cond:
+            if not self._closed:
+                self._inbox.append((due, payload))
+                self._cond.notify()
+
+    def _next(self) -> bytes | None:
+        with self._cond:
+            while not self._closed:
+                if self._inbox:
+                    wait = self._inbox[0][0] - time.monotonic()
+                    if wait <= 0:
+                        return self._inbox.popleft()[1]
+                    self._cond.wait(min(wait, 0.05))
+                else:
+                    self._cond.wait(0.05)
+            return None
+
+    def _run(self) -> None:
+        while (payload := self._next()) is not None:
+            self.num_received += 1
+            try:
+                msg = codec.decode(payload, self._key)
+            except AuthError as exc:
+                self.num_unauthenticated += 1
+                log.warning("control %s: dropped a message: %s", self.endpoint, exc)
+                continue
+            except ProtocolError as exc:
+                self.num_malformed += 1
+                log.warning("control %s: dropped a malformed message: %s", self.endpoint, exc)
+                continue
+            try:
+                self._handler(msg)
+            except Exception:
+                log.exception("control %s: handling %s failed; the channel goes on", self.endpoint, msg.KIND)
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        self._router.unbind(self.endpoint)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)

@@ -1,0 +1,58 @@
+"""What the room layer gets from its manager: a typed context, not the manager.
+
+One :class:`RoomContext` per :class:`~transfer.manager.KVManager`, built once
+its transport, channel and bootstrap registration info exist; the room
+tables, senders, receivers and staging flows of that rank all share it.
+
+Locking: ``lock`` is the rank's one re-entrant lock. Every room's state,
+the room tables and the staging flows' bookkeeping change under it;
+``changed()`` must be called with it held (it wakes
+``KVManager.wait_for_progress``). Nothing under the lock blocks: transport
+``submit`` and channel ``send`` return at once, storage jobs run on the
+tier's own thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Protocol
+
+from bootstrap.messages import LookupReply, RankInfo
+from transfer.config import ManagerConfig
+
+if TYPE_CHECKING:
+    from transfer.control.base import ControlChannel
+    from transfer.staging.area import StagingMemory
+    from transfer.storage.tier import StorageTier
+    from transfer.transport.base import Transport
+
+
+class LookupClient(Protocol):
+    """The bootstrap server as the decode rooms use it (a
+    :class:`bootstrap.client.BootstrapClient`): each call bounded by the
+    client's timeout, raising ``BootstrapUnavailable`` / ``BootstrapError``."""
+
+    def lookup(self, node_id: str, dp_rank: int) -> LookupReply: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class RoomContext:
+    """``config`` and ``rank``: this rank's configuration and registration
+    info (session, control endpoint, pools); ``where`` names it in errors.
+    ``staging`` is None without staging memory, ``storage`` None without a
+    storage tier. ``bootstrap_client(addr)`` opens a client of the bootstrap
+    server at ``addr`` (the caller closes it)."""
+
+    config: ManagerConfig
+    where: str
+    rank: RankInfo
+    lock: threading.RLock
+    changed: Callable[[], None]
+    transport: "Transport"
+    channel: "ControlChannel"
+    staging: "StagingMemory | None"
+    storage: "StorageTier | None"
+    bootstrap_client: Callable[[str], LookupClient]

@@ -1,0 +1,155 @@
+"""Decode side: the rank's room table. It holds the live receivers
+(:class:`~transfer.receiver.KVReceiver`) by (room, request id), routes the
+control messages that arrive to them, to the link resolver
+(:mod:`transfer.rooms.links`) and to the staged flow
+(:mod:`transfer.staging.decode_flow`), and reports which prefill ranks to
+watch for liveness."""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+from transfer.errors import KVFerryError
+from transfer.messages import ChunkStaged, PeerHelloReply, RoomAbort, RoomStatus, StageRequest
+from transfer.rooms.context import RoomContext
+from transfer.rooms.decode_phases import DecodePhase
+from transfer.rooms.links import Link, LinkResolver
+from transfer.staging.decode_flow import DecodeStaging
+
+log = logging.getLogger("kvferry.receiver")
+
+
+class Receiver(Protocol):
+    """What the table needs of a room's receiver (a :class:`~transfer.receiver.KVReceiver`)."""
+
+    room: int
+    request_id: int
+
+    @property
+    def link(self) -> Link | None: ...
+
+    @property
+    def phase(self) -> DecodePhase: ...
+
+    def ranks_writing(self) -> set[int]: ...
+
+    def poll(self): ...
+
+    def on_message(self, msg) -> None: ...
+
+    def scatter_part(self, msg: ChunkStaged, offset: int) -> None: ...
+
+    def peer_lost(self, session: str, silent_s: float) -> None: ...
+
+    def fail(self, error: BaseException, *, drain: bool = True) -> None: ...
+
+
+class DecodeRooms:
+    def __init__(self, ctx: RoomContext) -> None:
+        self.ctx = ctx
+        self.receivers: dict[tuple[int, int], Receiver] = {}
+        self.staging = DecodeStaging(ctx, lambda room, rid: (room, rid) in self.receivers,
+                                     quarantine_s=2.0 * ctx.config.engine.progress_timeout_s) \
+            if ctx.staging is not None else None
+        self.links = LinkResolver(ctx, kick=self._kick, tick=self._tick)
+
+    # --- used by receivers (under ctx.lock) ------------------------------------------
+
+    def add(self, receiver: Receiver) -> None:
+        self.receivers[(receiver.room, receiver.request_id)] = receiver
+
+    def remove(self, receiver: Receiver) -> None:
+        """The room ended: it gets no more messages, and its staging regions
+        still granted go to quarantine."""
+        self.receivers.pop((receiver.room, receiver.request_id), None)
+        if self.staging is not None:
+            self.staging.release_room(receiver.room, receiver.request_id)
+
+    def link(self, addr: str, node: str, dp_rank: int | None, room: int) -> Link | None:
+        """The link for a room; None while the node's DP size is unknown."""
+        return self.links.link(addr, node, dp_rank, room)
+
+    def forget(self, link: Link) -> None:
+        self.links.forget(link)
+
+    def abort_on_prefill(self, link: Link, abort: RoomAbort, where: str) -> set[int]:
+        """Tell every prefill rank of the room it is over, also those a failed
+        handshake kept the room from sending a request to; returns the ranks
+        that could not be told."""
+        untold = set()
+        for p in link.routes or {r.tp_rank: () for r in link.ranks}:
+            try:
+                self.ctx.channel.send(link.ranks[p].control_endpoint, abort)
+            except KVFerryError as exc:
+                log.warning("%s: could not tell prefill rank %d: %s", where, p, exc)
+                untold.add(p)
+        return untold
+
+    # --- used by the manager ------------------------------------------------------------
+
+    def endpoint_of(self, session: str) -> str | None:
+        """The control endpoint of a prefill rank of a known link."""
+        return self.links.endpoint_of(session)
+
+    def live_peers(self, now: float) -> dict[str, str]:
+        """Session -> control endpoint of the prefill ranks to watch (called
+        under the lock): ranks a live room still awaits (or waits to hear
+        have stopped writing), and the ranks of recently used ready links."""
+        peers = self.links.watched(now)
+        for r in self.receivers.values():
+            link = r.link
+            if link is not None and link.ranks:
+                for p in r.ranks_writing():
+                    peers[link.ranks[p].session] = link.ranks[p].control_endpoint
+        return peers
+
+    def peer_lost(self, session: str, silent_s: float) -> None:
+        """A prefill rank went silent: forget every link through it (the next
+        room looks the node up afresh) and fail the rooms that await it."""
+        with self.ctx.lock:
+            self.links.forget_session(session)
+            receivers = list(self.receivers.values())
+        for r in receivers:
+            r.peer_lost(session, silent_s)
+
+    def on_message(self, msg) -> None:
+        with self.ctx.lock:
+            if isinstance(msg, PeerHelloReply):
+                self.links.on_hello_reply(msg)
+                return
+            if isinstance(msg, (RoomStatus, RoomAbort)):
+                receiver = self.receivers.get((msg.room, msg.request_id))
+                if receiver is not None:
+                    receiver.on_message(msg)
+                return
+            if isinstance(msg, StageRequest) and self.staging is not None:
+                self.staging.on_request(msg)
+                return
+            if isinstance(msg, ChunkStaged) and self.staging is not None:
+                # Under the lock on purpose: a room cannot turn Failed (and its
+                # pages be reused by the scheduler) halfway through a scatter.
+                self.staging.on_staged(msg, self.receivers.get((msg.room, msg.request_id)))
+                return
+        log.warning("%s: ignored a %s message", self.ctx.where, msg.KIND)
+
+    def close(self, error: BaseException) -> None:
+        self.links.close()
+        with self.ctx.lock:
+            receivers = list(self.receivers.values())
+        for r in receivers:
+            r.fail(error, drain=False)
+
+    # --- called by the resolver thread ---------------------------------------------------
+
+    def _kick(self) -> None:
+        """Advance waiting receivers now, not at their scheduler's next poll,
+        so requests reach prefill as soon as the node is resolved."""
+        with self.ctx.lock:
+            waiting = [r for r in self.receivers.values() if r.phase is DecodePhase.BOOTSTRAPPING]
+        for r in waiting:
+            r.poll()
+
+    def _tick(self) -> None:
+        if self.staging is not None:
+            self.staging.pump()  # frees quarantined regions

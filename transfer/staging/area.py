@@ -1,0 +1,64 @@
+"""A rank's staging memory: the registered tensor, the allocator of its
+regions, and the pool tensors that staged parts are gathered from and
+scattered into (see :mod:`transfer.staging.copies`)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+
+class StagingArea:
+    """First-fit allocator over ``nbytes`` of staging memory, 4 KiB aligned.
+    Thread-safe. ``alloc`` returns an offset or None when no region fits."""
+
+    ALIGN = 4096
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._free: list[tuple[int, int]] = [(0, nbytes)]  # sorted (offset, size)
+        self._lock = threading.Lock()
+
+    def alloc(self, nbytes: int) -> int | None:
+        size = -(-nbytes // self.ALIGN) * self.ALIGN
+        with self._lock:
+            for i, (off, free) in enumerate(self._free):
+                if free >= size:
+                    if free == size:
+                        del self._free[i]
+                    else:
+                        self._free[i] = (off + size, free - size)
+                    return off
+        return None
+
+    def free(self, offset: int, nbytes: int) -> None:
+        size = -(-nbytes // self.ALIGN) * self.ALIGN
+        with self._lock:
+            self._free.append((offset, size))
+            self._free.sort()
+            merged: list[tuple[int, int]] = []
+            for off, n in self._free:
+                if merged and merged[-1][0] + merged[-1][1] == off:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + n)
+                else:
+                    merged.append((off, n))
+            self._free = merged
+
+    @property
+    def free_bytes(self) -> int:
+        with self._lock:
+            return sum(n for _, n in self._free)
+
+
+@dataclass
+class StagingMemory:
+    """``tensor``: the registered staging buffer (uint8, on the pools'
+    device); ``area``: its allocator; ``buffers``: (role, layer, component)
+    -> pool tensor; ``word_views``: the copies' cache of views of them."""
+
+    tensor: torch.Tensor
+    area: StagingArea
+    buffers: dict
+    word_views: dict = field(default_factory=dict)

@@ -1,0 +1,116 @@
+"""The staged path's message flow on decode (prefill's is
+:mod:`transfer.staging.prefill_flow`).
+
+A StageRequest gets a region of the staging buffer (FIFO when it is full);
+ChunkStaged scatters the region into the request's pages and frees it.
+ChunkStaged and the final RoomStatus travel on the same ordered channel, so
+decode has scattered every part before it reports Success.
+
+A region granted to a room that then fails is freed only after
+``quarantine_s``: a write still in flight to it would otherwise land in a
+region handed to someone else.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from transfer.errors import KVFerryError
+from transfer.messages import ChunkStaged, StageGrant, StageRequest
+from transfer.plan import page_slice
+from transfer.rooms.context import RoomContext
+from transfer.staging.copies import scatter, staged_bytes
+
+log = logging.getLogger("kvferry.staging")
+
+
+class DecodeStaging:
+    """Grants staging regions to prefill ranks and scatters what lands."""
+
+    def __init__(self, ctx: RoomContext, is_live: Callable[[int, int], bool], quarantine_s: float) -> None:
+        """``is_live(room, request_id)``: whether the room still has a live
+        receiver (called under ``ctx.lock``)."""
+        self.ctx = ctx
+        self.is_live = is_live
+        self.quarantine_s = quarantine_s
+        self._queue: collections.deque[StageRequest] = collections.deque()
+        self._granted: dict[tuple[int, int, int, int], tuple[int, int]] = {}  # -> (offset, nbytes)
+        self._quarantine: list[tuple[float, int, int]] = []
+
+    def on_request(self, req: StageRequest) -> None:
+        with self.ctx.lock:
+            self._queue.append(req)
+        self.pump()
+
+    def pump(self) -> None:
+        now = time.monotonic()
+        area = self.ctx.staging.area
+        with self.ctx.lock:
+            for item in [q for q in self._quarantine if q[0] <= now]:
+                self._quarantine.remove(item)
+                area.free(item[1], item[2])
+            while self._queue:
+                req = self._queue[0]
+                if not self.is_live(req.room, req.request_id):
+                    self._queue.popleft()  # the room ended; its prefill learns from the abort
+                    continue
+                offset = area.alloc(req.nbytes)
+                if offset is None:
+                    return
+                self._queue.popleft()
+                self._granted[(req.room, req.request_id, req.prefill_tp_rank, req.part)] = (offset, req.nbytes)
+                try:
+                    self.ctx.channel.send(req.prefill_endpoint, StageGrant(
+                        room=req.room, request_id=req.request_id, part=req.part, offset=offset))
+                except KVFerryError as exc:
+                    log.warning("staging grant to %s not sent: %s", req.prefill_endpoint, exc)
+
+    def on_staged(self, msg: ChunkStaged, receiver) -> None:
+        """Scatter a landed part into ``receiver``'s pages (None: the room is
+        gone; only free the region)."""
+        key = (msg.room, msg.request_id, msg.prefill_tp_rank, msg.part)
+        with self.ctx.lock:
+            grant = self._granted.pop(key, None)
+        if grant is None or grant[1] != msg.nbytes:
+            return
+        try:
+            if receiver is not None:
+                receiver.scatter_part(msg, grant[0])
+        finally:
+            self.ctx.staging.area.free(*grant)
+            self.pump()
+
+    def release_room(self, room: int, request_id: int) -> None:
+        """A room ended: its outstanding regions go to quarantine."""
+        with self.ctx.lock:
+            for key in [k for k in self._granted if k[:2] == (room, request_id)]:
+                offset, nbytes = self._granted.pop(key)
+                self._quarantine.append((time.monotonic() + self.quarantine_s, offset, nbytes))
+
+
+def scatter_part(ctx: RoomContext, dst_pages: np.ndarray, msg: ChunkStaged, offset: int, assignments) -> None:
+    """Unpack a part that landed at ``offset`` of the staging memory into
+    ``dst_pages`` (the request's decode pages, in request order), pool by pool."""
+    if not (0 <= msg.page_start and msg.num_pages > 0 and msg.page_start + msg.num_pages <= len(dst_pages)):
+        raise IndexError(f"staged pages [{msg.page_start}, +{msg.num_pages}) outside the request's "
+                         f"{len(dst_pages)} pages")
+    slices = [(ctx.rank.pool(a.role), a) for a in assignments if a.send]
+    expected = sum(staged_bytes(pool, page_slice(pool, a.dst_head_offset, a.num_heads), msg.num_pages)
+                   for pool, a in slices)
+    if expected != msg.nbytes:
+        raise ValueError(f"staged part of {msg.nbytes} bytes, but {msg.num_pages} pages of the requested pools "
+                         f"take {expected}")
+    mem = ctx.staging
+    dst = dst_pages[msg.page_start:msg.page_start + msg.num_pages]
+    pages = torch.from_numpy(dst.astype(np.int64)).to(mem.tensor.device)
+    for a in assignments:
+        if a.send:
+            pool = ctx.rank.pool(a.role)
+            offset += scatter(mem.tensor, offset, mem.buffers, pool,
+                              page_slice(pool, a.dst_head_offset, a.num_heads), pages, mem.word_views)

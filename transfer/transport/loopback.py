@@ -1,0 +1,244 @@
+"""An in-process transport and network for unit tests: several managers of one
+process share a :class:`LoopbackFabric`.
+
+:class:`LoopbackTransport` keeps the contract of :mod:`transfer.transport.base`:
+a worker thread copies each descriptor with ``memmove``, after checking that
+the source lies in memory this transport registered and the destination in
+memory the peer registered (a TransferError otherwise, as a remote engine
+would refuse); the callback runs once, on the worker thread, after the last
+descriptor. Host memory only (a CUDA pointer cannot be memmoved). The
+fabric also routes the control messages of
+:class:`~transfer.control.loopback.LoopbackChannel` s.
+
+Faults, for tests: ``hold_writes`` / ``release_writes`` stop and resume every
+transport before its next descriptor (a write "in flight"); ``break_writes``
+fails the writes to a session; ``hold`` / ``release`` keep the messages to an
+endpoint queued; ``cut`` / ``mend`` drop every message to and from an
+endpoint (a lost peer); ``drop_if`` drops the messages a predicate picks;
+``delay_s`` delays every delivery.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from transfer.control.base import Handler
+from transfer.control.loopback import LoopbackChannel
+from transfer.errors import ClosedError, TransferError
+from transfer.plan import TransferPlan
+from transfer.transport.base import DoneCallback
+
+log = logging.getLogger("kvferry.transport")
+
+
+@dataclass
+class _Job:
+    peer: str
+    plan: TransferPlan
+    callback: DoneCallback
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def _inside(regions: list[tuple[int, int]], addr: int, nbytes: int) -> bool:
+    return any(base <= addr and addr + nbytes <= base + size for base, size in regions)
+
+
+class LoopbackTransport:
+    def __init__(self, fabric: "LoopbackFabric", session: str) -> None:
+        self.session = session
+        self._fabric = fabric
+        self.regions: list[tuple[int, int]] = []
+        self.num_bytes = 0
+        self.num_descriptors = 0
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvferry-transport", daemon=True)
+        self._thread.start()
+
+    def register(self, regions: list[tuple[int, int]]) -> None:
+        self.regions.extend((int(a), int(n)) for a, n in regions)
+
+    def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback) -> _Job | None:
+        if self._closed.is_set():
+            raise ClosedError("transport is closed")
+        if plan.num_descriptors == 0:
+            callback(None)
+            return None
+        job = _Job(peer, plan, callback)
+        self._jobs.put(job)
+        return job
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            error = self._copy(job)
+            self._finish(job, error)
+        while True:  # closed: fail what is still queued
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                self._finish(job, TransferError("transport closed before the transfer finished", peer=job.peer))
+
+    def _copy(self, job: _Job) -> TransferError | None:
+        plan = job.plan
+        for i, (src, dst, n) in enumerate(zip(plan.src_addrs.tolist(), plan.dst_addrs.tolist(),
+                                             plan.lengths.tolist())):
+            while not self._fabric.writes_open.wait(0.02):
+                if self._closed.is_set():
+                    break
+            if self._closed.is_set():
+                return TransferError("transport closed before the transfer finished", peer=job.peer)
+            if job.cancelled:
+                return TransferError(f"transfer to {job.peer} cancelled", peer=job.peer)
+            peer = self._fabric.transport_of(job.peer)
+            if peer is None or job.peer in self._fabric.broken:
+                return TransferError(f"write to {job.peer} failed: no such peer (loopback)", peer=job.peer)
+            if not _inside(self.regions, src, n):
+                return TransferError(f"descriptor {i}: source [{src:#x}, +{n}) is not registered here",
+                                     peer=job.peer)
+            if not _inside(peer.regions, dst, n):
+                return TransferError(f"descriptor {i}: destination [{dst:#x}, +{n}) is outside the memory "
+                                     f"{job.peer} registered", peer=job.peer)
+            ctypes.memmove(dst, src, n)
+            self.num_descriptors += 1
+        self.num_bytes += plan.total_bytes
+        return None
+
+    @staticmethod
+    def _finish(job: _Job, error: TransferError | None) -> None:
+        try:
+            job.callback(error)
+        except Exception:
+            log.exception("transport: a completion callback raised; the worker goes on")
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._jobs.put(None)
+        self._thread.join(timeout_s)
+        self._fabric.unbind_transport(self.session)
+
+
+class LoopbackFabric:
+    """What the managers of one test share: transports by session, channels by
+    endpoint, and the faults the test sets."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._transports: dict[str, LoopbackTransport] = {}
+        self._channels: dict[str, LoopbackChannel] = {}
+        self.writes_open = threading.Event()
+        self.writes_open.set()
+        self.broken: set[str] = set()
+        self._held: dict[str, list[bytes]] = {}
+        self._cut: set[str] = set()
+        self._drop_if: Callable[[object], bool] | None = None
+        self.delay_s = 0.0
+        self.num_dropped = 0
+
+    # --- building -----------------------------------------------------------------
+
+    def transport(self) -> LoopbackTransport:
+        """A new transport (pass it to ``KVManager(..., transport=)``)."""
+        t = LoopbackTransport(self, f"loopback:{next(self._ids)}")
+        with self._lock:
+            self._transports[t.session] = t
+        return t
+
+    def channel(self, host: str, handler: Handler, secret: str | bytes | None = None) -> LoopbackChannel:
+        """A :data:`~transfer.control.base.ChannelFactory` (pass ``fabric.channel``
+        as ``KVManager(..., channel_factory=)``)."""
+        endpoint = f"loopback://{host}/{next(self._ids)}"
+        ch = LoopbackChannel(self, endpoint, handler, secret)
+        with self._lock:
+            self._channels[endpoint] = ch
+        return ch
+
+    def transport_of(self, session: str) -> LoopbackTransport | None:
+        with self._lock:
+            return self._transports.get(session)
+
+    def unbind_transport(self, session: str) -> None:
+        with self._lock:
+            self._transports.pop(session, None)
+
+    def unbind(self, endpoint: str) -> None:
+        with self._lock:
+            self._channels.pop(endpoint, None)
+
+    # --- messages -----------------------------------------------------------------
+
+    def route(self, src: str, dst: str, payload: bytes, msg=None) -> None:
+        with self._lock:
+            if src in self._cut or dst in self._cut:
+                self.num_dropped += 1
+                return
+            if self._drop_if is not None and msg is not None and self._drop_if(msg):
+                self.num_dropped += 1
+                return
+            if dst in self._held:
+                self._held[dst].append(payload)
+                return
+            ch = self._channels.get(dst)
+        if ch is not None:
+            ch.deliver(payload, time.monotonic() + self.delay_s)
+
+    def inject(self, dst: str, payload: bytes) -> None:
+        """Deliver raw bytes to ``dst`` (malformed input, for tests)."""
+        with self._lock:
+            ch = self._channels.get(dst)
+        if ch is not None:
+            ch.deliver(payload)
+
+    # --- faults -------------------------------------------------------------------
+
+    def hold_writes(self) -> None:
+        """Transports stop before their next descriptor (writes stay in flight)."""
+        self.writes_open.clear()
+
+    def release_writes(self) -> None:
+        self.writes_open.set()
+
+    def break_writes(self, session: str) -> None:
+        """Writes to ``session`` fail from now on."""
+        self.broken.add(session)
+
+    def hold(self, endpoint: str) -> None:
+        """Keep messages to ``endpoint`` queued until :meth:`release`."""
+        with self._lock:
+            self._held.setdefault(endpoint, [])
+
+    def release(self, endpoint: str) -> None:
+        with self._lock:
+            held = self._held.pop(endpoint, [])
+            ch = self._channels.get(endpoint)
+        for payload in held:
+            if ch is not None:
+                ch.deliver(payload)
+
+    def cut(self, endpoint: str) -> None:
+        """Drop every message to and from ``endpoint`` (a peer lost, or one that lost us)."""
+        with self._lock:
+            self._cut.add(endpoint)
+
+    def mend(self, endpoint: str) -> None:
+        with self._lock:
+            self._cut.discard(endpoint)
+
+    def drop_if(self, predicate: Callable[[object], bool] | None) -> None:
+        """Drop the messages for which ``predicate(msg)`` is true (None: none)."""
+        with self._lock:
+            self._drop_if = predicate
