@@ -1,0 +1,367 @@
+"""One SGLang rank (or its bootstrap server) driving a transfer backend with SGLang's own code.
+
+``python -m tests.engines.sglang.rank --role prefill|decode|bootstrap ...``
+
+Built as SGLang's ``prefill.py`` / ``decode.py`` build them: SGLang's
+``ServerArgs``, its real KV pools (``MHATokenToKVPool`` / ``MLATokenToKVPool``
+on the CPU, a draft pool appended with ``num_draft_entries``), ``KVArgs``
+filled from ``get_kv_transfer_buf_infos`` and ``MetadataBuffers.get_buf_infos``,
+classes from ``get_kv_class`` after ``load_plugins()``, and SGLang's call
+sequence: ``poll_and_all_reduce`` (MIN over a gloo group of the TP ranks),
+``pop_decode_prefix_len`` then ``init`` then chunked ``send`` with the last
+chunk inferred from the page count; decode ``try_ensure_parallel_info``,
+``init(prefill_dp_rank)``, ``send_metadata(..., decode_prefix_len)`` and the
+metadata gate (Success only once the ``bootstrap_room`` row landed).
+
+Data: every request's KV is a "logical" array per buffer over all heads,
+drawn from a seed (:func:`logical_kv`); each prefill rank writes its heads into
+randomly chosen pages, and decode checks every byte of its pages and of every
+aux region against the same draw. Pages decode did not give for writing
+(placeholders, its prefix) hold a sentinel that must survive. Results are
+printed as ``RESULT {json}`` lines; ``KILLME`` asks the parent to SIGKILL it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import zlib
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from tests.engines.sglang.scenarios import PAGE_SIZE, Request, requests_of
+
+SENTINEL = 0xAB
+NUM_SLOTS = 16
+POOL_TOKENS = 256  # 64 pages of 4 tokens, page 0 is SGLang's padding page
+
+
+def logical_kv(seed: int, room: int, key: str, shape: tuple) -> torch.Tensor:
+    """The bytes of one request's buffer over all heads: [pages, page_size, heads, row_bytes]."""
+    rng = np.random.default_rng([seed, room, zlib.crc32(key.encode())])
+    return torch.from_numpy(rng.integers(0, 256, size=shape, dtype=np.uint8))
+
+
+def aux_row(seed: int, room: int, region: int, nbytes: int) -> np.ndarray:
+    return np.random.default_rng([seed, room, 1000 + region]).integers(0, 256, size=nbytes, dtype=np.uint8)
+
+
+def pick_pages(seed: int, side: str, room: int, count: int, taken: set) -> list[int]:
+    """Random distinct pages of the pool (never page 0), none of ``taken``."""
+    rng = np.random.default_rng([seed, room, 7 if side == "prefill" else 11])
+    free = [p for p in rng.permutation(np.arange(1, POOL_TOKENS // PAGE_SIZE)).tolist() if p not in taken]
+    chosen = free[:count]
+    taken.update(chosen)
+    return chosen
+
+
+class Rank:
+    """SGLang's pools, KVArgs and manager of one rank (see the module docstring)."""
+
+    def __init__(self, a) -> None:
+        from sglang.srt.disaggregation.utils import (DisaggregationMode, KVClassType, MetadataBuffers,
+                                                     TransferBackend, build_kv_layer_ids, get_kv_class,
+                                                     get_kv_transfer_buf_infos, get_pd_kv_layout)
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+        from sglang.srt.server_args import ServerArgs
+
+        self.a = a
+        self.backend = TransferBackend(a.backend)
+        self.server_args = ServerArgs(model_path="unused", disaggregation_mode=a.role, tp_size=a.tp_size,
+                                      disaggregation_transfer_backend=a.backend, host="127.0.0.1",
+                                      disaggregation_bootstrap_port=a.port)
+        self.is_mla = a.pool == "mla"
+        self.total_heads = 1 if self.is_mla else 4
+        heads = self.total_heads // a.tp_size if not self.is_mla else 1
+        common = dict(size=POOL_TOKENS, page_size=PAGE_SIZE, dtype=torch.bfloat16, device="cpu",
+                      enable_memory_saver=False)
+        if self.is_mla:
+            self.pool = MLATokenToKVPool(kv_lora_rank=16, qk_rope_head_dim=8, layer_num=3, **common)
+        else:
+            self.pool = MHATokenToKVPool(head_num=heads, head_dim=8, layer_num=3, **common)
+        self.draft = MHATokenToKVPool(head_num=max(1, 2 // a.tp_size), head_dim=8, layer_num=1, **common) \
+            if a.draft else None
+        kv_args = get_kv_class(self.backend, KVClassType.KVARGS)()
+        kv_args.engine_rank, kv_args.pp_rank, kv_args.system_dp_rank = a.tp_rank, 0, 0
+        kv_args.kv_cache_dtype_str = "bfloat16"
+        kv_args.kv_layout = get_pd_kv_layout(self.pool)
+        kv_args.prefill_start_layer, kv_args.prefill_end_layer = 0, 3
+        ptrs, lens, items = get_kv_transfer_buf_infos(self.pool)
+        num_draft = 0
+        if self.draft is not None:
+            d_ptrs, d_lens, d_items = self.draft.get_contiguous_buf_infos()
+            ptrs, lens, items, num_draft = ptrs + d_ptrs, lens + d_lens, items + d_items, len(d_ptrs)
+        kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = ptrs, lens, items
+        kv_args.num_draft_entries = num_draft
+        kv_args.kv_layer_ids = build_kv_layer_ids(token_to_kv_pool=self.pool, draft_token_to_kv_pool=self.draft,
+                                                  num_draft_entries=num_draft, num_hidden_layers=3)
+        if not self.is_mla:
+            kv_args.kv_head_num, kv_args.total_kv_head_num = heads, self.total_heads
+        kv_args.page_size = PAGE_SIZE
+        self.meta = MetadataBuffers(NUM_SLOTS, hidden_size=16, hidden_states_dtype=torch.float32,
+                                    max_sampling_mask_tokens=4)
+        kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens = self.meta.get_buf_infos()
+        kv_args.ib_device, kv_args.gpu_id = None, 0
+        kv_args.state_types, kv_args.state_data_ptrs = [], []
+        self.kv_args = kv_args
+        # (key, buffer tensor as uint8 [tokens, heads, row_bytes]) in KVArgs order, checked against the pointers
+        self.buffers = self._buffers()
+        assert [t.data_ptr() for _, t in self.buffers] == list(ptrs), "buffer order differs from KVArgs"
+        for _, t in self.buffers:
+            t.fill_(SENTINEL)
+        self.regions = [_wrap(p, n).view(n // i, i) for p, n, i in zip(*self.meta.get_buf_infos())]
+        mode = DisaggregationMode.PREFILL if a.role == "prefill" else DisaggregationMode.DECODE
+        self.mgr = get_kv_class(self.backend, KVClassType.MANAGER)(kv_args, mode, self.server_args, self.is_mla)
+        self.sender_cls = get_kv_class(self.backend, KVClassType.SENDER)
+        self.receiver_cls = get_kv_class(self.backend, KVClassType.RECEIVER)
+
+    def _buffers(self):
+        out = []
+        for name, pool in (("target", self.pool), ("draft", self.draft)):
+            if pool is None:
+                continue
+            parts = [("latent", pool.kv_buffer)] if self.is_mla and name == "target" else \
+                [("k", pool.k_buffer), ("v", pool.v_buffer)]
+            for comp, bufs in parts:
+                for layer, t in enumerate(bufs):
+                    out.append((f"{name}.{comp}.{layer}", t.view(torch.uint8).view(t.shape[0], t.shape[1], -1)))
+        return out
+
+    def head_range(self, key: str, t) -> tuple[int, int, int]:
+        """(first global head, local heads, total heads) of a buffer on this rank."""
+        local = t.shape[1]
+        if key.startswith("target.latent"):
+            return 0, 1, 1  # MLA: the same latent on every rank
+        total = self.total_heads if key.startswith("target") else 2
+        return self.a.tp_rank * local, local, total
+
+    def pages_view(self, t, pages) -> torch.Tensor:
+        return t.view(-1, PAGE_SIZE, t.shape[1], t.shape[2])[torch.as_tensor(pages, dtype=torch.long)]
+
+    def expected(self, req: Request, key: str, t, first_page: int, num_pages: int) -> torch.Tensor:
+        h0, local, total = self.head_range(key, t)
+        data = logical_kv(self.a.seed, req.room, key, (req.num_pages, PAGE_SIZE, total, t.shape[2]))
+        return data[first_page:first_page + num_pages, :, h0:h0 + local]
+
+
+def _wrap(addr: int, nbytes: int) -> torch.Tensor:
+    from transfer.pools import wrap_pointer
+
+    return wrap_pointer(addr, nbytes, "uint8")
+
+
+def emit(kind: str, **fields) -> None:
+    print(f"{kind} {json.dumps(fields)}", flush=True)
+
+
+def gloo_group(a):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.gloo_port}", rank=a.tp_rank,
+                            world_size=a.tp_size, timeout=__import__("datetime").timedelta(seconds=60))
+    return dist.group.WORLD
+
+
+def run_prefill(a) -> None:
+    from sglang.srt.disaggregation.utils import poll_and_all_reduce
+
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    rank, group = Rank(a), gloo_group(a)
+    reqs = requests_of(a.scenario)
+    taken: set = set()
+    addr = f"127.0.0.1:{a.port}"
+    pages = {r.room: pick_pages(a.seed, "prefill", r.room, r.num_pages, taken) for r in reqs}
+    senders = {r.room: rank.sender_cls(mgr=rank.mgr, bootstrap_addr=addr, bootstrap_room=r.room) for r in reqs}
+    phase = {r.room: "boot" for r in reqs}
+    emit("READY", role="prefill", tp_rank=a.tp_rank)
+    deadline = time.monotonic() + a.timeout
+    while any(p != "done" for p in phase.values()) and time.monotonic() < deadline:
+        live = [r for r in reqs if phase[r.room] != "done"]
+        polls = poll_and_all_reduce([senders[r.room] for r in live], group)
+        for r, poll in zip(live, polls):
+            s = senders[r.room]
+            if poll == KVPoll.Failed:
+                err = _error_of(s)
+                emit("RESULT", room=r.room, state="Failed", error=err, phase=phase[r.room])
+                phase[r.room] = "done"
+            elif poll == KVPoll.Success:
+                m = s.get_transfer_metric()
+                emit("RESULT", room=r.room, state="Success", bytes=m.transfer_total_bytes,
+                     latency_s=m.transfer_latency_s, **_extra_stats(s))
+                phase[r.room] = "done"
+            elif phase[r.room] == "boot" and poll == KVPoll.WaitingForInput:
+                prefix_tokens = s.pop_decode_prefix_len()
+                prefix_pages = prefix_tokens // PAGE_SIZE
+                s.init(r.num_pages - prefix_pages, r.room % NUM_SLOTS)
+                phase[r.room] = "send"
+                emit("PREFIX", room=r.room, tokens=prefix_tokens)
+                _send(rank, r, s, pages[r.room], prefix_pages)
+                phase[r.room] = "wait" if r.action != "kill" else "killme"
+            elif phase[r.room] == "killme":
+                emit("KILLME", room=r.room)
+                time.sleep(a.timeout)
+        time.sleep(0.005)
+    emit("DONE", role="prefill", timed_out=any(p != "done" for p in phase.values()))
+
+
+def _send(rank: Rank, r: Request, s, pages: list[int], prefix_pages: int) -> None:
+    """Fill the suffix pages with this rank's heads, then SGLang's chunked sends."""
+    for key, t in rank.buffers:
+        data = rank.expected(r, key, t, prefix_pages, r.num_pages - prefix_pages)
+        view = t.view(-1, PAGE_SIZE, t.shape[1], t.shape[2])
+        view[torch.as_tensor(pages[prefix_pages:], dtype=torch.long)] = data
+    suffix = pages[prefix_pages:]
+    if r.action == "decode_abort":
+        return  # decode aborts this room before any chunk: wait for the Failed poll
+    offset = 0
+    for i, size in enumerate(r.chunks):
+        if not s.should_send_kv_chunk(size, False):
+            continue
+        s.send(np.asarray(suffix[offset:offset + size], dtype=np.int32))
+        offset += size
+        if r.action == "prefill_abort" and i == 0:
+            s.abort()
+            return
+        if r.action == "kill" and i == 0:
+            return
+    slot = r.room % NUM_SLOTS
+    for i, region in enumerate(rank.regions[:-1]):  # what MetadataBuffers.set_buf does before the last send
+        region[slot] = torch.from_numpy(aux_row(rank.a.seed, r.room, i, region.shape[1]))
+    rank.meta.bootstrap_room[slot] = 0
+    rank.meta.bootstrap_room[slot, 0] = r.room
+    last = suffix[offset:]
+    if s.should_send_kv_chunk(len(last), True):
+        s.send(np.asarray(last, dtype=np.int32))
+
+
+def _error_of(obj) -> str:
+    try:
+        obj.failure_exception()
+    except Exception as exc:  # any backend's exception type
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def _extra_stats(sender) -> dict:
+    stats = getattr(sender, "transfer_stats", None)
+    if stats is None:
+        return {}
+    st = stats()
+    return {"descriptors": st.descriptors, "plan_bytes": st.bytes}
+
+
+def run_decode(a) -> None:
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.utils import poll_and_all_reduce
+
+    rank, group = Rank(a), gloo_group(a)
+    reqs = requests_of(a.scenario)
+    addr = f"127.0.0.1:{a.port}"
+    deadline = time.monotonic() + a.timeout
+    while not rank.mgr.try_ensure_parallel_info(addr):
+        if time.monotonic() > deadline:
+            emit("DONE", role="decode", timed_out=True, error="prefill parallel info never arrived")
+            return
+        time.sleep(0.2)
+    info = rank.mgr.prefill_info_table[addr]
+    emit("READY", role="decode", prefill_tp=info.attn_tp_size, prefill_dp=info.dp_size)
+    taken: set = set()
+    pages = {r.room: pick_pages(a.seed, "decode", r.room, r.num_pages, taken) for r in reqs}
+    receivers, slots = {}, {}
+    for r in reqs:
+        recv = rank.receiver_cls(mgr=rank.mgr, bootstrap_addr=addr, bootstrap_room=r.room)
+        recv.init(r.room % info.dp_size)
+        slots[r.room] = (r.room * 3 + 1) % NUM_SLOTS
+        rank.meta.clear_slot(slots[r.room])
+        suffix = pages[r.room][r.prefix_pages:]
+        recv.send_metadata(np.asarray(suffix, dtype=np.int32), slots[r.room], None,
+                           decode_prefix_len=r.prefix_pages * PAGE_SIZE)
+        receivers[r.room] = recv
+    to_abort = {r.room for r in reqs if r.action == "decode_abort"}
+    live = list(reqs)
+    while live and time.monotonic() < deadline:
+        gate = [SimpleNamespace(req=SimpleNamespace(bootstrap_host="127.0.0.1"), metadata_buffer_index=slots[r.room])
+                for r in live]
+        for room in list(to_abort):  # once its request went out (prefill holds the room until then)
+            if receivers[room].poll() >= KVPoll.Transferring:
+                receivers[room].abort()
+                to_abort.discard(room)
+        polls = poll_and_all_reduce([receivers[r.room] for r in live], group, gate, rank.meta)
+        still = []
+        for r, poll in zip(live, polls):
+            if poll == KVPoll.Success:
+                emit("RESULT", room=r.room, state="Success", **_verify(rank, r, pages[r.room], slots[r.room]))
+            elif poll == KVPoll.Failed:
+                before = [rank.pages_view(t, pages[r.room]).clone() for _, t in rank.buffers]
+                time.sleep(0.5)  # pages are free now: nothing may write them afterwards
+                after = [rank.pages_view(t, pages[r.room]) for _, t in rank.buffers]
+                emit("RESULT", room=r.room, state="Failed", error=_error_of(receivers[r.room]),
+                     written_after_failure=sum(int((x != y).sum()) for x, y in zip(before, after)),
+                     pages_untouched=all(bool((x == SENTINEL).all()) for x in after),
+                     release_safe=receivers[r.room].is_abort_release_safe())
+            else:
+                still.append(r)
+        live = still
+        time.sleep(0.005)
+    emit("DONE", role="decode", timed_out=bool(live))
+
+
+def _verify(rank: Rank, r: Request, pages: list[int], slot: int) -> dict:
+    """Count differing bytes: suffix pages vs the logical draw, prefix pages
+    and page 0 vs the sentinel, every aux region row vs its draw."""
+    bad_pages = bad_prefix = 0
+    for key, t in rank.buffers:
+        got = rank.pages_view(t, pages[r.prefix_pages:])
+        want = rank.expected(r, key, t, r.prefix_pages, r.num_pages - r.prefix_pages)
+        bad_pages += int((got != want).sum())
+        bad_prefix += int((rank.pages_view(t, pages[:r.prefix_pages] + [0]) != SENTINEL).sum())
+    bad_aux = 0
+    for i, region in enumerate(rank.regions):
+        want = aux_row(rank.a.seed, r.room, i, region.shape[1])
+        if i == len(rank.regions) - 1:  # bootstrap_room, written by prefill as the room id
+            want = np.frombuffer(np.asarray([r.room] + [0] * (region.shape[1] // 8 - 1), dtype="<u8").tobytes(),
+                                 dtype=np.uint8)
+        bad_aux += int((region[slot].numpy() != want).sum())
+    return {"bad_page_bytes": bad_pages, "bad_prefix_bytes": bad_prefix, "bad_aux_bytes": bad_aux,
+            "aux_regions": len(rank.regions), "page_bytes_checked": int(sum(
+                rank.pages_view(t, pages[r.prefix_pages:]).numel() for _, t in rank.buffers))}
+
+
+def run_bootstrap(a) -> None:
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+
+    server = get_kv_class(TransferBackend(a.backend), KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=a.port)
+    emit("READY", role="bootstrap", cls=type(server).__name__)
+    time.sleep(a.timeout)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--role", choices=["prefill", "decode", "bootstrap"], required=True)
+    p.add_argument("--backend", default="kvferry")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--gloo-port", type=int, default=0)
+    p.add_argument("--tp-rank", type=int, default=0)
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--pool", choices=["mha", "mla"], default="mha")
+    p.add_argument("--draft", action="store_true")
+    p.add_argument("--scenario", default="main")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=90.0)
+    a = p.parse_args(argv)
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()  # as every SGLang process does: registers the kvferry backend
+    {"prefill": run_prefill, "decode": run_decode, "bootstrap": run_bootstrap}[a.role](a)
+    sys.stdout.flush()
+    os._exit(0)  # do not wait for engine threads
+
+
+if __name__ == "__main__":
+    sys.exit(main())
