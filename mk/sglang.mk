@@ -9,7 +9,7 @@ SGLANG_PY := $(SGLANG_VENV)/bin/python
 SGLANG_PIP := $(SGLANG_PY) -m pip install -q --disable-pip-version-check
 SGLANG_STAMP := $(SGLANG_VENV)/.kvferry-sglang-setup
 SGLANG_RUNTIME_DEPS := orjson psutil pybase64 packaging pillow starlette msgspec pydantic \
-	tqdm IPython prometheus_client transformers dill sentencepiece compressed_tensors gguf \
+	tqdm IPython prometheus_client transformers==5.19.0 dill sentencepiece compressed_tensors gguf \
 	fastapi uvicorn uvloop setproctitle
 
 .PHONY: setup-sglang test-sglang bench-sglang
