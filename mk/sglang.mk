@@ -26,7 +26,7 @@ $(SGLANG_STAMP): pyproject.toml mk/sglang.mk | debian-libs
 	$(SGLANG_PIP) pytest
 	# kvferry itself, editable, so its sglang.srt.plugins entry point registers.
 	$(SGLANG_PIP) --no-deps -e .
-	PYTHONPATH=tests/engines/sglang/stubs $(SGLANG_PY) -c "import sglang.srt.disaggregation.utils, transfer.adapters.sglang"
+	PYTHONPATH=$(CURDIR):$(CURDIR)/tests/engines/sglang/stubs $(SGLANG_PY) -c "import sglang.srt.disaggregation.utils, transfer.adapters.sglang"
 	@touch $(SGLANG_STAMP)
 
 test-sglang: setup-sglang

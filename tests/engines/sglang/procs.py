@@ -9,11 +9,17 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# A config.json-only model: SGLang's own backends read the model config at start-up.
+MODEL_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32,
+                "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 8,
+                "num_hidden_layers": 3, "vocab_size": 1000, "max_position_embeddings": 4096,
+                "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16"}
 ROOT = Path(__file__).resolve().parents[3]
 STUBS = Path(__file__).resolve().parent / "stubs"
 
@@ -115,13 +121,15 @@ class Run:
     def __enter__(self) -> "Run":
         env = child_env(self.env)
         port, pgloo, dgloo = free_port(), free_port(), free_port()
+        self._model = tempfile.TemporaryDirectory(prefix="sglang-model-")
+        (Path(self._model.name) / "config.json").write_text(json.dumps(MODEL_CONFIG))
         common = ["--backend", self.backend, "--port", str(port), "--pool", self.pool, "--scenario", self.scenario,
-                  "--timeout", str(self.timeout_s)] + (["--draft"] if self.draft else [])
+                  "--timeout", str(self.timeout_s), "--model-dir", self._model.name] + \
+            (["--draft"] if self.draft else [])
         try:
-            if self.backend == "kvferry":
-                self.bootstrap = start("bootstrap", ["--role", "bootstrap", *common], env)
-                self.procs.append(self.bootstrap)
-                self.bootstrap.wait_for("READY", self.timeout_s)
+            self.bootstrap = start("bootstrap", ["--role", "bootstrap", *common], env)
+            self.procs.append(self.bootstrap)
+            self.bootstrap.wait_for("READY", self.timeout_s)
             self.prefill = [start(f"prefill{r}", ["--role", "prefill", "--tp-rank", str(r), "--tp-size",
                                                   str(self.prefill_tp), "--gloo-port", str(pgloo), *common], env)
                             for r in range(self.prefill_tp)]
@@ -143,6 +151,8 @@ class Run:
     def close(self) -> None:
         for p in self.procs:
             p.kill()
+        if getattr(self, "_model", None) is not None:
+            self._model.cleanup()
 
     def __exit__(self, *exc) -> None:
         self.close()

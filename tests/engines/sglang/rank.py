@@ -66,15 +66,14 @@ class Rank:
     def __init__(self, a) -> None:
         from sglang.srt.disaggregation.utils import (DisaggregationMode, KVClassType, MetadataBuffers,
                                                      TransferBackend, build_kv_layer_ids, get_kv_class,
-                                                     get_kv_transfer_buf_infos, get_pd_kv_layout)
+                                                     get_kv_transfer_buf_infos, get_pd_kv_layout,
+                                                     setup_state_kv_args)
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
         from sglang.srt.server_args import ServerArgs
 
         self.a = a
         self.backend = TransferBackend(a.backend)
-        self.server_args = ServerArgs(model_path="unused", disaggregation_mode=a.role, tp_size=a.tp_size,
-                                      disaggregation_transfer_backend=a.backend, host="127.0.0.1",
-                                      disaggregation_bootstrap_port=a.port)
+        self.server_args = server_args_of(a)
         self.is_mla = a.pool == "mla"
         self.total_heads = 1 if self.is_mla else 4
         heads = self.total_heads // a.tp_size if not self.is_mla else 1
@@ -107,7 +106,7 @@ class Rank:
                                     max_sampling_mask_tokens=4)
         kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens = self.meta.get_buf_infos()
         kv_args.ib_device, kv_args.gpu_id = None, 0
-        kv_args.state_types, kv_args.state_data_ptrs = [], []
+        setup_state_kv_args(kv_args, self.pool, self.draft, 3, req_to_token_pool=None)
         self.kv_args = kv_args
         # (key, buffer tensor as uint8 [tokens, heads, row_bytes]) in KVArgs order, checked against the pointers
         self.buffers = self._buffers()
@@ -147,6 +146,28 @@ class Rank:
         h0, local, total = self.head_range(key, t)
         data = logical_kv(self.a.seed, req.room, key, (req.num_pages, PAGE_SIZE, total, t.shape[2]))
         return data[first_page:first_page + num_pages, :, h0:h0 + local]
+
+
+def server_args_of(a):
+    """SGLang's ServerArgs of this rank; for SGLang's own backends also its
+    published runtime context (they read it), with no pipeline group."""
+    from sglang.srt.server_args import ServerArgs
+
+    sa = ServerArgs(model_path=a.model_dir or "unused", disaggregation_mode=a.role if a.role != "bootstrap" else
+                    "prefill", tp_size=a.tp_size, disaggregation_transfer_backend=a.backend, host="127.0.0.1",
+                    disaggregation_bootstrap_port=a.port, device="cpu", skip_tokenizer_init=True)
+    if a.backend != "kvferry":
+        from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
+
+        from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import \
+            maybe_init_shared_mooncake_transfer_engine
+
+        publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=a.tp_rank, dp_rank=None, gpu_id=0))
+        get_parallel().override_permanently(pp_group=SimpleNamespace(world_size=1, rank_in_group=0,
+                                                                     is_first_rank=True, is_last_rank=True))
+        if a.role != "bootstrap":
+            maybe_init_shared_mooncake_transfer_engine(gpu_id=0)
+    return sa
 
 
 def _wrap(addr: int, nbytes: int) -> torch.Tensor:
@@ -248,6 +269,13 @@ def _error_of(obj) -> str:
     return ""
 
 
+def _release_safe(receiver) -> bool | None:
+    try:
+        return bool(receiver.is_abort_release_safe())
+    except NotImplementedError:  # backends without deferred-release support
+        return None
+
+
 def _extra_stats(sender) -> dict:
     stats = getattr(sender, "transfer_stats", None)
     if stats is None:
@@ -304,7 +332,7 @@ def run_decode(a) -> None:
                 emit("RESULT", room=r.room, state="Failed", error=_error_of(receivers[r.room]),
                      written_after_failure=sum(int((x != y).sum()) for x, y in zip(before, after)),
                      pages_untouched=all(bool((x == SENTINEL).all()) for x in after),
-                     release_safe=receivers[r.room].is_abort_release_safe())
+                     release_safe=_release_safe(receivers[r.room]))
             else:
                 still.append(r)
         live = still
@@ -336,6 +364,7 @@ def _verify(rank: Rank, r: Request, pages: list[int], slot: int) -> dict:
 def run_bootstrap(a) -> None:
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
+    server_args_of(a)
     server = get_kv_class(TransferBackend(a.backend), KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=a.port)
     emit("READY", role="bootstrap", cls=type(server).__name__)
     time.sleep(a.timeout)
@@ -353,6 +382,7 @@ def main(argv=None) -> int:
     p.add_argument("--draft", action="store_true")
     p.add_argument("--scenario", default="main")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--model-dir", default="", help="a config.json-only model (SGLang's own backends)")
     p.add_argument("--timeout", type=float, default=90.0)
     a = p.parse_args(argv)
     from sglang.srt.plugins import load_plugins
