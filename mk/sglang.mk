@@ -33,4 +33,4 @@ test-sglang: setup-sglang
 	PYTHONPATH=$(CURDIR):$(CURDIR)/tests/engines/sglang/stubs timeout 900 $(SGLANG_PY) -m pytest -q -p no:cacheprovider tests/engines/sglang
 
 bench-sglang: setup-sglang
-	PYTHONPATH=$(CURDIR):$(CURDIR)/tests/engines/sglang/stubs timeout 1500 $(SGLANG_PY) -m benchmarks.sglang --out docs/sglang-bench.md
+	PYTHONPATH=$(CURDIR):$(CURDIR)/tests/engines/sglang/stubs timeout 1500 $(SGLANG_PY) -m benchmarks.sglang --out docs/sglang.md

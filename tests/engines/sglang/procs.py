@@ -116,6 +116,7 @@ class Run:
     backend: str = "kvferry"
     env: dict = field(default_factory=dict)
     timeout_s: float = 120.0
+    extra_args: list = field(default_factory=list)  # geometry etc., see rank.py
     procs: list = field(default_factory=list)
 
     def __enter__(self) -> "Run":
@@ -125,7 +126,7 @@ class Run:
         (Path(self._model.name) / "config.json").write_text(json.dumps(MODEL_CONFIG))
         common = ["--backend", self.backend, "--port", str(port), "--pool", self.pool, "--scenario", self.scenario,
                   "--timeout", str(self.timeout_s), "--model-dir", self._model.name] + \
-            (["--draft"] if self.draft else [])
+            (["--draft"] if self.draft else []) + list(self.extra_args)
         try:
             self.bootstrap = start("bootstrap", ["--role", "bootstrap", *common], env)
             self.procs.append(self.bootstrap)

@@ -38,7 +38,6 @@ from tests.engines.sglang.scenarios import PAGE_SIZE, Request, requests_of
 
 SENTINEL = 0xAB
 NUM_SLOTS = 16
-POOL_TOKENS = 256  # 64 pages of 4 tokens, page 0 is SGLang's padding page
 
 
 def logical_kv(seed: int, room: int, key: str, shape: tuple) -> torch.Tensor:
@@ -51,11 +50,17 @@ def aux_row(seed: int, room: int, region: int, nbytes: int) -> np.ndarray:
     return np.random.default_rng([seed, room, 1000 + region]).integers(0, 256, size=nbytes, dtype=np.uint8)
 
 
-def pick_pages(seed: int, side: str, room: int, count: int, taken: set) -> list[int]:
-    """Random distinct pages of the pool (never page 0), none of ``taken``."""
-    rng = np.random.default_rng([seed, room, 7 if side == "prefill" else 11])
-    free = [p for p in rng.permutation(np.arange(1, POOL_TOKENS // PAGE_SIZE)).tolist() if p not in taken]
-    chosen = free[:count]
+def pick_pages(a, side: str, room: int, count: int, taken: set) -> list[int]:
+    """Distinct pages of the pool (never page 0), none of ``taken``: random,
+    or for ``contig`` scenarios the next run of consecutive pages."""
+    if "contig" in a.scenario:
+        start = max(taken, default=0) + 1
+        chosen = list(range(start, start + count))
+    else:
+        rng = np.random.default_rng([a.seed, room, 7 if side == "prefill" else 11])
+        chosen = [p for p in rng.permutation(np.arange(1, a.pool_pages)).tolist() if p not in taken][:count]
+    if len(chosen) < count or max(chosen, default=0) >= a.pool_pages:
+        raise ValueError(f"pool of {a.pool_pages} pages too small for the scenario")
     taken.update(chosen)
     return chosen
 
@@ -75,21 +80,22 @@ class Rank:
         self.backend = TransferBackend(a.backend)
         self.server_args = server_args_of(a)
         self.is_mla = a.pool == "mla"
-        self.total_heads = 1 if self.is_mla else 4
+        self.total_heads = 1 if self.is_mla else a.heads
         heads = self.total_heads // a.tp_size if not self.is_mla else 1
-        common = dict(size=POOL_TOKENS, page_size=PAGE_SIZE, dtype=torch.bfloat16, device="cpu",
-                      enable_memory_saver=False)
+        common = dict(size=a.pool_pages * a.page_size - a.page_size, page_size=a.page_size, dtype=torch.bfloat16,
+                      device="cpu", enable_memory_saver=False)
         if self.is_mla:
-            self.pool = MLATokenToKVPool(kv_lora_rank=16, qk_rope_head_dim=8, layer_num=3, **common)
+            self.pool = MLATokenToKVPool(kv_lora_rank=2 * a.head_dim, qk_rope_head_dim=a.head_dim,
+                                         layer_num=a.layers, **common)
         else:
-            self.pool = MHATokenToKVPool(head_num=heads, head_dim=8, layer_num=3, **common)
-        self.draft = MHATokenToKVPool(head_num=max(1, 2 // a.tp_size), head_dim=8, layer_num=1, **common) \
+            self.pool = MHATokenToKVPool(head_num=heads, head_dim=a.head_dim, layer_num=a.layers, **common)
+        self.draft = MHATokenToKVPool(head_num=max(1, 2 // a.tp_size), head_dim=a.head_dim, layer_num=1, **common) \
             if a.draft else None
         kv_args = get_kv_class(self.backend, KVClassType.KVARGS)()
         kv_args.engine_rank, kv_args.pp_rank, kv_args.system_dp_rank = a.tp_rank, 0, 0
         kv_args.kv_cache_dtype_str = "bfloat16"
         kv_args.kv_layout = get_pd_kv_layout(self.pool)
-        kv_args.prefill_start_layer, kv_args.prefill_end_layer = 0, 3
+        kv_args.prefill_start_layer, kv_args.prefill_end_layer = 0, a.layers
         ptrs, lens, items = get_kv_transfer_buf_infos(self.pool)
         num_draft = 0
         if self.draft is not None:
@@ -98,15 +104,15 @@ class Rank:
         kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = ptrs, lens, items
         kv_args.num_draft_entries = num_draft
         kv_args.kv_layer_ids = build_kv_layer_ids(token_to_kv_pool=self.pool, draft_token_to_kv_pool=self.draft,
-                                                  num_draft_entries=num_draft, num_hidden_layers=3)
+                                                  num_draft_entries=num_draft, num_hidden_layers=a.layers)
         if not self.is_mla:
             kv_args.kv_head_num, kv_args.total_kv_head_num = heads, self.total_heads
-        kv_args.page_size = PAGE_SIZE
+        kv_args.page_size = a.page_size
         self.meta = MetadataBuffers(NUM_SLOTS, hidden_size=16, hidden_states_dtype=torch.float32,
                                     max_sampling_mask_tokens=4)
         kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens = self.meta.get_buf_infos()
         kv_args.ib_device, kv_args.gpu_id = None, 0
-        setup_state_kv_args(kv_args, self.pool, self.draft, 3, req_to_token_pool=None)
+        setup_state_kv_args(kv_args, self.pool, self.draft, a.layers, req_to_token_pool=None)
         self.kv_args = kv_args
         # (key, buffer tensor as uint8 [tokens, heads, row_bytes]) in KVArgs order, checked against the pointers
         self.buffers = self._buffers()
@@ -140,11 +146,11 @@ class Rank:
         return self.a.tp_rank * local, local, total
 
     def pages_view(self, t, pages) -> torch.Tensor:
-        return t.view(-1, PAGE_SIZE, t.shape[1], t.shape[2])[torch.as_tensor(pages, dtype=torch.long)]
+        return t.view(-1, self.a.page_size, t.shape[1], t.shape[2])[torch.as_tensor(pages, dtype=torch.long)]
 
     def expected(self, req: Request, key: str, t, first_page: int, num_pages: int) -> torch.Tensor:
         h0, local, total = self.head_range(key, t)
-        data = logical_kv(self.a.seed, req.room, key, (req.num_pages, PAGE_SIZE, total, t.shape[2]))
+        data = logical_kv(self.a.seed, req.room, key, (req.num_pages, self.a.page_size, total, t.shape[2]))
         return data[first_page:first_page + num_pages, :, h0:h0 + local]
 
 
@@ -197,9 +203,10 @@ def run_prefill(a) -> None:
     reqs = requests_of(a.scenario)
     taken: set = set()
     addr = f"127.0.0.1:{a.port}"
-    pages = {r.room: pick_pages(a.seed, "prefill", r.room, r.num_pages, taken) for r in reqs}
+    pages = {r.room: pick_pages(a, "prefill", r.room, r.num_pages, taken) for r in reqs}
     senders = {r.room: rank.sender_cls(mgr=rank.mgr, bootstrap_addr=addr, bootstrap_room=r.room) for r in reqs}
     phase = {r.room: "boot" for r in reqs}
+    clock = Clock(rank)
     emit("READY", role="prefill", tp_rank=a.tp_rank)
     deadline = time.monotonic() + a.timeout
     while any(p != "done" for p in phase.values()) and time.monotonic() < deadline:
@@ -214,30 +221,31 @@ def run_prefill(a) -> None:
             elif poll == KVPoll.Success:
                 m = s.get_transfer_metric()
                 emit("RESULT", room=r.room, state="Success", bytes=m.transfer_total_bytes,
-                     latency_s=m.transfer_latency_s, **_extra_stats(s))
+                     latency_s=m.transfer_latency_s, e2e_s=clock.done(r.room), **_extra_stats(s))
                 phase[r.room] = "done"
             elif phase[r.room] == "boot" and poll == KVPoll.WaitingForInput:
                 prefix_tokens = s.pop_decode_prefix_len()
-                prefix_pages = prefix_tokens // PAGE_SIZE
+                prefix_pages = prefix_tokens // a.page_size
                 s.init(r.num_pages - prefix_pages, r.room % NUM_SLOTS)
                 phase[r.room] = "send"
                 emit("PREFIX", room=r.room, tokens=prefix_tokens)
-                _send(rank, r, s, pages[r.room], prefix_pages)
+                _send(rank, r, s, pages[r.room], prefix_pages, clock)
                 phase[r.room] = "wait" if r.action != "kill" else "killme"
             elif phase[r.room] == "killme":
                 emit("KILLME", room=r.room)
                 time.sleep(a.timeout)
-        time.sleep(0.005)
-    emit("DONE", role="prefill", timed_out=any(p != "done" for p in phase.values()))
+        time.sleep(a.poll_interval_s)
+    emit("DONE", role="prefill", timed_out=any(p != "done" for p in phase.values()), **clock.totals())
 
 
-def _send(rank: Rank, r: Request, s, pages: list[int], prefix_pages: int) -> None:
+def _send(rank: Rank, r: Request, s, pages: list[int], prefix_pages: int, clock) -> None:
     """Fill the suffix pages with this rank's heads, then SGLang's chunked sends."""
     for key, t in rank.buffers:
         data = rank.expected(r, key, t, prefix_pages, r.num_pages - prefix_pages)
-        view = t.view(-1, PAGE_SIZE, t.shape[1], t.shape[2])
+        view = t.view(-1, rank.a.page_size, t.shape[1], t.shape[2])
         view[torch.as_tensor(pages[prefix_pages:], dtype=torch.long)] = data
     suffix = pages[prefix_pages:]
+    clock.start(r.room)
     if r.action == "decode_abort":
         return  # decode aborts this room before any chunk: wait for the Failed poll
     offset = 0
@@ -267,6 +275,44 @@ def _error_of(obj) -> str:
     except Exception as exc:  # any backend's exception type
         return f"{type(exc).__name__}: {exc}"
     return ""
+
+
+class Clock:
+    """Per-room latency (first send or send_metadata to Success), the wall
+    and CPU time of the whole transfer phase, and, for SGLang's Mooncake
+    backend, the descriptors it hands its engine."""
+
+    def __init__(self, rank: Rank) -> None:
+        self.started: dict[int, float] = {}
+        self.first = self.last = None
+        self.cpu0 = 0.0
+        self.descriptors = 0
+        engine = getattr(rank.mgr, "engine", None)
+        if engine is not None and hasattr(engine, "batch_transfer_sync"):
+            inner = engine.batch_transfer_sync
+
+            def counting(session, srcs, dsts, lengths, *args, **kw):
+                self.descriptors += len(lengths)
+                return inner(session, srcs, dsts, lengths, *args, **kw)
+
+            engine.batch_transfer_sync = counting
+
+    def start(self, room: int) -> None:
+        now = time.perf_counter()
+        if self.first is None:
+            self.first, self.cpu0 = now, time.process_time()
+        self.started.setdefault(room, now)
+
+    def done(self, room: int) -> float | None:
+        self.last = time.perf_counter()
+        start = self.started.get(room)
+        return None if start is None else self.last - start
+
+    def totals(self) -> dict:
+        if self.first is None or self.last is None:
+            return {}
+        return {"wall_s": self.last - self.first, "cpu_s": time.process_time() - self.cpu0,
+                "engine_descriptors": self.descriptors}
 
 
 def _release_safe(receiver) -> bool | None:
@@ -300,16 +346,18 @@ def run_decode(a) -> None:
     info = rank.mgr.prefill_info_table[addr]
     emit("READY", role="decode", prefill_tp=info.attn_tp_size, prefill_dp=info.dp_size)
     taken: set = set()
-    pages = {r.room: pick_pages(a.seed, "decode", r.room, r.num_pages, taken) for r in reqs}
+    pages = {r.room: pick_pages(a, "decode", r.room, r.num_pages, taken) for r in reqs}
     receivers, slots = {}, {}
+    clock = Clock(rank)
     for r in reqs:
+        clock.start(r.room)
         recv = rank.receiver_cls(mgr=rank.mgr, bootstrap_addr=addr, bootstrap_room=r.room)
         recv.init(r.room % info.dp_size)
         slots[r.room] = (r.room * 3 + 1) % NUM_SLOTS
         rank.meta.clear_slot(slots[r.room])
         suffix = pages[r.room][r.prefix_pages:]
         recv.send_metadata(np.asarray(suffix, dtype=np.int32), slots[r.room], None,
-                           decode_prefix_len=r.prefix_pages * PAGE_SIZE)
+                           decode_prefix_len=r.prefix_pages * a.page_size)
         receivers[r.room] = recv
     to_abort = {r.room for r in reqs if r.action == "decode_abort"}
     live = list(reqs)
@@ -324,7 +372,9 @@ def run_decode(a) -> None:
         still = []
         for r, poll in zip(live, polls):
             if poll == KVPoll.Success:
-                emit("RESULT", room=r.room, state="Success", **_verify(rank, r, pages[r.room], slots[r.room]))
+                done_s = clock.done(r.room)
+                checks = _verify(rank, r, pages[r.room], slots[r.room]) if not a.scenario.startswith("bench") else {}
+                emit("RESULT", room=r.room, state="Success", e2e_s=done_s, **checks)
             elif poll == KVPoll.Failed:
                 before = [rank.pages_view(t, pages[r.room]).clone() for _, t in rank.buffers]
                 time.sleep(0.5)  # pages are free now: nothing may write them afterwards
@@ -336,8 +386,8 @@ def run_decode(a) -> None:
             else:
                 still.append(r)
         live = still
-        time.sleep(0.005)
-    emit("DONE", role="decode", timed_out=bool(live))
+        time.sleep(a.poll_interval_s)
+    emit("DONE", role="decode", timed_out=bool(live), **clock.totals())
 
 
 def _verify(rank: Rank, r: Request, pages: list[int], slot: int) -> dict:
@@ -382,6 +432,12 @@ def main(argv=None) -> int:
     p.add_argument("--draft", action="store_true")
     p.add_argument("--scenario", default="main")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--poll-interval-s", type=float, default=0.005, help="scheduler loop sleep")
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--heads", type=int, default=4, help="the model's KV heads (MHA)")
+    p.add_argument("--head-dim", type=int, default=8)
+    p.add_argument("--page-size", type=int, default=PAGE_SIZE)
+    p.add_argument("--pool-pages", type=int, default=64, help="pages per pool (page 0 is SGLang's padding)")
     p.add_argument("--model-dir", default="", help="a config.json-only model (SGLang's own backends)")
     p.add_argument("--timeout", type=float, default=90.0)
     a = p.parse_args(argv)
