@@ -204,6 +204,8 @@ def run_prefill(a) -> None:
     taken: set = set()
     addr = f"127.0.0.1:{a.port}"
     pages = {r.room: pick_pages(a, "prefill", r.room, r.num_pages, taken) for r in reqs}
+    for r in reqs:
+        _fill(rank, r, pages[r.room])
     senders = {r.room: rank.sender_cls(mgr=rank.mgr, bootstrap_addr=addr, bootstrap_room=r.room) for r in reqs}
     phase = {r.room: "boot" for r in reqs}
     clock = Clock(rank)
@@ -238,12 +240,16 @@ def run_prefill(a) -> None:
     emit("DONE", role="prefill", timed_out=any(p != "done" for p in phase.values()), **clock.totals())
 
 
-def _send(rank: Rank, r: Request, s, pages: list[int], prefix_pages: int, clock) -> None:
-    """Fill the suffix pages with this rank's heads, then SGLang's chunked sends."""
+def _fill(rank: Rank, r: Request, pages: list[int]) -> None:
+    """Write this rank's heads of the request's KV into its pages (before any
+    transfer: filling is not part of what is measured)."""
     for key, t in rank.buffers:
-        data = rank.expected(r, key, t, prefix_pages, r.num_pages - prefix_pages)
         view = t.view(-1, rank.a.page_size, t.shape[1], t.shape[2])
-        view[torch.as_tensor(pages[prefix_pages:], dtype=torch.long)] = data
+        view[torch.as_tensor(pages, dtype=torch.long)] = rank.expected(r, key, t, 0, r.num_pages)
+
+
+def _send(rank: Rank, r: Request, s, pages: list[int], prefix_pages: int, clock) -> None:
+    """SGLang's chunked sends of the pages after decode's prefix."""
     suffix = pages[prefix_pages:]
     clock.start(r.room)
     if r.action == "decode_abort":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 from typing import Optional
@@ -80,6 +81,9 @@ class KvferryKVManager(BaseKVManager):
             node_id=PREFILL_NODE if self.role is Role.PREFILL else "sglang-decode",
             bootstrap_addr=f"{host}:{int(server_args.disaggregation_bootstrap_port)}",
             **({} if _env_sets("host") else {"host": _engine_host(server_args)}))
+        ib_device = getattr(args, "ib_device", None)
+        if ib_device and not config.engine.device_name:  # --disaggregation-ib-device, unless KVFERRY_DEVICE_NAME
+            config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, device_name=str(ib_device)))
         self.aux = AuxRows.from_kv_args(args)
         pools = pools_from_kv_args(args, is_mla=self.is_mla_backend, device=device_of(server_args, args))
         self.core = KVManager(config, pools, aux=self.aux.packed if self.aux is not None else None)
