@@ -117,9 +117,12 @@ def test_mha_with_draft_prefill_tp2_to_decode_tp1_staged():
         _check_main(run)
 
 
-def test_mla_tp1_direct_descriptors():
-    with Run("main", pool="mla", prefill_tp=1, env={"KVFERRY_STAGING_BYTES": "0"}, timeout_s=150) as run:
+def test_mla_prefill_tp2_to_decode_tp1_direct_descriptors():
+    """MLA is the same on every prefill rank: one sends, the other only concludes."""
+    with Run("main", pool="mla", prefill_tp=2, env={"KVFERRY_STAGING_BYTES": "0"}, timeout_s=150) as run:
         _check_main(run)
+        senders = [sum(r["bytes"] > 0 for r in p.events("RESULT") if r["state"] == "Success") for p in run.prefill]
+        assert sorted(senders)[0] == 0 and sorted(senders)[1] > 0, senders
 
 
 def test_a_killed_prefill_fails_the_room_and_frees_its_pages_safely():
