@@ -80,7 +80,7 @@ class KvferryKVManager(BaseKVManager):
             self.role, tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank, dp_size=dp_size,
             node_id=PREFILL_NODE if self.role is Role.PREFILL else "sglang-decode",
             bootstrap_addr=f"{host}:{int(server_args.disaggregation_bootstrap_port)}",
-            **({} if _env_sets("host") else {"host": _engine_host(server_args)}))
+            **({} if _env_sets("host") else {"host": _engine_host(server_args)}), **_sglang_timeouts())
         ib_device = getattr(args, "ib_device", None)
         if ib_device and not config.engine.device_name:  # --disaggregation-ib-device, unless KVFERRY_DEVICE_NAME
             config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, device_name=str(ib_device)))
@@ -141,6 +141,20 @@ class KvferryKVManager(BaseKVManager):
 
     def close(self) -> None:
         self.core.close()
+
+
+def _sglang_timeouts() -> dict:
+    """SGLang's bootstrap and waiting timeouts (``SGLANG_DISAGGREGATION_*``),
+    unless the ``KVFERRY_*`` ones are set."""
+    from sglang.srt.environ import envs
+
+    out = {}
+    for field, name in (("bootstrap_timeout_s", "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"),
+                        ("transfer_timeout_s", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT")):
+        var = getattr(envs, name, None)
+        if var is not None and not _env_sets(field):
+            out[field] = float(var.get())
+    return out
 
 
 def _env_sets(field: str) -> bool:
