@@ -168,8 +168,9 @@ def components_of(kind: AttentionKind) -> tuple[Component, ...]:
 @struct
 @dataclass(frozen=True)
 class AuxDescriptor:
-    """The metadata buffer: ``num_slots`` rows of ``slot_bytes`` at ``addr``.
-    One row per request slot (first output token id and the like)."""
+    """One metadata region: ``num_slots`` rows of ``slot_bytes`` at ``addr``.
+    One row per request slot (first output token id and the like); a rank may
+    have several regions sharing one row index (SGLang's metadata buffers)."""
 
     addr: int
     slot_bytes: int
@@ -207,10 +208,14 @@ class RankInfo:
     session: str
     control_endpoint: str
     pools: tuple[PoolDescriptor, ...]
-    aux: AuxDescriptor | None
+    #: the aux regions, in order (empty: none); None or one descriptor is
+    #: taken as no region or that one region
+    aux: tuple[AuxDescriptor, ...] = ()
     staging: StagingDescriptor | None = None
 
     def __post_init__(self) -> None:
+        if self.aux is None or isinstance(self.aux, AuxDescriptor):
+            object.__setattr__(self, "aux", () if self.aux is None else (self.aux,))
         _check_name(self.node_id, "node_id")
         _check_name(self.session, "session")
         _check_name(self.control_endpoint, "control_endpoint")

@@ -2,7 +2,7 @@
 
 :func:`check_compatible` compares what must match between a prefill rank and
 a decode rank (per pool role: attention kind, dtype, page size, layer count,
-KV heads, head dim; and the TP pair) and raises
+KV heads, head dim; the TP pair; the aux regions' number and row sizes) and raises
 :class:`~transfer.errors.IncompatibleLayoutError` naming the first field that
 differs. :func:`layout_fingerprint` hashes the same fields, for logs and for
 storage keys.
@@ -66,10 +66,14 @@ def check_compatible(local: RankInfo, remote: RankInfo, *, allow_missing_draft: 
                         f"{role.value}.num_kv_heads", pool.num_kv_heads, expect,
                         detail=f"{side} holds {pool.num_kv_heads} heads but tp_size {size} "
                                f"with {pool.total_kv_heads} heads gives {expect} per rank")
-    if (prefill.aux is None) != (decode.aux is None):
-        mismatch("aux", prefill.aux is not None, decode.aux is not None, "an aux buffer on one side only")
-    if prefill.aux is not None and prefill.aux.slot_bytes != decode.aux.slot_bytes:
-        mismatch("aux.slot_bytes", prefill.aux.slot_bytes, decode.aux.slot_bytes)
+    if bool(prefill.aux) != bool(decode.aux):
+        mismatch("aux", bool(prefill.aux), bool(decode.aux), "an aux buffer on one side only")
+    if len(prefill.aux) != len(decode.aux):
+        mismatch("aux.num_regions", len(prefill.aux), len(decode.aux), "region i is sent to region i")
+    for i, (p, d) in enumerate(zip(prefill.aux, decode.aux)):
+        if p.slot_bytes != d.slot_bytes:
+            name = "aux" if len(prefill.aux) == 1 else f"aux[{i}]"  # one region: named as before regions came
+            mismatch(f"{name}.slot_bytes", p.slot_bytes, d.slot_bytes, f"aux region {i}'s rows differ in size")
 
 
 def layout_fingerprint(pool: PoolDescriptor) -> str:

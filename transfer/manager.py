@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -21,7 +21,8 @@ from transfer.errors import BootstrapError, BootstrapUnavailable, ClosedError, K
 from transfer.hostmem import host_tensor
 from transfer.liveness import Liveness
 from transfer.messages import PeerPing, PeerPong
-from transfer.pools import MHAPool, MLAPool, describe_aux, describe_pool, memory_regions, pool_tensors
+from transfer.pools import (MHAPool, MLAPool, RawAuxRegion, aux_tensors, describe_aux, describe_pool, memory_regions,
+                            pool_tensors)
 from transfer.rooms.context import RoomContext
 from transfer.rooms.decode_table import DecodeRooms
 from transfer.rooms.prefill_table import PrefillRooms
@@ -33,6 +34,13 @@ from transfer.transport.mooncake import MooncakeTransport
 log = logging.getLogger("kvferry.manager")
 
 
+class PrefillTopology(NamedTuple):
+    """A prefill node's parallel sizes, as its ranks registered them."""
+
+    dp_size: int
+    tp_size: int
+
+
 class KVManager:
     """One rank's transfer endpoint, prefill or decode (``config.role``).
 
@@ -42,7 +50,10 @@ class KVManager:
     ``config.register_timeout_s``, then raising
     :class:`~transfer.errors.BootstrapUnavailable`). Pools are
     :class:`~transfer.pools.MHAPool` / :class:`~transfer.pools.MLAPool`, at
-    most one per role (target, draft); ``aux`` is the metadata tensor.
+    most one per role (target, draft). ``aux``: the metadata regions, one row
+    per request slot, all sharing the slot index: None, one tensor, or a
+    sequence of tensors and :class:`~transfer.pools.RawAuxRegion`; each is
+    sent as one descriptor per request.
 
     Threads: the control receiver, the transport worker, the decode
     resolver, and ``kvferry-liveness`` (pings peers of live rooms and fails
@@ -62,14 +73,17 @@ class KVManager:
     manager registers the transport's memory and closes both.
     """
 
-    def __init__(self, config: ManagerConfig, pools: Sequence[MHAPool | MLAPool], aux=None, *,
+    def __init__(self, config: ManagerConfig, pools: Sequence[MHAPool | MLAPool],
+                 aux: object | Sequence[object | RawAuxRegion] | None = None, *,
                  transport: Transport | None = None, channel_factory: ChannelFactory | None = None) -> None:
         self.config = config
         # The engine holds raw pointers into these tensors: keep them alive as
         # long as the manager, whatever the caller does with its references.
+        #: the aux regions as tensors (empty: none)
+        self.aux = aux = aux_tensors(aux)
         self._tensors = (tuple(pools), aux)
         descriptors = tuple(describe_pool(p) for p in pools)
-        aux_desc = describe_aux(aux) if aux is not None else None
+        aux_desc = tuple(describe_aux(t) for t in aux)
         #: the staging tensor (uint8; None without staging)
         self.staging, staging_desc, staging_mem = None, None, None
         if config.staging_bytes:
@@ -137,6 +151,23 @@ class KVManager:
         """This rank, for error messages."""
         c = self.config
         return f"{c.role.value} {c.node_id} dp {c.dp_rank} tp {c.tp_rank}/{c.tp_size}"
+
+    def prefill_topology(self, bootstrap_addr: str, node_id: str, *,
+                         timeout_s: float | None = None) -> PrefillTopology | None:
+        """The DP and TP sizes of prefill node ``node_id`` at the bootstrap
+        server ``bootstrap_addr``, once its DP group 0 fully registered; None
+        until then (or while the server knows nothing of the node). One
+        lookup, blocking at most ``timeout_s`` (default
+        ``config.rpc_timeout_s``); raises
+        :class:`~transfer.errors.BootstrapUnavailable` when the server does
+        not answer in time, :class:`~transfer.errors.BootstrapError` when it
+        refuses."""
+        timeout = self.config.rpc_timeout_s if timeout_s is None else timeout_s
+        with BootstrapClient(bootstrap_addr, timeout_s=timeout, secret=self.config.secret or None) as client:
+            reply = client.lookup(node_id, 0)
+        if not reply.ready or reply.dp_size < 1:
+            return None
+        return PrefillTopology(dp_size=reply.dp_size, tp_size=reply.tp_size)
 
     def bootstrap_client(self, addr: str) -> BootstrapClient:
         return BootstrapClient(addr, timeout_s=self.config.rpc_timeout_s, secret=self.config.secret or None)

@@ -76,8 +76,11 @@ class TransferRequest:
     rank does not send the aux row; exactly one contacted rank does).
     ``num_requests`` is how many decode ranks send a request for this room to
     this prefill rank; it starts sending once all arrived. ``skip_pages``: the
-    request's leading pages decode already has (prefetched from storage);
-    prefill sends only the rest (the aux row always)."""
+    request's leading pages decode already has (held by its scheduler, or
+    prefetched from storage); prefill sends only the rest (the aux row
+    always). ``prefix_pages`` (at most ``skip_pages``): of those, the ones
+    the decode scheduler said it holds (``KVReceiver.init(skip_pages=)``),
+    which the prefill scheduler reads as ``KVSender.decode_prefix_pages``."""
 
     room: int
     request_id: int
@@ -89,6 +92,7 @@ class TransferRequest:
     assignments: tuple[PoolAssignment, ...]
     num_requests: int
     skip_pages: int = 0
+    prefix_pages: int = 0
 
     def __post_init__(self) -> None:
         if len(self.dst_pages) % 4:
@@ -97,6 +101,8 @@ class TransferRequest:
             raise ValueError("num_requests must be >= 1")
         if not 0 <= self.skip_pages <= len(self.dst_pages) // 4:
             raise ValueError("skip_pages must be within the request's pages")
+        if not 0 <= self.prefix_pages <= self.skip_pages:
+            raise ValueError("prefix_pages must be within skip_pages")
 
 
 class Status(str, enum.Enum):

@@ -8,7 +8,8 @@ read, and no KV byte is copied. Shapes:
   (``layout="hnd"``, head-major pages: cheaper heterogeneous TP);
 - MLA: per layer one latent tensor ``[num_pages, page_size, latent_dim]``
   (``kv_lora_rank + rope_dim``), or ``[num_pages, page_size, 1, latent_dim]``;
-- aux: ``[num_slots, ...]``, one row per request slot.
+- aux: ``[num_slots, ...]``, one row per request slot; a rank may have several
+  aux regions sharing one row index (:func:`aux_tensors`).
 
 Pools whose memory an engine owns and hands over as raw pointers (SGLang's
 ``KVArgs``) are described by :class:`RawPool`; :func:`pool_from_pointers`
@@ -107,6 +108,45 @@ def describe_aux(aux) -> AuxDescriptor:
                          num_slots=num_slots)
 
 
+@dataclass(frozen=True, kw_only=True)
+class RawAuxRegion:
+    """One aux region as raw memory: ``num_rows`` rows of ``row_bytes`` at
+    ``addr`` (one row per request slot). The memory stays the engine's and
+    must outlive the KVManager."""
+
+    addr: int
+    row_bytes: int
+    num_rows: int
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if not 0 < self.addr < 1 << 64:
+            raise ValueError("raw aux region: addr must be a non-null 64-bit pointer")
+        if self.row_bytes <= 0 or self.num_rows <= 0:
+            raise ValueError(f"raw aux region: row_bytes and num_rows must be > 0, got {self.row_bytes}, "
+                             f"{self.num_rows}")
+
+
+def aux_tensors(aux) -> tuple:
+    """The aux regions as tensors ``[num_slots, ...]``, in order: ``aux`` is
+    None (no region), one tensor, or a sequence of tensors and
+    :class:`RawAuxRegion` (viewed as ``uint8 [num_rows, row_bytes]``, no
+    copy). Raises ValueError on anything else."""
+    if aux is None:
+        return ()
+    if hasattr(aux, "data_ptr") or isinstance(aux, RawAuxRegion):
+        aux = (aux,)
+    out = []
+    for i, region in enumerate(aux):
+        if isinstance(region, RawAuxRegion):
+            region = wrap_pointer(region.addr, region.row_bytes * region.num_rows, "uint8",
+                                  region.device).view(region.num_rows, region.row_bytes)
+        elif not hasattr(region, "data_ptr"):
+            raise ValueError(f"aux region {i}: a tensor or a RawAuxRegion, not {type(region).__name__}")
+        out.append(region)
+    return tuple(out)
+
+
 def pool_tensors(pools: Sequence[MHAPool | MLAPool]) -> dict[tuple[PoolRole, int, Component], Any]:
     """(role, layer, component) -> tensor."""
     out = {}
@@ -119,11 +159,12 @@ def pool_tensors(pools: Sequence[MHAPool | MLAPool]) -> dict[tuple[PoolRole, int
     return out
 
 
-def memory_regions(pools: Sequence[PoolDescriptor], aux: AuxDescriptor | None) -> list[tuple[int, int]]:
+def memory_regions(pools: Sequence[PoolDescriptor], aux: Sequence[AuxDescriptor] = ()) -> list[tuple[int, int]]:
     """(addr, nbytes) of every buffer to register with the engine."""
+    if isinstance(aux, AuxDescriptor):
+        aux = (aux,)
     regions = [(b.addr, b.nbytes) for p in pools for b in p.buffers]
-    if aux is not None:
-        regions.append((aux.addr, aux.slot_bytes * aux.num_slots))
+    regions.extend((a.addr, a.slot_bytes * a.num_slots) for a in aux or ())
     return regions
 
 

@@ -77,7 +77,8 @@ class KVReceiver:
         self._drain_deadline = 0.0
         self._storage: RoomStorage | None = None  # with a storage tier and the prompt
         self._prefetch = None  # storage job loading the leading pages before the request goes out
-        self._skip = 0  # leading pages that came from storage: prefill does not send them
+        self._prefix = 0  # leading pages the scheduler holds (init's skip_pages)
+        self._skip = 0  # leading pages held or prefetched from storage: prefill does not send them
         self._restore = None  # RESTORING: the storage job loading the pages from ``_skip`` on
         self._may_fall_back = False
         #: pages of this room restored from storage (prefetch and fallback)
@@ -87,11 +88,17 @@ class KVReceiver:
         with ctx.lock:
             self._table.add(self)
 
-    def init(self, page_indices, aux_index: int | None = None, token_ids=None) -> None:
+    def init(self, page_indices, aux_index: int | None = None, token_ids=None, skip_pages: int = 0) -> None:
         """The decode pages (in request order) and aux slot to fill.
         ``token_ids`` (the prompt) lets the storage tier prefetch pages it
         has and restore the room if the transfer fails (when the manager has
-        a storage tier)."""
+        a storage tier). ``skip_pages``: the request's leading pages this
+        rank already holds (a prefix cache hit): ``page_indices`` still
+        lists every page of the request, but the first ``skip_pages`` entries
+        are never written, and prefill sends from there on (it reads the
+        number as ``KVSender.decode_prefix_pages``). With a storage prefetch,
+        the prefetch loads from ``skip_pages`` on and prefill skips what it
+        loaded too: the skip prefill gets is the larger of the two ends."""
         ctx = self._ctx
         with ctx.lock:
             if self._pages is not None:
@@ -101,7 +108,11 @@ class KVReceiver:
             if pages.size and (pages.min() < 0 or pages.max() >= target.num_pages):
                 self.fail(IndexError(f"{self.where}: page index outside the pool of {target.num_pages}"))
                 return
+            if not 0 <= int(skip_pages) <= pages.size:
+                self.fail(ValueError(f"{self.where}: skip_pages {skip_pages} outside the request's {pages.size} pages"))
+                return
             self._pages = pages.astype("<i4")
+            self._prefix = self._skip = int(skip_pages)
             self._aux_index = -1 if aux_index is None else int(aux_index)
             self._init_at = time.monotonic()
             if ctx.storage is not None and token_ids is not None:
@@ -111,7 +122,7 @@ class KVReceiver:
                     self.fail(ValueError(f"{self.where}: {exc}"))
                     return
                 if ctx.config.storage_prefetch != "off":
-                    self._prefetch = self._storage.prefetch(self._storage_done)
+                    self._prefetch = self._storage.prefetch(self._storage_done, start=self._prefix)
         self.poll()
 
     def poll(self) -> KVPoll:
@@ -274,7 +285,10 @@ class KVReceiver:
             if loaded is None:
                 return False
             self._prefetch = None
-            self._skip = self.pages_from_storage = loaded
+            self.pages_from_storage = loaded
+            # The prefetch ran from the held prefix on: the skip is the larger
+            # end of the two, the held prefix or the prefetched run after it.
+            self._skip = self._prefix + loaded
         return True
 
     def _bootstrap(self, now: float) -> None:
@@ -307,7 +321,8 @@ class KVReceiver:
                     room=self.room, request_id=self.request_id, decode_session=rank.session,
                     decode_endpoint=rank.control_endpoint, decode_tp_rank=rank.tp_rank,
                     dst_pages=pages, dst_aux_index=self._aux_index if p == link.aux_rank else -1,
-                    assignments=assignments, num_requests=link.num_requests[p], skip_pages=self._skip))
+                    assignments=assignments, num_requests=link.num_requests[p], skip_pages=self._skip,
+                    prefix_pages=self._prefix))
         except KVFerryError as exc:
             self.fail(exc)
 
@@ -334,7 +349,7 @@ class KVReceiver:
             if missing:
                 self._really_fail(StorageMissError(f"{error}; restoring from storage failed: {'; '.join(missing)}"))
                 return
-            self.pages_from_storage = self._storage.num_full_pages
+            self.pages_from_storage = max(0, self._storage.num_full_pages - self._prefix)
             log.warning("%s: restored from storage after: %s", self.where, error)
             self._phases.move(P.SUCCESS)
             self._table.remove(self)

@@ -13,7 +13,7 @@ from bootstrap.messages import AttentionKind
 from transfer.config import Role
 from transfer.errors import KVTimeoutError, PeerError, StateError
 from transfer.messages import RoomAbort, RoomStatus, Status, TransferRequest
-from transfer.plan import TransferPlan, check_transfer, page_runs, page_slice, plan_aux, plan_pool
+from transfer.plan import TransferPlan, check_transfer, page_runs, page_slice, plan_aux_regions, plan_pool
 from transfer.staging.prefill_flow import part_bytes_for, plan_parts
 from transfer.state import KVPoll, RoomState
 
@@ -142,6 +142,24 @@ class KVSender:
     @property
     def terminal(self) -> bool:
         return self._state.terminal
+
+    @property
+    def decode_prefix_pages(self) -> int:
+        """The leading pages of the request that decode already holds
+        (``KVReceiver.init(skip_pages=)``): prefill sends the pages from
+        there on, so ``init``'s page count includes them and the first chunk
+        starts with that many entries that are never read. Known once every
+        decode request arrived (``poll()`` left Bootstrapping); raises
+        StateError before, or when the decode ranks of the room said
+        different numbers."""
+        with self._ctx.lock:
+            if not self._requests or len(self._requests) < self._requests[0].num_requests:
+                raise StateError(f"{self._state.where}: decode_prefix_pages before every decode request arrived")
+            prefixes = {r.prefix_pages for r in self._requests}
+            if len(prefixes) > 1:
+                raise StateError(f"{self._state.where}: decode ranks hold different prefixes: "
+                                 + ", ".join(f"rank {r.decode_tp_rank} {r.prefix_pages} pages" for r in self._requests))
+            return prefixes.pop()
 
     @property
     def requests(self) -> tuple[TransferRequest, ...]:
@@ -281,8 +299,8 @@ class KVSender:
                 plans = [plan_pool(local.pool(a.role), peer.pool(a.role), src, dst,
                                    src_head_offset=a.src_head_offset, dst_head_offset=a.dst_head_offset,
                                    num_heads=a.num_heads) for a in sent]
-            if last and local.aux is not None and self._aux_index is not None and req.dst_aux_index >= 0:
-                plans.append(plan_aux(local.aux, peer.aux, self._aux_index, req.dst_aux_index))
+            if last and local.aux and self._aux_index is not None and req.dst_aux_index >= 0:
+                plans.append(plan_aux_regions(local.aux, peer.aux, self._aux_index, req.dst_aux_index))
             # Always a job, empty or not: its completion is what ends a room
             # for ranks that send nothing.
             jobs.append((req.decode_session, TransferPlan.concat(plans)))

@@ -127,7 +127,7 @@ def test_decoded_nested_types():
     assert pool.role is bm.PoolRole.TARGET and pool.attention is bm.AttentionKind.MHA
     assert isinstance(pool.buffers[0], bm.BufferRef)
     assert pool.buffers[0].component in (bm.Component.K, bm.Component.V)
-    assert out.rank.aux == make_aux()
+    assert out.rank.aux == (make_aux(),)  # a tuple of regions since protocol 4
     req = codec.decode(codec.encode(TRANSFER_REQUEST))
     assert isinstance(req.dst_pages, bytes)
     assert pystruct.unpack("<5i", req.dst_pages)[-1] == 2**31 - 1
@@ -261,10 +261,10 @@ def test_extra_field():
 
 def test_extra_nested_field():
     env = _envelope(bm.Register(rank=_rank()))
-    env["body"]["rank"]["aux"]["stride"] = 64
+    env["body"]["rank"]["aux"][0]["stride"] = 64
     err = _reject(_pack(env))
     assert "unexpected field 'stride'" in str(err)
-    assert err.field == "register.rank.aux.stride"
+    assert err.field == "register.rank.aux[0].stride"
 
 
 @pytest.mark.parametrize(
@@ -318,9 +318,14 @@ def test_nested_struct_field_mistyped():
 
 def test_null_for_optional_struct_is_accepted_and_null_for_required_rejected():
     env = _envelope(bm.Register(rank=_rank()))
-    env["body"]["rank"]["aux"] = None
+    env["body"]["rank"]["staging"] = None
     out = codec.decode(_pack(env))
-    assert out.rank.aux is None
+    assert out.rank.staging is None
+    env["body"]["rank"]["aux"] = None  # the aux regions are a tuple (empty: none), never null
+    err = _reject(_pack(env))
+    assert err.field == "register.rank.aux"
+    env["body"]["rank"]["aux"] = []
+    assert codec.decode(_pack(env)).rank.aux == ()
     env["body"]["rank"]["pools"][0] = None
     err = _reject(_pack(env))
     assert err.field == "register.rank.pools[0]"
@@ -341,7 +346,7 @@ def test_null_for_optional_struct_is_accepted_and_null_for_required_rejected():
         (lambda b: b["rank"]["pools"].pop(0), "register.rank", ["target pool"]),
         (lambda b: b["rank"]["pools"].append(copy.deepcopy(b["rank"]["pools"][0])), "register.rank",
          ["one pool per role"]),
-        (lambda b: b["rank"]["aux"].update(num_slots=0), "register.rank.aux", ["num_slots"]),
+        (lambda b: b["rank"]["aux"][0].update(num_slots=0), "register.rank.aux[0]", ["num_slots"]),
     ],
 )
 def test_value_rejected_by_post_init(mutate, field, words):

@@ -33,9 +33,10 @@ class RoomStorage:
         pages = self.pages[start:len(chains)].tolist()
         return {role: (self.tier.keys(role, chains[start:]), pages) for role in self.tier.pools}
 
-    def prefetch(self, done) -> Job:
-        """Load the leading pages storage has (``done(job)`` on the tier's thread)."""
-        return self.tier.read(self.items(0), None, done)
+    def prefetch(self, done, start: int = 0) -> Job:
+        """Load the pages storage has from request position ``start`` on, up
+        to the first missing one (``done(job)`` on the tier's thread)."""
+        return self.tier.read(self.items(start), None, done)
 
     @staticmethod
     def settled(job: Job, waited_s: float, config) -> int | None:

@@ -5,8 +5,9 @@ Keys come from :mod:`transfer.storage.keys`: a hash chain over the prompt's
 tokens, page by page, bound to each pool's fingerprint (model name, role,
 layout, dtype, page size, shape; the TP rank and size for MHA head slices),
 so target and draft pages never share a key and a decode rank finds what a
-prefill rank of the same layout wrote. The aux row is stored under a key of
-the whole prompt (partial last page included).
+prefill rank of the same layout wrote. The aux row (one row of every aux
+region, stored as one value) is stored under a key of the whole prompt
+(partial last page included) and of the regions' row sizes.
 
 Every backend call runs on the ``kvferry-storage`` thread, never under the
 manager's lock and never in ``poll()``; each is bounded by the backend. A
@@ -55,13 +56,13 @@ class Job:
 class StorageTier:
     """Opened by a KVManager whose config names a ``storage_url``."""
 
-    def __init__(self, config, pools: Sequence[MHAPool | MLAPool], aux, where: str) -> None:
+    def __init__(self, config, pools: Sequence[MHAPool | MLAPool], aux: Sequence, where: str) -> None:
+        """``aux``: the aux regions as tensors ``[num_slots, ...]`` (may be empty)."""
         self.config, self.where = config, where
         self.backend = open_storage(config.storage_url)
         try:
             regions = [r for p in pools for r in pool_regions(p)]
-            if aux is not None:
-                regions.append((aux.data_ptr(), aux.numel() * aux.element_size()))
+            regions.extend((t.data_ptr(), t.numel() * t.element_size()) for t in aux)
             self.backend.register_memory(regions)
         except BaseException:
             self.backend.close()
@@ -70,7 +71,7 @@ class StorageTier:
         self.fingerprints = {p.role: pool_fingerprint(p, model=config.model_name, tp_rank=config.tp_rank,
                                                       tp_size=config.tp_size) for p in pools}
         self.page_size = next(iter(self.fingerprints.values())).page_size
-        self._aux = aux
+        self._aux = tuple(aux)
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self.num_pages_written = self.num_pages_read = 0
         self._thread = threading.Thread(target=self._work, name="kvferry-storage", daemon=True)
@@ -89,16 +90,22 @@ class StorageTier:
         tokens = token_ids.tolist() if hasattr(token_ids, "tolist") else list(token_ids)
         h = hashlib.blake2b(digest_size=16, person=b"kvferry-aux")
         h.update(self.config.model_name.encode() + b"\0" + struct.pack(f"<{len(tokens)}Q", *tokens))
+        if len(self._aux) != 1:  # the regions' row sizes (one region: keys as before)
+            h.update(b"\0" + struct.pack(f"<{len(self._aux)}Q", *(self._row_bytes(t) for t in self._aux)))
         return "aux-" + h.hexdigest()
 
     @property
     def has_aux(self) -> bool:
-        """Whether the rank has an aux tensor (its rows can be stored)."""
-        return self._aux is not None
+        """Whether the rank has aux regions (their rows can be stored)."""
+        return bool(self._aux)
+
+    @staticmethod
+    def _row_bytes(t) -> int:
+        return t[0].numel() * t.element_size()
 
     def _aux_segment(self, slot: int):
-        row = self._aux[slot]
-        return [(row.data_ptr(), row.numel() * row.element_size())]
+        """The slot's row of every aux region: the segments of one stored value."""
+        return [(t[slot].data_ptr(), self._row_bytes(t)) for t in self._aux]
 
     # --- jobs ---------------------------------------------------------------------
 
