@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from bootstrap.messages import PoolRole
-from transfer.adapters.sglang.kvargs import (AuxRows, UnsupportedSetup, check_supported, pools_from_kv_args,
-                                             torch_dtype_name)
-from transfer.pools import describe_pool
+from transfer.adapters.sglang.kvargs import (UnsupportedSetup, aux_regions_from_kv_args, check_supported,
+                                             pools_from_kv_args, torch_dtype_name)
+from transfer.pools import aux_tensors, describe_pool
 
 
 def _kv_args(target, draft=(), **kw):
@@ -62,19 +62,16 @@ def test_unsupported_setups_are_named(args, server, words):
     check_supported(SimpleNamespace(state_types=[], kv_layout=None), SimpleNamespace(pp_size=1))
 
 
-def test_aux_rows_pack_and_unpack_every_region_of_one_slot():
+def test_aux_regions_are_sglang_regions_without_a_copy():
     regions = [torch.randint(0, 256, (6, n), dtype=torch.uint8) for n in (64, 512, 8)]
     args = SimpleNamespace(aux_data_ptrs=[r.data_ptr() for r in regions], aux_data_lens=[r.nbytes for r in regions],
                            aux_item_lens=[r.shape[1] for r in regions])
-    src = AuxRows.from_kv_args(args)
-    src.pack(4)
-    assert torch.equal(src.packed[4], torch.cat([r[4] for r in regions]))
-    assert not src.packed[3].any()  # other slots untouched
-    before = [r.clone() for r in regions]
-    src.packed[2] = torch.arange(584, dtype=torch.int64).to(torch.uint8)
-    src.unpack(2)
-    assert torch.equal(torch.cat([r[2] for r in regions]), src.packed[2])
-    assert all(torch.equal(r[i], b[i]) for r, b in zip(regions, before) for i in (0, 1, 3, 4, 5))
-    assert AuxRows.from_kv_args(SimpleNamespace(aux_data_ptrs=[])) is None
+    raw = aux_regions_from_kv_args(args)
+    assert [(a.addr, a.row_bytes, a.num_rows) for a in raw] == [(r.data_ptr(), r.shape[1], 6) for r in regions]
+    views = aux_tensors(raw)  # what KVManager registers and sends from
+    assert all(torch.equal(v, r) for v, r in zip(views, regions))
+    views[1][4] = torch.arange(512, dtype=torch.int64).to(torch.uint8)  # the same memory: no copy
+    assert torch.equal(regions[1][4], views[1][4])
+    assert aux_regions_from_kv_args(SimpleNamespace(aux_data_ptrs=[])) == []
     with pytest.raises(UnsupportedSetup, match="slot counts"):
-        AuxRows.from_kv_args(SimpleNamespace(aux_data_ptrs=[1, 2], aux_data_lens=[64, 64], aux_item_lens=[8, 16]))
+        aux_regions_from_kv_args(SimpleNamespace(aux_data_ptrs=[1, 2], aux_data_lens=[64, 64], aux_item_lens=[8, 16]))

@@ -10,20 +10,16 @@ count: the head dim follows from the item size and the dtype
 (``kv_cache_dtype_str``); the draft's heads from its item size, taking the
 target's head dim (EAGLE drafts share it).
 
-Aux rows. kvferry's wire format has one aux region per rank today, so the
-rows of all regions are packed into one registered row (:class:`AuxRows`):
-prefill packs the request's row right before its last chunk is sent, decode
-unpacks it when the room succeeded, before SGLang reads it. A row is a few KiB
-of host memory; :func:`transfer.plan.plan_aux_regions` is the descriptor plan
-that replaces this copy once the wire carries several regions.
+Aux rows. Every aux region is handed to kvferry as it is
+(:func:`aux_regions_from_kv_args`, one :class:`~transfer.pools.RawAuxRegion`
+each): kvferry registers them and moves a request slot's row of each region
+as one descriptor, no copy in between.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from bootstrap.messages import PoolRole
-from transfer.pools import MHAPool, MLAPool, RawPool, head_dim_of, pool_from_pointers, wrap_pointer
+from transfer.pools import MHAPool, MLAPool, RawAuxRegion, RawPool, head_dim_of, pool_from_pointers
 
 # SGLang's kv_cache_dtype_str -> torch dtype name.
 _DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "bf16": "bfloat16", "fp16": "float16",
@@ -112,46 +108,16 @@ def pools_from_kv_args(args, *, is_mla: bool, device: str = "cpu") -> list[MHAPo
     return pools
 
 
-@dataclass
-class AuxRows:
-    """SGLang's aux regions, packed per slot into one registered row.
-
-    ``pack(slot)`` copies slot ``slot`` of every region into the packed row
-    (prefill, before the last chunk); ``unpack(slot)`` copies it back out
-    (decode, after the room succeeded). Both run on the scheduler thread, for
-    a slot SGLang does not touch meanwhile."""
-
-    regions: list  # uint8 tensors [num_slots, item_bytes], views of SGLang's buffers
-    packed: object  # uint8 tensor [num_slots, sum(item_bytes)], registered with the engine
-
-    @classmethod
-    def from_kv_args(cls, args) -> "AuxRows | None":
-        import torch
-
-        ptrs = list(getattr(args, "aux_data_ptrs", None) or [])
-        if not ptrs:
-            return None
-        lens, items = list(args.aux_data_lens), list(args.aux_item_lens)
-        slots = {n // i for n, i in zip(lens, items)}
-        if len(slots) != 1 or any(n % i for n, i in zip(lens, items)):
-            raise UnsupportedSetup(f"KVArgs: aux regions of different slot counts ({sorted(slots)})")
-        num_slots = slots.pop()
-        regions = [wrap_pointer(p, n, "uint8").view(num_slots, i) for p, n, i in zip(ptrs, lens, items)]
-        packed = torch.zeros(num_slots, sum(items), dtype=torch.uint8)
-        return cls(regions, packed)
-
-    def pack(self, slot: int) -> None:
-        offset = 0
-        row = self.packed[slot]
-        for region in self.regions:
-            n = region.shape[1]
-            row[offset:offset + n].copy_(region[slot])
-            offset += n
-
-    def unpack(self, slot: int) -> None:
-        offset = 0
-        row = self.packed[slot]
-        for region in self.regions:
-            n = region.shape[1]
-            region[slot].copy_(row[offset:offset + n])
-            offset += n
+def aux_regions_from_kv_args(args) -> list[RawAuxRegion]:
+    """SGLang's aux regions (``aux_data_ptrs/lens/item_lens``), in order, as
+    raw regions sharing one row index; raises :class:`UnsupportedSetup` when
+    their row counts differ."""
+    ptrs = list(getattr(args, "aux_data_ptrs", None) or [])
+    if not ptrs:
+        return []
+    lens, items = list(args.aux_data_lens), list(args.aux_item_lens)
+    slots = {n // i for n, i in zip(lens, items)}
+    if len(slots) != 1 or any(n % i for n, i in zip(lens, items)):
+        raise UnsupportedSetup(f"KVArgs: aux regions of different slot counts ({sorted(slots)})")
+    num_slots = slots.pop()
+    return [RawAuxRegion(addr=p, row_bytes=i, num_rows=num_slots) for p, i in zip(ptrs, items)]

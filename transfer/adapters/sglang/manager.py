@@ -9,9 +9,8 @@ from typing import Optional
 
 from sglang.srt.disaggregation.base.conn import BaseKVManager
 
-from bootstrap.client import BootstrapClient
 from transfer.adapters.sglang.bootstrap import bind_host
-from transfer.adapters.sglang.kvargs import AuxRows, check_supported, device_of, pools_from_kv_args
+from transfer.adapters.sglang.kvargs import aux_regions_from_kv_args, check_supported, device_of, pools_from_kv_args
 from transfer.adapters.sglang.stats import CountingTransport
 from transfer.config import Role, manager_config_from_env
 from transfer.errors import KVFerryError
@@ -84,9 +83,8 @@ class KvferryKVManager(BaseKVManager):
         ib_device = getattr(args, "ib_device", None)
         if ib_device and not config.engine.device_name:  # --disaggregation-ib-device, unless KVFERRY_DEVICE_NAME
             config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, device_name=str(ib_device)))
-        self.aux = AuxRows.from_kv_args(args)
         pools = pools_from_kv_args(args, is_mla=self.is_mla_backend, device=device_of(server_args, args))
-        self.core = KVManager(config, pools, aux=self.aux.packed if self.aux is not None else None)
+        self.core = KVManager(config, pools, aux=aux_regions_from_kv_args(args))
         self.transport = self.core.transport = CountingTransport(self.core.transport)
         #: decode: bootstrap address -> SGLang's PrefillServerInfo (DP/TP sizes)
         self.prefill_info_table: dict = {}
@@ -104,15 +102,11 @@ class KvferryKVManager(BaseKVManager):
         """(dp_size, tp_size) of the prefill node at ``bootstrap_addr``, once
         its DP group 0 registered; None if unknown yet. Blocks at most 1 s."""
         try:
-            with BootstrapClient(bootstrap_addr, timeout_s=_LOOKUP_TIMEOUT_S,
-                                 secret=self.core.config.secret or None) as client:
-                reply = client.lookup(PREFILL_NODE, 0)
+            topology = self.core.prefill_topology(bootstrap_addr, PREFILL_NODE, timeout_s=_LOOKUP_TIMEOUT_S)
         except KVFerryError as exc:
             log.debug("prefill topology of %s not known yet: %s", bootstrap_addr, exc)
             return None
-        if not reply.ready or reply.dp_size < 1:
-            return None
-        return reply.dp_size, reply.tp_size
+        return None if topology is None else (topology.dp_size, topology.tp_size)
 
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
         if bootstrap_addr in self.prefill_info_table:

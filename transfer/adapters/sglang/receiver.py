@@ -5,8 +5,8 @@ address and room), ``init(prefill_dp_rank)`` once the prefill DP rank is known
 (``KvferryKVManager.try_ensure_parallel_info`` resolves the node's DP/TP
 sizes), ``send_metadata`` with the decode pages of the part prefill sends, the
 aux slot and ``decode_prefix_len`` (tokens decode already holds), then ``poll``
-until Success (the aux row is unpacked into SGLang's regions before Success
-is returned) or Failed.
+until Success (the aux rows landed in SGLang's regions before Success is
+returned) or Failed.
 
 Failure and page reuse: kvferry reports Failed only after every prefill rank
 that may still write into the room's pages stopped (drain and fence), so
@@ -45,8 +45,6 @@ class KvferryKVReceiver(BaseKVReceiver):
         self.bootstrap_infos: list = []
         self._core: KVReceiver | None = None
         self._error: BaseException | None = None
-        self._aux_index: int | None = None
-        self._unpacked = False
 
     @property
     def supports_host_destination(self) -> bool:
@@ -87,10 +85,8 @@ class KvferryKVReceiver(BaseKVReceiver):
         pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
         # Placeholders for the pages decode holds: never written (skip_pages).
         pages = np.concatenate([np.zeros(prefix_pages, dtype=np.int64), pages])
-        self._aux_index = aux_index
-        self._core._skip = prefix_pages  # core: KVReceiver.init(..., skip_pages=prefix_pages)
         try:
-            self._core.init(pages, aux_index)
+            self._core.init(pages, aux_index, skip_pages=prefix_pages)
         except KVFerryError as exc:
             self._fail(exc)
 
@@ -100,12 +96,7 @@ class KvferryKVReceiver(BaseKVReceiver):
         if self._core is None:
             return KVPoll.Bootstrapping
         state = self._core.poll()
-        if state is KVPoll.Success:
-            if not self._unpacked and self._aux_index is not None and self.kv_mgr.aux is not None:
-                self.kv_mgr.aux.unpack(self._aux_index)
-            self._unpacked = True
-            self.conclude_state = state
-        elif state is KVPoll.Failed:
+        if state in (KVPoll.Success, KVPoll.Failed):
             self.conclude_state = state
         return state
 

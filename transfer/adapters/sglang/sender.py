@@ -60,13 +60,13 @@ class KvferryKVSender(BaseKVSender):
     def pop_decode_prefix_len(self) -> int:
         """Tokens decode already holds (page-aligned): the leading pages its
         requests asked kvferry to skip. Called once every request arrived."""
-        if self._core is None:
+        if self._core is None or self.conclude_state is not None:
             return 0
-        skips = {r.skip_pages for r in self._core._requests}  # core: KVSender.decode_prefix_pages
-        if len(skips) > 1:
-            self._fail(StateError(f"room {self.bootstrap_room}: decode ranks hold different prefixes {sorted(skips)}"))
+        try:
+            self._prefix_pages = self._core.decode_prefix_pages
+        except KVFerryError as exc:  # decode ranks differ, or not every request arrived
+            self._fail(exc)
             return 0
-        self._prefix_pages = skips.pop() if skips else 0
         return self._prefix_pages * self.kv_mgr.page_size
 
     def init(self, num_kv_indices: int, aux_index: Optional[int] = None) -> None:
@@ -103,10 +103,8 @@ class KvferryKVSender(BaseKVSender):
             return
         if self._started_s is None:
             self._started_s = time.perf_counter()
-        if last:
+        if last:  # the aux rows go with it: SGLang wrote them right before this call
             self._last_sent = True
-            if self._aux_index is not None and self.kv_mgr.aux is not None:
-                self.kv_mgr.aux.pack(self._aux_index)  # SGLang wrote the row right before this call
         try:
             self._core.send(pages, last=last)
         except KVFerryError as exc:
