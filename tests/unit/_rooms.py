@@ -36,7 +36,7 @@ class Rank:
     mgr: KVManager
     k: list[torch.Tensor]
     v: list[torch.Tensor]
-    aux: torch.Tensor
+    aux: torch.Tensor | list[torch.Tensor]  # a list: several aux regions
 
     def page_bytes(self, pages) -> list[bytes]:
         """Every buffer's bytes of ``pages`` (in order), K and V of each layer."""
@@ -44,7 +44,8 @@ class Rank:
         return [t.index_select(0, idx).view(torch.uint8).numpy().tobytes() for t in (*self.k, *self.v)]
 
     def aux_bytes(self, slot: int) -> bytes:
-        return self.aux[slot].numpy().tobytes()
+        regions = self.aux if isinstance(self.aux, list) else [self.aux]
+        return b"".join(r[slot].numpy().tobytes() for r in regions)
 
 
 def _random(shape, gen: torch.Generator) -> torch.Tensor:
@@ -63,16 +64,19 @@ class Cluster:
     ranks: list[Rank] = field(default_factory=list)
 
     def rank(self, role: Role, *, heads: int = NUM_HEADS, total_heads: int | None = None,
-             page_size: int = PAGE_SIZE, **overrides) -> Rank:
+             page_size: int = PAGE_SIZE, aux_row_bytes: tuple[int, ...] | None = None, **overrides) -> Rank:
         """A manager with one MHA pool of ``heads`` KV heads (of ``total_heads``
-        in the model) and an aux tensor; prefill's are random, decode's zero."""
+        in the model) and an aux tensor (``aux_row_bytes``: one aux region of
+        each row size instead); prefill's are random, decode's zero."""
         gen = torch.Generator().manual_seed(self.seed + len(self.ranks))
         shape = (NUM_PAGES, page_size, heads, HEAD_DIM)
         fill = role is Role.PREFILL
         k = [_random(shape, gen) if fill else torch.zeros(shape, dtype=torch.bfloat16) for _ in range(NUM_LAYERS)]
         v = [_random(shape, gen) if fill else torch.zeros(shape, dtype=torch.bfloat16) for _ in range(NUM_LAYERS)]
-        aux = torch.randint(0, 256, (AUX_SLOTS, AUX_BYTES), dtype=torch.uint8, generator=gen) if fill \
-            else torch.zeros((AUX_SLOTS, AUX_BYTES), dtype=torch.uint8)
+        aux = [torch.randint(0, 256, (AUX_SLOTS, n), dtype=torch.uint8, generator=gen) if fill
+               else torch.zeros((AUX_SLOTS, n), dtype=torch.uint8) for n in aux_row_bytes or (AUX_BYTES,)]
+        if aux_row_bytes is None:
+            aux = aux[0]
         cfg = ManagerConfig(role=role, bootstrap_addr=self.server.address, node_id="prefill",
                             **{**FAST, **overrides})
         mgr = KVManager(cfg, [MHAPool(k=k, v=v, total_kv_heads=total_heads)], aux=aux, transport=self.fabric.transport(),
