@@ -103,7 +103,7 @@ def _check_main(run: Run) -> None:
         assert d["aux_regions"] >= 10
         suffix = req.num_pages - req.prefix_pages
         assert (d["page_bytes_checked"] > 0) == (suffix > 0), (req.tags, d)
-        # per-room stats: pages moved (this rank's share) plus, from one rank, the packed aux row
+        # per-room stats: pages moved (this rank's share) plus, from one rank, the aux rows
         assert sum(p["bytes"] for p in ps) >= d["page_bytes_checked"] and all(p["latency_s"] > 0 for p in ps)
         assert sum(p["descriptors"] for p in ps) >= 1
     prefixes = {e["room"]: e["tokens"] for p in run.prefill for e in p.events("PREFIX")}
