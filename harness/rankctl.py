@@ -48,8 +48,8 @@ from transfer.manager import KVManager
 from transfer.receiver import KVReceiver
 from transfer.sender import KVSender
 from transfer.state import KVPoll
-from harness.workload import (Spec, _allocate, _components, aux_row, build_pools, global_buffer, prefill_side,
-                               rank_slice, room_plan)
+from harness.workload import (Spec, _allocate, _components, aux_buffers, aux_row, build_pools, global_buffer,
+                              prefill_side, rank_slice, read_aux, room_plan, write_aux)
 
 SENTINEL = 0xA5
 
@@ -110,7 +110,7 @@ class PrefillRank:
         live, out = {}, {}
         for room in cmd["rooms"]:
             slot = room % spec.aux_slots
-            self.aux[slot] = torch.frombuffer(bytearray(aux_row(spec, room)), dtype=torch.uint8)
+            write_aux(self.aux, slot, aux_row(spec, room))
             live[room] = {"s": KVSender(mgr, spec.bootstrap, room), "t0": time.monotonic(), "chunks": None,
                           "next_at": 0.0, "slot": slot}
         while live and time.monotonic() < deadline:
@@ -160,7 +160,7 @@ class DecodeRank:
         bad = [f"room {room}: {role} {c} layer {l} differs"
                for role, bufs in self.expected.items() for c, ts in bufs.items() for l, want in enumerate(ts)
                if not torch.equal(self.tensors[role][c][l][dst].view(torch.uint8), want[src].view(torch.uint8))]
-        if bytes(self.aux[slot].numpy()) != aux_row(self.spec, room):
+        if read_aux(self.aux, slot) != aux_row(self.spec, room):
             bad.append(f"room {room}: aux row differs")
         return bad
 
@@ -191,7 +191,8 @@ class DecodeRank:
             dst = torch.as_tensor(dst, dtype=torch.int64)
             self._fill(dst, 0)  # stale bytes must not pass for transferred ones
             slot = (room * 7) % spec.aux_slots
-            self.aux[slot] = 0
+            for region in self.aux:
+                region[slot] = 0
             r = KVReceiver(mgr, spec.bootstrap, room, prefill_node=spec.node_id)
             r.init(dst.numpy(), slot, token_ids=prompt_of(spec, src, cmd))
             live[room] = {"r": r, "dst": dst, "slot": slot, "t0": time.monotonic(), "src": src}
@@ -244,7 +245,7 @@ def main(argv=None) -> int:
     pools, tensors = build_pools(spec, spec.prefill_pools if prefill else spec.decode_pools, 0, 1,
                                  spec.prefill_pages if prefill else spec.decode_pages,
                                  prefill_side(0) if prefill else "decode")
-    aux = torch.zeros(spec.aux_slots, spec.aux_slot_bytes, dtype=torch.uint8)
+    aux = aux_buffers(spec)  # one region unless spec.aux_regions names several
     base = manager_config_from_env(role)
     cfg = replace(base, bootstrap_addr=spec.bootstrap, node_id=spec.node_id,
                   engine=replace(base.engine, protocol=spec.protocol),

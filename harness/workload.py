@@ -63,6 +63,7 @@ class Spec:
     decode_pages: int = 512
     aux_slots: int = 64
     aux_slot_bytes: int = 64
+    aux_regions: tuple[int, ...] = ()  # rankctl: row bytes of each aux region; empty: one of aux_slot_bytes
     num_rooms: int = 8
     concurrency: int = 4
     min_tokens: int = 256
@@ -91,6 +92,7 @@ class Spec:
         raw.setdefault("decode_pools", raw["prefill_pools"])
         raw["prefill_pools"] = tuple(PoolSpec(**p) for p in raw["prefill_pools"])
         raw["decode_pools"] = tuple(PoolSpec(**p) for p in raw["decode_pools"])
+        raw["aux_regions"] = tuple(raw.get("aux_regions", ()))
         return Spec(**raw)
 
     def to_json(self) -> str:
@@ -186,8 +188,30 @@ def room_plan(spec: Spec, room: int) -> tuple[np.ndarray, list[int]]:
     return pages, chunks
 
 
+def aux_region_bytes(spec: Spec) -> tuple[int, ...]:
+    return tuple(spec.aux_regions) or (spec.aux_slot_bytes,)
+
+
 def aux_row(spec: Spec, room: int) -> bytes:
-    return _rng(spec.seed, "aux", room).bytes(spec.aux_slot_bytes)
+    """The room's aux row: the rows of every aux region, back to back."""
+    return _rng(spec.seed, "aux", room).bytes(sum(aux_region_bytes(spec)))
+
+
+def aux_buffers(spec: Spec) -> list:
+    """Zeroed aux regions ``[aux_slots, row bytes]``, one per entry of ``aux_region_bytes``."""
+    return [torch.zeros(spec.aux_slots, n, dtype=torch.uint8) for n in aux_region_bytes(spec)]
+
+
+def write_aux(regions, slot: int, row: bytes) -> None:
+    off = 0
+    for region in regions:
+        n = region.shape[1]
+        region[slot] = torch.frombuffer(bytearray(row[off:off + n]), dtype=torch.uint8)
+        off += n
+
+
+def read_aux(regions, slot: int) -> bytes:
+    return b"".join(bytes(region[slot].numpy()) for region in regions)
 
 
 # --- the two roles ------------------------------------------------------------------------

@@ -3,10 +3,11 @@ the real Mooncake engine (TCP, loopback), checked byte for byte."""
 
 import pytest
 
-from harness.launch import run_pd
+from harness.launch import BootstrapProcess, run_pd
 from harness.workload import PoolSpec, Spec
 
 from tests.e2e.conftest import assert_all_succeeded
+from tests.e2e.ranks import Rank, assert_all_success, fault_spec
 
 pytestmark = pytest.mark.e2e
 
@@ -63,3 +64,23 @@ def test_layout_mismatch_fails_both_sides_naming_the_field(field, decode_pool, e
             assert f"incompatible {field}" in why, (run.role, why)
     decode_why = next(r.result["failed"][0][1] for r in runs if r.role == "decode")
     assert decode_why.startswith("IncompatibleLayoutError"), decode_why
+
+
+def test_several_aux_regions_per_slot_byte_exact():
+    """Five aux regions of different row sizes sharing one slot index (as
+    SGLang's metadata buffers): every region's row of every room lands, each
+    checked byte for byte by the decode rank (``harness.rankctl``)."""
+    with BootstrapProcess() as server:
+        spec = fault_spec(server.address, aux_regions=(64, 8, 520, 4, 4096), min_tokens=300, max_tokens=1200,
+                          chunk_pages=5)
+        prefill, decode = Rank("prefill", spec), Rank("decode", spec)
+        try:
+            rooms = list(range(10, 18))
+            prefill.send(op="rooms", rooms=rooms, timeout_s=90)
+            decode.send(op="rooms", rooms=rooms, timeout_s=90)
+            p, d = prefill.reply(120), decode.reply(120)
+            assert_all_success(p, rooms)
+            assert_all_success(d, rooms)
+        finally:
+            prefill.close()
+            decode.close()
