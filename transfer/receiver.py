@@ -92,13 +92,10 @@ class KVReceiver:
         """The decode pages (in request order) and aux slot to fill.
         ``token_ids`` (the prompt) lets the storage tier prefetch pages it
         has and restore the room if the transfer fails (when the manager has
-        a storage tier). ``skip_pages``: the request's leading pages this
-        rank already holds (a prefix cache hit): ``page_indices`` still
-        lists every page of the request, but the first ``skip_pages`` entries
-        are never written, and prefill sends from there on (it reads the
-        number as ``KVSender.decode_prefix_pages``). With a storage prefetch,
-        the prefetch loads from ``skip_pages`` on and prefill skips what it
-        loaded too: the skip prefill gets is the larger of the two ends."""
+        a storage tier). ``skip_pages``: leading pages this rank already
+        holds, listed but never written; prefill sends from there on (and
+        reads it as ``KVSender.decode_prefix_pages``). A storage prefetch
+        loads from there on: prefill skips to the larger end of the two."""
         ctx = self._ctx
         with ctx.lock:
             if self._pages is not None:
@@ -286,9 +283,7 @@ class KVReceiver:
                 return False
             self._prefetch = None
             self.pages_from_storage = loaded
-            # The prefetch ran from the held prefix on: the skip is the larger
-            # end of the two, the held prefix or the prefetched run after it.
-            self._skip = self._prefix + loaded
+            self._skip = self._prefix + loaded  # it ran from the held prefix on: the larger end
         return True
 
     def _bootstrap(self, now: float) -> None:

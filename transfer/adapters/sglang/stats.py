@@ -1,8 +1,8 @@
 """Per-room transfer statistics, from which ``get_transfer_metric()`` is filled.
 
 kvferry's senders do not count their bytes yet (see the report: the core
-should keep a ``KVSender.stats``). Until then :class:`CountingTransport`
-wraps the manager's transport and attributes each submitted plan to the
+should keep a ``KVSender.stats``). Until then :class:`CountingTransport`,
+injected as the manager's transport (``KVManager(transport=)``), attributes each submitted plan to the
 sender that submitted it: a direct plan's callback is the sender's bound
 method, a staged part's callback carries the part, which names its sender.
 """
