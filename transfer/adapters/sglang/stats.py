@@ -2,9 +2,10 @@
 
 kvferry's senders do not count their bytes yet (see the report: the core
 should keep a ``KVSender.stats``). Until then :class:`CountingTransport`,
-injected as the manager's transport (``KVManager(transport=)``), attributes each submitted plan to the
-sender that submitted it: a direct plan's callback is the sender's bound
-method, a staged part's callback carries the part, which names its sender.
+injected as the manager's transport (``KVManager(transport=)``), attributes
+each submitted plan to the sender that submitted it: a direct plan's callback
+is the sender's bound method, a staged part's callback carries the part,
+which names its sender.
 """
 
 from __future__ import annotations
