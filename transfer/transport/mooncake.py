@@ -92,6 +92,9 @@ class MooncakeTransport:
         self._closed = threading.Event()
         self.num_descriptors = 0
         self.num_bytes = 0
+        #: engine status checks and worker rounds so far (what completion tracking costs)
+        self.num_status_checks = 0
+        self.num_rounds = 0
         self._inflight_bytes = 0
         self._thread = threading.Thread(target=self._run, name="kvferry-transport", daemon=True)
         self._thread.start()
@@ -145,6 +148,7 @@ class MooncakeTransport:
                 pass
             self._submit_round(by_peer, inflight, outstanding, cap)
             self._check_round(outstanding, inflight)
+            self.num_rounds += 1
             if outstanding:
                 pending = self._inflight_bytes / _ASSUMED_BYTES_PER_S / 4
                 time.sleep(min(_MAX_SLEEP_S, max(_MIN_SLEEP_S, pending)))
@@ -191,6 +195,7 @@ class MooncakeTransport:
                 break
             tid, job, nbytes = outstanding.popleft()
             status = check(tid)
+            self.num_status_checks += 1
             if status == 0:
                 outstanding.append((tid, job, nbytes))  # keeps the order of the still-pending ones
                 pending += 1
