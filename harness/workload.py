@@ -208,6 +208,8 @@ class Result:
     descriptors: int = 0
     cpu_s: float = 0.0  # process CPU time over the measured window
     control_msgs: int = 0  # control messages this rank received
+    polls: int = 0  # poll() calls of the scheduler loop (it polls only rooms that changed)
+    polls_if_all: int = 0  # what polling every live room on each iteration would have cost
 
 
 def _manager(spec: Spec, role: Role, rank: int, dp_rank: int, pools, aux) -> KVManager:
@@ -250,11 +252,13 @@ def run_prefill(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
                 aux[slot] = torch.frombuffer(bytearray(aux_row(spec, room)), dtype=torch.uint8)
                 live[room] = (KVSender(mgr, spec.bootstrap, room), None, slot)
                 todo.add(room)
+            res.polls_if_all += len(live)
             for room in todo:  # new rooms, rooms that changed and rooms still sending: not every live room
                 if room not in live:
                     continue
                 sender, chunks, slot = live[room]
                 state = sender.poll()
+                res.polls += 1
                 if state is KVPoll.WaitingForInput and chunks is None:
                     pages, sizes = room_plan(spec, room)
                     sender.init(len(pages), slot)
@@ -324,11 +328,13 @@ def run_decode(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
                 receiver.init(dst, slot)
                 live[room] = (receiver, dst, time.monotonic(), slot)
                 todo.add(room)
+            res.polls_if_all += len(live)
             for room in todo:  # new rooms and rooms that changed, not every live room
                 if room not in live:
                     continue
                 receiver, dst, started, slot = live[room]
                 state = receiver.poll()
+                res.polls += 1
                 if state not in (KVPoll.Success, KVPoll.Failed):
                     continue
                 if _count(res, room, receiver, state):
