@@ -37,8 +37,9 @@ class ScaleSpec:
     num_prefill: int = 1  # prefill ranks, one prefill node (TP 1) each
     num_decode: int = 1
     num_rooms: int = 4096
-    arrival_s: float = 0.0  # rooms arrive uniformly at random over this window (0: all at once)
-    abort_fraction: float = 0.0  # of the rooms, aborted by one side or the other, 0-50 ms after arrival
+    arrival_s: float = 0.0  # rooms arrive uniformly at random over this window (0: in waves)
+    waves: int = 1  # arrival_s 0: the rooms come in this many waves, each all at once when the last ended
+    abort_fraction: float = 0.0  # of the rooms, aborted by one side or the other, 0-10 ms after arrival
     page_size: int = 4
     num_layers: int = 2
     num_heads: int = 1
@@ -62,6 +63,7 @@ class Room:
     prefill: int
     decode: int
     arrival_s: float
+    wave: int
     src_pages: np.ndarray
     abort_by: str  # "", "prefill" or "decode"
     abort_after_s: float
@@ -72,15 +74,15 @@ def schedule(spec: ScaleSpec) -> list[Room]:
     rng = np.random.default_rng([spec.seed, 1])
     arrivals = np.sort(rng.uniform(0, spec.arrival_s, spec.num_rooms)) if spec.arrival_s else \
         np.zeros(spec.num_rooms)
-    rooms = []
+    rooms, per_wave = [], -(-spec.num_rooms // spec.waves)
     for i, t in enumerate(arrivals):
         n = int(rng.integers(spec.min_pages, spec.max_pages + 1))
         aborted = rng.random() < spec.abort_fraction
         rooms.append(Room(room=i + 1, prefill=int(rng.integers(spec.num_prefill)),
-                          decode=int(rng.integers(spec.num_decode)), arrival_s=float(t),
+                          decode=int(rng.integers(spec.num_decode)), arrival_s=float(t), wave=i // per_wave,
                           src_pages=rng.choice(spec.prefill_pages, n, replace=False),
                           abort_by=str(rng.choice(["prefill", "decode"])) if aborted else "",
-                          abort_after_s=float(rng.uniform(0, 0.05))))
+                          abort_after_s=float(rng.uniform(0, 0.01))))
     return rooms
 
 
@@ -157,12 +159,13 @@ def drive(spec: ScaleSpec, side: Side, start: float, expected: dict[int, list[to
         if role is Role.DECODE else []
     live: dict[int, tuple[Room, object, np.ndarray | None]] = {}
     aborts: list[tuple[float, int]] = []
-    mark, todo = mgr.progress, set()
-    deadline = start + (spec.arrival_s + 3 * spec.timeout_s + 30)
+    mark, todo, wave = mgr.progress, set(), 0
+    deadline = start + (spec.arrival_s + 3 * spec.waves * spec.timeout_s + 30)
     while (pending or live) and time.time() < deadline:
         now = time.time() - start
-        while pending and pending[-1].arrival_s <= now:
+        while pending and pending[-1].arrival_s <= now and (pending[-1].wave == wave or not live):
             room = pending[-1]
+            wave = room.wave
             if role is Role.PREFILL:
                 obj, dst = KVSender(mgr, spec.bootstrap, room.room), None
             else:
