@@ -51,12 +51,10 @@ MODELS = (
 class Measured:
     """Costs measured on the 2-vCPU VM (docs/scale.md names the commands)."""
 
-    prefill_cpu_ms_per_room: float = 1.0
-    decode_cpu_ms_per_room: float = 1.0
-    submit_us: float = 5.0  # transfer_submit_write, one call
-    check_us: float = 0.5  # transfer_check_status, one call
-    codec_us_per_msg: float = 20.0  # encode + decode of a TransferRequest
-    bootstrap_lookups_per_s: float = 16000.0  # docs/bootstrap.md: where one server saturated
+    prefill_cpu_ms_per_room: float = 0.93  # make scale, one-to-one (whole process, 4,096 rooms in flight)
+    decode_cpu_ms_per_room: float = 0.98  # same run, byte checks included
+    submit_us: float = 10.25  # transfer_submit_write, one 4 KiB call over TCP
+    check_us: float = 0.47  # transfer_check_status, one call
 
 
 def room_messages(model: Model, prefill_tp: int, decode_tp: int) -> tuple[int, int]:
