@@ -97,6 +97,8 @@ def test_a_timeout_reaches_changed_rooms_without_any_poll(cluster):  # noqa: F81
     mark = prefill.mgr.progress
     sender = KVSender(prefill.mgr, None, 7)  # no decode rank ever asks for it
     # Only the manager's own sweep polls the room: the test never calls poll().
-    wait_until(prefill.mgr, lambda: sender._state.state is KVPoll.Failed, timeout_s=5, what="bootstrap timeout")
+    wait_until(prefill.mgr, lambda: prefill.mgr.changed_rooms(mark)[1], timeout_s=5, what="bootstrap timeout")
     _, changes = prefill.mgr.changed_rooms(mark)
     assert changes == [(sender, KVPoll.Failed)]
+    with pytest.raises(Exception, match="decode request"):
+        sender.failure_exception()
