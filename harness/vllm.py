@@ -82,7 +82,7 @@ class VLLMServer:
         self.log_path = os.path.join(log_dir, f"{spec.name}.log")
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model, "--host", "127.0.0.1",
                "--port", str(self.port), "--enforce-eager", "--no-enable-prefix-caching", "--dtype", "bfloat16",
-               "--max-model-len", str(spec.max_model_len), "--max-num-seqs", "16",]
+               "--max-model-len", str(spec.max_model_len), "--max-num-seqs", "16"]
         if spec.kv_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(spec.kv_config)]
         env = dict(os.environ)
@@ -90,7 +90,10 @@ class VLLMServer:
         env.update({"PYTHONPATH": os.pathsep.join(paths), "VLLM_CPU_KVCACHE_SPACE": "1",
                     "VLLM_CPU_OMP_THREADS_BIND": str(spec.core), "MC_LOG_LEVEL": "ERROR",
                     "VLLM_LOGGING_LEVEL": "INFO", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
-        env.update(spec.env)
+        extra = dict(spec.env)
+        if "PYTHONPATH" in extra:  # in front of the repository, not instead of it
+            env["PYTHONPATH"] = os.pathsep.join([extra.pop("PYTHONPATH"), env["PYTHONPATH"]])
+        env.update(extra)
         self.cmd = spec.prefix + cmd
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
