@@ -108,7 +108,8 @@ class KvferryConnector(KVConnectorBase_V1):
         source = source_of(params)  # checked in get_num_new_matched_tokens
         pages = tuple(blocks.get_block_ids()[0][:num_pages(len(request.prompt_token_ids), self.block_size)])
         self._recvs.append(RecvSpec(req_id=request.request_id, room=source.room,
-                                    bootstrap_addr=source.bootstrap_addr, node_id=source.node_id, pages=pages))
+                                    bootstrap_addr=source.bootstrap_addr, node_id=source.node_id, pages=pages,
+                                    token_ids=self._prompt(request)))
 
     def build_connector_meta(self, scheduler_output) -> KvferryConnectorMetadata:
         meta = KvferryConnectorMetadata(sends=self._sends, recvs=self._recvs)
@@ -127,9 +128,16 @@ class KvferryConnector(KVConnectorBase_V1):
             log.warning("kvferry: request %s holds %d blocks for %d prompt tokens; not sent",
                         request.request_id, len(block_ids), request.num_prompt_tokens)
             return False, None
-        self._sends.append(SendSpec(req_id=request.request_id, room=room, pages=tuple(block_ids[:n])))
+        self._sends.append(SendSpec(req_id=request.request_id, room=room, pages=tuple(block_ids[:n]),
+                                    token_ids=self._prompt(request)))
         self._pending_sends.add(request.request_id)
         return True, decode_params(room, self.config)
+
+    def _prompt(self, request: "Request") -> tuple[int, ...]:
+        """The prompt's token ids when a storage tier needs them as keys."""
+        if not self.config.manager.get("storage_url"):
+            return ()
+        return tuple(request.prompt_token_ids or ())
 
     def update_connector_output(self, connector_output) -> None:
         self._pending_sends -= set(connector_output.finished_sending or ())

@@ -96,6 +96,7 @@ class SendSpec:
     req_id: str
     room: int
     pages: tuple[int, ...]
+    token_ids: tuple[int, ...] = ()  # the prompt: keys the storage tier's pages
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ class RecvSpec:
     bootstrap_addr: str
     node_id: str
     pages: tuple[int, ...]
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -98,7 +98,7 @@ class KvferryWorker:
         for s in sends:
             try:
                 sender = KVSender(self.mgr, None, s.room)
-                sender.init(len(s.pages))
+                sender.init(len(s.pages), token_ids=list(s.token_ids) or None)
             except KVFerryError as exc:
                 log.warning("kvferry: request %s (room %d) not sent: %s", s.req_id, s.room, exc)
                 with self._lock:
@@ -109,7 +109,7 @@ class KvferryWorker:
         for r in recvs:
             try:
                 receiver = KVReceiver(self.mgr, r.bootstrap_addr, r.room, prefill_node=r.node_id)
-                receiver.init(r.pages)
+                receiver.init(r.pages, token_ids=list(r.token_ids) or None)
             except KVFerryError as exc:
                 log.warning("kvferry: request %s (room %d) not received: %s", r.req_id, r.room, exc)
                 with self._lock:
