@@ -26,6 +26,8 @@ $(VLLM_STAMP): mk/vllm.mk pyproject.toml
 	# kvferry's data path, and the engines of vLLM's own connectors for bench-vllm.
 	$(VLLM_PIP) install -q --disable-pip-version-check mooncake-transfer-engine-non-cuda==$(VLLM_MOONCAKE_VERSION)
 	$(VLLM_PIP) install -q --disable-pip-version-check nixl-cu12==$(VLLM_NIXL_VERSION)
+	# vLLM imports `nixl`: the meta package that forwards to nixl_cu12 (no deps: it would pick a CUDA variant).
+	$(VLLM_PIP) install -q --disable-pip-version-check --no-deps nixl==$(VLLM_NIXL_VERSION)
 	$(VLLM_PIP) install -q --disable-pip-version-check pytest hypothesis
 	$(VLLM_PIP) install -q --disable-pip-version-check --no-deps -e .
 	$(VLLM_PY) -c "import vllm, torch, mooncake.engine, transfer.adapters.vllm"
@@ -38,5 +40,8 @@ test-vllm: setup-vllm
 demo-vllm: setup-vllm
 	timeout 900 $(VLLM_PY) -m examples.vllm_demo
 
+# MooncakeConnector's bootstrap binds 0.0.0.0 and NIXL's UCX may pick any
+# interface: the whole run sits in a loopback-only network namespace.
 bench-vllm: setup-vllm
-	timeout 3600 $(VLLM_PY) -m benchmarks.vllm --out bench-vllm.json --doc docs/vllm.md
+	timeout 3600 unshare -n sh -c 'ip link set lo up && $(VLLM_PY) -m benchmarks.vllm --out bench-vllm.json --doc docs/vllm.md'
+
