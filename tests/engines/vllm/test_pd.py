@@ -5,8 +5,10 @@ reference), and a prefill + decode pair with ``KvferryConnector``. Requests of
 100-1000 tokens go through the proxy protocol; decode's tokens must equal the
 reference's, and decode's ``/metrics`` must show that every prompt token came
 from the connector. Faults: prefill killed while decode waits for a request's
-KV (decode recomputes, per ``kv_load_failure_policy: recompute``, within the
-bound of kvferry's timeouts), prefill restarted, decode restarted.
+KV (decode recomputes a new prompt, per ``kv_load_failure_policy:
+recompute``, within the bound of kvferry's timeouts, and restores a prompt
+kvferry's storage tier holds from there, computing none of it), prefill
+restarted, decode restarted.
 
 Server starts are the cost here (about a minute per pair on two shared
 cores): one module-scoped set of servers, restarted only by the fault tests,
@@ -29,11 +31,13 @@ from harness.vllm import (VOCAB, ServerSpec, VLLMServer, build_tiny_model, compl
 
 MAX_TOKENS = 12
 LENGTHS = (100, 257, 640, 1000)
-KVFERRY = {"bootstrap_timeout_s": 15, "transfer_timeout_s": 30, "peer_timeout_s": 3}
+KVFERRY = {"bootstrap_timeout_s": 15, "transfer_timeout_s": 30, "peer_timeout_s": 3, "model_name": "tiny-llama"}
+STORED = 512  # four full blocks of 128: all of it is written through to storage
 
 
-def kv_config(role: str, bootstrap: str) -> dict:
-    extra = {"kvferry_bootstrap_addr": bootstrap, "kvferry_node": "prefill0", "kvferry": KVFERRY}
+def kv_config(role: str, bootstrap: str, store: str) -> dict:
+    extra = {"kvferry_bootstrap_addr": bootstrap, "kvferry_node": "prefill0",
+             "kvferry": {**KVFERRY, "storage_url": f"file://{store}"}}
     if role == "kv_producer":
         extra["kvferry_serve_bootstrap"] = True
     config = {"kv_connector": "KvferryConnector", "kv_connector_module_path": "transfer.adapters.vllm",
@@ -54,13 +58,14 @@ class Cluster:
     def __init__(self, model: str, log_dir: str) -> None:
         self.model, self.log_dir = model, log_dir
         self.bootstrap = f"127.0.0.1:{free_port()}"
+        self.store = f"{log_dir}/store"  # kvferry's storage tier, shared by prefill and decode
         self.servers: dict[str, VLLMServer] = {}
         self.reference_tokens: dict[tuple[int, int], list[int]] = {}
 
     def start(self, name: str) -> VLLMServer:
         spec = {"reference": ServerSpec("reference", self.model, 0),
-                "prefill": ServerSpec("prefill", self.model, 0, kv_config("kv_producer", self.bootstrap)),
-                "decode": ServerSpec("decode", self.model, 1, kv_config("kv_consumer", self.bootstrap))}[name]
+                "prefill": ServerSpec("prefill", self.model, 0, kv_config("kv_producer", self.bootstrap, self.store)),
+                "decode": ServerSpec("decode", self.model, 1, kv_config("kv_consumer", self.bootstrap, self.store))}[name]
         old = self.servers.pop(name, None)
         if old is not None:
             old.close()
@@ -147,33 +152,45 @@ def test_the_comparison_catches_kv_of_another_prompt(cluster):
 
 
 def test_prefill_killed_while_decode_waits_then_restarted(cluster):
-    decode = cluster.servers["decode"]
-    n, seed = 500, 21
-    prompt, want = prompt_of(n, seed), cluster.reference(n, seed)
+    """Two decode requests wait for prefill, which dies: the new prompt is
+    recomputed on decode; the prompt prefill wrote through to storage earlier
+    is restored from storage, none of it recomputed."""
+    prefill, decode = cluster.servers["prefill"], cluster.servers["decode"]
+    fresh_n, fresh_seed, stored_seed = 500, 21, 22
+    stored = prompt_of(STORED, stored_seed)
+    # A first PD run writes the stored prompt's blocks through to storage.
+    assert pd_complete(prefill, decode, cluster.model, stored, MAX_TOKENS).tokens == cluster.reference(STORED,
+                                                                                                        stored_seed)
+    want = {"fresh": cluster.reference(fresh_n, fresh_seed), "stored": cluster.reference(STORED, stored_seed)}
+    prompts = {"fresh": prompt_of(fresh_n, fresh_seed), "stored": stored}
     replies: dict = {}
 
-    def run_decode():
+    def run_decode(name):
         params = {"do_remote_prefill": True, "transfer_id": str(uuid.uuid4()),
                   "kvferry_bootstrap_addr": cluster.bootstrap, "kvferry_node": "prefill0"}
         try:
-            replies["decode"] = post(decode.url, _body(cluster.model, prompt, MAX_TOKENS, params), 120)
+            replies[name] = post(decode.url, _body(cluster.model, prompts[name], MAX_TOKENS, params), 120)
         except Exception as exc:  # reported below
-            replies["error"] = exc
+            replies[name] = exc
 
     before = decode.metrics()
-    t = threading.Thread(target=run_decode)
-    t.start()
-    time.sleep(3)  # decode looked prefill up and asked for the room; prefill never sends it
-    cluster.servers["prefill"].kill()
+    threads = [threading.Thread(target=run_decode, args=(name,)) for name in prompts]
+    for t in threads:
+        t.start()
+    time.sleep(3)  # decode looked prefill up and asked for the rooms; prefill never sends them
+    prefill.kill()
     started = time.monotonic()
-    t.join(90)
-    assert not t.is_alive(), "decode hung after prefill died"
-    assert "error" not in replies, replies.get("error")
-    # Recomputed locally (kv_load_failure_policy: recompute): the same tokens.
-    assert tokens_of(replies["decode"]) == want
+    for t in threads:
+        t.join(90)
+    assert not any(t.is_alive() for t in threads), "decode hung after prefill died"
+    for name in prompts:
+        assert isinstance(replies[name], dict), f"{name}: {replies[name]!r}"
+        assert tokens_of(replies[name]) == want[name], name
     assert time.monotonic() - started < 60
     after = decode.metrics()
-    assert after.get("local_compute", 0) - before.get("local_compute", 0) >= n - 1
+    computed = after.get("local_compute", 0) - before.get("local_compute", 0)
+    # The fresh prompt was recomputed (all of it, or all but a token); the stored one not at all.
+    assert fresh_n - 1 <= computed <= fresh_n, (computed, after, before)
     assert "kvferry: request" in decode.log_tail(200_000)
 
     cluster.start("prefill").wait_ready()
