@@ -131,6 +131,13 @@ class VLLMServer:
                 out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
         return out
 
+    def gauge(self, name: str) -> float:
+        """The sum of a metric's samples (e.g. ``vllm:kv_cache_usage_perc``)."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        pattern = re.compile(re.escape(name) + r"(\{[^}]*\})? ([0-9.e+-]+)$")
+        return sum(float(m.group(2)) for line in text.splitlines() if (m := pattern.match(line)))
+
     def kill(self) -> None:
         """SIGKILL the whole process group at once (a crash, for fault tests)."""
         if self.proc.poll() is None:

@@ -4,10 +4,12 @@ Imported only in vLLM's worker processes (it pulls in torch, zmq and the
 Mooncake engine). vLLM calls, on its model-runner thread:
 ``register_kv_caches`` once, then every engine step ``start`` (the step's
 sends and receives) and ``finished`` (what completed since the last call).
-A driver thread (``kvferry-vllm``, the only poller of the rooms) polls them
-as they change (``KVManager.wait_for_progress``) and pushes a prefill room's pages as soon
+A driver thread (``kvferry-vllm``) polls the rooms as they change
+(``KVManager.wait_for_progress``) and pushes a prefill room's pages as soon
 as its decode request arrived, so no push waits for the next engine step.
-Nothing blocks vLLM: ``start`` and ``finished`` only take a lock.
+``start`` also polls its new prefill rooms once, so a room whose decode
+request came first is pushed at once. Nothing blocks vLLM: ``start`` submits
+and ``finished`` only takes a lock.
 """
 
 from __future__ import annotations
@@ -118,6 +120,11 @@ class KvferryWorker:
                 continue
             with self._lock:
                 self._rooms[r.req_id] = _Room(r.req_id, receiver, r.pages)
+        if sends:  # a decode request may have come first (concurrent protocol): push now
+            try:
+                self._poll_all()
+            except Exception:  # never into vLLM's step; the driver polls again
+                log.exception("kvferry: poll after opening rooms failed")
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(sends done, receives done) since the last call; failed receives
@@ -167,14 +174,17 @@ class KvferryWorker:
             rooms = list(self._rooms.values())
         for room in rooms:
             state = room.handle.poll()
-            if self.role is Role.PREFILL and state is KVPoll.WaitingForInput and not room.pushed:
-                room.pushed = True  # only this thread polls and pushes
-                room.handle.send(list(room.pages), last=True)
-                state = room.handle.poll()
+            if self.role is Role.PREFILL and state is KVPoll.WaitingForInput:
+                with self._lock:  # two pollers (the driver, and start()): one push
+                    push, room.pushed = not room.pushed, True
+                if push:
+                    room.handle.send(list(room.pages), last=True)
+                    state = room.handle.poll()
             if state not in (KVPoll.Success, KVPoll.Failed):
                 continue
             with self._lock:
-                self._rooms.pop(room.req_id, None)
+                if self._rooms.pop(room.req_id, None) is None:
+                    continue  # the other poller reported it
                 self._done.add(room.req_id)
                 if state is KVPoll.Failed:
                     self.num_failed += 1

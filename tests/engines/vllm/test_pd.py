@@ -199,8 +199,19 @@ def test_prefill_killed_while_decode_waits_then_restarted(cluster):
 
 
 def test_decode_restarted(cluster):
+    """Decode dies after prefill kept a request's blocks for it: prefill frees
+    them once no decode asked within bootstrap_timeout_s; the restarted
+    decode serves as before."""
+    prefill = cluster.servers["prefill"]
+    post(prefill.url, _body(cluster.model, prompt_of(900, 50), 1, {"do_remote_decode": True}), 120)
+    held = prefill.gauge("vllm:kv_cache_usage_perc")
+    assert held > 0, "prefill freed the blocks before any decode took them"
     cluster.servers["decode"].kill()
+    started = time.monotonic()
     decode = cluster.start("decode").wait_ready()
+    while prefill.gauge("vllm:kv_cache_usage_perc") > 0:
+        assert time.monotonic() - started < KVFERRY["bootstrap_timeout_s"] + 30, "prefill never freed the blocks"
+        time.sleep(1)
     for i, n in enumerate((120, 800)):
         got = pd_complete(cluster.servers["prefill"], decode, cluster.model, prompt_of(n, 40 + i), MAX_TOKENS)
         assert got.tokens == cluster.reference(n, 40 + i)
