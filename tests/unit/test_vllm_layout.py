@@ -121,3 +121,98 @@ def test_shapes_that_are_not_the_cpu_layout_are_refused():
         describe_pool(FusedKVPool(kv=[t.transpose(1, 2) for t in layers]))
     with pytest.raises(ValueError, match="no fused"):
         describe_pool(FusedKVPool(kv=[]))
+
+
+# --- strided pages (transfer.plan.StridedPages): cross-layer blocks and head slices ---
+
+from transfer.plan import StridedPages, plan_strided  # noqa: E402
+
+HEAD_BLOCK = BLOCK_SIZE * 2 * HEAD_DIM * 2  # one head's K and V rows of a block, bytes
+PAGE = HEADS * HEAD_BLOCK
+
+
+def per_layer(buf, heads=HEADS) -> StridedPages:
+    """LBHNC: ``buf`` is [layers, blocks, heads, block_size, 2*head_dim]."""
+    page = heads * HEAD_BLOCK
+    return StridedPages(tuple(buf.data_ptr() + l * BLOCKS * page for l in range(LAYERS)), BLOCKS, page, heads,
+                        HEAD_BLOCK)
+
+
+def cross_layer(buf) -> StridedPages:
+    """BLHNC: ``buf`` is [blocks, layers, heads, block_size, 2*head_dim]."""
+    return StridedPages(tuple(buf.data_ptr() + l * PAGE for l in range(LAYERS)), BLOCKS, LAYERS * PAGE, HEADS,
+                        HEAD_BLOCK)
+
+
+def randn(shape, seed):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def same(a, b) -> bool:
+    return torch.equal(a.contiguous().view(torch.int16), b.contiguous().view(torch.int16))
+
+
+def pages_of(rng, n):
+    return rng.choice(np.arange(1, BLOCKS), n, replace=False)
+
+
+def test_strided_plan_of_the_cpu_layout_equals_the_pool_plan():
+    buf_a, layers_a = vllm_cpu_cache(fill=True)
+    buf_b, layers_b = vllm_cpu_cache(fill=False)
+    rng = np.random.default_rng(5)
+    src, dst = pages_of(rng, 9), pages_of(rng, 9)
+    a = plan_strided(per_layer(buf_a), per_layer(buf_b), src, dst)
+    b = plan_pool(describe_pool(FusedKVPool(kv=layers_a)), describe_pool(FusedKVPool(kv=layers_b)), src, dst)
+    for x, y in ((a.src_addrs, b.src_addrs), (a.dst_addrs, b.dst_addrs), (a.lengths, b.lengths)):
+        assert x.tolist() == y.tolist()
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_cross_layer_blocks_to_per_layer_buffers_byte_exact(seed):
+    rng = np.random.default_rng(seed)
+    src_buf = randn((BLOCKS, LAYERS, HEADS, BLOCK_SIZE, 2 * HEAD_DIM), seed)  # BLHNC
+    dst_buf = torch.zeros((LAYERS, BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_DIM), dtype=torch.bfloat16)  # LBHNC
+    n = int(rng.integers(1, BLOCKS))
+    src, dst = pages_of(rng, n), pages_of(rng, n)
+    plan = plan_strided(cross_layer(src_buf), per_layer(dst_buf), src, dst)
+    execute(plan)
+    assert plan.total_bytes == LAYERS * n * PAGE
+    for layer in range(LAYERS):
+        for sp, dp in zip(src.tolist(), dst.tolist()):
+            assert same(src_buf[sp, layer], dst_buf[layer, dp]), (layer, sp, dp)
+    untouched = sorted(set(range(BLOCKS)) - set(dst.tolist()))
+    assert not dst_buf[:, untouched].view(torch.int16).any()
+
+
+@pytest.mark.parametrize("decode_tp", [2, 4])
+def test_head_slices_for_a_larger_decode_tp_byte_exact(decode_tp):
+    """Prefill TP 1 holds all heads; decode rank r of TP ``decode_tp`` gets
+    heads [r * h, (r + 1) * h), each page's slice one descriptor."""
+    rng = np.random.default_rng(decode_tp)
+    src_buf = randn((LAYERS, BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_DIM), decode_tp)
+    h = HEADS // decode_tp
+    n = 7
+    src = pages_of(rng, n)
+    for rank in range(decode_tp):
+        dst_buf = torch.zeros((LAYERS, BLOCKS, h, BLOCK_SIZE, 2 * HEAD_DIM), dtype=torch.bfloat16)
+        dst = pages_of(rng, n)
+        plan = plan_strided(per_layer(src_buf), per_layer(dst_buf, heads=h), src, dst,
+                            src_head_offset=rank * h, num_heads=h)
+        execute(plan)
+        assert plan.total_bytes == LAYERS * n * h * HEAD_BLOCK
+        for layer in range(LAYERS):
+            for sp, dp in zip(src.tolist(), dst.tolist()):
+                assert same(src_buf[layer, sp, rank * h:(rank + 1) * h], dst_buf[layer, dp]), (rank, layer, sp)
+
+
+def test_strided_plans_refuse_what_does_not_fit():
+    buf, _ = vllm_cpu_cache(fill=False)
+    good = per_layer(buf)
+    with pytest.raises(ValueError, match="page stride"):
+        StridedPages(good.layer_addrs, BLOCKS, PAGE - 1, HEADS, HEAD_BLOCK)
+    with pytest.raises(ValueError, match="head slice"):
+        plan_strided(good, good, [1], [2], src_head_offset=3, num_heads=2)
+    with pytest.raises(IndexError, match="outside the pool"):
+        plan_strided(good, good, [BLOCKS], [2])
+    with pytest.raises(ValueError, match="layer counts"):
+        plan_strided(good, StridedPages(good.layer_addrs[:2], BLOCKS, PAGE, HEADS, HEAD_BLOCK), [1], [1])
