@@ -56,6 +56,7 @@ class KvferryConnectorMetadata(KVConnectorMetadata):
 
     sends: list[SendSpec] = field(default_factory=list)
     recvs: list[RecvSpec] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)  # decode requests finished while their room is open
 
 
 class KvferryConnector(KVConnectorBase_V1):
@@ -75,6 +76,8 @@ class KvferryConnector(KVConnectorBase_V1):
         self._sends: list[SendSpec] = []
         self._recvs: list[RecvSpec] = []
         self._pending_sends: set[str] = set()
+        self._open_recvs: set[str] = set()
+        self._aborts: list[str] = []
         self.worker = None
         if role is KVConnectorRole.WORKER:
             from transfer.adapters.vllm_worker import KvferryWorker
@@ -107,16 +110,23 @@ class KvferryConnector(KVConnectorBase_V1):
             return
         source = source_of(params)  # checked in get_num_new_matched_tokens
         pages = tuple(blocks.get_block_ids()[0][:num_pages(len(request.prompt_token_ids), self.block_size)])
+        self._open_recvs.add(request.request_id)
         self._recvs.append(RecvSpec(req_id=request.request_id, room=source.room,
                                     bootstrap_addr=source.bootstrap_addr, node_id=source.node_id, pages=pages,
                                     token_ids=self._prompt(request)))
 
     def build_connector_meta(self, scheduler_output) -> KvferryConnectorMetadata:
-        meta = KvferryConnectorMetadata(sends=self._sends, recvs=self._recvs)
-        self._sends, self._recvs = [], []
+        meta = KvferryConnectorMetadata(sends=self._sends, recvs=self._recvs, aborts=self._aborts)
+        self._sends, self._recvs, self._aborts = [], [], []
         return meta
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if request.request_id in self._open_recvs:
+            # Finished (aborted) while its KV is still coming: vLLM holds the
+            # blocks until the room reports; make it end now.
+            self._open_recvs.discard(request.request_id)
+            self._aborts.append(request.request_id)
+            return False, None
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_decode") or not self.is_producer:
             return False, None
@@ -141,6 +151,7 @@ class KvferryConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output) -> None:
         self._pending_sends -= set(connector_output.finished_sending or ())
+        self._open_recvs -= set(connector_output.finished_recving or ())
 
     def has_pending_push_work(self) -> bool:
         return bool(self._pending_sends)
@@ -152,8 +163,8 @@ class KvferryConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         meta = self._connector_metadata
-        if isinstance(meta, KvferryConnectorMetadata) and (meta.sends or meta.recvs):
-            self.worker.start(meta.sends, meta.recvs)
+        if isinstance(meta, KvferryConnectorMetadata) and (meta.sends or meta.recvs or meta.aborts):
+            self.worker.start(meta.sends, meta.recvs, meta.aborts)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are whole-request and asynchronous: nothing per layer."""

@@ -41,6 +41,7 @@ class _Room:
     handle: object  # KVSender or KVReceiver
     pages: tuple[int, ...]
     pushed: bool = False
+    aborted: bool = False  # by vLLM: its blocks are no one's load errors
 
 
 class KvferryWorker:
@@ -91,9 +92,18 @@ class KvferryWorker:
                  self.role.value, len(layers), layers[0].shape[0],
                  layers[0][0].numel() * layers[0].element_size(), c.bootstrap_addr)
 
-    def start(self, sends: list[SendSpec], recvs: list[RecvSpec]) -> None:
-        """Open this step's rooms. A room that cannot open is reported done
-        (and, on decode, its blocks as load errors) at the next ``finished``."""
+    def start(self, sends: list[SendSpec], recvs: list[RecvSpec], aborts: list[str] = ()) -> None:
+        """Open this step's rooms, and abort the decode rooms of ``aborts``
+        (requests vLLM finished while their KV was coming). A room that cannot
+        open is reported done (and, on decode, its blocks as load errors) at
+        the next ``finished``."""
+        for req_id in aborts:
+            with self._lock:
+                room = self._rooms.get(req_id)
+                if room is not None:
+                    room.aborted = True
+            if room is not None:
+                room.handle.abort("the request finished on decode before its KV arrived")
         from transfer.receiver import KVReceiver
         from transfer.sender import KVSender
 
@@ -188,7 +198,7 @@ class KvferryWorker:
                 self._done.add(room.req_id)
                 if state is KVPoll.Failed:
                     self.num_failed += 1
-                    if self.role is Role.DECODE:
+                    if self.role is Role.DECODE and not room.aborted:
                         self._load_errors.update(room.pages)
             if state is KVPoll.Failed:
                 try:

@@ -151,6 +151,33 @@ def test_the_comparison_catches_kv_of_another_prompt(cluster):
     assert tokens_of(reply) != want_b
 
 
+def test_a_request_cancelled_on_decode_while_its_kv_is_coming_frees_its_blocks(cluster):
+    """The client gives up while decode waits for a room prefill never sends:
+    vLLM holds the blocks until the connector reports the room; kvferry
+    aborts it at once instead of at transfer_timeout_s (30 s here)."""
+    decode = cluster.servers["decode"]
+    params = {"do_remote_prefill": True, "transfer_id": str(uuid.uuid4()),
+              "kvferry_bootstrap_addr": cluster.bootstrap, "kvferry_node": "prefill0"}
+    errors = []
+
+    def give_up():
+        try:
+            post(decode.url, _body(cluster.model, prompt_of(700, 60), MAX_TOKENS, params), timeout_s=4)
+        except OSError as exc:  # urllib's timeout: the connection is closed
+            errors.append(exc)
+
+    t = threading.Thread(target=give_up)
+    t.start()
+    time.sleep(2)
+    assert decode.gauge("vllm:kv_cache_usage_perc") > 0, "decode holds no blocks for the waiting request"
+    t.join(30)
+    assert errors, "decode answered a request whose KV never came"
+    started = time.monotonic()
+    while decode.gauge("vllm:kv_cache_usage_perc") > 0:
+        assert time.monotonic() - started < 12, "decode kept the cancelled request's blocks"
+        time.sleep(0.5)
+
+
 def test_prefill_killed_while_decode_waits_then_restarted(cluster):
     """Two decode requests wait for prefill, which dies: the new prompt is
     recomputed on decode; the prompt prefill wrote through to storage earlier
