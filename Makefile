@@ -61,7 +61,7 @@ bench: setup
 
 # The serving engines' own environments and tests (mk/*.mk): real SGLang
 # classes driving kvferry across processes. Never part of `make test`.
-test-engines: test-sglang
+test-engines: test-sglang test-vllm
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
