@@ -64,9 +64,9 @@ bench: setup
 	$(PY) -m benchmarks
 	$(PY) -m benchmarks --storage
 
-# The serving engines' own environments and tests (mk/*.mk): real SGLang
-# classes driving kvferry across processes. Never part of `make test`.
-test-engines: test-sglang
+# The serving engines' own environments and tests (mk/*.mk): real vLLM servers,
+# and SGLang's own classes driving kvferry across processes. Never part of `make test`.
+test-engines: test-sglang test-vllm
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
