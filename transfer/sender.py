@@ -158,7 +158,8 @@ class KVSender:
             prefixes = {r.prefix_pages for r in self._requests}
             if len(prefixes) > 1:
                 raise StateError(f"{self._state.where}: decode ranks hold different prefixes: "
-                                 + ", ".join(f"rank {r.decode_tp_rank} {r.prefix_pages} pages" for r in self._requests))
+                                 + ", ".join(f"rank {r.decode_tp_rank} {r.prefix_pages} pages"
+                                           for r in sorted(self._requests, key=lambda r: r.decode_tp_rank)))
             return prefixes.pop()
 
     @property
