@@ -77,9 +77,9 @@ _BY_TYPE = (
     (StorageMissError, FailureReason.STORAGE_MISS),
     (KVTimeoutError, FailureReason.TIMEOUT),
     (TransferError, FailureReason.TRANSFER_ERROR),
+    (ProtocolError, FailureReason.OTHER),  # before ValueError, which it subclasses
     ((IndexError, ValueError), FailureReason.BOUNDS),
     ((PeerError, BootstrapError), FailureReason.REFUSED),
-    (ProtocolError, FailureReason.OTHER),
 )
 
 #: Histogram bucket bounds (seconds) of room latency, first byte and prefetch wait.
