@@ -61,3 +61,5 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
+
+-include mk/*.mk
