@@ -126,7 +126,7 @@ class KVReceiver:
             now = time.monotonic()
             if ph.phase is P.DRAINING and now > self._drain_deadline:
                 log.info("%s: prefill ranks %s did not confirm they stopped writing within %g s",
-                     self.where, sorted(self._draining), ctx.config.peer_timeout_s)
+                         self.where, sorted(self._draining), ctx.config.peer_timeout_s)
                 self._finish_fail(self._failure)
             if ph.phase not in LIVE:
                 return ph.poll
