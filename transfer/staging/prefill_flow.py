@@ -19,14 +19,13 @@ from dataclasses import dataclass
 from typing import Mapping, Protocol
 
 import numpy as np
-import torch
 
 from bootstrap.messages import PoolDescriptor, RankInfo
 from transfer.errors import KVFerryError, TransferError
 from transfer.messages import ChunkStaged, StageGrant, StageRequest
 from transfer.plan import PageSlice, TransferPlan, page_slice
 from transfer.rooms.context import RoomContext
-from transfer.staging.copies import gather, staged_bytes
+from transfer.staging.copies import gather, page_tensor, staged_bytes
 
 log = logging.getLogger("kvferry.staging")
 
@@ -58,6 +57,7 @@ class StagedPart:
     pools: list[tuple[PoolDescriptor, PageSlice]]  # in the request's assignment order
     nbytes: int
     local_offset: int = -1
+    ready: object = None  # a transfer.ready.ReadyGate: gather only once it is done
 
 
 def plan_parts(sender: StagedSender, req, pages: np.ndarray, page_start: int, local, peer, part_bytes: int,
@@ -130,9 +130,11 @@ class PrefillStaging:
             if not 0 <= grant.offset <= peer.staging.nbytes - part.nbytes:
                 raise IndexError(f"decode granted [{grant.offset}, +{part.nbytes}) outside its staging buffer "
                                  f"of {peer.staging.nbytes} bytes")
+            if part.ready is not None:
+                part.ready.wait()  # this (control) thread, bounded: the pages' producer is done
             offset = part.local_offset
             mem = self.ctx.staging
-            pages = torch.from_numpy(part.src_pages.astype(np.int64)).to(mem.tensor.device)
+            pages = page_tensor(part.src_pages, mem.tensor.device)
             for pool, sl in part.pools:
                 offset += gather(mem.tensor, offset, mem.buffers, pool, sl, pages, mem.word_views)
             plan = TransferPlan(np.asarray([self.ctx.rank.staging.addr + part.local_offset], dtype=np.uint64),

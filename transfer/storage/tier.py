@@ -103,11 +103,15 @@ class StorageTier:
     # --- jobs ---------------------------------------------------------------------
 
     def write(self, items: dict[PoolRole, tuple[list[str], Sequence[int]]], aux: tuple[str, int] | None,
-              done: Callable[[Job], None]) -> Job:
+              done: Callable[[Job], None], ready=None) -> Job:
         """Store pages: per role (keys, page ids of this rank's pool), and
-        optionally the aux row ``(key, slot)``."""
+        optionally the aux row ``(key, slot)``. ``ready`` (a
+        :class:`~transfer.ready.ReadyGate`): the job reads no page before it
+        is done (waited for on the storage thread, bounded)."""
 
         def run(job: Job) -> None:
+            if ready is not None:
+                ready.wait()
             for role, (keys, pages) in items.items():
                 stored = 0
                 for b in range(0, len(keys), BATCH_PAGES):
