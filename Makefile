@@ -61,3 +61,6 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
+
+# Optional fragments (mk/gpu.mk: make test-gpu).
+-include mk/*.mk
