@@ -252,10 +252,7 @@ class KVSender:
         if not items and aux is None:
             return
         self._storage_pending += 1
-        if gate is None:
-            tier.write(items, aux, self._on_storage_done)
-        else:
-            tier.write(items, aux, self._on_storage_done, ready=gate)
+        tier.write(items, aux, self._on_storage_done, ready=gate)
 
     def _on_storage_done(self, job) -> None:
         with self._ctx.lock:
