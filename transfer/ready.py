@@ -9,19 +9,25 @@ write), or any object with ``query() -> bool`` (complete?) and/or
 synchronised (CPU pools, or a scheduler that synchronised its stream).
 
 Nothing waits on the scheduler's thread: the transport worker polls
-``query()`` between rounds, the staging gather and the storage worker wait
-on their own threads, each for at most ``timeout_s`` after ``send()``; past
-it the chunk fails with :class:`~bootstrap.errors.KVTimeoutError`.
+``query()`` between rounds, staged parts ask decode for staging only once
+the event completed (a :class:`ReadyWaiter` polls it), and the storage
+worker waits on its own thread, each for at most ``timeout_s`` after
+``send()``; past it the chunk fails with
+:class:`~bootstrap.errors.KVTimeoutError`.
 
 Pure: imports neither torch nor zmq nor mooncake (an event is duck-typed).
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
-from typing import Protocol
+from typing import Callable, Protocol
 
 from bootstrap.errors import KVTimeoutError
+
+log = logging.getLogger("kvferry.ready")
 
 _MAX_SLEEP_S = 1e-3
 
@@ -78,3 +84,51 @@ class ReadyGate:
 def gate_for(event, timeout_s: float, where: str) -> ReadyGate | None:
     """A gate for ``event`` (None: nothing to wait for)."""
     return None if event is None else ReadyGate(event, timeout_s, where)
+
+
+class ReadyWaiter:
+    """Runs ``on_ready(error)`` once a gate is done (``error`` None) or past
+    its deadline (``error`` the KVTimeoutError), on a thread of its own that
+    polls the gates it holds (started when one arrives, gone when none is
+    left): for work that must not wait on the thread that queued it (the
+    staged parts, whose grants arrive on the control thread)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._lock = threading.Lock()
+        self._items: list[tuple[ReadyGate, Callable[[BaseException | None], None]]] = []
+        self._running = False
+
+    def when_ready(self, gate: ReadyGate, on_ready: Callable[[BaseException | None], None]) -> None:
+        with self._lock:
+            self._items.append((gate, on_ready))
+            if self._running:
+                return
+            self._running = True
+        threading.Thread(target=self._run, name=self._name, daemon=True).start()
+
+    def _run(self) -> None:
+        sleep_s = 20e-6
+        while True:
+            with self._lock:
+                items = list(self._items)
+                if not items:
+                    self._running = False
+                    return
+            for item in items:
+                gate, on_ready = item
+                try:
+                    error = None if gate.done() else False
+                except KVTimeoutError as exc:
+                    error = exc
+                if error is False:
+                    continue
+                with self._lock:
+                    self._items.remove(item)
+                try:
+                    on_ready(error)
+                except Exception:
+                    log.exception("%s: a ready callback raised", self._name)
+                sleep_s = 20e-6
+            time.sleep(sleep_s)
+            sleep_s = min(_MAX_SLEEP_S, sleep_s * 2)

@@ -126,7 +126,7 @@ class KVSender:
             for part in parts:
                 part.ready = gate
             if parts:
-                self._table.staging.submit(parts)
+                self._table.staging.submit(parts, ready=gate)
 
     def poll(self) -> KVPoll:
         with self._ctx.lock:

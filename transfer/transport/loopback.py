@@ -81,6 +81,10 @@ class LoopbackTransport:
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
+            if job.ready is not None and not self._closed.is_set() and not self._ready_now(job):
+                self._jobs.put(job)  # later jobs go ahead: a late event holds back its own job only
+                time.sleep(0.001)
+                continue
             error = self._copy(job)
             self._finish(job, error)
         while True:  # closed: fail what is still queued
@@ -91,6 +95,14 @@ class LoopbackTransport:
             if job is not None:
                 self._finish(job, TransferError("transport closed before the transfer finished", peer=job.peer))
 
+    @staticmethod
+    def _ready_now(job: _Job) -> bool:
+        """Whether the job's gate is done or failed (``_copy`` then reports it)."""
+        try:
+            return job.ready.done()
+        except KVFerryError:
+            return True
+
     def _copy(self, job: _Job) -> TransferError | None:
         plan = job.plan
         if job.ready is not None:
@@ -98,6 +110,7 @@ class LoopbackTransport:
                 job.ready.wait()  # on the worker: bounded by the gate's deadline
             except KVFerryError as exc:
                 return TransferError(str(exc), peer=job.peer)
+            job.ready = None
         for i, (src, dst, n) in enumerate(zip(plan.src_addrs.tolist(), plan.dst_addrs.tolist(),
                                              plan.lengths.tolist())):
             while not self._fabric.writes_open.wait(0.02):

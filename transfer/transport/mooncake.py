@@ -162,7 +162,8 @@ class MooncakeTransport:
         completes at once). ``callback(None)`` on success or
         ``callback(TransferError)``. ``ready`` (a
         :class:`~transfer.ready.ReadyGate`): the worker submits none of the
-        plan's descriptors before it is done (polled, never blocking)."""
+        plan's descriptors before it is done (polled, never blocking; later
+        jobs to the same peer go ahead meanwhile)."""
         if self._closed.is_set():
             raise ClosedError("transport is closed")
         if plan.num_descriptors == 0:
@@ -205,8 +206,10 @@ class MooncakeTransport:
         for peer in list(by_peer):
             jobs = by_peer[peer]
             while jobs and inflight[peer] < cap:
-                job = jobs[0]
-                if job.waiting():  # the peer's later jobs wait too: its writes keep their order
+                # The first job not waiting for its ready event (a late event
+                # holds back its own job only, not the rooms behind it).
+                job = next((j for j in jobs if not j.waiting()), None)
+                if job is None:
                     break
                 n = len(job.src)
                 if job.cancelled and job.next_index < n:
@@ -228,7 +231,7 @@ class MooncakeTransport:
                     inflight[peer] += 1
                     progressed = True
                 if job.next_index >= n:
-                    jobs.popleft()
+                    jobs.remove(job)
                     self._maybe_finish(job)
             if not jobs:
                 del by_peer[peer]
