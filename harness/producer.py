@@ -35,6 +35,7 @@ class SideStreamProducer:
         event that completes after it."""
         idx = torch.as_tensor(pages, dtype=torch.int64).to(self._device)
         self._stream.wait_stream(torch.cuda.current_stream(self._device))  # idx is ready
+        idx.record_stream(self._stream)  # not reused by the allocator before the side stream is done with it
         with torch.cuda.stream(self._stream):
             torch.cuda._sleep(self._cycles)
             for t, truth in self._pairs:
