@@ -153,10 +153,10 @@ def registration_regions(pools: Sequence[MHAPool | MLAPool], aux=None) -> list[t
     return regions
 
 
-def pools_device(pools: Sequence[MHAPool | MLAPool], aux=None) -> str:
+def pools_device(pools: Sequence[MHAPool | MLAPool]) -> str:
     """The device type every pool tensor lies on (``cpu``, ``cuda``); raises
-    ValueError when they differ (the staging buffer and the engine's
-    registration need one). ``aux`` may be on the CPU beside CUDA pools."""
+    ValueError when they differ (the staging buffer needs one). The aux
+    tensor may lie elsewhere (on the CPU beside CUDA pools)."""
     types = {str(t.device.type) for t in pool_tensors(pools).values()}
     if len(types) != 1:
         raise ValueError(f"pool tensors lie on several device types: {sorted(types)}")
