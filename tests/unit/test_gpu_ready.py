@@ -175,6 +175,7 @@ class _Engine:
 def _transport(engine) -> MooncakeTransport:
     t = MooncakeTransport.__new__(MooncakeTransport)
     t._engine, t._inflight_bytes, t.num_descriptors, t.num_bytes = engine, 0, 0, 0
+    t.num_status_checks = t.num_rounds = 0
     return t
 
 
@@ -187,7 +188,7 @@ def test_the_mooncake_worker_submits_a_gated_job_only_once_its_event_completed()
                  ready=ReadyGate(event, 10.0, "room 1"))
     after = _Job("peer", [0x3000], [0xB000], [8], results.append)  # another room's job to the same peer
     by_peer = collections.defaultdict(collections.deque, {"peer": collections.deque([gated, after])})
-    inflight, outstanding = collections.defaultdict(int), collections.deque()
+    inflight, outstanding = collections.defaultdict(int), collections.defaultdict(collections.deque)
     t._submit_round(by_peer, inflight, outstanding, 64)
     assert engine.writes == [0x3000] and event.num_queries >= 1  # the late event holds back its job only
     t._check_round(outstanding, inflight)
@@ -207,7 +208,7 @@ def test_the_mooncake_worker_fails_a_job_whose_event_is_late():
     job = _Job("peer", [0x1000], [0x9000], [8], results.append, ready=ReadyGate(FakeEvent(), 0.0, "room 2"))
     time.sleep(0.01)
     by_peer = collections.defaultdict(collections.deque, {"peer": collections.deque([job])})
-    t._submit_round(by_peer, collections.defaultdict(int), collections.deque(), 64)
+    t._submit_round(by_peer, collections.defaultdict(int), collections.defaultdict(collections.deque), 64)
     assert engine.writes == []
     assert len(results) == 1 and isinstance(results[0], TransferError)
     assert "did not complete within 0 s" in str(results[0])
