@@ -24,6 +24,8 @@ so decode can check every byte), creates its KVManager, prints ``READY
   prefill pages (the same page always holds the same tokens, as a prefix
   cache would), so rooms sharing leading pages share a prefix.
 - ``{"op": "stats"}``: threads, open file descriptors, RSS, counters.
+  (``READY`` also says ``metrics_port``: the rank's /metrics port, 0: none;
+  set it with ``--config '{"metrics_port": N}'``.)
 - ``{"op": "exit"}``.
 
 Every wait is bounded; end of stdin exits.
@@ -159,7 +161,7 @@ class DecodeRank:
     def _check(self, room: int, dst, slot, src) -> list[str]:
         bad = [f"room {room}: {role} {c} layer {l} differs"
                for role, bufs in self.expected.items() for c, ts in bufs.items() for l, want in enumerate(ts)
-               if not torch.equal(self.tensors[role][c][l][dst].view(torch.uint8), want[src].view(torch.uint8))]
+               if not torch.equal(self.tensors[role][c][l][dst].cpu().view(torch.uint8), want[src].view(torch.uint8))]
         if read_aux(self.aux, slot) != aux_row(self.spec, room):
             bad.append(f"room {room}: aux row differs")
         return bad
@@ -254,6 +256,7 @@ def main(argv=None) -> int:
     mgr = KVManager(cfg, pools, aux=aux)
     rank = PrefillRank(spec, mgr, aux) if prefill else DecodeRank(spec, mgr, tensors, aux)
     print("READY " + json.dumps({"session": mgr.rank.session, "endpoint": mgr.rank.control_endpoint,
+                                 "metrics_port": mgr.metrics.port if mgr.metrics is not None else 0,
                                  **_stats(mgr)}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)

@@ -28,6 +28,7 @@ peer, which must stay below the user's queue caps.
 from __future__ import annotations
 
 import enum
+import logging
 import os
 from dataclasses import dataclass, field, fields, replace
 
@@ -138,10 +139,19 @@ class ManagerConfig:
     loads its pages from storage and succeeds if they were all there.
 
     Staging: each rank keeps a registered ``staging_bytes`` tensor on its
-    pools' device (0: none). A chunk whose direct plan averages descriptors
+    pools' device (0: none; None, the default: :func:`default_staging_bytes`
+    of that device, 256 MiB on the CPU, 64 MiB on a GPU). A chunk whose direct plan averages descriptors
     smaller than ``stage_below_bytes`` is gathered into it, sent in parts of
     at most ``stage_part_bytes``, and scattered on decode; both sides need
     staging for it to be used.
+
+    Observability: ``metrics_port`` (0: off) serves Prometheus ``/metrics``
+    on ``host`` (needs prometheus-client; see :mod:`transfer.metrics`).
+    ``log_level`` (empty: leave it) sets the ``kvferry`` logger hierarchy's
+    level when the manager starts (``DEBUG`` shows each room's life; ``TRACE``
+    counts as ``DEBUG``). From the environment: ``KVFERRY_METRICS_PORT``,
+    ``KVFERRY_LOG_LEVEL`` (which also sets ``engine.log_level`` when it is a
+    level the engine knows, as it always did).
     """
 
     role: Role
@@ -158,7 +168,7 @@ class ManagerConfig:
     rpc_timeout_s: float = 5.0
     register_timeout_s: float = 30.0
     allow_missing_draft: bool = False
-    staging_bytes: int = 256 << 20
+    staging_bytes: int | None = None
     stage_below_bytes: int = 256 << 10
     stage_part_bytes: int = 64 << 20
     heartbeat_interval_s: float = 0.5
@@ -172,6 +182,8 @@ class ManagerConfig:
     storage_prefetch: str = "wait_complete"
     storage_prefetch_timeout_s: float = 1.0
     storage_fallback: bool = True
+    metrics_port: int = 0
+    log_level: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, Role):
@@ -191,20 +203,60 @@ class ManagerConfig:
         if self.heartbeat_interval_s * 2 > self.peer_timeout_s:
             raise ValueError(f"ManagerConfig.peer_timeout_s ({self.peer_timeout_s}) must be at least twice "
                              f"heartbeat_interval_s ({self.heartbeat_interval_s})")
-        if self.staging_bytes < 0 or self.stage_below_bytes < 0:
+        if (self.staging_bytes is not None and self.staging_bytes < 0) or self.stage_below_bytes < 0:
             raise ValueError("ManagerConfig.staging_bytes and stage_below_bytes must be >= 0")
         if self.staging_bytes and self.stage_part_bytes > self.staging_bytes:
             raise ValueError("ManagerConfig.stage_part_bytes must not exceed staging_bytes")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"ManagerConfig.metrics_port must be in [0, 65536), got {self.metrics_port}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"ManagerConfig.log_level must be one of {', '.join(l or repr(l) for l in LOG_LEVELS)}, "
+                             f"got {self.log_level!r}")
         check_protected(self.host, has_secret=bool(self.secret), insecure=self.insecure,
                         what=f"a {self.role.value} rank (ManagerConfig.host)",
                         how_insecure="insecure=True (KVFERRY_INSECURE=1)")
+
+
+#: ManagerConfig.log_level's values ("": leave the level as it is).
+LOG_LEVELS = ("", "TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_ENGINE_LOG_LEVELS = ("TRACE", "INFO", "WARNING", "ERROR")
+
+
+def apply_log_level(level: str) -> None:
+    """Set the ``kvferry`` logger hierarchy to ``level`` (one of
+    :data:`LOG_LEVELS`; empty: no change)."""
+    if level:
+        logging.getLogger("kvferry").setLevel("DEBUG" if level == "TRACE" else level)
 
 
 _ENGINE_KEYS = {f.name for f in fields(EngineConfig)}
 _MANAGER_KEYS = {f.name for f in fields(ManagerConfig)} - {"engine", "role"}
 
 
+# Staging per rank when ManagerConfig.staging_bytes is None, by the pools'
+# device type. CPU: measured on 2-core TCP hosts (docs/performance.md). CUDA:
+# NOT measured yet (no GPU run; docs/gpu.md): a quarter of the CPU figure,
+# because HBM staging is taken from the KV pool's budget and a device gather
+# runs at HBM speed, so a smaller buffer (two 32 MiB parts) should keep the
+# link busy.
+DEFAULT_STAGING_BYTES = {"cpu": 256 << 20, "cuda": 64 << 20}
+
+
+def default_staging_bytes(device_type: str) -> int:
+    """Staging bytes for pools on ``device_type`` (``cpu``, ``cuda``; another
+    device type gets the CUDA figure: device memory is scarce)."""
+    return DEFAULT_STAGING_BYTES.get(device_type, DEFAULT_STAGING_BYTES["cuda"])
+
+
+def staging_bytes_for(config: "ManagerConfig", device_type: str) -> int:
+    """The staging a rank allocates: ``config.staging_bytes``, or the
+    device's default when it is None."""
+    return default_staging_bytes(device_type) if config.staging_bytes is None else config.staging_bytes
+
+
 def _convert(text: str, like):
+    if like is None:  # an optional int (staging_bytes)
+        return None if text.strip().lower() in ("", "none") else int(text)
     if isinstance(like, bool):
         return text.lower() in ("1", "true", "yes", "on")
     if isinstance(like, int):
@@ -216,11 +268,15 @@ def _convert(text: str, like):
 
 def manager_config_from_env(role: Role, **overrides) -> ManagerConfig:
     """A ManagerConfig from ``KVFERRY_<FIELD>`` variables (``KVFERRY_TP_RANK``,
-    ``KVFERRY_PROTOCOL``, ...), then ``overrides``."""
+    ``KVFERRY_PROTOCOL``, ``KVFERRY_METRICS_PORT``, ...), then ``overrides``.
+    ``KVFERRY_LOG_LEVEL`` sets ``log_level``, and ``engine.log_level`` when
+    the engine knows the level (TRACE, INFO, WARNING, ERROR)."""
     base = ManagerConfig(role=role)
     engine_kw, manager_kw = {}, {}
     for key in _ENGINE_KEYS:
         if (text := os.environ.get(ENV_PREFIX + key.upper())) is not None:
+            if key == "log_level" and text not in _ENGINE_LOG_LEVELS:
+                continue  # KVFERRY_LOG_LEVEL=DEBUG is for kvferry's loggers only
             engine_kw[key] = _convert(text, getattr(base.engine, key))
     for key in _MANAGER_KEYS:
         if (text := os.environ.get(ENV_PREFIX + key.upper())) is not None:

@@ -15,22 +15,23 @@ import torch
 from bootstrap.client import BootstrapClient
 from bootstrap.messages import RankInfo, StagingDescriptor
 from transfer.changes import ChangeLog
-from transfer.config import ManagerConfig, Role
+from transfer.config import ManagerConfig, Role, apply_log_level, staging_bytes_for
 from transfer.control.base import ChannelFactory, ControlChannel
 from transfer.control.zmq_channel import zmq_channel
 from transfer.errors import BootstrapError, BootstrapUnavailable, ClosedError, KVFerryError
 from transfer.hostmem import host_tensor
 from transfer.liveness import Liveness
 from transfer.messages import PeerPing, PeerPong
-from transfer.pools import (MHAPool, MLAPool, RawAuxRegion, aux_tensors, describe_aux, describe_pool, memory_regions,
-                            pool_tensors)
+from transfer.pools import (MHAPool, MLAPool, RawAuxRegion, aux_tensors, describe_aux, describe_pool, pool_tensors,
+                            pools_device, registration_regions)
 from transfer.rooms.context import RoomContext
 from transfer.rooms.decode_table import DecodeRooms
 from transfer.rooms.prefill_table import PrefillRooms
 from transfer.staging.area import StagingArea, StagingMemory
+from transfer.stats import ManagerStats, RankTotals
 from transfer.storage.tier import StorageTier
 from transfer.transport.base import Transport
-from transfer.transport.mooncake import MooncakeTransport
+from transfer.transport.mooncake import MooncakeTransport, check_engine_build
 
 log = logging.getLogger("kvferry.manager")
 
@@ -76,12 +77,20 @@ class KVManager:
     ``config.engine``); ``channel_factory(host, handler, secret)`` builds the
     :class:`~transfer.control.base.ControlChannel` (default: zmq). The
     manager registers the transport's memory and closes both.
+
+    Observability: :meth:`stats` (totals since start, any time); with
+    ``config.metrics_port`` it serves them as Prometheus ``/metrics`` (see
+    :mod:`transfer.metrics`); ``config.log_level`` sets the ``kvferry``
+    loggers' level.
     """
 
     def __init__(self, config: ManagerConfig, pools: Sequence[MHAPool | MLAPool],
                  aux: object | Sequence[object | RawAuxRegion] | None = None, *,
                  transport: Transport | None = None, channel_factory: ChannelFactory | None = None) -> None:
         self.config = config
+        apply_log_level(config.log_level)
+        self._totals = RankTotals(config.role.value)
+        self.metrics = None
         # The engine holds raw pointers into these tensors: keep them alive as
         # long as the manager, whatever the caller does with its references.
         #: the aux regions as tensors (empty: none)
@@ -91,16 +100,20 @@ class KVManager:
         aux_desc = tuple(describe_aux(t) for t in aux)
         #: the staging tensor (uint8; None without staging)
         self.staging, staging_desc, staging_mem = None, None, None
-        if config.staging_bytes:
+        device_type = pools_device(pools)
+        if transport is None and device_type != "cpu":
+            check_engine_build(device_type)  # before any allocation: the non-CUDA wheel cannot read HBM
+        staging_bytes = staging_bytes_for(config, device_type)
+        if staging_bytes:
             buffers = pool_tensors(pools)  # (role, layer, component) -> tensor, for gather and scatter
             device = next(iter(buffers.values())).device
             if device.type == "cpu":  # huge pages: the engine's kernel copies run faster (see hostmem);
                 # untouched: its pages fault in as parts first use them, not all at start-up.
-                self.staging = host_tensor(config.staging_bytes, fill=None)
+                self.staging = host_tensor(staging_bytes, fill=None)
             else:
-                self.staging = torch.zeros(config.staging_bytes, dtype=torch.uint8, device=device)
-            staging_desc = StagingDescriptor(addr=self.staging.data_ptr(), nbytes=config.staging_bytes)
-            staging_mem = StagingMemory(self.staging, StagingArea(config.staging_bytes), buffers)
+                self.staging = torch.zeros(staging_bytes, dtype=torch.uint8, device=device)
+            staging_desc = StagingDescriptor(addr=self.staging.data_ptr(), nbytes=staging_bytes)
+            staging_mem = StagingMemory(self.staging, StagingArea(staging_bytes), buffers)
         self._lock = threading.RLock()
         self._progress = threading.Condition(self._lock)
         self._changes = ChangeLog()
@@ -111,7 +124,7 @@ class KVManager:
         self._ping_seq = 0
         self.transport: Transport = transport if transport is not None else MooncakeTransport(config.engine)
         try:
-            regions = memory_regions(descriptors, aux_desc)
+            regions = registration_regions(pools, aux)  # views of one allocation: registered once
             if staging_desc is not None:
                 regions.append((staging_desc.addr, staging_desc.nbytes))
             self.transport.register(regions)
@@ -137,7 +150,7 @@ class KVManager:
         self.context = RoomContext(
             config=config, where=self.where, rank=self.rank, lock=self._lock, changed=self._changed,
             transport=self.transport, channel=self.channel, staging=staging_mem, storage=self.storage,
-            bootstrap_client=self.bootstrap_client)
+            bootstrap_client=self.bootstrap_client, stats=self._totals)
         #: the room table (prefill or decode)
         self.rooms = PrefillRooms(self.context) if config.role is Role.PREFILL else DecodeRooms(self.context)
         self._threads = [threading.Thread(target=self._watch, name="kvferry-liveness", daemon=True)]
@@ -149,6 +162,13 @@ class KVManager:
                 raise
             self._threads.append(threading.Thread(target=self._keep_registered, name="kvferry-register",
                                                   daemon=True))
+        if config.metrics_port:
+            try:
+                from transfer.metrics import serve_metrics
+                self.metrics = serve_metrics(self)
+            except BaseException:
+                self.close()
+                raise
         for t in self._threads:
             t.start()
 
@@ -228,6 +248,7 @@ class KVManager:
                 with self._lock:
                     watched = self.rooms.live_peers(now)
                     to_ping, lost = self.liveness.step(watched, now)
+                    self._totals.num_peers_lost += len(lost)
                     self._ping_seq += 1
                     seq = self._ping_seq
                 ping = PeerPing(session=self.rank.session, endpoint=self.rank.control_endpoint, seq=seq)
@@ -274,6 +295,29 @@ class KVManager:
         ``state`` (called with the lock held)."""
         self._changes.record(room, state)
         self._progress.notify_all()
+
+    def stats(self) -> ManagerStats:
+        """This rank's totals since it started (a frozen copy; any time, from
+        any thread): rooms by final state and failure reason, bytes and
+        descriptors by pool and path, live rooms, peers, control messages,
+        staging and storage (see :class:`~transfer.stats.ManagerStats`)."""
+        ch, tier, staging = self.channel, self.storage, self.context.staging
+        storage = {}
+        if tier is not None:
+            storage = dict(storage_pages={("read", "hit"): tier.num_pages_read, ("read", "miss"): tier.num_pages_missed,
+                                          ("write", "written"): tier.num_pages_written,
+                                          ("write", "present"): tier.num_pages_present,
+                                          ("write", "failed"): tier.num_pages_failed},
+                           storage_bytes={"read": tier.num_bytes_read, "write": tier.num_bytes_written})
+        with self._lock:
+            rooms = self.rooms
+            return self._totals.snapshot(
+                live_rooms=len(rooms.senders) if isinstance(rooms, PrefillRooms) else len(rooms.receivers),
+                peers_live=self.liveness.num_watched, control_received=ch.num_received,
+                control_malformed=ch.num_malformed, control_unauthenticated=ch.num_unauthenticated,
+                staging_capacity_bytes=staging.area.nbytes if staging is not None else 0,
+                staging_bytes_in_use=staging.area.nbytes - staging.area.free_bytes if staging is not None else 0,
+                **storage)
 
     @property
     def progress(self) -> int:
@@ -326,6 +370,8 @@ class KVManager:
         self.transport.close()
         if self.storage is not None:
             self.storage.close()
+        if self.metrics is not None:
+            self.metrics.close()
 
     def __enter__(self) -> "KVManager":
         return self

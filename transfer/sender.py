@@ -14,8 +14,12 @@ from transfer.config import Role
 from transfer.errors import KVTimeoutError, PeerError, StateError
 from transfer.messages import RoomAbort, RoomStatus, Status, TransferRequest
 from transfer.plan import TransferPlan, check_transfer, page_runs, page_slice, plan_aux_regions, plan_pool
+from transfer.pools import host_page_ids
+from transfer.ready import gate_for
+from transfer.rooms.room_stats import RoomCounts
 from transfer.staging.prefill_flow import part_bytes_for, plan_parts
 from transfer.state import KVPoll, RoomState
+from transfer.stats import FailureReason, RoomStats, tag_reason
 
 if TYPE_CHECKING:
     from transfer.manager import KVManager
@@ -58,6 +62,9 @@ class KVSender:
         self._storage_pending = 0  # write-through jobs still reading this room's pages
         self._decode_told = False
         self._aborted = False  # by this side's scheduler
+        self._counter = ctx.stats.room(self.room)
+        self._counts = RoomCounts(self._counter, ctx.rank, self._state.where)
+        log.debug("%s: created", self._state.where)
         for msg in self._table.attach(self):
             self.on_message(msg)
 
@@ -77,11 +84,23 @@ class KVSender:
                 self._aux_key = tier.aux_key(token_ids)
             self._check_sizes()
 
-    def send(self, page_indices, last: bool = False) -> None:
-        """Queue the next chunk's pages (prefill page ids, in request order).
-        Allowed in WaitingForInput or Transferring, before the last chunk; on
-        a Failed room it does nothing. Returns at once; problems with the pages
-        fail the room (see ``poll``)."""
+    def send(self, page_indices, last: bool = False, ready=None) -> None:
+        """Queue the next chunk's pages (prefill page ids, in request order:
+        a list, a numpy array or a tensor, CPU or CUDA). Allowed in
+        WaitingForInput or Transferring, before the last chunk; on a Failed
+        room it does nothing. Returns at once; problems with the pages fail
+        the room (see ``poll``).
+
+        Precondition: the pages hold their final KV when kvferry reads them.
+        With CUDA pools written on a stream other than the one this thread
+        synchronised, pass ``ready``: a ``torch.cuda.Event`` recorded on that
+        stream after the KV was written (or any object with ``query()`` /
+        ``synchronize()``). The transport, the staging gather and the
+        storage write-through read the chunk only once it completed; they
+        wait on their own threads, never here, for at most
+        ``transfer_timeout_s`` (then the room fails with KVTimeoutError).
+        Without ``ready`` the caller must have synchronised (see
+        :mod:`transfer.ready`)."""
         with self._ctx.lock:
             if self._state.state is KVPoll.Failed:
                 return
@@ -90,7 +109,8 @@ class KVSender:
             if self._state.state not in (KVPoll.WaitingForInput, KVPoll.Transferring) or self._last_sent:
                 raise StateError(f"{self._state.where}: send() in state {self._state.state.name}"
                                  + (" after the last chunk" if self._last_sent else ""))
-            pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
+            pages = host_page_ids(page_indices)
+            gate = gate_for(ready, self._ctx.config.transfer_timeout_s, self._state.where)
             try:
                 jobs, parts = self._plan_chunk(pages, last)
             except (ValueError, IndexError) as exc:
@@ -102,13 +122,17 @@ class KVSender:
             if self._state.state is KVPoll.WaitingForInput:
                 self._state.move(KVPoll.Transferring)
             if self._chains is not None:  # queued first: the room's success waits for it
-                self._write_through(pages, self._offset - pages.size, last)
-            for session, plan in jobs:
-                handle = self._ctx.transport.submit(session, plan, self.on_chunk_done)
+                self._write_through(pages, self._offset - pages.size, last, gate)
+            extra = {} if gate is None else {"ready": gate}  # injected transports may predate ``ready``
+            for session, plan, moved in jobs:
+                handle = self._ctx.transport.submit(session, plan,
+                                                    lambda error, m=moved: self.on_chunk_done(error, m), **extra)
                 if handle is not None:
                     self._jobs.append(handle)
+            for part in parts:
+                part.ready = gate
             if parts:
-                self._table.staging.submit(parts)
+                self._table.staging.submit(parts, ready=gate)
 
     def poll(self) -> KVPoll:
         with self._ctx.lock:
@@ -131,7 +155,12 @@ class KVSender:
         """Fail the room here and tell the decode ranks (which then do not
         restore it from storage)."""
         self._aborted = True
-        self.fail(PeerError(f"{self._state.where}: {reason}"))
+        self.fail(tag_reason(PeerError(f"{self._state.where}: {reason}"), FailureReason.ABORTED))
+
+    def stats(self) -> RoomStats:
+        """What this room moved so far, and when (any time, from any thread)."""
+        with self._ctx.lock:
+            return self._counter.snapshot(self._state.state.name)
 
     # --- room layer: called by the room table and the staging flow -------------
 
@@ -176,10 +205,12 @@ class KVSender:
                 # Before any request arrived, the abort is for the request this
                 # sender would get (request ids are random per decode room).
                 if not self._requests or msg.request_id in [r.request_id for r in self._requests]:
-                    self.fail(PeerError(f"{self._state.where}: decode aborted the room: {msg.reason}"))
+                    self.fail(tag_reason(PeerError(f"{self._state.where}: decode aborted the room: {msg.reason}"),
+                                         FailureReason.ABORTED))
                 return
             peer = self._table.peers.get(msg.decode_session)
             if peer is None or peer.control_endpoint != msg.decode_endpoint:
+                self._ctx.stats.num_unhandshaken += peer is None
                 self.fail(PeerError(f"{self._state.where}: request from decode {msg.decode_session} "
                                      + ("which has not completed the handshake" if peer is None else
                                         f"names endpoint {msg.decode_endpoint}, not its handshake's "
@@ -190,14 +221,19 @@ class KVSender:
                 self.fail(PeerError(f"{self._state.where}: {len(self._requests)} decode requests, "
                                      f"expected {msg.num_requests}"))
             elif len(self._requests) == msg.num_requests:
+                log.debug("%s: requested by %d decode rank(s)", self._state.where, msg.num_requests)
                 self._state.move(KVPoll.WaitingForInput)
                 self._check_sizes()
 
-    def on_chunk_done(self, error) -> None:
+    def on_chunk_done(self, error, moved=()) -> None:
         """A transport job or staged part of this room ended (``error`` None:
-        it landed); called once per job or part submitted."""
+        it landed); called once per job or part submitted. ``moved``: the
+        job's (pool, path, bytes, descriptors), counted when it landed."""
         with self._ctx.lock:
             self._num_inflight -= 1
+            if error is None:
+                for entry in moved:
+                    self._counts.land(*entry)
             if self._state.state is KVPoll.Failed:
                 self._tell_failure_when_drained()
                 return
@@ -215,13 +251,19 @@ class KVSender:
             if not self._storage_pending:  # else when the write-through is done
                 self._succeed()
 
+    def on_part_landed(self, part) -> None:
+        """A staged part's write landed (before ``on_chunk_done``)."""
+        with self._ctx.lock:
+            self._counts.part_landed(part)
+
     def fail(self, error: BaseException, *, notify: bool = True) -> None:
         """Fail the room, stop submitting its writes, and tell decode once
         none is in flight any more (decode then knows its pages are free)."""
         with self._ctx.lock:
             if not self._state.fail(error):
                 return
-            log.warning("%s failed: %s", self._state.where, error)
+            self._counts.ended(error, side="prefill", config=self._ctx.config,
+                               peer=",".join(sorted({r.decode_session for r in self._requests})))
             for job in self._jobs:  # a write-through goes on: its pages are valid KV whatever the transfer did
                 job.cancel()
             self._jobs.clear()
@@ -235,7 +277,7 @@ class KVSender:
 
     # --- internals --------------------------------------------------------------
 
-    def _write_through(self, pages: np.ndarray, first: int, last: bool) -> None:
+    def _write_through(self, pages: np.ndarray, first: int, last: bool, gate=None) -> None:
         """Queue the chunk's full pages (and, with the last chunk, the aux
         row) for the storage tier. MLA pools are the same on every TP rank,
         so only rank 0 writes them."""
@@ -253,7 +295,7 @@ class KVSender:
         if not items and aux is None:
             return
         self._storage_pending += 1
-        tier.write(items, aux, self._on_storage_done)
+        tier.write(items, aux, self._on_storage_done, ready=gate)
 
     def _on_storage_done(self, job) -> None:
         with self._ctx.lock:
@@ -267,12 +309,14 @@ class KVSender:
                 self._ctx.changed(self, self._state.state)  # poll() may now report it
 
     def _succeed(self) -> None:
+        self._counts.ended(None, side="prefill", config=self._ctx.config)
         self._state.move(KVPoll.Success)
         self._table.detach(self, [r.request_id for r in self._requests])
 
-    def _plan_chunk(self, pages: np.ndarray, last: bool) -> tuple[list[tuple[str, TransferPlan]], list]:
-        """Direct descriptor plans per decode rank, and staged parts where
-        direct descriptors would be small (scattered pages, head slices)."""
+    def _plan_chunk(self, pages: np.ndarray, last: bool) -> tuple[list[tuple[str, TransferPlan, list]], list]:
+        """Direct descriptor plans per decode rank (with what each moves per
+        pool, for the room's stats), and staged parts where direct
+        descriptors would be small (scattered pages, head slices)."""
         end = self._offset + pages.size
         if end > self._num_pages:
             raise ValueError(f"{self._state.where}: {end} pages sent, more than the {self._num_pages} of init()")
@@ -286,7 +330,7 @@ class KVSender:
             src = pages[skip:]
             dst = np.frombuffer(req.dst_pages, dtype="<i4")[self._offset + skip:end]
             sent = [a for a in req.assignments if a.send] if src.size else []
-            plans = []
+            plans, roles = [], []
             if sent and self._stage(src, dst, sent, local, peer):
                 for a in sent:  # the same checks as the direct path, before any byte moves
                     check_transfer(local.pool(a.role), peer.pool(a.role), src, dst.astype(np.int64),
@@ -300,11 +344,15 @@ class KVSender:
                 plans = [plan_pool(local.pool(a.role), peer.pool(a.role), src, dst,
                                    src_head_offset=a.src_head_offset, dst_head_offset=a.dst_head_offset,
                                    num_heads=a.num_heads) for a in sent]
+                roles = [a.role.value for a in sent]
             if last and local.aux and self._aux_index is not None and req.dst_aux_index >= 0:
                 plans.append(plan_aux_regions(local.aux, peer.aux, self._aux_index, req.dst_aux_index))
+                roles.append("aux")
+            moved = [(role, "direct", p.total_bytes, p.num_descriptors) for role, p in zip(roles, plans)
+                     if p.num_descriptors]
             # Always a job, empty or not: its completion is what ends a room
             # for ranks that send nothing.
-            jobs.append((req.decode_session, TransferPlan.concat(plans)))
+            jobs.append((req.decode_session, TransferPlan.concat(plans), moved))
         return jobs, staged
 
     def _stage(self, pages, dst, sent, local, peer) -> bool:

@@ -25,6 +25,7 @@ import threading
 from typing import Callable, Sequence
 
 from bootstrap.messages import PoolRole
+from transfer.errors import StorageError
 from transfer.pools import MHAPool, MLAPool
 from transfer.storage import open_storage
 from transfer.storage.keys import chain_hashes, keys_from_chain
@@ -35,6 +36,23 @@ log = logging.getLogger("kvferry.storage")
 # Pages per backend call: large enough to amortize a call, small enough that
 # a cancelled prefetch stops soon.
 BATCH_PAGES = 64
+
+
+def _device_name(device) -> str:
+    """``cpu``, ``cuda:0``: a device as :meth:`StorageBackend.check_memory` takes it."""
+    return device.type if device.type == "cpu" or device.index is None else f"{device.type}:{device.index}"
+
+
+def _devices(pools, aux) -> list[tuple[str, str]]:
+    """(what, device) of every pool tensor's device and the aux tensor's."""
+    out = {}
+    for pool in pools:
+        tensors = list(pool.k) + list(pool.v) if isinstance(pool, MHAPool) else list(pool.latent)
+        for t in tensors:
+            out.setdefault((f"{pool.role.value} pool", _device_name(t.device)), None)
+    for i, t in enumerate(aux):
+        out.setdefault((f"aux region {i}" if len(aux) > 1 else "aux tensor", _device_name(t.device)), None)
+    return list(out)
 
 
 class Job:
@@ -61,6 +79,12 @@ class StorageTier:
         self.config, self.where = config, where
         self.backend = open_storage(config.storage_url)
         try:
+            for what, device in _devices(pools, aux):  # before any byte moves: a device pointer would crash it
+                try:
+                    self.backend.check_memory(device)
+                except StorageError as exc:
+                    raise StorageError(f"{where}: storage cannot serve the {what}: {exc}",
+                                       backend=exc.backend) from exc
             regions = [r for p in pools for r in pool_regions(p)]
             regions.extend((t.data_ptr(), t.numel() * t.element_size()) for t in aux)
             self.backend.register_memory(regions)
@@ -73,7 +97,11 @@ class StorageTier:
         self.page_size = next(iter(self.fingerprints.values())).page_size
         self._aux = tuple(aux)
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        # Counted on the storage thread only (read by KVManager.stats()): pages
+        # read (hit) or not found (miss); written, already present, or failed.
         self.num_pages_written = self.num_pages_read = 0
+        self.num_pages_missed = self.num_pages_present = self.num_pages_failed = 0
+        self.num_bytes_written = self.num_bytes_read = 0
         self._thread = threading.Thread(target=self._work, name="kvferry-storage", daemon=True)
         self._thread.start()
 
@@ -110,11 +138,15 @@ class StorageTier:
     # --- jobs ---------------------------------------------------------------------
 
     def write(self, items: dict[PoolRole, tuple[list[str], Sequence[int]]], aux: tuple[str, int] | None,
-              done: Callable[[Job], None]) -> Job:
+              done: Callable[[Job], None], ready=None) -> Job:
         """Store pages: per role (keys, page ids of this rank's pool), and
-        optionally the aux row ``(key, slot)``."""
+        optionally the aux row ``(key, slot)``. ``ready`` (a
+        :class:`~transfer.ready.ReadyGate`): the job reads no page before it
+        is done (waited for on the storage thread, bounded)."""
 
         def run(job: Job) -> None:
+            if ready is not None:
+                ready.wait()
             for role, (keys, pages) in items.items():
                 stored = 0
                 for b in range(0, len(keys), BATCH_PAGES):
@@ -126,6 +158,9 @@ class StorageTier:
                     ok = self.backend.put(ks[present:], segs) if segs else []
                     stored += present + sum(ok)
                     self.num_pages_written += sum(ok)
+                    self.num_pages_present += present
+                    self.num_pages_failed += len(ok) - sum(ok)
+                    self.num_bytes_written += sum(n for seg, good in zip(segs, ok) if good for _, n in seg)
                 job.pages[role] = stored
             if aux is not None and not job.cancelled:
                 key, slot = aux
@@ -143,15 +178,19 @@ class StorageTier:
             for role, (keys, pages) in items.items():
                 job.pages[role] = 0
                 run_len = self.backend.exists(keys) if keys else 0
+                self.num_pages_missed += len(keys) - run_len  # counted as read hits or misses once
                 for b in range(0, run_len, BATCH_PAGES):
                     if job.cancelled:
                         break
                     end = min(run_len, b + BATCH_PAGES)
-                    ok = self.backend.get_into(keys[b:end], pages_segments(self.pools[role], pages[b:end]))
+                    segs = pages_segments(self.pools[role], pages[b:end])
+                    ok = self.backend.get_into(keys[b:end], segs)
                     good = next((i for i, x in enumerate(ok) if not x), len(ok))
                     job.pages[role] = b + good
                     self.num_pages_read += good
+                    self.num_bytes_read += sum(n for seg in segs[:good] for _, n in seg)
                     if good < len(ok):
+                        self.num_pages_missed += run_len - b - good
                         break
             if aux is not None and not job.cancelled:
                 key, slot = aux

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 
 from transfer.config import EngineConfig, apply_mooncake_env
-from transfer.errors import ClosedError, TransferError
+from transfer.errors import ClosedError, KVFerryError, TransferError
 from transfer.plan import TransferPlan, split_entries
 from transfer.transport.base import DoneCallback
 
@@ -50,6 +50,35 @@ _ASSUMED_BYTES_PER_S = 2e9
 _MIN_SLEEP_S, _MAX_SLEEP_S = 20e-6, 1e-3
 
 
+# The wheels whose engine moves device memory (on TCP through a bounce
+# buffer, on RDMA by GPUDirect); ``mooncake-transfer-engine-non-cuda`` hands
+# device pointers to sockets and fails at the first transfer.
+CUDA_BUILDS = ("mooncake-transfer-engine", "mooncake-transfer-engine-cuda13", "mooncake-transfer-engine-efa",
+               "mooncake-transfer-engine-efa-cuda13")
+
+
+def installed_builds() -> list[str]:
+    """The distributions that installed the ``mooncake`` module (empty for a
+    build from source, or none)."""
+    import importlib.metadata
+    return sorted(importlib.metadata.packages_distributions().get("mooncake", []))
+
+
+def check_engine_build(device_type: str, builds: list[str] | None = None) -> None:
+    """Raise TransferError when the installed Mooncake wheel cannot move
+    memory of ``device_type`` (``cuda``: a CUDA build is needed). A build
+    from source (no wheel) is trusted. Imports no Mooncake."""
+    if device_type == "cpu":
+        return
+    builds = installed_builds() if builds is None else builds
+    if not builds or any(b in CUDA_BUILDS for b in builds):
+        return
+    raise TransferError(f"the pools are {device_type} memory, but the Mooncake engine installed is "
+                        f"{', '.join(builds)}, which cannot read or write device memory: install "
+                        f"mooncake-transfer-engine (CUDA 12) or mooncake-transfer-engine-cuda13 instead "
+                        f"(`make test-gpu` sets one up)")
+
+
 @dataclass
 class _Job:
     peer: str
@@ -62,6 +91,22 @@ class _Job:
     error: TransferError | None = None
     done: bool = field(default=False)
     cancelled: bool = False
+    ready: object = None  # a transfer.ready.ReadyGate: submit nothing before it is done
+
+    def waiting(self) -> bool:
+        """Whether the job must not start yet (its producer's event is not
+        complete); past the gate's deadline the job fails instead."""
+        if self.ready is None or self.next_index or self.cancelled:
+            return False
+        try:
+            if self.ready.done():
+                self.ready = None
+                return False
+        except KVFerryError as exc:
+            self.error = self.error or TransferError(str(exc), peer=self.peer)
+            self.next_index = len(self.src)
+            return False
+        return True
 
     def cancel(self) -> None:
         """Submit no more of this job's descriptors (those already submitted
@@ -117,19 +162,23 @@ class MooncakeTransport:
 
     # --- transfers --------------------------------------------------------------
 
-    def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback) -> _Job | None:
+    def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback, ready=None) -> _Job | None:
         """Queue ``plan`` for writing into ``peer`` (a Mooncake session
         ``host:port``); returns at once, with a handle whose ``cancel()``
         stops what was not submitted yet (None for an empty plan, which
         completes at once). ``callback(None)`` on success or
-        ``callback(TransferError)``."""
+        ``callback(TransferError)``. ``ready`` (a
+        :class:`~transfer.ready.ReadyGate`): the worker submits none of the
+        plan's descriptors before it is done (polled, never blocking; later
+        jobs to the same peer go ahead meanwhile)."""
         if self._closed.is_set():
             raise ClosedError("transport is closed")
         if plan.num_descriptors == 0:
             callback(None)
             return None
         plan = split_entries(plan, self.config.max_descriptor_bytes)
-        job = _Job(peer, plan.src_addrs.tolist(), plan.dst_addrs.tolist(), plan.lengths.tolist(), callback)
+        job = _Job(peer, plan.src_addrs.tolist(), plan.dst_addrs.tolist(), plan.lengths.tolist(), callback,
+                   ready=ready)
         self._jobs.put(job)
         return job
 
@@ -157,6 +206,8 @@ class MooncakeTransport:
             if outstanding:
                 pending = self._inflight_bytes / _ASSUMED_BYTES_PER_S / 4
                 time.sleep(min(_MAX_SLEEP_S, max(_MIN_SLEEP_S, pending)))
+            elif by_peer:  # only jobs whose ready event is not complete
+                time.sleep(_MIN_SLEEP_S)
 
     def _submit_round(self, by_peer, inflight, outstanding, cap) -> bool:
         progressed = False
@@ -164,7 +215,11 @@ class MooncakeTransport:
         for peer in list(by_peer):
             jobs = by_peer[peer]
             while jobs and inflight[peer] < cap:
-                job = jobs[0]
+                # The first job not waiting for its ready event (a late event
+                # holds back its own job only, not the rooms behind it).
+                job = next((j for j in jobs if not j.waiting()), None)
+                if job is None:
+                    break
                 n = len(job.src)
                 if job.cancelled and job.next_index < n:
                     job.error = job.error or TransferError(f"transfer to {peer} cancelled", peer=peer)
@@ -185,7 +240,7 @@ class MooncakeTransport:
                     inflight[peer] += 1
                     progressed = True
                 if job.next_index >= n:
-                    jobs.popleft()
+                    jobs.remove(job)
                     self._maybe_finish(job)
             if not jobs:
                 del by_peer[peer]

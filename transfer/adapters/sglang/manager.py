@@ -11,11 +11,9 @@ from sglang.srt.disaggregation.base.conn import BaseKVManager
 
 from transfer.adapters.sglang.bootstrap import bind_host
 from transfer.adapters.sglang.kvargs import aux_regions_from_kv_args, check_supported, device_of, pools_from_kv_args
-from transfer.adapters.sglang.stats import CountingTransport
 from transfer.config import Role, manager_config_from_env
 from transfer.errors import KVFerryError
 from transfer.manager import KVManager
-from transfer.transport.mooncake import MooncakeTransport
 
 log = logging.getLogger("kvferry.sglang")
 
@@ -85,10 +83,7 @@ class KvferryKVManager(BaseKVManager):
         if ib_device and not config.engine.device_name:  # --disaggregation-ib-device, unless KVFERRY_DEVICE_NAME
             config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, device_name=str(ib_device)))
         pools = pools_from_kv_args(args, is_mla=self.is_mla_backend, device=device_of(server_args, args))
-        # Injected through KVManager's transport seam, so that the room layer
-        # submits through the counter (it holds the transport it was built with).
-        self.transport = CountingTransport(MooncakeTransport(config.engine))
-        self.core = KVManager(config, pools, aux=aux_regions_from_kv_args(args), transport=self.transport)
+        self.core = KVManager(config, pools, aux=aux_regions_from_kv_args(args))
         #: decode: bootstrap address -> SGLang's PrefillServerInfo (DP/TP sizes)
         self.prefill_info_table: dict = {}
         #: decode: room -> the live KvferryKVReceiver (deferred release)
