@@ -70,8 +70,8 @@ class RoomCounts:
         """Prefill rank ``p`` reported its part done: ``num_pages`` were asked
         of it; what it did not stage it wrote directly."""
         self.pages(assignments, "direct", num_pages - self.staged_pages.get(p, 0))
-        if with_aux and self.rank.aux is not None:
-            self.land("aux", "direct", self.rank.aux.slot_bytes)
+        if with_aux and self.rank.aux:
+            self.land("aux", "direct", sum(a.slot_bytes for a in self.rank.aux))
         self.counter.landed()
 
     def storage(self, pages_by_role: dict, num_pages: int, *, aux: bool) -> None:
@@ -81,5 +81,5 @@ class RoomCounts:
             n = min(n, num_pages)
             if n > 0 and pool is not None:
                 self.land(role.value, "storage", n * pool.page_bytes * len(pool.buffers))
-        if aux and self.rank.aux is not None:
-            self.land("aux", "storage", self.rank.aux.slot_bytes)
+        if aux and self.rank.aux:
+            self.land("aux", "storage", sum(a.slot_bytes for a in self.rank.aux))

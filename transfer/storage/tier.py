@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 
 from bootstrap.messages import PoolRole
 from transfer.errors import StorageError
-from transfer.pools import MHAPool, MLAPool
+from transfer.pools import MHAPool, MLAPool, aux_tensors
 from transfer.storage import open_storage
 from transfer.storage.keys import chain_hashes, keys_from_chain
 from transfer.storage.segments import pages_segments, pool_fingerprint, pool_regions
@@ -74,8 +74,9 @@ class Job:
 class StorageTier:
     """Opened by a KVManager whose config names a ``storage_url``."""
 
-    def __init__(self, config, pools: Sequence[MHAPool | MLAPool], aux: Sequence, where: str) -> None:
-        """``aux``: the aux regions as tensors ``[num_slots, ...]`` (may be empty)."""
+    def __init__(self, config, pools: Sequence[MHAPool | MLAPool], aux, where: str) -> None:
+        """``aux``: None, an aux tensor ``[num_slots, ...]`` or a sequence of aux regions."""
+        aux = aux_tensors(aux)
         self.config, self.where = config, where
         self.backend = open_storage(config.storage_url)
         try:
