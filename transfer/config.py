@@ -161,6 +161,7 @@ class ManagerConfig:
     staging_bytes: int = 256 << 20
     stage_below_bytes: int = 256 << 10
     stage_part_bytes: int = 64 << 20
+    write_fence: bool = True
     heartbeat_interval_s: float = 0.5
     peer_timeout_s: float = 4.0
     register_interval_s: float = 2.0

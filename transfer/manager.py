@@ -26,6 +26,7 @@ from transfer.rooms.context import RoomContext
 from transfer.rooms.decode_table import DecodeRooms
 from transfer.rooms.prefill_table import PrefillRooms
 from transfer.staging.area import StagingArea, StagingMemory
+from transfer.staging.arenas import StagingArenas, arena_layout, span_tensor
 from transfer.storage.tier import StorageTier
 from transfer.transport.base import Transport
 from transfer.transport.mooncake import MooncakeTransport
@@ -36,7 +37,8 @@ log = logging.getLogger("kvferry.manager")
 class KVManager:
     """One rank's transfer endpoint, prefill or decode (``config.role``).
 
-    Construction registers the pools' memory with the Mooncake engine, binds
+    Construction registers the pools' memory with the Mooncake engine (a
+    fenced decode rank: only its staging arenas, see ``write_fence``), binds
     the control socket, starts the worker threads and, on prefill, registers
     the rank with the bootstrap server (retrying for at most
     ``config.register_timeout_s``, then raising
@@ -70,18 +72,24 @@ class KVManager:
         self._tensors = (tuple(pools), aux)
         descriptors = tuple(describe_pool(p) for p in pools)
         aux_desc = describe_aux(aux) if aux is not None else None
-        #: the staging tensor (uint8; None without staging)
+        #: the staging tensor (uint8; None without staging; a fenced decode rank's: the span of its arenas)
         self.staging, staging_desc, staging_mem = None, None, None
+        #: whether peers write only into staging arenas (see ManagerConfig, write fence)
+        self.fenced = bool(config.write_fence and config.staging_bytes and config.role is Role.DECODE)
+        arena_bytes = num_arenas = 0
         if config.staging_bytes:
             buffers = pool_tensors(pools)  # (role, layer, component) -> tensor, for gather and scatter
             device = next(iter(buffers.values())).device
-            if device.type == "cpu":  # huge pages: the engine's kernel copies run faster (see hostmem);
+            if self.fenced:
+                arena_bytes, num_arenas = arena_layout(config.staging_bytes, config.stage_part_bytes)
+                self.staging = span_tensor(arena_bytes, num_arenas, device)
+            elif device.type == "cpu":  # huge pages: the engine's kernel copies run faster (see hostmem);
                 # untouched: its pages fault in as parts first use them, not all at start-up.
                 self.staging = host_tensor(config.staging_bytes, fill=None)
             else:
                 self.staging = torch.zeros(config.staging_bytes, dtype=torch.uint8, device=device)
-            staging_desc = StagingDescriptor(addr=self.staging.data_ptr(), nbytes=config.staging_bytes)
-            staging_mem = StagingMemory(self.staging, StagingArea(config.staging_bytes), buffers)
+            staging_desc = StagingDescriptor(addr=self.staging.data_ptr(), nbytes=self.staging.numel(),
+                                             arena_bytes=arena_bytes)
         self._lock = threading.RLock()
         self._progress = threading.Condition(self._lock)
         self._generation = 0
@@ -91,10 +99,16 @@ class KVManager:
         self._ping_seq = 0
         self.transport: Transport = transport if transport is not None else MooncakeTransport(config.engine)
         try:
-            regions = memory_regions(descriptors, aux_desc)
-            if staging_desc is not None:
-                regions.append((staging_desc.addr, staging_desc.nbytes))
-            self.transport.register(regions)
+            if self.fenced:  # nothing of the pools is writable by peers: only the arenas (registered by them)
+                area = StagingArenas(self.staging, arena_bytes, num_arenas, self.transport.register,
+                                     self.transport.unregister)
+                staging_mem = StagingMemory(self.staging, area, buffers)
+            else:
+                regions = memory_regions(descriptors, aux_desc)
+                if staging_desc is not None:
+                    regions.append((staging_desc.addr, staging_desc.nbytes))
+                    staging_mem = StagingMemory(self.staging, StagingArea(config.staging_bytes), buffers)
+                self.transport.register(regions)
             factory = channel_factory if channel_factory is not None else zmq_channel
             self.channel: ControlChannel = factory(config.host, self._on_message, config.secret or None)
         except BaseException:
@@ -104,6 +118,7 @@ class KVManager:
             node_id=config.node_id, dp_rank=config.dp_rank, dp_size=config.dp_size,
             tp_rank=config.tp_rank, tp_size=config.tp_size, session=self.transport.session,
             control_endpoint=self.channel.endpoint, pools=descriptors, aux=aux_desc, staging=staging_desc,
+            fenced=self.fenced,
         )
         self.storage = None
         if config.storage_url:
@@ -117,7 +132,7 @@ class KVManager:
         self.context = RoomContext(
             config=config, where=self.where, rank=self.rank, lock=self._lock, changed=self._changed,
             transport=self.transport, channel=self.channel, staging=staging_mem, storage=self.storage,
-            bootstrap_client=self.bootstrap_client)
+            bootstrap_client=self.bootstrap_client, aux=aux)
         #: the room table (prefill or decode)
         self.rooms = PrefillRooms(self.context) if config.role is Role.PREFILL else DecodeRooms(self.context)
         self._threads = [threading.Thread(target=self._watch, name="kvferry-liveness", daemon=True)]

@@ -109,7 +109,9 @@ class Status(str, enum.Enum):
 class RoomStatus:
     """A prefill rank's terminal state for a room, sent after the bytes landed.
     ``sent`` lists the pools it actually wrote. ``aborted``: the prefill
-    scheduler cancelled the request (decode does not restore it from storage)."""
+    scheduler cancelled the request (decode does not restore it from storage).
+    ``aux_row``: for a fenced decode rank (nothing of its memory but staging
+    is writable), the aux row itself, which decode copies into the room's slot."""
 
     room: int
     request_id: int
@@ -118,6 +120,7 @@ class RoomStatus:
     sent: tuple[PoolRole, ...]
     reason: str
     aborted: bool = False
+    aux_row: bytes = b""
 
 
 @message("room_abort")

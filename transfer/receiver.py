@@ -19,6 +19,7 @@ from transfer.messages import RoomAbort, RoomStatus, Status, TransferRequest
 from transfer.rooms.decode_phases import ENDING, LIVE, DecodePhase, DecodePhases
 from transfer.rooms.links import Link, LinkState
 from transfer.rooms.room_storage import RoomStorage
+from transfer.staging.copies import write_aux_row
 from transfer.staging.decode_flow import scatter_part
 from transfer.state import KVPoll
 
@@ -74,6 +75,7 @@ class KVReceiver:
         self._awaiting: dict[int, set[PoolRole]] = {}  # TRANSFERRING: ranks not done yet, and their pools
         self._failure: BaseException | None = None  # DRAINING, RESTORING: why the room failed
         self._draining: set[int] = set()  # ranks that may still write
+        self._writers_lost = False  # a rank that may write was given up on without its word
         self._drain_deadline = 0.0
         self._storage: RoomStorage | None = None  # with a storage tier and the prompt
         self._prefetch = None  # storage job loading the leading pages before the request goes out
@@ -120,6 +122,7 @@ class KVReceiver:
             ph = self._phases
             now = time.monotonic()
             if ph.phase is P.DRAINING and now > self._drain_deadline:
+                self._writers_lost = True
                 log.warning("%s: prefill ranks %s did not confirm they stopped writing within %g s",
                             self.where, sorted(self._draining), ctx.config.peer_timeout_s)
                 self._finish_fail(self._failure)
@@ -166,6 +169,13 @@ class KVReceiver:
         return self._phases.phase
 
     @property
+    def writers_lost(self) -> bool:
+        """Whether the room was given up on while a prefill rank that did not
+        confirm it stopped may still write (its staging regions are then
+        poisoned, see :mod:`transfer.staging.arenas`)."""
+        return self._writers_lost
+
+    @property
     def link(self) -> Link | None:
         """The prefill DP group of the room, once looked up."""
         return self._link
@@ -198,6 +208,8 @@ class KVReceiver:
                                     f"{sorted(r.value for r in msg.sent)}, expected {sorted(r.value for r in expected)}"),
                       stopped={msg.prefill_tp_rank})
             return
+        if msg.aux_row and not self._write_aux(msg, where):
+            return
         del self._awaiting[msg.prefill_tp_rank]
         if not self._awaiting:
             ph.move(P.SUCCESS)
@@ -222,6 +234,7 @@ class KVReceiver:
             lost = {p for p in self.ranks_writing() if link.ranks[p].session == session}
             if not lost:
                 return
+            self._writers_lost = True
             if self._phases.phase in ENDING:  # a dead rank writes no more
                 self._draining -= lost
                 if not self._draining:
@@ -250,6 +263,7 @@ class KVReceiver:
             if notify and link is not None and link.ranks:
                 writing -= self._table.abort_on_prefill(link, RoomAbort(
                     room=self.room, request_id=self.request_id, reason=str(error)), self.where)
+            self._writers_lost |= bool(writing) and not drain
             if writing and drain:
                 log.warning("%s failing, waiting for prefill ranks %s to stop writing: %s", self.where,
                             sorted(writing), error)
@@ -310,6 +324,18 @@ class KVReceiver:
                     assignments=assignments, num_requests=link.num_requests[p], skip_pages=self._skip))
         except KVFerryError as exc:
             self.fail(exc)
+
+    def _write_aux(self, msg: RoomStatus, where: str) -> bool:
+        """Copy the aux row a fenced transfer carries in its RoomStatus into
+        this room's aux slot; False (the room failed) when it does not fit."""
+        aux, slot = self._ctx.aux, self._aux_index
+        desc = self._ctx.rank.aux
+        if aux is None or desc is None or slot < 0 or len(msg.aux_row) != desc.slot_bytes:
+            self.fail(ProtocolError(f"{self.where}: {where} sent an aux row of {len(msg.aux_row)} bytes; "
+                                    f"this room's aux slot is {slot}"), stopped={msg.prefill_tp_rank})
+            return False
+        write_aux_row(aux, slot, msg.aux_row)
+        return True
 
     def _finish_fail(self, error: BaseException) -> None:
         """Nothing writes into the pages any more: restore them from storage,

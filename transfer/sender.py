@@ -14,7 +14,8 @@ from transfer.config import Role
 from transfer.errors import KVTimeoutError, PeerError, StateError
 from transfer.messages import RoomAbort, RoomStatus, Status, TransferRequest
 from transfer.plan import TransferPlan, check_transfer, page_runs, page_slice, plan_aux, plan_pool
-from transfer.staging.prefill_flow import part_bytes_for, plan_parts
+from transfer.staging.copies import aux_row
+from transfer.staging.prefill_flow import mark_direct, part_bytes_for, plan_parts
 from transfer.state import KVPoll, RoomState
 
 if TYPE_CHECKING:
@@ -275,6 +276,7 @@ class KVSender:
                                    num_heads=a.num_heads)
                 new = plan_parts(self, req, src, self._offset + skip, local, peer, part_bytes_for(self._ctx, peer),
                                  self._next_part)
+                mark_direct(new, self._ctx)
                 self._next_part += len(new)
                 staged.extend(new)
             else:
@@ -282,15 +284,20 @@ class KVSender:
                                    src_head_offset=a.src_head_offset, dst_head_offset=a.dst_head_offset,
                                    num_heads=a.num_heads) for a in sent]
             if last and local.aux is not None and self._aux_index is not None and req.dst_aux_index >= 0:
-                plans.append(plan_aux(local.aux, peer.aux, self._aux_index, req.dst_aux_index))
+                aux = plan_aux(local.aux, peer.aux, self._aux_index, req.dst_aux_index)
+                if not peer.fenced:  # a fenced rank gets the row in RoomStatus
+                    plans.append(aux)
             # Always a job, empty or not: its completion is what ends a room
             # for ranks that send nothing.
             jobs.append((req.decode_session, TransferPlan.concat(plans)))
         return jobs, staged
 
     def _stage(self, pages, dst, sent, local, peer) -> bool:
-        """Whether this chunk goes through staging: both sides have it and the
-        direct descriptors would average less than ``stage_below_bytes``."""
+        """Whether this chunk goes through staging: always for a fenced peer,
+        else when both sides have it and the direct descriptors would
+        average less than ``stage_below_bytes``."""
+        if peer.fenced and pages.size:
+            return True
         if self._ctx.staging is None or peer.staging is None or not pages.size:
             return False
         runs = page_runs(pages, dst).lengths.size
@@ -316,10 +323,14 @@ class KVSender:
     def _notify(self, status: Status, reason: str) -> None:
         for req in self._requests:
             sent = tuple(a.role for a in req.assignments if a.send)
+            row = b""
+            if status is Status.SUCCESS and req.dst_aux_index >= 0 and self._aux_index is not None \
+                    and self._ctx.aux is not None and self._table.peers[req.decode_session].fenced:
+                row = aux_row(self._ctx.aux, self._aux_index)
             self._ctx.channel.send(req.decode_endpoint, RoomStatus(
                 room=self.room, request_id=req.request_id, prefill_tp_rank=self._ctx.rank.tp_rank,
                 status=status, sent=sent if status is Status.SUCCESS else (), reason=reason,
-                aborted=self._aborted))
+                aborted=self._aborted, aux_row=row))
 
     def _tell_failure_when_drained(self) -> None:
         if self._failure_note is None or self._num_inflight > 0:

@@ -44,7 +44,8 @@ class RoomContext:
     info (session, control endpoint, pools); ``where`` names it in errors.
     ``staging`` is None without staging memory, ``storage`` None without a
     storage tier. ``bootstrap_client(addr)`` opens a client of the bootstrap
-    server at ``addr`` (the caller closes it)."""
+    server at ``addr`` (the caller closes it). ``aux``: the rank's aux tensor
+    (None without one); with the write fence its rows travel in RoomStatus."""
 
     config: ManagerConfig
     where: str
@@ -56,3 +57,4 @@ class RoomContext:
     staging: "StagingMemory | None"
     storage: "StorageTier | None"
     bootstrap_client: Callable[[str], LookupClient]
+    aux: object = None

@@ -34,6 +34,11 @@ class Receiver(Protocol):
 
     def ranks_writing(self) -> set[int]: ...
 
+    @property
+    def writers_lost(self) -> bool:
+        """Whether the room ended without every prefill rank's word that it
+        stopped writing (a lost, hung or untold rank)."""
+
     def poll(self): ...
 
     def on_message(self, msg) -> None: ...
@@ -61,10 +66,11 @@ class DecodeRooms:
 
     def remove(self, receiver: Receiver) -> None:
         """The room ended: it gets no more messages, and its staging regions
-        still granted go to quarantine."""
+        still granted go to quarantine (fenced: are freed, or poisoned when
+        its writers were lost)."""
         self.receivers.pop((receiver.room, receiver.request_id), None)
         if self.staging is not None:
-            self.staging.release_room(receiver.room, receiver.request_id)
+            self.staging.release_room(receiver.room, receiver.request_id, receiver.writers_lost)
 
     def link(self, addr: str, node: str, dp_rank: int | None, room: int) -> Link | None:
         """The link for a room; None while the node's DP size is unknown."""

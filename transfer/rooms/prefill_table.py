@@ -65,7 +65,8 @@ class PrefillRooms:
         self._refused: dict[int, tuple[float, str]] = {}
         self.num_dropped_early = 0
         self._finished: collections.OrderedDict[tuple[int, int], None] = collections.OrderedDict()
-        self.staging = PrefillStaging(ctx, self.peers) if ctx.staging is not None else None
+        # Also without local staging: a fenced decode rank takes every part in its staging.
+        self.staging = PrefillStaging(ctx, self.peers)
 
     def on_message(self, msg) -> None:
         if isinstance(msg, PeerHello):

@@ -118,3 +118,15 @@ def scatter(staging: torch.Tensor, offset: int, tensors: dict, pool: PoolDescrip
 def _sync(t: torch.Tensor) -> None:
     if t.is_cuda:  # the engine reads and writes device memory after we return
         torch.cuda.current_stream(t.device).synchronize()
+
+
+def aux_row(aux: torch.Tensor, slot: int) -> bytes:
+    """The bytes of one aux row (``aux`` is [num_slots, ...], contiguous)."""
+    rows = aux.reshape(aux.shape[0], -1).view(torch.uint8)
+    return rows[slot].cpu().numpy().tobytes()
+
+
+def write_aux_row(aux: torch.Tensor, slot: int, row: bytes) -> None:
+    """Write one aux row (what :func:`aux_row` read on the other side)."""
+    rows = aux.reshape(aux.shape[0], -1).view(torch.uint8)
+    rows[slot].copy_(torch.frombuffer(bytearray(row), dtype=torch.uint8))

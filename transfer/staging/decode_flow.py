@@ -8,7 +8,10 @@ decode has scattered every part before it reports Success.
 
 A region granted to a room that then fails is freed only after
 ``quarantine_s``: a write still in flight to it would otherwise land in a
-region handed to someone else.
+region handed to someone else. With the write fence (the area is a
+:class:`~transfer.staging.arenas.StagingArenas`) there is no quarantine: a
+room whose prefill ranks confirmed they stopped writing frees its regions at
+once; one with a lost writer poisons them (their arena is retired).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from transfer.errors import KVFerryError
 from transfer.messages import ChunkStaged, StageGrant, StageRequest
 from transfer.plan import page_slice
 from transfer.rooms.context import RoomContext
+from transfer.staging.arenas import StagingArenas
 from transfer.staging.copies import scatter, staged_bytes
 
 log = logging.getLogger("kvferry.staging")
@@ -86,12 +90,23 @@ class DecodeStaging:
             self.ctx.staging.area.free(*grant)
             self.pump()
 
-    def release_room(self, room: int, request_id: int) -> None:
-        """A room ended: its outstanding regions go to quarantine."""
+    def release_room(self, room: int, request_id: int, writers_lost: bool = True) -> None:
+        """A room ended: its outstanding regions go to quarantine; with the
+        fence they are freed (``writers_lost`` False: every prefill rank
+        confirmed it stopped writing) or poisoned."""
+        area = self.ctx.staging.area
+        fenced = isinstance(area, StagingArenas)
         with self.ctx.lock:
             for key in [k for k in self._granted if k[:2] == (room, request_id)]:
                 offset, nbytes = self._granted.pop(key)
-                self._quarantine.append((time.monotonic() + self.quarantine_s, offset, nbytes))
+                if not fenced:
+                    self._quarantine.append((time.monotonic() + self.quarantine_s, offset, nbytes))
+                elif writers_lost:
+                    area.poison(offset, nbytes)
+                else:
+                    area.free(offset, nbytes)
+        if fenced:
+            self.pump()
 
 
 def scatter_part(ctx: RoomContext, dst_pages: np.ndarray, msg: ChunkStaged, offset: int, assignments) -> None:

@@ -5,7 +5,7 @@ process share a :class:`LoopbackFabric`.
 a worker thread copies each descriptor with ``memmove``, after checking that
 the source lies in memory this transport registered and the destination in
 memory the peer registered (a TransferError otherwise, as a remote engine
-would refuse); the callback runs once, on the worker thread, after the last
+would refuse; also after the peer unregistered it); the callback runs once, on the worker thread, after the last
 descriptor. Host memory only (a CUDA pointer cannot be memmoved). The
 fabric also routes the control messages of
 :class:`~transfer.control.loopback.LoopbackChannel` s.
@@ -15,7 +15,10 @@ transport before its next descriptor (a write "in flight"); ``break_writes``
 fails the writes to a session; ``hold`` / ``release`` keep the messages to an
 endpoint queued; ``cut`` / ``mend`` drop every message to and from an
 endpoint (a lost peer); ``drop_if`` drops the messages a predicate picks;
-``delay_s`` delays every delivery.
+``delay_s`` delays every delivery; ``validate_on_submit`` checks a
+plan's destinations when it is submitted, not before each copy, as
+Mooncake's TCP transport does (an accepted write lands even into memory
+unregistered since).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class _Job:
     plan: TransferPlan
     callback: DoneCallback
     cancelled: bool = False
+    accepted: bool = False  # destinations checked at submit (``validate_on_submit``)
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -68,6 +72,11 @@ class LoopbackTransport:
     def register(self, regions: list[tuple[int, int]]) -> None:
         self.regions.extend((int(a), int(n)) for a, n in regions)
 
+    def unregister(self, regions: list[tuple[int, int]]) -> None:
+        """Writes into these regions (by address) are refused from now on."""
+        gone = {int(a) for a, _ in regions}
+        self.regions = [r for r in self.regions if r[0] not in gone]
+
     def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback) -> _Job | None:
         if self._closed.is_set():
             raise ClosedError("transport is closed")
@@ -75,6 +84,10 @@ class LoopbackTransport:
             callback(None)
             return None
         job = _Job(peer, plan, callback)
+        target = self._fabric.transport_of(peer)
+        if self._fabric.validate_on_submit and target is not None:
+            job.accepted = all(_inside(target.regions, d, n) for d, n in
+                               zip(plan.dst_addrs.tolist(), plan.lengths.tolist()))
         self._jobs.put(job)
         return job
 
@@ -107,7 +120,7 @@ class LoopbackTransport:
             if not _inside(self.regions, src, n):
                 return TransferError(f"descriptor {i}: source [{src:#x}, +{n}) is not registered here",
                                      peer=job.peer)
-            if not _inside(peer.regions, dst, n):
+            if not job.accepted and not _inside(peer.regions, dst, n):
                 return TransferError(f"descriptor {i}: destination [{dst:#x}, +{n}) is outside the memory "
                                      f"{job.peer} registered", peer=job.peer)
             ctypes.memmove(dst, src, n)
@@ -148,6 +161,7 @@ class LoopbackFabric:
         self._drop_if: Callable[[object], bool] | None = None
         self.delay_s = 0.0
         self.num_dropped = 0
+        self.validate_on_submit = False
 
     # --- building -----------------------------------------------------------------
 

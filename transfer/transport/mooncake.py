@@ -108,6 +108,19 @@ class MooncakeTransport:
             raise TransferError(f"registering {len(regions)} KV buffers with Mooncake returned {rc}", code=rc)
         self._registered.extend(addrs)
 
+    def unregister(self, regions: list[tuple[int, int]]) -> None:
+        """Unregister regions given to :meth:`register` (by address). The TCP
+        transport then refuses new writes into them; one it accepted before
+        still lands in full (it validates once per write request)."""
+        addrs = [a for a, _ in regions if a in self._registered]
+        if not addrs:
+            return
+        rc = self._engine.batch_unregister_memory(addrs)
+        if rc != 0:
+            raise TransferError(f"unregistering {len(addrs)} buffers from Mooncake returned {rc}", code=rc)
+        gone = set(addrs)
+        self._registered = [a for a in self._registered if a not in gone]
+
     # --- transfers --------------------------------------------------------------
 
     def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback) -> _Job | None:
