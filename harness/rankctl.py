@@ -16,7 +16,11 @@ so decode can check every byte), creates its KVManager, prints ``READY
   would, and check after this many seconds that no late write touched them),
   ``abort_on_first_byte`` (decode: rooms to abort as soon as their first
   page shows transferred bytes, i.e. with writes surely in flight),
-  ``timeout_s`` (bounds the whole command).
+  ``timeout_s`` (bounds the whole command). ``stop_after_descriptors``
+  (prefill: SIGSTOP this process as soon as the transport completed that
+  many more descriptors, i.e. with a chunk's writes in flight) and
+  ``cont_pid`` (decode: SIGCONT that process right after the sentinel of a
+  failed room is written) make the late-write test of the write fence.
   ``plans`` (room -> prefill page ids) replaces the seeded page choice of
   a room on both sides; ``tokens`` (true: pass each room's prompt to
   ``init`` for the storage tier; ``tail_tokens``: how many the last page
@@ -35,6 +39,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -87,7 +92,23 @@ def _stats(mgr: KVManager) -> dict:
             "malformed": mgr.channel.num_malformed, "unauthenticated": mgr.channel.num_unauthenticated,
             "received": mgr.channel.num_received, "bytes_sent": mgr.transport.num_bytes,
             "pages_written": mgr.storage.num_pages_written if mgr.storage else 0,
+            "arenas_retired": getattr(mgr.context.staging.area, "num_retired", 0) if mgr.context.staging else 0,
             "pages_read": mgr.storage.num_pages_read if mgr.storage else 0}
+
+
+def _stop_after(mgr: KVManager, num_descriptors: int, deadline: float) -> None:
+    """SIGSTOP this process once the transport completed ``num_descriptors``
+    more descriptors (a thread; gives up at ``deadline``)."""
+    base = mgr.transport.num_descriptors
+
+    def watch() -> None:
+        while time.monotonic() < deadline:
+            if mgr.transport.num_descriptors >= base + num_descriptors:
+                os.kill(os.getpid(), signal.SIGSTOP)
+                return
+            time.sleep(0.0002)
+
+    threading.Thread(target=watch, name="stop-after", daemon=True).start()
 
 
 def _error(obj) -> tuple[str, str]:
@@ -107,6 +128,8 @@ class PrefillRank:
         abort = {int(k): v for k, v in cmd.get("abort", {}).items()}
         delay = float(cmd.get("chunk_delay_s", 0.0))
         deadline = time.monotonic() + float(cmd.get("timeout_s", 60.0))
+        if cmd.get("stop_after_descriptors"):
+            _stop_after(mgr, int(cmd["stop_after_descriptors"]), deadline)
         live, out = {}, {}
         for room in cmd["rooms"]:
             slot = room % spec.aux_slots
@@ -217,6 +240,8 @@ class DecodeRank:
                 if state is KVPoll.Failed and guard_s:
                     self._fill(x["dst"], SENTINEL)  # the scheduler reuses the pages at once
                     guarded.append((room, x["dst"]))
+                    if cmd.get("cont_pid"):
+                        os.kill(int(cmd["cont_pid"]), signal.SIGCONT)
                 else:
                     self.free.extend(int(p) for p in x["dst"])
             mgr.wait_for_progress(seen, 0.0005 if on_first_byte & live.keys() else 0.01)

@@ -230,3 +230,39 @@ def test_abort_from_prefill(cluster):
     p, d = _both(prefill, decode, [20, 21])
     assert_all_success(p, [20, 21])
     assert_all_success(d, [20, 21])
+
+
+@pytest.mark.parametrize("fence", [True, False], ids=["fenced", "unfenced-documents-the-hole"])
+def test_late_write_of_a_stopped_prefill_never_reaches_reused_pages(fence):
+    """The write fence: prefill is SIGSTOPped with a ~100 MiB contiguous
+    (direct) chunk's writes in flight; decode fails the room on liveness,
+    writes a sentinel into its pages at once and SIGCONTs prefill, whose
+    writes then resume. Fenced, the sentinel stays intact (the late bytes
+    land in a retired staging arena). With ``write_fence=False`` the same
+    scenario shows the hole: the late write lands in the reused pages."""
+    with BootstrapProcess() as server:
+        # 400 pages of 16 tokens x 16 KiB: 100 MiB in one chunk, contiguous on both sides.
+        spec = fault_spec(server.address, page_placement="contiguous", min_tokens=6400, max_tokens=6400,
+                          chunk_pages=0, prefill_pages=512, decode_pages=1024)
+        config = {**FAST, "write_fence": fence}
+        prefill, decode = Rank("prefill", spec, config), Rank("decode", spec, config)
+        try:
+            _warm(prefill, decode)
+            prefill.send(op="rooms", rooms=[10], timeout_s=60, stop_after_descriptors=1)
+            decode.send(op="rooms", rooms=[10], timeout_s=60, guard_s=3.0, cont_pid=prefill.proc.pid)
+            d = decode.reply()
+            got = d["results"]["10"]
+            assert got["state"] == "Failed" and got["error_type"] in DEAD_PEER_ERRORS, got
+            assert "silent for more than" in got["error"] or got["error_type"] == "TransferError", got
+            prefill.reply()
+            if fence:
+                assert got["late_write"] is False, "a write of the failed room landed in its reused pages"
+                assert d["arenas_retired"] >= 1, "no staging arena was retired: was a write in flight?"
+            else:
+                assert got["late_write"] is True, "no late write without the fence: the test proves nothing"
+            p, d = _both(prefill, decode, [20, 21])
+            assert_all_success(p, [20, 21])
+            assert_all_success(d, [20, 21])
+        finally:
+            prefill.close()
+            decode.close()
