@@ -19,8 +19,7 @@ from transfer.messages import RoomAbort, RoomStatus, Status, TransferRequest
 from transfer.rooms.decode_phases import ENDING, LIVE, DecodePhase, DecodePhases
 from transfer.rooms.links import Link, LinkState
 from transfer.rooms.room_storage import RoomStorage
-from transfer.staging.copies import write_aux_row
-from transfer.staging.decode_flow import scatter_part
+from transfer.staging.decode_flow import scatter_part, take_aux_row
 from transfer.state import KVPoll
 
 if TYPE_CHECKING:
@@ -170,9 +169,7 @@ class KVReceiver:
 
     @property
     def writers_lost(self) -> bool:
-        """Whether the room was given up on while a prefill rank that did not
-        confirm it stopped may still write (its staging regions are then
-        poisoned, see :mod:`transfer.staging.arenas`)."""
+        """Whether a rank that may still write was given up on (see :mod:`transfer.staging.arenas`)."""
         return self._writers_lost
 
     @property
@@ -208,7 +205,8 @@ class KVReceiver:
                                     f"{sorted(r.value for r in msg.sent)}, expected {sorted(r.value for r in expected)}"),
                       stopped={msg.prefill_tp_rank})
             return
-        if msg.aux_row and not self._write_aux(msg, where):
+        if msg.aux_row and (bad := take_aux_row(self._ctx, self._aux_index, msg.aux_row)):
+            self.fail(ProtocolError(f"{self.where}: {where} {bad}"), stopped={msg.prefill_tp_rank})
             return
         del self._awaiting[msg.prefill_tp_rank]
         if not self._awaiting:
@@ -324,18 +322,6 @@ class KVReceiver:
                     assignments=assignments, num_requests=link.num_requests[p], skip_pages=self._skip))
         except KVFerryError as exc:
             self.fail(exc)
-
-    def _write_aux(self, msg: RoomStatus, where: str) -> bool:
-        """Copy the aux row a fenced transfer carries in its RoomStatus into
-        this room's aux slot; False (the room failed) when it does not fit."""
-        aux, slot = self._ctx.aux, self._aux_index
-        desc = self._ctx.rank.aux
-        if aux is None or desc is None or slot < 0 or len(msg.aux_row) != desc.slot_bytes:
-            self.fail(ProtocolError(f"{self.where}: {where} sent an aux row of {len(msg.aux_row)} bytes; "
-                                    f"this room's aux slot is {slot}"), stopped={msg.prefill_tp_rank})
-            return False
-        write_aux_row(aux, slot, msg.aux_row)
-        return True
 
     def _finish_fail(self, error: BaseException) -> None:
         """Nothing writes into the pages any more: restore them from storage,

@@ -29,7 +29,7 @@ from transfer.messages import ChunkStaged, StageGrant, StageRequest
 from transfer.plan import page_slice
 from transfer.rooms.context import RoomContext
 from transfer.staging.arenas import StagingArenas
-from transfer.staging.copies import scatter, staged_bytes
+from transfer.staging.copies import scatter, staged_bytes, write_aux_row
 
 log = logging.getLogger("kvferry.staging")
 
@@ -63,6 +63,11 @@ class DecodeStaging:
                 req = self._queue[0]
                 if not self.is_live(req.room, req.request_id):
                     self._queue.popleft()  # the room ended; its prefill learns from the abort
+                    continue
+                if req.nbytes > getattr(area, "arena_bytes", area.nbytes):
+                    self._queue.popleft()  # would never fit, and hold up the queue
+                    log.warning("staging request of %d bytes from %s refused: larger than a region can be",
+                                req.nbytes, req.prefill_endpoint)
                     continue
                 offset = area.alloc(req.nbytes)
                 if offset is None:
@@ -129,3 +134,12 @@ def scatter_part(ctx: RoomContext, dst_pages: np.ndarray, msg: ChunkStaged, offs
             pool = ctx.rank.pool(a.role)
             offset += scatter(mem.tensor, offset, mem.buffers, pool,
                               page_slice(pool, a.dst_head_offset, a.num_heads), pages, mem.word_views)
+
+
+def take_aux_row(ctx: RoomContext, slot: int, row: bytes) -> str | None:
+    """Copy an aux row that came in a RoomStatus (fenced transfer) into aux
+    slot ``slot``; what is wrong with it (None: copied)."""
+    if ctx.aux is None or ctx.rank.aux is None or slot < 0 or len(row) != ctx.rank.aux.slot_bytes:
+        return f"sent an aux row of {len(row)} bytes; this room's aux slot is {slot}"
+    write_aux_row(ctx.aux, slot, row)
+    return None
