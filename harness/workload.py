@@ -221,8 +221,8 @@ def _manager(spec: Spec, role: Role, rank: int, dp_rank: int, pools, aux) -> KVM
                   bootstrap_timeout_s=spec.timeout_s, transfer_timeout_s=spec.timeout_s,
                   allow_missing_draft=spec.allow_missing_draft)
     mgr = KVManager(cfg, pools, aux=aux)
-    if spec.touch_staging and mgr.staging is not None:
-        mgr.staging.fill_(0)
+    if spec.touch_staging:
+        mgr.touch_staging()
     return mgr
 
 

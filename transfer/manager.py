@@ -72,7 +72,8 @@ class KVManager:
         self._tensors = (tuple(pools), aux)
         descriptors = tuple(describe_pool(p) for p in pools)
         aux_desc = describe_aux(aux) if aux is not None else None
-        #: the staging tensor (uint8; None without staging; a fenced decode rank's: the span of its arenas)
+        #: the staging tensor (uint8; None without staging; a fenced decode rank's: the span of its arenas,
+        #: mostly unbacked virtual memory: fault it in with touch_staging(), never by filling it)
         self.staging, staging_desc, staging_mem = None, None, None
         #: whether peers write only into staging arenas (see ManagerConfig, write fence)
         self.fenced = bool(config.write_fence and config.staging_bytes and config.role is Role.DECODE)
@@ -155,6 +156,14 @@ class KVManager:
 
     def bootstrap_client(self, addr: str) -> BootstrapClient:
         return BootstrapClient(addr, timeout_s=self.config.rpc_timeout_s, secret=self.config.secret or None)
+
+    def touch_staging(self) -> None:
+        """Fault in the staging memory in use (benchmarks: as a warmed-up
+        server has it); of a fenced decode rank's span only the live arenas."""
+        mem = self.context.staging
+        if mem is not None:
+            touch = getattr(mem.area, "touch", None)
+            touch() if touch is not None else mem.tensor.fill_(0)
 
     def _register(self) -> None:
         deadline = time.monotonic() + self.config.register_timeout_s

@@ -96,6 +96,11 @@ class StagingArenas:
     def free_bytes(self) -> int:
         return sum(a.area.free_bytes for a in self.arenas if not a.retired)
 
+    def touch(self) -> None:
+        """Fault in the live arenas (what a warmed-up server has); never the whole span."""
+        for a in self.arenas:
+            self.tensor[a.slot * self.arena_bytes:(a.slot + 1) * self.arena_bytes].fill_(0)
+
     def _region(self, slot: int) -> tuple[int, int]:
         return self.addr + slot * self.arena_bytes, self.arena_bytes
 
