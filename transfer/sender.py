@@ -323,10 +323,10 @@ class KVSender:
     def _notify(self, status: Status, reason: str) -> None:
         for req in self._requests:
             sent = tuple(a.role for a in req.assignments if a.send)
-            row = b""
+            row, peer = b"", self._table.peers.get(req.decode_session)
             if status is Status.SUCCESS and req.dst_aux_index >= 0 and self._aux_index is not None \
-                    and self._ctx.aux is not None and self._table.peers[req.decode_session].fenced:
-                row = aux_row(self._ctx.aux, self._aux_index)
+                    and self._ctx.aux is not None and peer is not None and peer.fenced:
+                row = aux_row(self._ctx.aux, self._aux_index)  # a fenced rank's aux is not writable
             self._ctx.channel.send(req.decode_endpoint, RoomStatus(
                 room=self.room, request_id=req.request_id, prefill_tp_rank=self._ctx.rank.tp_rank,
                 status=status, sent=sent if status is Status.SUCCESS else (), reason=reason,
