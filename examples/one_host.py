@@ -25,6 +25,7 @@ def prefill_loop(mgr, bootstrap, pages, aux_slot):
             sender.init(num_pages=len(pages), aux_index=aux_slot)
         if state in (KVPoll.WaitingForInput, KVPoll.Transferring) and chunks:
             chunk = chunks.pop(0)
+            # CUDA pools written on another stream: pass ready=<torch.cuda.Event recorded after the write>
             sender.send(chunk, last=not chunks)  # the last chunk also sends the aux row
         seen = mgr.wait_for_progress(seen, timeout_s=0.05)  # a forward pass would run here
     sender.failure_exception()  # raises why, if the room failed
@@ -33,9 +34,14 @@ def prefill_loop(mgr, bootstrap, pages, aux_slot):
 def decode_loop(mgr, bootstrap, pages, aux_slot):
     receiver = KVReceiver(mgr, bootstrap, ROOM)
     receiver.init(pages, aux_index=aux_slot)  # may come before bootstrapping is done
-    seen = mgr.progress
+    mark = mgr.progress
     while receiver.poll() not in DONE:
-        seen = mgr.wait_for_progress(seen, timeout_s=1.0)
+        mgr.wait_for_progress(mark, timeout_s=1.0)
+        # Which rooms moved since the mark, and to what (None: fell behind, poll them all):
+        # a scheduler with thousands of live rooms polls only these.
+        mark, changed = mgr.changed_rooms(mark)
+        for room, state in changed or []:
+            print(f"decode room {room.room}: {state.name}")
     receiver.failure_exception()
 
 

@@ -84,6 +84,10 @@ class Spec:
     touch_staging: bool = False  # fault in the CPU staging buffer at start, as a warmed-up server has (benchmark)
     verify: bool = True  # decode checks every byte (the benchmark turns it off)
     warmup_rooms: int = 0  # leading rooms left out of timings (connection set-up)
+    device: str = "cpu"  # where the KV pools live: "cpu", "cuda", "cuda:1" (filled on the host, then copied)
+    aux_device: str = "cpu"  # where the aux tensor lives
+    producer_sleep_cycles: int = 0  # CUDA: prefill writes each chunk late on a side stream (harness.producer)
+    pass_ready: bool = True  # ...and passes its event to send() (False: the race the event prevents)
 
     @staticmethod
     def from_json(text: str) -> "Spec":
@@ -149,8 +153,8 @@ def build_pools(spec: Spec, pools: tuple[PoolSpec, ...], rank: int, tp_size: int
     if side == "decode" and spec.decode_page_size:
         spec = replace(spec, page_size=spec.decode_page_size)
     for pool in pools:
-        bufs = {c: [rank_slice(global_buffer(spec, pool, l, c, num_pages, side), pool, rank, tp_size)
-                    for l in range(pool.num_layers)] for c in _components(pool)}
+        bufs = {c: [on_device(rank_slice(global_buffer(spec, pool, l, c, num_pages, side), pool, rank, tp_size),
+                              spec.device) for l in range(pool.num_layers)] for c in _components(pool)}
         tensors[pool.role] = bufs
         role = PoolRole(pool.role)
         if pool.attention == "mha":
@@ -159,6 +163,17 @@ def build_pools(spec: Spec, pools: tuple[PoolSpec, ...], rank: int, tp_size: int
         else:
             out.append(MLAPool(latent=bufs["latent"], role=role))
     return out, tensors
+
+
+def on_device(t: torch.Tensor, device: str) -> torch.Tensor:
+    """``t`` on ``device`` (a copy there; ``t`` itself for the CPU). The copy
+    from pageable memory returns once it landed, so a pool is complete
+    before any manager reads it."""
+    return t if device == "cpu" else t.to(device).contiguous()
+
+
+def make_aux(spec: Spec) -> torch.Tensor:
+    return torch.zeros(spec.aux_slots, spec.aux_slot_bytes, dtype=torch.uint8, device=spec.aux_device)
 
 
 def dp_group(spec: Spec, room: int) -> int:
@@ -208,6 +223,8 @@ class Result:
     descriptors: int = 0
     cpu_s: float = 0.0  # process CPU time over the measured window
     control_msgs: int = 0  # control messages this rank received
+    polls: int = 0  # poll() calls of the scheduler loop (it polls only rooms that changed)
+    polls_if_all: int = 0  # what polling every live room on each iteration would have cost
 
 
 def _manager(spec: Spec, role: Role, rank: int, dp_rank: int, pools, aux) -> KVManager:
@@ -231,25 +248,36 @@ def _rooms(spec: Spec) -> list[int]:
 
 
 def run_prefill(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
-    pools, _ = build_pools(spec, spec.prefill_pools, rank, spec.prefill_tp, spec.prefill_pages,
-                           prefill_side(dp_rank))
-    aux = torch.zeros(spec.aux_slots, spec.aux_slot_bytes, dtype=torch.uint8)
+    pools, tensors = build_pools(spec, spec.prefill_pools, rank, spec.prefill_tp, spec.prefill_pages,
+                                 prefill_side(dp_rank))
+    producer = None
+    if spec.producer_sleep_cycles:
+        from harness.producer import SideStreamProducer
+        producer = SideStreamProducer(tensors, spec.producer_sleep_cycles)
+    aux = make_aux(spec)
     res = Result("prefill", rank, dp_rank)
     slow = rank == spec.slow_prefill_rank
     with _manager(spec, Role.PREFILL, rank, dp_rank, pools, aux) as mgr:
         rooms = [r for r in _rooms(spec) if dp_group(spec, r) == dp_rank]
         live: dict[int, tuple[KVSender, list | None, int]] = {}
         window = _Window(spec)
+        mark, todo = mgr.progress, set()
         while rooms or live:
-            seen, busy = mgr.progress, False
+            busy, sending = False, set()  # sending: rooms with chunks left, visited every round
             while rooms and len(live) < spec.concurrency:
                 room = rooms.pop(0)
                 window.room_started(room)
                 slot = room % spec.aux_slots
                 aux[slot] = torch.frombuffer(bytearray(aux_row(spec, room)), dtype=torch.uint8)
                 live[room] = (KVSender(mgr, spec.bootstrap, room), None, slot)
-            for room, (sender, chunks, slot) in list(live.items()):
+                todo.add(room)
+            res.polls_if_all += len(live)
+            for room in todo:  # new rooms, rooms that changed and rooms still sending: not every live room
+                if room not in live:
+                    continue
+                sender, chunks, slot = live[room]
                 state = sender.poll()
+                res.polls += 1
                 if state is KVPoll.WaitingForInput and chunks is None:
                     pages, sizes = room_plan(spec, room)
                     sender.init(len(pages), slot)
@@ -259,9 +287,12 @@ def run_prefill(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
                     pages, sizes, off, ready_at = chunks
                     if not (slow and len(sizes) == 1 and time.monotonic() - ready_at < spec.slow_delay_s):
                         n = sizes.pop(0)  # one chunk per poll round, like chunked prefill
-                        sender.send(pages[off:off + n], last=not sizes)
+                        ready = producer.write(pages[off:off + n]) if producer is not None else None
+                        sender.send(pages[off:off + n], last=not sizes, ready=ready if spec.pass_ready else None)
                         chunks[2] = off + n
                     busy = busy or bool(sizes)
+                    if sizes:
+                        sending.add(room)
                 if state in (KVPoll.Success, KVPoll.Failed):
                     _count(res, room, sender, state)
                     del live[room]
@@ -269,7 +300,9 @@ def run_prefill(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
             # Like a scheduler's idle loop: wake on any room's change of state
             # (a sleep-poll loop costs a fifth of a core on this VM).
             if not busy:
-                mgr.wait_for_progress(seen, 0.005)
+                mgr.wait_for_progress(mark, 0.005)
+            mark, changed = mgr.changed_rooms(mark)  # None: fell behind, visit every room
+            todo = set(live) if changed is None else {s.room for s, _ in changed} | sending
         res.elapsed_s, res.cpu_s = window.close()
         res.descriptors = mgr.transport.num_descriptors
         res.bytes = mgr.transport.num_bytes
@@ -279,7 +312,7 @@ def run_prefill(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
 
 def run_decode(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
     pools, tensors = build_pools(spec, spec.decode_pools, rank, spec.decode_tp, spec.decode_pages, "decode")
-    aux = torch.zeros(spec.aux_slots, spec.aux_slot_bytes, dtype=torch.uint8)
+    aux = make_aux(spec)
     prefill_roles = {q.role for q in spec.prefill_pools}
     expected = [] if not spec.verify else [{p.role: {c: [rank_slice(global_buffer(spec, p, l, c, spec.prefill_pages, prefill_side(g)), p,
                                          rank, spec.decode_tp) for l in range(p.num_layers)]
@@ -296,8 +329,9 @@ def run_decode(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
         rooms = _rooms(spec)
         live: dict[int, tuple[KVReceiver, list[int], float, int]] = {}
         window = _Window(spec)
+        mark, todo = mgr.progress, set()
         while rooms or live:
-            seen, busy = mgr.progress, False
+            busy = False
             while rooms and len(live) < spec.concurrency:
                 room = rooms[0]
                 n = len(room_plan(spec, room)[0])
@@ -313,8 +347,14 @@ def run_decode(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
                 slot = (room * 7) % spec.aux_slots
                 receiver.init(dst, slot)
                 live[room] = (receiver, dst, time.monotonic(), slot)
-            for room, (receiver, dst, started, slot) in list(live.items()):
+                todo.add(room)
+            res.polls_if_all += len(live)
+            for room in todo:  # new rooms and rooms that changed, not every live room
+                if room not in live:
+                    continue
+                receiver, dst, started, slot = live[room]
                 state = receiver.poll()
+                res.polls += 1
                 if state not in (KVPoll.Success, KVPoll.Failed):
                     continue
                 if _count(res, room, receiver, state):
@@ -327,7 +367,9 @@ def run_decode(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
                 del live[room]
                 busy = busy or bool(rooms)  # a slot freed: start the next room now
             if not busy:
-                mgr.wait_for_progress(seen, 0.005)
+                mgr.wait_for_progress(mark, 0.005)
+            mark, changed = mgr.changed_rooms(mark)  # None: fell behind, visit every room
+            todo = set(live) if changed is None else {r.room for r, _ in changed}
         res.elapsed_s, res.cpu_s = window.close()
         res.control_msgs = mgr.channel.num_received
         for (role, c, l), before in canary_bytes.items():
@@ -385,10 +427,10 @@ def _verify(spec, room, dst, slot, tensors, expected, aux, mismatches) -> None:
     for role, bufs in expected.items():
         for c, ts in bufs.items():
             for l, want in enumerate(ts):
-                got = tensors[role][c][l][dst]
+                got = tensors[role][c][l][dst].cpu()
                 if not torch.equal(got.view(torch.uint8), want[src].view(torch.uint8)):
                     mismatches.append(f"room {room}: {role} {c} layer {l} differs")
-    if bytes(aux[slot].numpy()) != aux_row(spec, room):
+    if bytes(aux[slot].cpu().numpy()) != aux_row(spec, room):
         mismatches.append(f"room {room}: aux row differs")
 
 

@@ -14,14 +14,16 @@ import torch
 
 from bootstrap.client import BootstrapClient
 from bootstrap.messages import RankInfo, StagingDescriptor
-from transfer.config import ManagerConfig, Role
+from transfer.changes import ChangeLog
+from transfer.config import ManagerConfig, Role, staging_bytes_for
 from transfer.control.base import ChannelFactory, ControlChannel
 from transfer.control.zmq_channel import zmq_channel
 from transfer.errors import BootstrapError, BootstrapUnavailable, ClosedError, KVFerryError
 from transfer.hostmem import host_tensor
 from transfer.liveness import Liveness
 from transfer.messages import PeerPing, PeerPong
-from transfer.pools import MHAPool, MLAPool, describe_aux, describe_pool, memory_regions, pool_tensors
+from transfer.pools import (MHAPool, MLAPool, describe_aux, describe_pool, pool_tensors, pools_device,
+                            registration_regions)
 from transfer.rooms.context import RoomContext
 from transfer.rooms.decode_table import DecodeRooms
 from transfer.rooms.prefill_table import PrefillRooms
@@ -29,9 +31,13 @@ from transfer.staging.area import StagingArea, StagingMemory
 from transfer.staging.arenas import StagingArenas, arena_layout, span_tensor
 from transfer.storage.tier import StorageTier
 from transfer.transport.base import Transport
-from transfer.transport.mooncake import MooncakeTransport
+from transfer.transport.mooncake import MooncakeTransport, check_engine_build
 
 log = logging.getLogger("kvferry.manager")
+
+#: How often the liveness thread polls every live room, so that timeouts
+#: become state changes (and reach ``changed_rooms``) without a scheduler poll.
+_SWEEP_INTERVAL_S = 0.5
 
 
 class KVManager:
@@ -75,25 +81,30 @@ class KVManager:
         #: the staging tensor (uint8; None without staging; a fenced decode rank's: the span of its arenas,
         #: mostly unbacked virtual memory: fault it in with touch_staging(), never by filling it)
         self.staging, staging_desc, staging_mem = None, None, None
+        device_type = pools_device(pools)
+        if transport is None and device_type != "cpu":
+            check_engine_build(device_type)  # before any allocation: the non-CUDA wheel cannot read HBM
+        staging_bytes = staging_bytes_for(config, device_type)
         #: whether peers write only into staging arenas (see ManagerConfig, write fence)
-        self.fenced = bool(config.write_fence and config.staging_bytes and config.role is Role.DECODE)
+        self.fenced = bool(config.write_fence and staging_bytes and config.role is Role.DECODE)
         arena_bytes = num_arenas = 0
-        if config.staging_bytes:
+        if staging_bytes:
             buffers = pool_tensors(pools)  # (role, layer, component) -> tensor, for gather and scatter
             device = next(iter(buffers.values())).device
             if self.fenced:
-                arena_bytes, num_arenas = arena_layout(config.staging_bytes, config.stage_part_bytes)
+                arena_bytes, num_arenas = arena_layout(staging_bytes, config.stage_part_bytes)
                 self.staging = span_tensor(arena_bytes, num_arenas, device)
             elif device.type == "cpu":  # huge pages: the engine's kernel copies run faster (see hostmem);
                 # untouched: its pages fault in as parts first use them, not all at start-up.
-                self.staging = host_tensor(config.staging_bytes, fill=None)
+                self.staging = host_tensor(staging_bytes, fill=None)
             else:
-                self.staging = torch.zeros(config.staging_bytes, dtype=torch.uint8, device=device)
+                self.staging = torch.zeros(staging_bytes, dtype=torch.uint8, device=device)
             staging_desc = StagingDescriptor(addr=self.staging.data_ptr(), nbytes=self.staging.numel(),
                                              arena_bytes=arena_bytes)
         self._lock = threading.RLock()
         self._progress = threading.Condition(self._lock)
-        self._generation = 0
+        self._changes = ChangeLog()
+        self._next_sweep = 0.0
         self._closed = False
         self._stop = threading.Event()
         self.liveness = Liveness(config.heartbeat_interval_s, config.peer_timeout_s)
@@ -105,10 +116,10 @@ class KVManager:
                                      self.transport.unregister)
                 staging_mem = StagingMemory(self.staging, area, buffers)
             else:
-                regions = memory_regions(descriptors, aux_desc)
+                regions = registration_regions(pools, aux)  # views of one allocation: registered once
                 if staging_desc is not None:
                     regions.append((staging_desc.addr, staging_desc.nbytes))
-                    staging_mem = StagingMemory(self.staging, StagingArea(config.staging_bytes), buffers)
+                    staging_mem = StagingMemory(self.staging, StagingArea(staging_bytes), buffers)
                 self.transport.register(regions)
             factory = channel_factory if channel_factory is not None else zmq_channel
             self.channel: ControlChannel = factory(config.host, self._on_message, config.secret or None)
@@ -228,6 +239,9 @@ class KVManager:
                                 self.config.peer_timeout_s)
                     self.rooms.peer_lost(session, self.config.peer_timeout_s)
                     self.channel.forget(watched[session])
+                if now >= self._next_sweep:  # timeouts fire here, not only when a scheduler polls
+                    self._next_sweep = now + _SWEEP_INTERVAL_S
+                    self.rooms.expire()
             except Exception:  # the watcher must outlive any one round
                 log.exception("%s: liveness round failed", self.where)
 
@@ -253,23 +267,41 @@ class KVManager:
         with self._lock:
             self.liveness.heard(session, time.monotonic())
 
-    def _changed(self) -> None:
-        """A room changed state (called with the lock held)."""
-        self._generation += 1
+    def _changed(self, room=None, state=None) -> None:
+        """``room`` (a sender or receiver; None: some room) changed to
+        ``state`` (called with the lock held)."""
+        self._changes.record(room, state)
         self._progress.notify_all()
 
     @property
     def progress(self) -> int:
-        """A counter that grows whenever any room of this manager changes state."""
-        return self._generation
+        """A mark that grows by one whenever any room of this manager changes state."""
+        return self._changes.progress
+
+    def changed_rooms(self, since: int) -> tuple[int, list | None]:
+        """``(progress, changes)``: the rooms that changed state after the
+        mark ``since`` (a ``progress`` value), as ``(room, state)`` pairs
+        oldest first (``room`` is the KVSender or KVReceiver; a room may
+        appear more than once; ``state`` is what it changed to, call its
+        ``poll()`` for what it is now). ``changes`` is None when the caller
+        fell more than 65,536 changes behind: poll every room then. Cost:
+        O(changes returned); never blocks beyond the manager's lock. Each
+        scheduler loop keeps its own mark; nothing is consumed.
+
+        Every state change is in the log, timeouts included: the manager's
+        liveness thread polls live rooms every ``_SWEEP_INTERVAL_S``, so a
+        scheduler that polls only changed rooms still sees them fail."""
+        with self._lock:
+            return self._changes.since(since)
 
     def wait_for_progress(self, seen: int, timeout_s: float) -> int:
         """Block until ``progress`` exceeds ``seen`` or ``timeout_s`` passed;
         returns ``progress``. For scheduler loops that would otherwise
-        sleep-poll: take ``progress``, poll every room, then wait on it."""
+        sleep-poll: ``mark, changed = changed_rooms(mark)``, handle those
+        rooms, then ``wait_for_progress(mark, ...)``."""
         with self._progress:
-            self._progress.wait_for(lambda: self._generation > seen, timeout_s)
-            return self._generation
+            self._progress.wait_for(lambda: self._changes.progress > seen, timeout_s)
+            return self._changes.progress
 
     def check_open(self) -> None:
         if self._closed:

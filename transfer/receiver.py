@@ -16,6 +16,7 @@ from transfer.config import Role
 from transfer.errors import (KVFerryError, KVTimeoutError, PeerError, ProtocolError, StateError, StorageMissError,
                              TransferError)
 from transfer.messages import RoomAbort, RoomStatus, Status, TransferRequest
+from transfer.pools import host_page_ids
 from transfer.rooms.decode_phases import ENDING, LIVE, DecodePhase, DecodePhases
 from transfer.rooms.links import Link, LinkState
 from transfer.rooms.room_storage import RoomStorage
@@ -66,7 +67,8 @@ class KVReceiver:
         self.bootstrap_addr = bootstrap_addr
         self.prefill_node = prefill_node or ctx.config.node_id
         self.prefill_dp_rank = prefill_dp_rank
-        self._phases = DecodePhases(f"{ctx.where} room {self.room}", on_change=ctx.changed)
+        self._phases = DecodePhases(f"{ctx.where} room {self.room}",
+                                   on_change=lambda: ctx.changed(self, self._phases.poll))
         self._created = time.monotonic()
         self._link: Link | None = None
         self._pages: np.ndarray | None = None  # decode page ids, request order, and the aux slot: from init()
@@ -97,7 +99,7 @@ class KVReceiver:
         with ctx.lock:
             if self._pages is not None:
                 raise StateError(f"{self.where}: init() called twice")
-            pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
+            pages = host_page_ids(page_indices)
             target = ctx.rank.pool(PoolRole.TARGET)
             if pages.size and (pages.min() < 0 or pages.max() >= target.num_pages):
                 self.fail(IndexError(f"{self.where}: page index outside the pool of {target.num_pages}"))

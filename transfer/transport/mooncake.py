@@ -29,21 +29,54 @@ import time
 from dataclasses import dataclass, field
 
 from transfer.config import EngineConfig, apply_mooncake_env
-from transfer.errors import ClosedError, TransferError
+from transfer.errors import ClosedError, KVFerryError, TransferError
 from transfer.plan import TransferPlan, split_entries
 from transfer.transport.base import DoneCallback
 
 log = logging.getLogger("kvferry.transport")
 
-# How many consecutive still-pending descriptors a poll round looks at before
-# it stops: the engine finishes them roughly in order, and checking thousands
-# of pending ids per round would burn the CPU the engine needs.
-_PENDING_WINDOW = 64
+# The engine has no completion queue: the only way to learn that a descriptor
+# finished is one transfer_check_status(id) call per id. It finishes each
+# peer's descriptors about in the order they were submitted (its lanes take
+# them first in, first out), so a poll round checks each peer's oldest ids
+# and stops at the first few still pending: a round costs (completions + this
+# many x peers) calls, however many descriptors are in flight. A descriptor
+# that finishes early behind a slow one is seen when the slow one finishes.
+_PENDING_WINDOW = 4
 # While descriptors are outstanding the worker sleeps about a quarter of the
 # time the outstanding bytes need at this rate, within these bounds: short
 # waits keep small transfers fast, long ones leave the CPU to the engine.
 _ASSUMED_BYTES_PER_S = 2e9
 _MIN_SLEEP_S, _MAX_SLEEP_S = 20e-6, 1e-3
+
+
+# The wheels whose engine moves device memory (on TCP through a bounce
+# buffer, on RDMA by GPUDirect); ``mooncake-transfer-engine-non-cuda`` hands
+# device pointers to sockets and fails at the first transfer.
+CUDA_BUILDS = ("mooncake-transfer-engine", "mooncake-transfer-engine-cuda13", "mooncake-transfer-engine-efa",
+               "mooncake-transfer-engine-efa-cuda13")
+
+
+def installed_builds() -> list[str]:
+    """The distributions that installed the ``mooncake`` module (empty for a
+    build from source, or none)."""
+    import importlib.metadata
+    return sorted(importlib.metadata.packages_distributions().get("mooncake", []))
+
+
+def check_engine_build(device_type: str, builds: list[str] | None = None) -> None:
+    """Raise TransferError when the installed Mooncake wheel cannot move
+    memory of ``device_type`` (``cuda``: a CUDA build is needed). A build
+    from source (no wheel) is trusted. Imports no Mooncake."""
+    if device_type == "cpu":
+        return
+    builds = installed_builds() if builds is None else builds
+    if not builds or any(b in CUDA_BUILDS for b in builds):
+        return
+    raise TransferError(f"the pools are {device_type} memory, but the Mooncake engine installed is "
+                        f"{', '.join(builds)}, which cannot read or write device memory: install "
+                        f"mooncake-transfer-engine (CUDA 12) or mooncake-transfer-engine-cuda13 instead "
+                        f"(`make test-gpu` sets one up)")
 
 
 @dataclass
@@ -58,6 +91,22 @@ class _Job:
     error: TransferError | None = None
     done: bool = field(default=False)
     cancelled: bool = False
+    ready: object = None  # a transfer.ready.ReadyGate: submit nothing before it is done
+
+    def waiting(self) -> bool:
+        """Whether the job must not start yet (its producer's event is not
+        complete); past the gate's deadline the job fails instead."""
+        if self.ready is None or self.next_index or self.cancelled:
+            return False
+        try:
+            if self.ready.done():
+                self.ready = None
+                return False
+        except KVFerryError as exc:
+            self.error = self.error or TransferError(str(exc), peer=self.peer)
+            self.next_index = len(self.src)
+            return False
+        return True
 
     def cancel(self) -> None:
         """Submit no more of this job's descriptors (those already submitted
@@ -92,6 +141,9 @@ class MooncakeTransport:
         self._closed = threading.Event()
         self.num_descriptors = 0
         self.num_bytes = 0
+        #: engine status checks and worker rounds so far (what completion tracking costs)
+        self.num_status_checks = 0
+        self.num_rounds = 0
         self._inflight_bytes = 0
         self._thread = threading.Thread(target=self._run, name="kvferry-transport", daemon=True)
         self._thread.start()
@@ -123,26 +175,31 @@ class MooncakeTransport:
 
     # --- transfers --------------------------------------------------------------
 
-    def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback) -> _Job | None:
+    def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback, ready=None) -> _Job | None:
         """Queue ``plan`` for writing into ``peer`` (a Mooncake session
         ``host:port``); returns at once, with a handle whose ``cancel()``
         stops what was not submitted yet (None for an empty plan, which
         completes at once). ``callback(None)`` on success or
-        ``callback(TransferError)``."""
+        ``callback(TransferError)``. ``ready`` (a
+        :class:`~transfer.ready.ReadyGate`): the worker submits none of the
+        plan's descriptors before it is done (polled, never blocking; later
+        jobs to the same peer go ahead meanwhile)."""
         if self._closed.is_set():
             raise ClosedError("transport is closed")
         if plan.num_descriptors == 0:
             callback(None)
             return None
         plan = split_entries(plan, self.config.max_descriptor_bytes)
-        job = _Job(peer, plan.src_addrs.tolist(), plan.dst_addrs.tolist(), plan.lengths.tolist(), callback)
+        job = _Job(peer, plan.src_addrs.tolist(), plan.dst_addrs.tolist(), plan.lengths.tolist(), callback,
+                   ready=ready)
         self._jobs.put(job)
         return job
 
     def _run(self) -> None:
         by_peer: dict[str, collections.deque[_Job]] = collections.defaultdict(collections.deque)
         inflight: dict[str, int] = collections.defaultdict(int)
-        outstanding: collections.deque[tuple[int, _Job, int]] = collections.deque()
+        # Per peer, oldest first: (engine id, job, bytes) of submitted descriptors.
+        outstanding: dict[str, collections.deque[tuple[int, _Job, int]]] = collections.defaultdict(collections.deque)
         cap = self.config.max_inflight_per_peer
         while True:
             # Admit new jobs; block only when there is nothing to do.
@@ -158,9 +215,12 @@ class MooncakeTransport:
                 pass
             self._submit_round(by_peer, inflight, outstanding, cap)
             self._check_round(outstanding, inflight)
+            self.num_rounds += 1
             if outstanding:
                 pending = self._inflight_bytes / _ASSUMED_BYTES_PER_S / 4
                 time.sleep(min(_MAX_SLEEP_S, max(_MIN_SLEEP_S, pending)))
+            elif by_peer:  # only jobs whose ready event is not complete
+                time.sleep(_MIN_SLEEP_S)
 
     def _submit_round(self, by_peer, inflight, outstanding, cap) -> bool:
         progressed = False
@@ -168,7 +228,11 @@ class MooncakeTransport:
         for peer in list(by_peer):
             jobs = by_peer[peer]
             while jobs and inflight[peer] < cap:
-                job = jobs[0]
+                # The first job not waiting for its ready event (a late event
+                # holds back its own job only, not the rooms behind it).
+                job = next((j for j in jobs if not j.waiting()), None)
+                if job is None:
+                    break
                 n = len(job.src)
                 if job.cancelled and job.next_index < n:
                     job.error = job.error or TransferError(f"transfer to {peer} cancelled", peer=peer)
@@ -182,14 +246,14 @@ class MooncakeTransport:
                             f"(descriptor {i} of {n})", peer=peer)
                         job.next_index = n
                         break
-                    outstanding.append((tid, job, job.lengths[i]))
+                    outstanding[peer].append((tid, job, job.lengths[i]))
                     self._inflight_bytes += job.lengths[i]
                     job.next_index += 1
                     job.num_inflight += 1
                     inflight[peer] += 1
                     progressed = True
                 if job.next_index >= n:
-                    jobs.popleft()
+                    jobs.remove(job)
                     self._maybe_finish(job)
             if not jobs:
                 del by_peer[peer]
@@ -197,16 +261,24 @@ class MooncakeTransport:
 
     def _check_round(self, outstanding, inflight) -> bool:
         progressed = False
+        for peer in list(outstanding):
+            ids = outstanding[peer]
+            progressed |= self._check_peer(ids, inflight)
+            if not ids:
+                del outstanding[peer]
+        return progressed
+
+    def _check_peer(self, ids, inflight) -> bool:
+        """Check one peer's oldest ids until ``_PENDING_WINDOW`` are pending."""
+        progressed = False
         check = self._engine.transfer_check_status
-        pending = 0
-        for _ in range(len(outstanding)):
-            if pending >= _PENDING_WINDOW:
-                break
-            tid, job, nbytes = outstanding.popleft()
+        pending = []
+        while ids and len(pending) < _PENDING_WINDOW:
+            tid, job, nbytes = ids.popleft()
             status = check(tid)
+            self.num_status_checks += 1
             if status == 0:
-                outstanding.append((tid, job, nbytes))  # keeps the order of the still-pending ones
-                pending += 1
+                pending.append((tid, job, nbytes))
                 continue
             progressed = True
             self._inflight_bytes -= nbytes
@@ -220,9 +292,7 @@ class MooncakeTransport:
                                           peer=job.peer, code=status)
                 job.next_index = len(job.src)  # stop submitting the rest of this job
             self._maybe_finish(job)
-        # Rotate the unchecked tail behind the re-queued pending ids, keeping order.
-        if pending >= _PENDING_WINDOW:
-            outstanding.rotate(-(len(outstanding) - pending))
+        ids.extendleft(reversed(pending))  # still the oldest, in order
         return progressed
 
     def _maybe_finish(self, job: _Job) -> None:
@@ -238,7 +308,7 @@ class MooncakeTransport:
 
     def _fail_all(self, by_peer, outstanding) -> None:
         jobs = {id(j): j for q in by_peer.values() for j in q}
-        jobs.update({id(j): j for _, j, _ in outstanding})
+        jobs.update({id(j): j for ids in outstanding.values() for _, j, _ in ids})
         for job in jobs.values():
             if not job.done:
                 job.done = True
