@@ -143,6 +143,18 @@ class ManagerConfig:
     smaller than ``stage_below_bytes`` is gathered into it, sent in parts of
     at most ``stage_part_bytes``, and scattered on decode; both sides need
     staging for it to be used.
+
+    Write fence (``write_fence``, ``KVFERRY_WRITE_FENCE``; on by default,
+    effective on a decode rank with staging memory only): decode registers
+    none of its pools with the transport; every byte of every room lands in
+    its staging arenas and decode copies it into the pages, so once a room
+    reported ``Failed`` no late write of a stopped, hung or partitioned
+    prefill process reaches its pages (see :mod:`transfer.staging.arenas`).
+    Prefill writes contiguous page runs straight from its pool into the
+    granted region and gathers scattered ones first. Off, or without
+    staging: prefill writes into decode's pages directly, and a prefill rank
+    taken for dead that resumes can overwrite pages the scheduler reused
+    (docs/reliability.md).
     """
 
     role: Role
