@@ -17,11 +17,12 @@ tier's own thread.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Protocol
 
 from bootstrap.messages import LookupReply, RankInfo
 from transfer.config import ManagerConfig
+from transfer.stats import RankTotals
 
 if TYPE_CHECKING:
     from transfer.control.base import ControlChannel
@@ -46,8 +47,10 @@ class RoomContext:
     info (session, control endpoint, pools); ``where`` names it in errors.
     ``staging`` is None without staging memory, ``storage`` None without a
     storage tier. ``bootstrap_client(addr)`` opens a client of the bootstrap
-    server at ``addr`` (the caller closes it). ``aux``: the rank's aux tensor
-    (None without one); with the write fence its rows travel in RoomStatus."""
+    server at ``addr`` (the caller closes it). ``stats``: the rank's running
+    totals, which every room's counter adds into (under ``lock``). ``aux``:
+    the rank's aux tensor (None without one); with the write fence its rows
+    travel in RoomStatus."""
 
     config: ManagerConfig
     where: str
@@ -59,4 +62,5 @@ class RoomContext:
     staging: "StagingMemory | None"
     storage: "StorageTier | None"
     bootstrap_client: Callable[[str], LookupClient]
+    stats: RankTotals = field(default_factory=lambda: RankTotals(""))
     aux: object = None

@@ -16,6 +16,7 @@ from transfer.layout import check_compatible
 from transfer.messages import PeerHello, PeerHelloReply, RoomAbort, RoomStatus, StageGrant, Status, TransferRequest
 from transfer.rooms.context import RoomContext
 from transfer.staging.prefill_flow import PrefillStaging
+from transfer.stats import FailureReason, tag_reason
 
 log = logging.getLogger("kvferry.sender")
 
@@ -78,7 +79,7 @@ class PrefillRooms:
             self.staging.on_grant(msg)
             return
         if not isinstance(msg, (TransferRequest, RoomAbort)):
-            log.warning("%s: ignored a %s message", self.ctx.where, msg.KIND)
+            log.debug("%s: ignored a %s message", self.ctx.where, msg.KIND)
             return
         with self.ctx.lock:
             if (msg.room, msg.request_id) in self._finished:
@@ -204,8 +205,8 @@ class PrefillRooms:
             senders = [s for s in self.senders.values()
                        if any(r.decode_session == session for r in s.requests)]
         for s in senders:
-            s.fail(PeerError(f"{s.where}: decode rank {session} silent for more than {silent_s:g} s: "
-                              "dead, stopped or unreachable"))
+            s.fail(tag_reason(PeerError(f"{s.where}: decode rank {session} silent for more than {silent_s:g} s: "
+                                        "dead, stopped or unreachable"), FailureReason.PEER_LOST))
 
     def expire(self) -> None:
         """Poll the live senders, so that their timeouts fire (the manager's
