@@ -42,7 +42,7 @@ import msgpack
 
 from bootstrap.errors import AuthError, ProtocolError
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 #: Largest encoded message accepted, in bytes. Control messages carry page
 #: lists and buffer descriptors, never KV bytes.
