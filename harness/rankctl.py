@@ -23,7 +23,10 @@ so decode can check every byte), creates its KVManager, prints ``READY
   holds, default all). A room's prompt is derived from its
   prefill pages (the same page always holds the same tokens, as a prefix
   cache would), so rooms sharing leading pages share a prefix.
-- ``{"op": "stats"}``: threads, open file descriptors, RSS, counters.
+- ``{"op": "stats"}``: threads, open file descriptors, RSS, counters (on
+  prefill also the room table's refusals: ``refused_hellos``, ...).
+- ``{"op": "digest"}``: a SHA-256 of every pool buffer and the aux tensor
+  (to show that nothing wrote into this rank's own memory).
 - ``{"op": "exit"}``.
 
 Every wait is bounded; end of stdin exits.
@@ -32,6 +35,7 @@ Every wait is bounded; end of stdin exits.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -87,7 +91,23 @@ def _stats(mgr: KVManager) -> dict:
             "malformed": mgr.channel.num_malformed, "unauthenticated": mgr.channel.num_unauthenticated,
             "received": mgr.channel.num_received, "bytes_sent": mgr.transport.num_bytes,
             "pages_written": mgr.storage.num_pages_written if mgr.storage else 0,
-            "pages_read": mgr.storage.num_pages_read if mgr.storage else 0}
+            "pages_read": mgr.storage.num_pages_read if mgr.storage else 0,
+            **{name.removeprefix("num_"): getattr(mgr.rooms, name) for name in _ROOM_COUNTERS
+               if hasattr(mgr.rooms, name)}}
+
+
+_ROOM_COUNTERS = ("num_refused_hellos", "num_refused_unhandshaken", "num_refused_duplicates", "num_dropped_replays",
+                  "num_refused_aborts")
+
+
+def _digest(tensors, aux) -> str:
+    h = hashlib.sha256()
+    for bufs in tensors.values():
+        for ts in bufs.values():
+            for t in ts:
+                h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    h.update(aux.numpy().tobytes())
+    return h.hexdigest()
 
 
 def _error(obj) -> tuple[str, str]:
@@ -259,7 +279,8 @@ def main(argv=None) -> int:
         if cmd["op"] == "exit":
             break
         try:
-            reply = rank.rooms(cmd) if cmd["op"] == "rooms" else {}
+            reply = rank.rooms(cmd) if cmd["op"] == "rooms" else \
+                {"digest": _digest(tensors, aux)} if cmd["op"] == "digest" else {}
         except Exception as exc:
             reply = {"crash": f"{type(exc).__name__}: {exc}"}
         reply.update(_stats(mgr))
