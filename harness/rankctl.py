@@ -16,7 +16,10 @@ so decode can check every byte), creates its KVManager, prints ``READY
   would, and check after this many seconds that no late write touched them),
   ``abort_on_first_byte`` (decode: rooms to abort as soon as their first
   page shows transferred bytes, i.e. with writes surely in flight),
-  ``timeout_s`` (bounds the whole command).
+  ``timeout_s`` (bounds the whole command), ``abort_at_once`` (decode:
+  rooms to abort right after creating their receiver, before ``init`` and
+  any ``poll``), ``bad_pages`` (decode: rooms whose ``init`` gets a page id
+  outside the pool).
   ``plans`` (room -> prefill page ids) replaces the seeded page choice of
   a room on both sides; ``tokens`` (true: pass each room's prompt to
   ``init`` for the storage tier; ``tail_tokens``: how many the last page
@@ -25,8 +28,8 @@ so decode can check every byte), creates its KVManager, prints ``READY
   cache would), so rooms sharing leading pages share a prefix.
 - ``{"op": "stats"}``: threads, open file descriptors, RSS, counters (on
   prefill also the room table's refusals: ``refused_hellos``, ...).
-- ``{"op": "digest"}``: a SHA-256 of every pool buffer and the aux tensor
-  (to show that nothing wrote into this rank's own memory).
+- ``{"op": "digest"}``: a SHA-256 of every pool buffer (to show that
+  nothing wrote into this rank's own pages).
 - ``{"op": "exit"}``.
 
 Every wait is bounded; end of stdin exits.
@@ -100,13 +103,12 @@ _ROOM_COUNTERS = ("num_refused_hellos", "num_refused_unhandshaken", "num_refused
                   "num_refused_aborts")
 
 
-def _digest(tensors, aux) -> str:
+def _digest(tensors) -> str:
     h = hashlib.sha256()
     for bufs in tensors.values():
         for ts in bufs.values():
             for t in ts:
                 h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
-    h.update(aux.numpy().tobytes())
     return h.hexdigest()
 
 
@@ -213,7 +215,12 @@ class DecodeRank:
             slot = (room * 7) % spec.aux_slots
             self.aux[slot] = 0
             r = KVReceiver(mgr, spec.bootstrap, room, prefill_node=spec.node_id)
-            r.init(dst.numpy(), slot, token_ids=prompt_of(spec, src, cmd))
+            if room in cmd.get("abort_at_once", ()):
+                r.abort("aborted by the test's decode scheduler before its first poll")
+            elif room in cmd.get("bad_pages", ()):
+                r.init(np.append(dst.numpy()[:-1], spec.decode_pages + 5), slot)
+            else:
+                r.init(dst.numpy(), slot, token_ids=prompt_of(spec, src, cmd))
             live[room] = {"r": r, "dst": dst, "slot": slot, "t0": time.monotonic(), "src": src}
         while live and time.monotonic() < deadline:
             seen = mgr.progress
@@ -280,7 +287,7 @@ def main(argv=None) -> int:
             break
         try:
             reply = rank.rooms(cmd) if cmd["op"] == "rooms" else \
-                {"digest": _digest(tensors, aux)} if cmd["op"] == "digest" else {}
+                {"digest": _digest(tensors)} if cmd["op"] == "digest" else {}
         except Exception as exc:
             reply = {"crash": f"{type(exc).__name__}: {exc}"}
         reply.update(_stats(mgr))
