@@ -260,8 +260,10 @@ def test_decode_failures_before_the_first_poll_reach_prefill_at_once(cluster):
 def test_a_restarted_prefill_is_served_without_a_stall(cluster):
     """A prefill rank closes (it unregisters and says goodbye) and a new
     process takes the node id: decode's next room goes to the new rank at
-    once, not after a handshake with the dead one times out."""
-    prefill, decode = cluster.rank("prefill"), cluster.rank("decode")
+    once, not after a handshake with the dead one times out, nor after
+    liveness finds the dead one silent (decode's peer timeout here is long,
+    so that only the goodbye can tell it)."""
+    prefill, decode = cluster.rank("prefill"), cluster.rank("decode", config={"peer_timeout_s": 20.0})
     _warm(prefill, decode)
     for i in range(3):
         prefill.close()

@@ -173,6 +173,7 @@ def test_after_the_fuzz(live):
     _good_requests_still_served(prefill, decode, client)
     p, d = prefill.stats(), decode.stats()
     assert p["malformed"] > 500 and d["malformed"] > 500, (p, d)
+    assert p["refused_unhandshaken"] > 0, p  # well-formed requests from sessions that never handshook
     assert p["fds"] < prefill.ready["fds"] + 64, "a socket per hostile endpoint leaked"
     assert client.ping().num_errors > 500
 
