@@ -32,6 +32,11 @@ from transfer.transport.mooncake import MooncakeTransport
 
 log = logging.getLogger("kvferry.manager")
 
+# Once every DP group of its node answered ready, a prefill rank looks its
+# node's sessions up again every this many re-registrations (a sibling that
+# restarted has a new session); until then at every one.
+_LEARN_EVERY = 10
+
 
 class KVManager:
     """One rank's transfer endpoint, prefill or decode (``config.role``).
@@ -177,11 +182,13 @@ class KVManager:
         client = self.bootstrap_client(self.config.bootstrap_addr)
         reachable = True
         try:
-            self._learn_prefill_sessions(client)
+            learned, n = self._learn_prefill_sessions(client), 0
             while not self._stop.wait(self.config.register_interval_s):
                 try:
                     client.register(self.rank)
-                    self._learn_prefill_sessions(client)
+                    n += 1
+                    if not learned or n % _LEARN_EVERY == 0:
+                        learned = self._learn_prefill_sessions(client)
                 except KVFerryError as exc:
                     if reachable:
                         log.warning("%s: re-registration failed (will keep trying): %s", self.where, exc)
@@ -194,20 +201,23 @@ class KVManager:
         finally:
             client.close()
 
-    def _learn_prefill_sessions(self, client: BootstrapClient) -> None:
-        """The transfer sessions of this node's ranks, every DP group (kept
-        while a group is not ready; the set only grows within a process's
-        life, and each entry is a session no decode rank may hold)."""
-        sessions = {self.rank.session}
+    def _learn_prefill_sessions(self, client: BootstrapClient) -> bool:
+        """Add the transfer sessions of this node's ranks, every DP group, to
+        those no decode peer may declare (the set only grows within a
+        process's life); True when every group answered ready."""
+        sessions, complete = {self.rank.session}, True
         for dp in range(self.config.dp_size):
             try:
                 reply = client.lookup(self.config.node_id, dp)
             except KVFerryError as exc:
                 log.debug("%s: looking up this node's ranks: %s", self.where, exc)
+                complete = False
                 continue
+            complete = complete and reply.ready
             sessions.update(r.session for r in reply.ranks)
         with self._lock:
             self.rooms.prefill_sessions = self.rooms.prefill_sessions | sessions
+        return complete
 
     def _unregister(self) -> None:
         """Drop this rank's bootstrap entry now (errors ignored: the server's
