@@ -220,3 +220,18 @@ def test_close_tells_decode_before_the_channel_closes(cluster):
     wait_until(decode.mgr, lambda: not decode.mgr.rooms.links.links, what="link forgotten (PeerBye)")
     with pytest.raises(ClosedError):
         prefill.mgr.check_open()
+
+
+def test_the_identity_rule():
+    from transfer.rooms.peer_check import identity_problem, same_host, session_host
+
+    assert session_host("[::1]:15001") == "::1" and session_host("10.0.0.2:15001") == "10.0.0.2"
+    assert same_host("127.0.0.1:1", "::ffff:127.0.0.1") and same_host("localhost:1", "127.0.0.1")
+    assert not same_host("10.0.0.2:1", "10.0.0.3")
+    rule = dict(own_session="10.0.0.1:1", prefill_sessions={"10.0.0.1:2"}, check_host=True)
+    assert "own" in identity_problem("10.0.0.1:1", "10.0.0.1", **rule)
+    assert "another prefill rank" in identity_problem("10.0.0.1:2", "10.0.0.1", **rule)
+    assert "came from 10.0.0.9" in identity_problem("10.0.0.2:7", "10.0.0.9", **rule)
+    assert identity_problem("10.0.0.2:7", "10.0.0.2", **rule) == ""
+    assert identity_problem("10.0.0.2:7", "10.0.0.9", **{**rule, "check_host": False}) == ""
+    assert identity_problem("10.0.0.2:7", "", **rule) == ""  # a channel that cannot tell
