@@ -15,7 +15,7 @@ NIXL_VERSION ?= 1.5.1
 MOONCAKE_PKG ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo mooncake-transfer-engine || echo mooncake-transfer-engine-non-cuda)
 STAMP := $(VENV)/.kvferry-setup
 
-.PHONY: setup demo demo-load test bench clean debian-libs
+.PHONY: setup demo demo-load test test-engines bench clean debian-libs
 
 setup: $(STAMP)
 
@@ -59,5 +59,11 @@ bench: setup
 	$(PY) -m benchmarks
 	$(PY) -m benchmarks --storage
 
+# The serving engines' own environments and tests (mk/*.mk): real SGLang
+# classes driving kvferry across processes. Never part of `make test`.
+test-engines: test-sglang
+
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
+
+-include mk/*.mk

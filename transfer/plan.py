@@ -203,6 +203,22 @@ def plan_aux(src: AuxDescriptor, dst: AuxDescriptor, src_slot: int, dst_slot: in
     )
 
 
+def plan_aux_regions(src: "list[AuxDescriptor] | tuple[AuxDescriptor, ...]",
+                     dst: "list[AuxDescriptor] | tuple[AuxDescriptor, ...]", src_slot: int, dst_slot: int) -> TransferPlan:
+    """Plan moving one request slot's row of every aux region (SGLang keeps
+    about 13 metadata buffers that share one row index): region ``i`` of
+    ``src`` goes to region ``i`` of ``dst``, one descriptor each."""
+    if len(src) != len(dst):
+        raise ValueError(f"aux regions differ in number: {len(src)} vs {len(dst)}")
+    plans = []
+    for i, (s, d) in enumerate(zip(src, dst)):
+        try:
+            plans.append(plan_aux(s, d, src_slot, dst_slot))
+        except (ValueError, IndexError) as exc:
+            raise type(exc)(f"aux region {i}: {exc}") from None
+    return TransferPlan.concat(plans)
+
+
 def split_entries(plan: TransferPlan, max_bytes: int) -> TransferPlan:
     """Cut entries longer than ``max_bytes`` into pieces of at most that size,
     so one huge entry does not sit on one engine lane while the others idle."""

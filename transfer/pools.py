@@ -9,6 +9,10 @@ read, and no KV byte is copied. Shapes:
 - MLA: per layer one latent tensor ``[num_pages, page_size, latent_dim]``
   (``kv_lora_rank + rope_dim``), or ``[num_pages, page_size, 1, latent_dim]``;
 - aux: ``[num_slots, ...]``, one row per request slot.
+
+Pools whose memory an engine owns and hands over as raw pointers (SGLang's
+``KVArgs``) are described by :class:`RawPool`; :func:`pool_from_pointers`
+views them as tensors without copying.
 """
 
 from __future__ import annotations
@@ -121,3 +125,125 @@ def memory_regions(pools: Sequence[PoolDescriptor], aux: AuxDescriptor | None) -
     if aux is not None:
         regions.append((aux.addr, aux.slot_bytes * aux.num_slots))
     return regions
+
+
+# --- pools described by raw pointers ------------------------------------------------
+# Engines that own their KV memory (SGLang's KVArgs) hand over integer pointers,
+# buffer lengths and per-page item sizes, not tensors. ``pool_from_pointers``
+# wraps each buffer as a tensor view of that memory (no byte is copied), so the
+# descriptors, registration and the staged path's gather/scatter work on it
+# unchanged. The memory stays the engine's: it must outlive the KVManager.
+
+
+@dataclass(frozen=True, kw_only=True)
+class RawPool:
+    """One pool as raw buffers.
+
+    ``addrs``/``nbytes``/``page_bytes``: one entry per buffer, MHA as
+    ``[K_0..K_{L-1}, V_0..V_{L-1}]``, MLA one latent buffer per layer.
+    ``page_bytes`` is a buffer's bytes per page (SGLang's ``item_len``); the
+    head dim is derived from it: ``page_bytes / (page_size * num_kv_heads *
+    itemsize)`` (MLA: ``num_kv_heads`` 1, the latent width). ``dtype`` is a
+    torch dtype name (``bfloat16``, ``float8_e4m3fn``, ``uint8``...).
+    ``device`` is ``cpu`` or ``cuda[:N]``.
+    """
+
+    attention: str  # "mha" or "mla"
+    addrs: Sequence[int]
+    nbytes: Sequence[int]
+    page_bytes: Sequence[int]
+    page_size: int
+    dtype: str
+    num_kv_heads: int = 1
+    total_kv_heads: int | None = None
+    role: PoolRole = PoolRole.TARGET
+    device: str = "cpu"
+    layout: str = "nhd"
+
+    def __post_init__(self) -> None:
+        what = f"{self.role.value} raw pool"
+        if self.attention not in ("mha", "mla"):
+            raise ValueError(f"{what}: attention must be 'mha' or 'mla', got {self.attention!r}")
+        n = len(self.addrs)
+        if not n or len(self.nbytes) != n or len(self.page_bytes) != n:
+            raise ValueError(f"{what}: addrs, nbytes and page_bytes must be non-empty and of one length "
+                             f"({len(self.addrs)}, {len(self.nbytes)}, {len(self.page_bytes)})")
+        if self.attention == "mha" and n % 2:
+            raise ValueError(f"{what}: an MHA pool has as many K as V buffers, got {n} buffers")
+        if len(set(self.page_bytes)) != 1 or len(set(self.nbytes)) != 1:
+            raise ValueError(f"{what}: every buffer must have the same page_bytes and nbytes "
+                             f"(got {sorted(set(self.page_bytes))} and {sorted(set(self.nbytes))})")
+        if self.page_size <= 0 or self.num_kv_heads <= 0 or self.page_bytes[0] <= 0:
+            raise ValueError(f"{what}: page_size, num_kv_heads and page_bytes must be > 0")
+        if self.nbytes[0] < self.page_bytes[0]:
+            raise ValueError(f"{what}: a buffer of {self.nbytes[0]} bytes holds no page of {self.page_bytes[0]}")
+        if any(not 0 < a < 1 << 64 for a in self.addrs):
+            raise ValueError(f"{what}: every address must be a non-null 64-bit pointer")
+
+    @property
+    def num_pages(self) -> int:
+        return self.nbytes[0] // self.page_bytes[0]
+
+
+def head_dim_of(page_bytes: int, page_size: int, num_kv_heads: int, itemsize: int) -> int:
+    """The head dim a page of ``page_bytes`` implies; ValueError unless exact."""
+    per_head = page_size * num_kv_heads * itemsize
+    if page_bytes % per_head:
+        raise ValueError(f"a page of {page_bytes} bytes is not {page_size} tokens x {num_kv_heads} heads x "
+                         f"{itemsize}-byte elements")
+    return page_bytes // per_head
+
+
+class _CudaMemory:
+    """Device memory as ``__cuda_array_interface__`` bytes, so torch can view it without a copy."""
+
+    def __init__(self, addr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (addr, False),
+                                         "version": 3, "strides": None}
+
+
+def wrap_pointer(addr: int, nbytes: int, dtype: str, device: str = "cpu"):
+    """A 1-D tensor of ``dtype`` viewing ``nbytes`` at ``addr`` (no copy).
+    CPU memory through ctypes, CUDA memory through ``__cuda_array_interface__``.
+    The memory must outlive the tensor."""
+    import ctypes
+
+    import torch
+
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}")
+    if device == "cpu":
+        raw = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr), dtype=torch.uint8, count=nbytes)
+    elif device.startswith("cuda"):
+        with torch.cuda.device(torch.device(device)):
+            raw = torch.as_tensor(_CudaMemory(addr, nbytes), device=device)
+    else:
+        raise ValueError(f"device must be cpu or cuda[:N], got {device!r}")
+    return raw.view(torch_dtype)
+
+
+def pool_from_pointers(raw: RawPool) -> MHAPool | MLAPool:
+    """An :class:`MHAPool` / :class:`MLAPool` whose tensors view the raw buffers."""
+    import torch
+
+    itemsize = torch.empty(0, dtype=getattr(torch, raw.dtype)).element_size() \
+        if isinstance(getattr(torch, raw.dtype, None), torch.dtype) else 0
+    if not itemsize:
+        raise ValueError(f"{raw.role.value} raw pool: unknown dtype {raw.dtype!r}")
+    heads = raw.num_kv_heads if raw.attention == "mha" else 1
+    head_dim = head_dim_of(raw.page_bytes[0], raw.page_size, heads, itemsize)
+    num_pages = raw.num_pages
+    if raw.attention == "mha" and raw.layout == "hnd":
+        shape = (num_pages, heads, raw.page_size, head_dim)
+    elif raw.attention == "mha":
+        shape = (num_pages, raw.page_size, heads, head_dim)
+    else:
+        shape = (num_pages, raw.page_size, head_dim)
+    used = num_pages * raw.page_bytes[0]
+    tensors = [wrap_pointer(a, used, raw.dtype, raw.device).view(shape) for a in raw.addrs]
+    if raw.attention == "mla":
+        return MLAPool(latent=tensors, role=raw.role)
+    half = len(tensors) // 2
+    return MHAPool(k=tensors[:half], v=tensors[half:], role=raw.role, total_kv_heads=raw.total_kv_heads,
+                   layout=raw.layout)

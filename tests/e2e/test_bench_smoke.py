@@ -78,7 +78,7 @@ def test_bench_storage_mode_writes_rows_for_each_backend(tmp_path):
 def test_same_pages_mirror_the_pages_the_workload_writes():
     """bench_pages draws a room's source pages and the decode allocator's
     pages exactly as harness.workload does (pure, no processes)."""
-    from transfer import workload
+    from harness import workload
     from benchmarks.pages import DecodeAllocator, PageDraw, room_source_pages
     from benchmarks.workloads import FULL
 

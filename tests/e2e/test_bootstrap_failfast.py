@@ -13,7 +13,7 @@ import pytest
 
 from bootstrap.client import BootstrapClient
 from bootstrap.errors import BootstrapRefused, UnknownNodeError
-from transfer.launch import BootstrapProcess
+from harness.launch import BootstrapProcess
 
 from .test_bootstrap_server import _rank
 

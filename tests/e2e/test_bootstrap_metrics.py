@@ -12,7 +12,7 @@ from bootstrap import codec
 from bootstrap.client import BootstrapClient
 from bootstrap.errors import BootstrapError
 from bootstrap.messages import Ping
-from transfer.launch import BootstrapProcess
+from harness.launch import BootstrapProcess
 
 from .test_bootstrap_server import _rank, _raw
 

@@ -14,7 +14,7 @@ from bootstrap.client import BootstrapClient
 from bootstrap.errors import BootstrapError, BootstrapRefused, BootstrapUnavailable
 from bootstrap.messages import (AttentionKind, BufferRef, Component, ErrorReply, Lookup, PageLayout, PoolDescriptor,
                                 PoolRole, RankInfo)
-from transfer.launch import BootstrapProcess
+from harness.launch import BootstrapProcess
 
 pytestmark = pytest.mark.e2e
 

@@ -10,7 +10,7 @@ import pytest
 
 from bootstrap.client import BootstrapClient
 from bootstrap.messages import AttentionKind, BufferRef, Component, PageLayout, PoolDescriptor, PoolRole, RankInfo
-from transfer.launch import BootstrapProcess
+from harness.launch import BootstrapProcess
 
 pytestmark = pytest.mark.e2e
 

@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 LIBRARY = ("bootstrap", "transfer")
 WORKSHOP = ("benchmarks", "harness", "tests", "examples")
 #: Dependencies of optional backends: a module may fail to import for want of these only.
-OPTIONAL_DEPS = ("nixl", "nixl_cu12", "kvikio", "cufile")
+OPTIONAL_DEPS = ("nixl", "nixl_cu12", "kvikio", "cufile", "sglang", "vllm")  # the optional extras
 STEP_S = 120  # bound on each subprocess (build, install, one room)
 
 IMPORT_ALL = textwrap.dedent("""

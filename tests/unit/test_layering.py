@@ -59,7 +59,7 @@ for pkg in (bootstrap, transfer):
         try:
             importlib.import_module(info.name)
         except ImportError as exc:
-            if (exc.name or "").split(".")[0] not in ("nixl", "nixl_cu12", "kvikio", "cufile"):
+            if (exc.name or "").split(".")[0] not in ("nixl", "nixl_cu12", "kvikio", "cufile", "sglang", "vllm"):
                 raise
 """
     loaded = _modules_after(code)

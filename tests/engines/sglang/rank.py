@@ -1,0 +1,276 @@
+"""One SGLang rank (or its bootstrap server) driving a transfer backend with SGLang's own code.
+
+``python -m tests.engines.sglang.rank --role prefill|decode|bootstrap ...``
+
+Built as SGLang's ``prefill.py`` / ``decode.py`` build them: SGLang's
+``ServerArgs``, its real KV pools (``MHATokenToKVPool`` / ``MLATokenToKVPool``
+on the CPU, a draft pool appended with ``num_draft_entries``), ``KVArgs``
+filled from ``get_kv_transfer_buf_infos`` and ``MetadataBuffers.get_buf_infos``,
+classes from ``get_kv_class`` after ``load_plugins()``, and SGLang's call
+sequence: ``poll_and_all_reduce`` (MIN over a gloo group of the TP ranks),
+``pop_decode_prefix_len`` then ``init`` then chunked ``send`` with the last
+chunk inferred from the page count; decode ``try_ensure_parallel_info``,
+``init(prefill_dp_rank)``, ``send_metadata(..., decode_prefix_len)`` and the
+metadata gate (Success only once the ``bootstrap_room`` row landed).
+
+Data: every request's KV is a "logical" array per buffer over all heads,
+drawn from a seed (:func:`.sglang_rank.logical_kv`); each prefill rank writes its heads into
+randomly chosen pages, and decode checks every byte of its pages and of every
+aux region against the same draw. Pages decode did not give for writing
+(placeholders, its prefix) hold a sentinel that must survive. Results are
+printed as ``RESULT {json}`` lines; ``KILLME`` asks the parent to SIGKILL it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from tests.engines.sglang.scenarios import PAGE_SIZE, Request, requests_of
+from tests.engines.sglang.sglang_rank import NUM_SLOTS, SENTINEL, Clock, Rank, aux_row, pick_pages, server_args_of
+
+
+def emit(kind: str, **fields) -> None:
+    print(f"{kind} {json.dumps(fields)}", flush=True)
+
+
+def gloo_group(a):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.gloo_port}", rank=a.tp_rank,
+                            world_size=a.tp_size, timeout=__import__("datetime").timedelta(seconds=60))
+    return dist.group.WORLD
+
+
+def run_prefill(a) -> None:
+    from sglang.srt.disaggregation.utils import poll_and_all_reduce
+
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    rank, group = Rank(a), gloo_group(a)
+    reqs = requests_of(a.scenario)
+    taken: set = set()
+    addr = f"127.0.0.1:{a.port}"
+    pages = {r.room: pick_pages(a, "prefill", r.room, r.num_pages, taken) for r in reqs}
+    for r in reqs:
+        _fill(rank, r, pages[r.room])
+    senders = {r.room: rank.sender_cls(mgr=rank.mgr, bootstrap_addr=addr, bootstrap_room=r.room) for r in reqs}
+    phase = {r.room: "boot" for r in reqs}
+    clock = Clock(rank)
+    emit("READY", role="prefill", tp_rank=a.tp_rank)
+    deadline = time.monotonic() + a.timeout
+    while any(p != "done" for p in phase.values()) and time.monotonic() < deadline:
+        live = [r for r in reqs if phase[r.room] != "done"]
+        polls = poll_and_all_reduce([senders[r.room] for r in live], group)
+        for r, poll in zip(live, polls):
+            s = senders[r.room]
+            if poll == KVPoll.Failed:
+                err = _error_of(s)
+                emit("RESULT", room=r.room, state="Failed", error=err, phase=phase[r.room])
+                phase[r.room] = "done"
+            elif poll == KVPoll.Success:
+                m = s.get_transfer_metric()
+                emit("RESULT", room=r.room, state="Success", bytes=m.transfer_total_bytes,
+                     latency_s=m.transfer_latency_s, e2e_s=clock.done(r.room), **_extra_stats(s))
+                phase[r.room] = "done"
+            elif phase[r.room] == "boot" and poll == KVPoll.WaitingForInput:
+                prefix_tokens = s.pop_decode_prefix_len()
+                prefix_pages = prefix_tokens // a.page_size
+                s.init(r.num_pages - prefix_pages, r.room % NUM_SLOTS)
+                phase[r.room] = "send"
+                emit("PREFIX", room=r.room, tokens=prefix_tokens)
+                _send(rank, r, s, pages[r.room], prefix_pages, clock)
+                phase[r.room] = "wait" if r.action != "kill" else "killme"
+            elif phase[r.room] == "killme":
+                emit("KILLME", room=r.room)
+                time.sleep(a.timeout)
+        time.sleep(a.poll_interval_s)
+    emit("DONE", role="prefill", timed_out=any(p != "done" for p in phase.values()), **clock.totals())
+
+
+def _fill(rank: Rank, r: Request, pages: list[int]) -> None:
+    """Write this rank's heads of the request's KV into its pages (before any
+    transfer: filling is not part of what is measured)."""
+    for key, t in rank.buffers:
+        view = t.view(-1, rank.a.page_size, t.shape[1], t.shape[2])
+        view[torch.as_tensor(pages, dtype=torch.long)] = rank.expected(r, key, t, 0, r.num_pages)
+
+
+def _send(rank: Rank, r: Request, s, pages: list[int], prefix_pages: int, clock) -> None:
+    """SGLang's chunked sends of the pages after decode's prefix."""
+    suffix = pages[prefix_pages:]
+    clock.start(r.room)
+    if r.action == "decode_abort":
+        return  # decode aborts this room before any chunk: wait for the Failed poll
+    offset = 0
+    for i, size in enumerate(r.chunks):
+        if not s.should_send_kv_chunk(size, False):
+            continue
+        s.send(np.asarray(suffix[offset:offset + size], dtype=np.int32))
+        offset += size
+        if r.action == "prefill_abort" and i == 0:
+            s.abort()
+            return
+        if r.action == "kill" and i == 0:
+            return
+    slot = r.room % NUM_SLOTS
+    for i, region in enumerate(rank.regions[:-1]):  # what MetadataBuffers.set_buf does before the last send
+        region[slot] = torch.from_numpy(aux_row(rank.a.seed, r.room, i, region.shape[1]))
+    rank.meta.bootstrap_room[slot] = 0
+    rank.meta.bootstrap_room[slot, 0] = r.room
+    last = suffix[offset:]
+    if s.should_send_kv_chunk(len(last), True):
+        s.send(np.asarray(last, dtype=np.int32))
+
+
+def _error_of(obj) -> str:
+    try:
+        obj.failure_exception()
+    except Exception as exc:  # any backend's exception type
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def _release_safe(receiver) -> bool | None:
+    try:
+        return bool(receiver.is_abort_release_safe())
+    except NotImplementedError:  # backends without deferred-release support
+        return None
+
+
+def _extra_stats(sender) -> dict:
+    stats = getattr(sender, "transfer_stats", None)
+    if stats is None:
+        return {}
+    st = stats()
+    return {"descriptors": st.descriptors, "plan_bytes": st.bytes}
+
+
+def run_decode(a) -> None:
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.utils import poll_and_all_reduce
+
+    rank, group = Rank(a), gloo_group(a)
+    reqs = requests_of(a.scenario)
+    addr = f"127.0.0.1:{a.port}"
+    deadline = time.monotonic() + a.timeout
+    while not rank.mgr.try_ensure_parallel_info(addr):
+        if time.monotonic() > deadline:
+            emit("DONE", role="decode", timed_out=True, error="prefill parallel info never arrived")
+            return
+        time.sleep(0.2)
+    info = rank.mgr.prefill_info_table[addr]
+    emit("READY", role="decode", prefill_tp=info.attn_tp_size, prefill_dp=info.dp_size)
+    taken: set = set()
+    pages = {r.room: pick_pages(a, "decode", r.room, r.num_pages, taken) for r in reqs}
+    receivers, slots = {}, {}
+    clock = Clock(rank)
+    for r in reqs:
+        clock.start(r.room)
+        recv = rank.receiver_cls(mgr=rank.mgr, bootstrap_addr=addr, bootstrap_room=r.room)
+        recv.init(r.room % info.dp_size)
+        slots[r.room] = (r.room * 3 + 1) % NUM_SLOTS
+        rank.meta.clear_slot(slots[r.room])
+        suffix = pages[r.room][r.prefix_pages:]
+        recv.send_metadata(np.asarray(suffix, dtype=np.int32), slots[r.room], None,
+                           decode_prefix_len=r.prefix_pages * a.page_size)
+        receivers[r.room] = recv
+    to_abort = {r.room for r in reqs if r.action == "decode_abort"}
+    live = list(reqs)
+    while live and time.monotonic() < deadline:
+        gate = [SimpleNamespace(req=SimpleNamespace(bootstrap_host="127.0.0.1"), metadata_buffer_index=slots[r.room])
+                for r in live]
+        for room in list(to_abort):  # once its request went out (prefill holds the room until then)
+            if receivers[room].poll() >= KVPoll.Transferring:
+                receivers[room].abort()
+                to_abort.discard(room)
+        polls = poll_and_all_reduce([receivers[r.room] for r in live], group, gate, rank.meta)
+        still = []
+        for r, poll in zip(live, polls):
+            if poll == KVPoll.Success:
+                done_s = clock.done(r.room)
+                checks = _verify(rank, r, pages[r.room], slots[r.room]) if not a.scenario.startswith("bench") else {}
+                emit("RESULT", room=r.room, state="Success", e2e_s=done_s, **checks)
+            elif poll == KVPoll.Failed:
+                before = [rank.pages_view(t, pages[r.room]).clone() for _, t in rank.buffers]
+                time.sleep(0.5)  # pages are free now: nothing may write them afterwards
+                after = [rank.pages_view(t, pages[r.room]) for _, t in rank.buffers]
+                emit("RESULT", room=r.room, state="Failed", error=_error_of(receivers[r.room]),
+                     written_after_failure=sum(int((x != y).sum()) for x, y in zip(before, after)),
+                     pages_untouched=all(bool((x == SENTINEL).all()) for x in after),
+                     release_safe=_release_safe(receivers[r.room]))
+            else:
+                still.append(r)
+        live = still
+        time.sleep(a.poll_interval_s)
+    emit("DONE", role="decode", timed_out=bool(live), **clock.totals())
+
+
+def _verify(rank: Rank, r: Request, pages: list[int], slot: int) -> dict:
+    """Count differing bytes: suffix pages vs the logical draw, prefix pages
+    and page 0 vs the sentinel, every aux region row vs its draw."""
+    bad_pages = bad_prefix = 0
+    for key, t in rank.buffers:
+        got = rank.pages_view(t, pages[r.prefix_pages:])
+        want = rank.expected(r, key, t, r.prefix_pages, r.num_pages - r.prefix_pages)
+        bad_pages += int((got != want).sum())
+        bad_prefix += int((rank.pages_view(t, pages[:r.prefix_pages] + [0]) != SENTINEL).sum())
+    bad_aux = 0
+    for i, region in enumerate(rank.regions):
+        want = aux_row(rank.a.seed, r.room, i, region.shape[1])
+        if i == len(rank.regions) - 1:  # bootstrap_room, written by prefill as the room id
+            want = np.frombuffer(np.asarray([r.room] + [0] * (region.shape[1] // 8 - 1), dtype="<u8").tobytes(),
+                                 dtype=np.uint8)
+        bad_aux += int((region[slot].numpy() != want).sum())
+    return {"bad_page_bytes": bad_pages, "bad_prefix_bytes": bad_prefix, "bad_aux_bytes": bad_aux,
+            "aux_regions": len(rank.regions), "page_bytes_checked": int(sum(
+                rank.pages_view(t, pages[r.prefix_pages:]).numel() for _, t in rank.buffers))}
+
+
+def run_bootstrap(a) -> None:
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+
+    server_args_of(a)
+    server = get_kv_class(TransferBackend(a.backend), KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=a.port)
+    emit("READY", role="bootstrap", cls=type(server).__name__)
+    time.sleep(a.timeout)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--role", choices=["prefill", "decode", "bootstrap"], required=True)
+    p.add_argument("--backend", default="kvferry")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--gloo-port", type=int, default=0)
+    p.add_argument("--tp-rank", type=int, default=0)
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--pool", choices=["mha", "mla"], default="mha")
+    p.add_argument("--draft", action="store_true")
+    p.add_argument("--scenario", default="main")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--poll-interval-s", type=float, default=0.005, help="scheduler loop sleep")
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--heads", type=int, default=4, help="the model's KV heads (MHA)")
+    p.add_argument("--head-dim", type=int, default=8)
+    p.add_argument("--page-size", type=int, default=PAGE_SIZE)
+    p.add_argument("--pool-pages", type=int, default=64, help="pages per pool (page 0 is SGLang's padding)")
+    p.add_argument("--model-dir", default="", help="a config.json-only model (SGLang's own backends)")
+    p.add_argument("--timeout", type=float, default=90.0)
+    a = p.parse_args(argv)
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()  # as every SGLang process does: registers the kvferry backend
+    {"prefill": run_prefill, "decode": run_decode, "bootstrap": run_bootstrap}[a.role](a)
+    sys.stdout.flush()
+    os._exit(0)  # do not wait for engine threads
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""The requests both sides of a run agree on, by name (no other coordination)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PAGE_SIZE = 4
+_BASE = 7_000_000_000_123  # SGLang's rooms are large random integers
+
+
+@dataclass(frozen=True)
+class Request:
+    """``chunks``: page counts of the non-last chunks, the rest is the last
+    chunk (possibly empty); ``prefix_pages``: leading pages decode holds."""
+
+    room: int
+    num_pages: int
+    chunks: tuple[int, ...] = ()
+    prefix_pages: int = 0
+    action: str = ""  # "", "decode_abort", "prefill_abort", "kill"
+    tags: tuple[str, ...] = field(default=())
+
+
+def requests_of(name: str) -> list[Request]:
+    if name == "main":
+        return [
+            Request(_BASE + 1, 5, tags=("one chunk",)),
+            Request(_BASE + 2, 7, (3, 3), tags=("chunked", "one-page last chunk")),
+            Request(_BASE + 3, 6, (2, 1), tags=("chunked",)),
+            Request(_BASE + 4, 6, (2,), prefix_pages=2, tags=("decode prefix",)),
+            Request(_BASE + 5, 4, action="decode_abort", tags=("abort on decode",)),
+            Request(_BASE + 6, 5, (2,), action="prefill_abort", tags=("abort on prefill",)),
+            Request(_BASE + 7, 3, prefix_pages=3, tags=("decode holds every page", "empty last chunk")),
+        ]
+    if name == "kill":
+        return [Request(_BASE + 20, 6, (2,), action="kill", tags=("killed prefill",))]
+    if name.startswith("bench"):
+        # bench-<kind>-<pages>-<count>: contiguous or scattered pages is the rank's choice
+        _, _, pages, count = name.split("-")
+        return [Request(_BASE + 100 + i, int(pages)) for i in range(int(count))]
+    raise ValueError(f"unknown scenario {name!r}")

@@ -1,0 +1,137 @@
+"""SGLang's own code drives kvferry across real processes (``make test-sglang``).
+
+Each run starts kvferry's bootstrap server through SGLang's class lookup,
+prefill and decode ranks that build SGLang's pools, ``KVArgs`` and
+``MetadataBuffers`` as its schedulers do, and follow its call sequence (see
+``rank.py``); the requests are in ``scenarios.py``. Every page and every aux
+region is compared byte for byte on decode against the data prefill wrote.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from tests.engines.sglang.procs import Run
+from tests.engines.sglang.scenarios import PAGE_SIZE, requests_of
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def sglang():
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    import sglang.srt.disaggregation.utils as utils
+
+    return utils
+
+
+def test_the_plugin_selects_kvferry_with_no_sglang_change(sglang):
+    from sglang.srt.server_args import ServerArgs
+
+    from transfer.adapters.sglang.bootstrap import KvferryKVBootstrapServer
+    from transfer.adapters.sglang.manager import KvferryKVManager
+    from transfer.adapters.sglang.receiver import KvferryKVReceiver
+    from transfer.adapters.sglang.sender import KvferryKVSender
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(["--model-path", "m", "--disaggregation-mode", "prefill",
+                              "--disaggregation-transfer-backend", "kvferry"])
+    backend = sglang.TransferBackend(ServerArgs.from_cli_args(args).disaggregation_transfer_backend)
+    kinds = sglang.KVClassType
+    assert sglang.get_kv_class(backend, kinds.MANAGER) is KvferryKVManager
+    assert sglang.get_kv_class(backend, kinds.SENDER) is KvferryKVSender
+    assert sglang.get_kv_class(backend, kinds.RECEIVER) is KvferryKVReceiver
+    assert sglang.get_kv_class(backend, kinds.BOOTSTRAP_SERVER) is KvferryKVBootstrapServer
+    assert sglang.get_kv_class(sglang.TransferBackend.FAKE, kinds.MANAGER).__name__ == "FakeKVManager"
+    with pytest.raises(SystemExit):  # an unknown backend is still refused by SGLang's parser
+        parser.parse_args(["--model-path", "m", "--disaggregation-transfer-backend", "nope"])
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(state_types=["mamba"], state_data_ptrs=[[1]]), "state pools (mamba"),
+    (dict(pp_size=2), "pipeline parallelism"),
+    (dict(attn_cp_size=2), "context parallelism"),
+])
+def test_unsupported_setups_are_refused_at_start_up(sglang, change, words):
+    from types import SimpleNamespace
+
+    from sglang.srt.disaggregation.base.conn import KVArgs, StateType
+
+    from transfer.adapters.sglang.kvargs import UnsupportedSetup
+    from transfer.adapters.sglang.manager import KvferryKVManager
+
+    kv_args = KVArgs()
+    kv_args.state_types = [StateType(s) for s in change.get("state_types", [])]
+    kv_args.state_data_ptrs = change.get("state_data_ptrs", [])
+    server_args = SimpleNamespace(pp_size=change.get("pp_size", 1), attn_cp_size=change.get("attn_cp_size", 1))
+    with pytest.raises(UnsupportedSetup, match="unsupported SGLang set-up") as info:
+        KvferryKVManager(kv_args, sglang.DisaggregationMode.PREFILL, server_args, False)
+    assert words in str(info.value)
+
+
+def _results(procs) -> dict[int, list[dict]]:
+    out: dict[int, list[dict]] = {}
+    for p in procs:
+        for r in p.events("RESULT"):
+            out.setdefault(r["room"], []).append(r)
+    return out
+
+
+def _check_main(run: Run) -> None:
+    run.finish()
+    decode, prefill = _results(run.decode), _results(run.prefill)
+    assert all(not p.events("DONE")[0]["timed_out"] for p in run.prefill + run.decode)
+    for req in requests_of("main"):
+        d, ps = decode[req.room][0], prefill[req.room]
+        assert len(ps) == run.prefill_tp
+        if req.action:
+            assert d["state"] == "Failed", (req.tags, d)
+            assert all(p["state"] == "Failed" for p in ps), (req.tags, ps)
+            assert d["written_after_failure"] == 0 and d["release_safe"], (req.tags, d)
+            if req.action == "decode_abort":
+                assert "aborted by the decode scheduler" in d["error"] and d["pages_untouched"]
+            else:
+                assert "aborted by the prefill scheduler" in d["error"]
+            continue
+        assert d["state"] == "Success" and all(p["state"] == "Success" for p in ps), (req.tags, d, ps)
+        assert (d["bad_page_bytes"], d["bad_prefix_bytes"], d["bad_aux_bytes"]) == (0, 0, 0), (req.tags, d)
+        assert d["aux_regions"] >= 10
+        suffix = req.num_pages - req.prefix_pages
+        assert (d["page_bytes_checked"] > 0) == (suffix > 0), (req.tags, d)
+        # per-room stats: pages moved (this rank's share) plus, from one rank, the packed aux row
+        assert sum(p["bytes"] for p in ps) >= d["page_bytes_checked"] and all(p["latency_s"] > 0 for p in ps)
+        assert sum(p["descriptors"] for p in ps) >= 1
+    prefixes = {e["room"]: e["tokens"] for p in run.prefill for e in p.events("PREFIX")}
+    for req in requests_of("main"):
+        if req.action != "decode_abort" and req.room in prefixes:
+            assert prefixes[req.room] == req.prefix_pages * PAGE_SIZE
+
+
+def test_mha_with_draft_prefill_tp2_to_decode_tp1_staged():
+    with Run("main", pool="mha", draft=True, prefill_tp=2, timeout_s=150) as run:
+        _check_main(run)
+
+
+def test_mla_prefill_tp2_to_decode_tp1_direct_descriptors():
+    """MLA is the same on every prefill rank: one sends, the other only concludes."""
+    with Run("main", pool="mla", prefill_tp=2, env={"KVFERRY_STAGING_BYTES": "0"}, timeout_s=150) as run:
+        _check_main(run)
+        senders = [sum(r["bytes"] > 0 for r in p.events("RESULT") if r["state"] == "Success") for p in run.prefill]
+        assert sorted(senders)[0] == 0 and sorted(senders)[1] > 0, senders
+
+
+def test_a_killed_prefill_fails_the_room_and_frees_its_pages_safely():
+    with Run("kill", pool="mha", timeout_s=150, env={"KVFERRY_PEER_TIMEOUT_S": "3"}) as run:
+        run.prefill[0].wait_for("KILLME", run.timeout_s)
+        run.prefill[0].kill()
+        done = run.decode[0].wait_for("DONE", 60)
+        assert not done["timed_out"]
+        (result,) = run.decode[0].events("RESULT")
+        assert result["state"] == "Failed" and result["release_safe"]
+        assert "silent" in result["error"] or "dead" in result["error"], result
+        assert result["written_after_failure"] == 0

@@ -1,0 +1,157 @@
+"""SGLang's ``KVArgs`` -> kvferry pools and aux rows; what kvferry refuses.
+
+``KVArgs`` holds raw integer pointers: ``kv_data_ptrs/lens/item_lens`` (MHA as
+``[K_0..K_{L-1}, V_0..V_{L-1}]``, MLA one latent buffer per layer, the draft
+model's entries appended, ``num_draft_entries`` of them), the aux regions
+``aux_data_ptrs/lens/item_lens`` (SGLang's ``MetadataBuffers``: about 13
+host-memory tensors sharing one row index), ``page_size``, and for MHA
+``kv_head_num``/``total_kv_head_num``. There is no head dim and no draft head
+count: the head dim follows from the item size and the dtype
+(``kv_cache_dtype_str``); the draft's heads from its item size, taking the
+target's head dim (EAGLE drafts share it).
+
+Aux rows. kvferry's wire format has one aux region per rank today, so the
+rows of all regions are packed into one registered row (:class:`AuxRows`):
+prefill packs the request's row right before its last chunk is sent, decode
+unpacks it when the room succeeded, before SGLang reads it. A row is a few KiB
+of host memory; :func:`transfer.plan.plan_aux_regions` is the descriptor plan
+that replaces this copy once the wire carries several regions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bootstrap.messages import PoolRole
+from transfer.pools import MHAPool, MLAPool, RawPool, head_dim_of, pool_from_pointers, wrap_pointer
+
+# SGLang's kv_cache_dtype_str -> torch dtype name.
+_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "bf16": "bfloat16", "fp16": "float16",
+           "auto": ""}
+
+
+class UnsupportedSetup(ValueError):
+    """An SGLang set-up kvferry cannot serve; raised at start-up, never mid-transfer."""
+
+
+def check_supported(args, server_args) -> None:
+    """Raise :class:`UnsupportedSetup` naming the first set-up kvferry does not serve."""
+    problems = []
+    state_types = list(getattr(args, "state_types", None) or [])
+    if state_types or any(getattr(args, "state_data_ptrs", None) or []):
+        names = ", ".join(str(getattr(s, "value", s)) for s in state_types) or "state buffers"
+        problems.append(f"state pools ({names}: hybrid, sliding-window, Mamba or DSA models)")
+    if getattr(args, "is_hybrid_mla_backend", False):
+        problems.append("a hybrid MLA backend")
+    if int(getattr(server_args, "pp_size", 1) or 1) > 1:
+        problems.append(f"pipeline parallelism (--pp-size {server_args.pp_size})")
+    for name in ("attn_cp_size", "dcp_size"):
+        if int(getattr(server_args, name, 1) or 1) > 1:
+            problems.append(f"context parallelism ({name} {getattr(server_args, name)})")
+    if getattr(args, "host_kv_data_ptrs", None):
+        problems.append("host KV destinations")
+    if getattr(server_args, "disaggregation_decode_enable_offload_kvcache", False):
+        problems.append("decode KV offload")
+    layout = getattr(args, "kv_layout", None)
+    if layout not in (None, "nhd", "hnd", "NHD", "HND"):
+        problems.append(f"KV layout {layout!r}")
+    if problems:
+        raise UnsupportedSetup("kvferry transfer backend: unsupported SGLang set-up: " + "; ".join(problems)
+                               + ". Use --disaggregation-transfer-backend mooncake for it.")
+
+
+def torch_dtype_name(args) -> str:
+    """The pools' element type; ``uint8`` (head dims in bytes) when SGLang names none."""
+    import torch
+
+    text = str(getattr(args, "kv_cache_dtype_str", "") or "").removeprefix("torch.")
+    name = _DTYPES.get(text, text)
+    return name if name and isinstance(getattr(torch, name, None), torch.dtype) else "uint8"
+
+
+def device_of(server_args, args) -> str:
+    device = str(getattr(server_args, "device", "cpu") or "cpu")
+    if device.startswith("cuda") or device == "gpu":
+        return f"cuda:{int(getattr(args, 'gpu_id', 0) or 0)}"
+    return "cpu"
+
+
+def pools_from_kv_args(args, *, is_mla: bool, device: str = "cpu") -> list[MHAPool | MLAPool]:
+    """The target pool and, when SGLang appended draft entries, the draft pool."""
+    import torch
+
+    dtype = torch_dtype_name(args)
+    itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    ptrs, lens, items = list(args.kv_data_ptrs), list(args.kv_data_lens), list(args.kv_item_lens)
+    num_draft = int(getattr(args, "num_draft_entries", 0) or 0)
+    num_target = len(ptrs) - num_draft
+    if num_target <= 0:
+        raise UnsupportedSetup(f"KVArgs: {len(ptrs)} KV buffers, {num_draft} of them draft: no target pool")
+    layout = "hnd" if str(getattr(args, "kv_layout", "") or "").lower() == "hnd" else "nhd"
+    page_size = int(args.page_size)
+    common = dict(attention="mla" if is_mla else "mha", page_size=page_size, dtype=dtype, device=device,
+                  layout=layout if not is_mla else "nhd")
+    heads = total = 1
+    if not is_mla:
+        heads, total = int(args.kv_head_num), int(getattr(args, "total_kv_head_num", 0) or args.kv_head_num)
+    target = RawPool(addrs=ptrs[:num_target], nbytes=lens[:num_target], page_bytes=items[:num_target],
+                     num_kv_heads=heads, total_kv_heads=total, role=PoolRole.TARGET, **common)
+    pools = [pool_from_pointers(target)]
+    if num_draft:
+        draft_heads = draft_total = 1
+        if not is_mla:
+            head_dim = head_dim_of(items[0], page_size, heads, itemsize)
+            draft_heads = items[num_target] // (page_size * head_dim * itemsize)
+            if draft_heads < 1 or draft_heads * page_size * head_dim * itemsize != items[num_target]:
+                raise UnsupportedSetup(f"KVArgs: draft item size {items[num_target]} is not a whole number of "
+                                       f"heads of the target's head dim {head_dim}")
+            draft_total = max(draft_heads, draft_heads * total // heads)
+        draft = RawPool(addrs=ptrs[num_target:], nbytes=lens[num_target:], page_bytes=items[num_target:],
+                        num_kv_heads=draft_heads, total_kv_heads=draft_total, role=PoolRole.DRAFT, **common)
+        pools.append(pool_from_pointers(draft))
+    return pools
+
+
+@dataclass
+class AuxRows:
+    """SGLang's aux regions, packed per slot into one registered row.
+
+    ``pack(slot)`` copies slot ``slot`` of every region into the packed row
+    (prefill, before the last chunk); ``unpack(slot)`` copies it back out
+    (decode, after the room succeeded). Both run on the scheduler thread, for
+    a slot SGLang does not touch meanwhile."""
+
+    regions: list  # uint8 tensors [num_slots, item_bytes], views of SGLang's buffers
+    packed: object  # uint8 tensor [num_slots, sum(item_bytes)], registered with the engine
+
+    @classmethod
+    def from_kv_args(cls, args) -> "AuxRows | None":
+        import torch
+
+        ptrs = list(getattr(args, "aux_data_ptrs", None) or [])
+        if not ptrs:
+            return None
+        lens, items = list(args.aux_data_lens), list(args.aux_item_lens)
+        slots = {n // i for n, i in zip(lens, items)}
+        if len(slots) != 1 or any(n % i for n, i in zip(lens, items)):
+            raise UnsupportedSetup(f"KVArgs: aux regions of different slot counts ({sorted(slots)})")
+        num_slots = slots.pop()
+        regions = [wrap_pointer(p, n, "uint8").view(num_slots, i) for p, n, i in zip(ptrs, lens, items)]
+        packed = torch.zeros(num_slots, sum(items), dtype=torch.uint8)
+        return cls(regions, packed)
+
+    def pack(self, slot: int) -> None:
+        offset = 0
+        row = self.packed[slot]
+        for region in self.regions:
+            n = region.shape[1]
+            row[offset:offset + n].copy_(region[slot])
+            offset += n
+
+    def unpack(self, slot: int) -> None:
+        offset = 0
+        row = self.packed[slot]
+        for region in self.regions:
+            n = region.shape[1]
+            region[slot].copy_(row[offset:offset + n])
+            offset += n

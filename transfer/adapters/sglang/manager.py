@@ -1,0 +1,164 @@
+"""KvferryKVManager: SGLang's KV manager slot, one kvferry KVManager per rank."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+from typing import Optional
+
+from sglang.srt.disaggregation.base.conn import BaseKVManager
+
+from bootstrap.client import BootstrapClient
+from transfer.adapters.sglang.bootstrap import bind_host
+from transfer.adapters.sglang.kvargs import AuxRows, check_supported, device_of, pools_from_kv_args
+from transfer.adapters.sglang.stats import CountingTransport
+from transfer.config import Role, manager_config_from_env
+from transfer.errors import KVFerryError
+from transfer.manager import KVManager
+
+log = logging.getLogger("kvferry.sglang")
+
+#: the node id every SGLang prefill server registers under: each has its own
+#: bootstrap server, so the bootstrap address alone names the node.
+PREFILL_NODE = "sglang-prefill"
+_LOOKUP_TIMEOUT_S = 1.0  # try_ensure_parallel_info runs on the scheduler loop
+
+
+def parallel_ranks(args, server_args) -> tuple[int, int, int, int]:
+    """(tp_rank, tp_size, dp_rank, dp_size) of this rank's attention group."""
+    tp_size, dp_size = int(server_args.tp_size), int(getattr(server_args, "dp_size", 1) or 1)
+    rank = int(args.engine_rank)
+    if getattr(server_args, "enable_dp_attention", False) and dp_size > 1:
+        attn_tp = tp_size // dp_size
+        return rank % attn_tp, attn_tp, rank // attn_tp, dp_size
+    dp_rank = int(getattr(args, "system_dp_rank", 0) or 0)
+    return rank % tp_size, tp_size, dp_rank if dp_rank < dp_size else 0, dp_size
+
+
+def _engine_host(server_args) -> str:
+    host = bind_host(getattr(server_args, "host", None))
+    if host in ("0.0.0.0", "::"):
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect(("10.255.255.255", 1))  # no packet is sent: picks the outgoing interface
+                return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+    return host
+
+
+class KvferryKVManager(BaseKVManager):
+    """Builds kvferry pools from ``KVArgs`` and owns the rank's kvferry manager.
+
+    Refuses set-ups it cannot serve (:func:`.kvargs.check_supported`) before
+    it registers anything. On prefill the rank registers with the bootstrap
+    server at ``--host:--disaggregation-bootstrap-port``.
+
+    Deferred decode KV release: a kvferry decode room reports Failed only once
+    every prefill rank that may write into its pages confirmed it stopped (or
+    was found dead), so ``is_abort_release_safe`` is true exactly when this
+    rank's room is terminal.
+    """
+
+    enable_deferred_decode_kv_release = True
+    supports_deferred_decode_kv_release = True
+    supports_host_destination = False
+
+    def __init__(self, args, disaggregation_mode, server_args, is_mla_backend: Optional[bool] = False) -> None:
+        check_supported(args, server_args)
+        self.kv_args = args
+        self.server_args = server_args
+        self.is_mla_backend = bool(is_mla_backend)
+        self.disaggregation_mode = disaggregation_mode
+        mode = str(getattr(disaggregation_mode, "value", disaggregation_mode))
+        self.role = Role.PREFILL if mode == "prefill" else Role.DECODE
+        self.page_size = int(args.page_size)
+        tp_rank, tp_size, dp_rank, dp_size = parallel_ranks(args, server_args)
+        host = bind_host(getattr(server_args, "host", None))
+        config = manager_config_from_env(
+            self.role, tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank, dp_size=dp_size,
+            node_id=PREFILL_NODE if self.role is Role.PREFILL else "sglang-decode",
+            bootstrap_addr=f"{host}:{int(server_args.disaggregation_bootstrap_port)}",
+            **({} if _env_sets("host") else {"host": _engine_host(server_args)}), **_sglang_timeouts())
+        ib_device = getattr(args, "ib_device", None)
+        if ib_device and not config.engine.device_name:  # --disaggregation-ib-device, unless KVFERRY_DEVICE_NAME
+            config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, device_name=str(ib_device)))
+        self.aux = AuxRows.from_kv_args(args)
+        pools = pools_from_kv_args(args, is_mla=self.is_mla_backend, device=device_of(server_args, args))
+        self.core = KVManager(config, pools, aux=self.aux.packed if self.aux is not None else None)
+        self.transport = self.core.transport = CountingTransport(self.core.transport)
+        #: decode: bootstrap address -> SGLang's PrefillServerInfo (DP/TP sizes)
+        self.prefill_info_table: dict = {}
+        #: decode: room -> the live KvferryKVReceiver (deferred release)
+        self.receivers: dict = {}
+        log.info("kvferry %s rank tp %d/%d dp %d/%d ready", self.role.value, tp_rank, tp_size, dp_rank, dp_size)
+
+    # --- BaseKVManager --------------------------------------------------------------------
+    def register_to_bootstrap(self) -> None:
+        """kvferry's prefill ranks register when their manager starts and keep
+        re-registering; nothing to do here."""
+
+    # --- decode scheduler members outside the ABC -------------------------------------------
+    def prefill_topology(self, bootstrap_addr: str) -> tuple[int, int] | None:
+        """(dp_size, tp_size) of the prefill node at ``bootstrap_addr``, once
+        its DP group 0 registered; None if unknown yet. Blocks at most 1 s."""
+        try:
+            with BootstrapClient(bootstrap_addr, timeout_s=_LOOKUP_TIMEOUT_S,
+                                 secret=self.core.config.secret or None) as client:
+                reply = client.lookup(PREFILL_NODE, 0)
+        except KVFerryError as exc:
+            log.debug("prefill topology of %s not known yet: %s", bootstrap_addr, exc)
+            return None
+        if not reply.ready or reply.dp_size < 1:
+            return None
+        return reply.dp_size, reply.tp_size
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        if bootstrap_addr in self.prefill_info_table:
+            return True
+        topology = self.prefill_topology(bootstrap_addr)
+        if topology is None:
+            return False
+        from sglang.srt.disaggregation.common.conn import PrefillServerInfo
+
+        dp_size, tp_size = topology
+        self.prefill_info_table[bootstrap_addr] = PrefillServerInfo(
+            attn_tp_size=tp_size, attn_cp_size=1, dp_size=dp_size, pp_size=1, page_size=self.page_size,
+            kv_cache_dtype=getattr(self.kv_args, "kv_cache_dtype_str", None), follow_bootstrap_room=True)
+        return True
+
+    def is_abort_release_safe(self, room: int, required_acks: int = 0) -> bool:
+        receiver = self.receivers.get(room)
+        return receiver is None or receiver.is_abort_release_safe()
+
+    def clear_deferred_abort_state(self, room: int) -> None:
+        self.receivers.pop(room, None)
+
+    def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
+        info = self.prefill_info_table.get(bootstrap_addr)
+        return info is None or info.attn_tp_size == self.core.config.tp_size
+
+    def close(self) -> None:
+        self.core.close()
+
+
+def _sglang_timeouts() -> dict:
+    """SGLang's bootstrap and waiting timeouts (``SGLANG_DISAGGREGATION_*``),
+    unless the ``KVFERRY_*`` ones are set."""
+    from sglang.srt.environ import envs
+
+    out = {}
+    for field, name in (("bootstrap_timeout_s", "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"),
+                        ("transfer_timeout_s", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT")):
+        var = getattr(envs, name, None)
+        if var is not None and not _env_sets(field):
+            out[field] = float(var.get())
+    return out
+
+
+def _env_sets(field: str) -> bool:
+    """Whether the user set ``KVFERRY_<FIELD>`` (their value then wins)."""
+    from transfer.config import ManagerConfig
+
+    return getattr(manager_config_from_env(Role.DECODE), field) != getattr(ManagerConfig(role=Role.DECODE), field)

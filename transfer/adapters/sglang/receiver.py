@@ -1,0 +1,148 @@
+"""KvferryKVReceiver: SGLang's decode receiver slot over a kvferry KVReceiver.
+
+SGLang's call sequence: create (the request arrived with its bootstrap
+address and room), ``init(prefill_dp_rank)`` once the prefill DP rank is known
+(``KvferryKVManager.try_ensure_parallel_info`` resolves the node's DP/TP
+sizes), ``send_metadata`` with the decode pages of the part prefill sends, the
+aux slot and ``decode_prefix_len`` (tokens decode already holds), then ``poll``
+until Success (the aux row is unpacked into SGLang's regions before Success
+is returned) or Failed.
+
+Failure and page reuse: kvferry reports Failed only after every prefill rank
+that may still write into the room's pages stopped (drain and fence), so
+SGLang may free the pages at once. When SGLang fails the room because another
+rank failed (its MIN all-reduce) while this rank's room is live,
+``ensure_abort_notified`` aborts it here and ``is_abort_release_safe`` stays
+False until the drain ended: SGLang's deferred decode KV release
+(``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE``) waits for exactly that.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import List, Optional
+
+import numpy as np
+from sglang.srt.disaggregation.base.conn import BaseKVReceiver
+
+from transfer.adapters.sglang.manager import PREFILL_NODE
+from transfer.adapters.sglang.sender import FailedOnAnotherRank
+from transfer.errors import KVFerryError, StateError, TransferError
+from transfer.receiver import KVReceiver
+from transfer.state import KVPoll
+
+log = logging.getLogger("kvferry.sglang")
+
+
+class KvferryKVReceiver(BaseKVReceiver):
+    def __init__(self, mgr, bootstrap_addr: str, bootstrap_room: Optional[int] = None) -> None:
+        self.kv_mgr = mgr
+        self.bootstrap_addr = bootstrap_addr
+        self.bootstrap_room = int(bootstrap_room or 0)
+        self.conclude_state: Optional[KVPoll] = None
+        self.abort_notified = False
+        self.require_staging = False
+        self.bootstrap_infos: list = []
+        self._core: KVReceiver | None = None
+        self._error: BaseException | None = None
+        self._aux_index: int | None = None
+        self._unpacked = False
+
+    @property
+    def supports_host_destination(self) -> bool:
+        return False
+
+    # --- BaseKVReceiver ---------------------------------------------------------------
+    def init(self, prefill_dp_rank: int) -> None:
+        if self._core is not None or self.conclude_state is not None:
+            return
+        try:
+            self._core = KVReceiver(self.kv_mgr.core, self.bootstrap_addr, self.bootstrap_room,
+                                    prefill_node=PREFILL_NODE, prefill_dp_rank=int(prefill_dp_rank))
+        except KVFerryError as exc:
+            self._fail(exc)
+            return
+        self.kv_mgr.receivers[self.bootstrap_room] = self
+
+    def send_metadata(self, kv_indices, aux_index: Optional[int] = None, state_indices: Optional[List] = None,
+                      decode_prefix_len: Optional[int] = None, destination=None, **_unused) -> None:
+        if self.conclude_state is not None:
+            return
+        if self._core is None:
+            self._fail(StateError(f"room {self.bootstrap_room}: send_metadata() before init()"))
+            return
+        if state_indices and any(s is not None for s in state_indices):
+            self._fail(TransferError(f"room {self.bootstrap_room}: state indices given; kvferry does not move "
+                                     "state pools"))
+            return
+        if destination is not None and str(getattr(destination, "value", destination)) != "device":
+            self._fail(TransferError(f"room {self.bootstrap_room}: {destination} destinations are not supported"))
+            return
+        prefix_tokens = int(decode_prefix_len or 0)
+        if prefix_tokens % self.kv_mgr.page_size:
+            self._fail(TransferError(f"room {self.bootstrap_room}: decode prefix of {prefix_tokens} tokens is not "
+                                     f"whole pages of {self.kv_mgr.page_size}"))
+            return
+        prefix_pages = prefix_tokens // self.kv_mgr.page_size
+        pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
+        # Placeholders for the pages decode holds: never written (skip_pages).
+        pages = np.concatenate([np.zeros(prefix_pages, dtype=np.int64), pages])
+        self._aux_index = aux_index
+        self._core._skip = prefix_pages  # core: KVReceiver.init(..., skip_pages=prefix_pages)
+        try:
+            self._core.init(pages, aux_index)
+        except KVFerryError as exc:
+            self._fail(exc)
+
+    def poll(self) -> KVPoll:
+        if self.conclude_state is not None:
+            return self.conclude_state
+        if self._core is None:
+            return KVPoll.Bootstrapping
+        state = self._core.poll()
+        if state is KVPoll.Success:
+            if not self._unpacked and self._aux_index is not None and self.kv_mgr.aux is not None:
+                self.kv_mgr.aux.unpack(self._aux_index)
+            self._unpacked = True
+            self.conclude_state = state
+        elif state is KVPoll.Failed:
+            self.conclude_state = state
+        return state
+
+    def failure_exception(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._core is not None and self._core.poll() is KVPoll.Failed:
+            self._core.failure_exception()
+        raise FailedOnAnotherRank(f"room {self.bootstrap_room}: failed on another rank")
+
+    def abort(self) -> None:
+        self.abort_notified = True
+        if self._core is not None:
+            self._core.abort()
+        else:
+            self.conclude_state = KVPoll.Failed
+
+    def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
+        """SGLang failed the room (maybe for another rank): stop this rank's
+        prefill writers; the pages are safe once ``is_abort_release_safe``."""
+        if self._core is not None and self._core.poll() not in (KVPoll.Success, KVPoll.Failed):
+            self.abort()
+
+    def is_abort_release_safe(self) -> bool:
+        """No prefill rank can write into this room's pages any more."""
+        return self._core is None or not self._core.ranks_writing() and \
+            self._core.poll() in (KVPoll.Success, KVPoll.Failed)
+
+    def clear(self) -> None:
+        if self.kv_mgr.receivers.get(self.bootstrap_room) is self:
+            del self.kv_mgr.receivers[self.bootstrap_room]
+
+    def _fail(self, error: BaseException) -> None:
+        log.warning("kvferry receiver room %s failed: %s", self.bootstrap_room, error)
+        if self._error is None:
+            self._error = error
+        if self._core is not None and self._core.poll() not in (KVPoll.Success, KVPoll.Failed):
+            self._core.abort(str(error))
+        else:
+            self.conclude_state = KVPoll.Failed

@@ -1,0 +1,162 @@
+"""KvferryKVSender: SGLang's prefill sender slot over a kvferry KVSender.
+
+SGLang's call sequence: create (when the request is scheduled), ``poll`` until
+WaitingForInput (every decode rank's request arrived), ``pop_decode_prefix_len``
+(tokens decode already holds: SGLang then sends only what follows), ``init``
+with the page count of that suffix and the aux slot, ``send`` per chunk (no
+last flag: the chunk that completes the page count is the last; an empty one
+works), ``poll`` until Success or Failed.
+
+Decode's prefix maps onto kvferry's "decode holds the leading N pages"
+request field: decode adds N placeholder pages before its suffix pages and
+asks for the skip; here ``init`` counts them and the first ``send`` puts N
+placeholders before its pages. kvferry never reads or writes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import List, Optional
+
+import numpy as np
+from sglang.srt.disaggregation.base.conn import BaseKVSender, KVTransferMetric
+
+from transfer.errors import KVFerryError, StateError, TransferError
+from transfer.sender import KVSender
+from transfer.state import KVPoll
+
+log = logging.getLogger("kvferry.sglang")
+
+
+class FailedOnAnotherRank(TransferError):
+    """SGLang's MIN all-reduce failed the room because another rank failed."""
+
+    is_from_another_rank = True
+
+
+class KvferryKVSender(BaseKVSender):
+    def __init__(self, mgr, bootstrap_addr: str, bootstrap_room: int,
+                 req_has_disagg_prefill_dp_rank: bool = False) -> None:
+        self.kv_mgr = mgr
+        self.bootstrap_room = int(bootstrap_room)
+        self.bootstrap_server_url = bootstrap_addr
+        self.conclude_state: Optional[KVPoll] = None
+        self._error: BaseException | None = None
+        self._num_pages: int | None = None
+        self._aux_index: int | None = None
+        self._prefix_pages = 0
+        self._num_sent = 0
+        self._last_sent = False
+        self._started_s: float | None = None
+        self._latency_s: float | None = None
+        try:
+            self._core = KVSender(mgr.core, bootstrap_addr, self.bootstrap_room)
+        except KVFerryError as exc:  # a live sender holds the room id, or the manager closed
+            self._core = None
+            self._fail(exc)
+
+    # --- BaseKVSender -----------------------------------------------------------------
+    def pop_decode_prefix_len(self) -> int:
+        """Tokens decode already holds (page-aligned): the leading pages its
+        requests asked kvferry to skip. Called once every request arrived."""
+        if self._core is None:
+            return 0
+        skips = {r.skip_pages for r in self._core._requests}  # core: KVSender.decode_prefix_pages
+        if len(skips) > 1:
+            self._fail(StateError(f"room {self.bootstrap_room}: decode ranks hold different prefixes {sorted(skips)}"))
+            return 0
+        self._prefix_pages = skips.pop() if skips else 0
+        return self._prefix_pages * self.kv_mgr.page_size
+
+    def init(self, num_kv_indices: int, aux_index: Optional[int] = None) -> None:
+        self._num_pages, self._aux_index = int(num_kv_indices), aux_index
+        if self._core is None or self.conclude_state is not None:
+            return
+        try:
+            self._core.init(self._prefix_pages + self._num_pages, aux_index)
+        except KVFerryError as exc:
+            self._fail(exc)
+
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        return num_pages > 0 or last_chunk  # an empty last chunk still ends the room
+
+    def send(self, kv_indices, state_indices: Optional[List] = None, num_kv_tokens: Optional[int] = None,
+             **_unused) -> None:
+        if self.conclude_state is not None or self._core is None or self._last_sent:
+            return
+        if self._num_pages is None:
+            self._fail(StateError(f"room {self.bootstrap_room}: send() before init()"))
+            return
+        if state_indices and any(s is not None for s in state_indices):
+            self._fail(TransferError(f"room {self.bootstrap_room}: state indices given; kvferry does not move "
+                                     "state pools"))
+            return
+        pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
+        if self._num_sent == 0 and self._prefix_pages:
+            pages = np.concatenate([np.zeros(self._prefix_pages, dtype=np.int64), pages])
+        self._num_sent += int(np.asarray(kv_indices).size)
+        last = self._num_sent >= self._num_pages
+        if self._num_sent > self._num_pages:
+            self._fail(TransferError(f"room {self.bootstrap_room}: {self._num_sent} pages sent, more than the "
+                                     f"{self._num_pages} of init()"))
+            return
+        if self._started_s is None:
+            self._started_s = time.perf_counter()
+        if last:
+            self._last_sent = True
+            if self._aux_index is not None and self.kv_mgr.aux is not None:
+                self.kv_mgr.aux.pack(self._aux_index)  # SGLang wrote the row right before this call
+        try:
+            self._core.send(pages, last=last)
+        except KVFerryError as exc:
+            self._fail(exc)
+
+    def poll(self) -> KVPoll:
+        if self.conclude_state is not None:
+            return self.conclude_state
+        state = self._core.poll()
+        if state in (KVPoll.Success, KVPoll.Failed):
+            self.conclude_state = state
+            if state is KVPoll.Success and self._started_s is not None:
+                self._latency_s = time.perf_counter() - self._started_s
+        return state
+
+    def poll_pp_consensus(self) -> KVPoll:
+        return self.poll()
+
+    def failure_exception(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._core is not None and self._core.poll() is KVPoll.Failed:
+            self._core.failure_exception()
+        raise FailedOnAnotherRank(f"room {self.bootstrap_room}: failed on another rank")
+
+    def abort(self) -> None:
+        if self._core is not None:
+            self._core.abort()
+        else:
+            self.conclude_state = KVPoll.Failed
+
+    def clear(self) -> None:
+        pass
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        stats = self.transfer_stats()
+        return KVTransferMetric(transfer_latency_s=self._latency_s, transfer_total_bytes=stats.bytes)
+
+    # --- kvferry extras ----------------------------------------------------------------
+    def transfer_stats(self):
+        """Bytes, descriptors and submits of this room (see :mod:`.stats`)."""
+        from transfer.adapters.sglang.stats import RoomStats
+
+        return self.kv_mgr.transport.stats(self._core) if self._core is not None else RoomStats()
+
+    def _fail(self, error: BaseException) -> None:
+        log.warning("kvferry sender room %s failed: %s", self.bootstrap_room, error)
+        if self._error is None:
+            self._error = error
+        if self._core is not None and self._core.poll() not in (KVPoll.Success, KVPoll.Failed):
+            self._core.abort(str(error))
+        else:
+            self.conclude_state = KVPoll.Failed
