@@ -161,7 +161,8 @@ class KVSender:
                 return
             if isinstance(msg, RoomAbort):
                 # An abort of a request not here yet is for the request that
-                # session would send (the table took it from a handshaken peer).
+                # session would send (the table took it from a handshaken peer,
+                # or one whose handshake was refused for its layout).
                 if msg.request_id in [r.request_id for r in self._requests] or (
                         self.awaiting_requests and msg.session not in [r.decode_session for r in self._requests]):
                     self.fail(PeerError(f"{self._state.where}: decode aborted the room: {msg.reason}"))

@@ -235,3 +235,16 @@ def test_the_identity_rule():
     assert identity_problem("10.0.0.2:7", "10.0.0.2", **rule) == ""
     assert identity_problem("10.0.0.2:7", "10.0.0.9", **{**rule, "check_host": False}) == ""
     assert identity_problem("10.0.0.2:7", "", **rule) == ""  # a channel that cannot tell
+
+
+def test_an_incompatible_decode_rank_fails_the_prefill_room_too_naming_the_field(cluster):
+    """Refused for its layout, a decode rank is no outsider: its abort of a
+    room that awaits it is taken, and prefill learns the field at once."""
+    prefill, decode = cluster.rank(Role.PREFILL), cluster.rank(Role.DECODE, page_size=8)
+    sender = KVSender(prefill.mgr, None, 16)
+    receiver = KVReceiver(decode.mgr, prefill.mgr.config.bootstrap_addr, 16)
+    receiver.init(random_pages(np.random.default_rng(18), 3), 2)
+    took = wait_until(prefill.mgr, lambda: sender.poll() is KVPoll.Failed, what="prefill told")
+    assert took < 1.0 and receiver.poll() is KVPoll.Failed
+    with pytest.raises(PeerError, match="page_size"):
+        sender.failure_exception()

@@ -289,9 +289,20 @@ class LinkResolver:
     def _route(self, link: Link, ranks: tuple[RankInfo, ...]) -> None:
         local = self.ctx.rank
         link.ranks = ranks  # known before the check, so a failure can reach every rank
+        hello = PeerHello(rank=local, allow_missing_draft=self.ctx.config.allow_missing_draft)
         for r in ranks:
-            check_compatible(local, r, local_is_prefill=False,
-                             allow_missing_draft=self.ctx.config.allow_missing_draft)
+            try:
+                check_compatible(local, r, local_is_prefill=False,
+                                 allow_missing_draft=self.ctx.config.allow_missing_draft)
+            except IncompatibleLayoutError:
+                # Introduce this rank anyway: prefill finds the same field, and
+                # then takes this rank's abort of the rooms that await it.
+                for q in ranks:
+                    try:
+                        self.ctx.channel.send(q.control_endpoint, hello)
+                    except KVFerryError as exc:
+                        log.debug("hello to %s not sent: %s", q.control_endpoint, exc)
+                raise
         prefill_tp, decode_tp = ranks[0].tp_size, local.tp_size
         shapes = tuple(
             tp.PoolShape(role=p.role, is_mla=p.attention is AttentionKind.MLA, total_heads=p.total_kv_heads)

@@ -10,7 +10,9 @@ dropped; a request for a room that already has one from the same decode TP
 rank, or all it expects, is refused at once (that receiver gets
 ``RoomStatus(FAILED)``, the room goes on); a request seen before is
 dropped; an abort whose request id the room does not know is taken only
-from a handshaken decode rank whose request the room still awaits. Each is
+from a decode rank that handshook (or whose handshake was refused for an
+incompatible layout: prefill then learns why) and whose request the room
+still awaits. Each is
 counted (``num_*`` below); none fails a room that others own."""
 
 from __future__ import annotations
@@ -72,6 +74,10 @@ class PrefillRooms:
         self.ctx = ctx
         self.peers: dict[str, RankInfo] = {}  # decode session -> its rank info
         self._origins: dict[str, str] = {}  # decode session -> where its hello came from
+        # Decode sessions whose hello was refused for an incompatible layout
+        # (-> origin): their aborts may still end rooms that await them, so
+        # that prefill learns why the decode side gave up.
+        self._incompatible: collections.OrderedDict[str, str] = collections.OrderedDict()
         #: transfer sessions of this node's prefill ranks (from the bootstrap
         #: server; set by the manager), which no decode peer may declare
         self.prefill_sessions: frozenset[str] = frozenset()
@@ -124,7 +130,8 @@ class PrefillRooms:
             else:
                 known = sender.requests if sender is not None else \
                     [m for _, m in self._early.get(msg.room, ()) if isinstance(m, TransferRequest)]
-                if msg.request_id not in [r.request_id for r in known] and not self.is_peer(msg.session, origin):
+                if msg.request_id not in [r.request_id for r in known] and not self.is_peer(msg.session, origin) \
+                        and not self._incompatible_peer(msg.session, origin):
                     self.num_refused_aborts += 1
                     log.info("%s: ignored an abort of room %d from %s (%s)", self.ctx.where, msg.room,
                              msg.session or "an unnamed session", origin or "?")
@@ -144,6 +151,10 @@ class PrefillRooms:
             return False
         seen = self._origins.get(session, "")
         return not (self.ctx.config.check_peer_host and origin and seen and origin != seen)
+
+    def _incompatible_peer(self, session: str, origin: str) -> bool:
+        seen = self._incompatible.get(session)
+        return seen is not None and not (self.ctx.config.check_peer_host and origin and seen and origin != seen)
 
     def refuse_request(self, req: TransferRequest, reason: str) -> None:
         """Refuse one decode request at once (a duplicate receiver of a live
@@ -242,6 +253,10 @@ class PrefillRooms:
                              allow_missing_draft=hello.allow_missing_draft)
         except IncompatibleLayoutError as exc:
             log.error("%s: refused decode rank %s: %s", self.ctx.where, session, exc)
+            with self.ctx.lock:
+                self._incompatible[session] = origin
+                while len(self._incompatible) > _EARLY_ROOMS:
+                    self._incompatible.popitem(last=False)
             reply = PeerHelloReply(session=self.ctx.rank.session, ok=False, field=exc.field,
                                    reason=f"{self.ctx.where}: {exc}")
         else:
