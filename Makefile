@@ -15,7 +15,7 @@ NIXL_VERSION ?= 1.5.1
 MOONCAKE_PKG ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo mooncake-transfer-engine || echo mooncake-transfer-engine-non-cuda)
 STAMP := $(VENV)/.kvferry-setup
 
-.PHONY: setup demo demo-load test test-engines bench clean debian-libs
+.PHONY: setup demo demo-load test test-engines scale bench clean debian-libs
 
 setup: $(STAMP)
 
@@ -55,13 +55,18 @@ demo-load: setup
 test: setup
 	$(PY) -m pytest -q
 
+# Thousands of rooms and 20 ranks in real processes, every byte checked; CPU,
+# memory, threads and descriptors per role (JSON in scale.json). See docs/scale.md.
+scale: setup
+	$(PY) -m harness.scale --json scale.json
+
 bench: setup
 	$(PY) -m benchmarks
 	$(PY) -m benchmarks --storage
 
-# The serving engines' own environments and tests (mk/*.mk): real SGLang
-# classes driving kvferry across processes. Never part of `make test`.
-test-engines: test-sglang
+# The serving engines' own environments and tests (mk/*.mk): real vLLM servers,
+# and SGLang's own classes driving kvferry across processes. Never part of `make test`.
+test-engines: test-sglang test-vllm
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

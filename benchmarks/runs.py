@@ -77,6 +77,8 @@ def run_kvferry(w: Workload, decode, link: Link) -> dict:
     return row(w, "kvferry", nbytes, seconds, [x for d in dec for x in d["latencies_ms"]],
                sum(p["descriptors"] for p in pre) / rooms,
                control_msgs_per_request=round(sum(r.result["control_msgs"] for r in runs) / rooms, 2),
+               polls_per_request=round(sum(r.result.get("polls", 0) for r in runs) / rooms, 2),
+               polls_if_all_per_request=round(sum(r.result.get("polls_if_all", 0) for r in runs) / rooms, 2),
                cpu_s_per_gb=round(cpu / (nbytes / 1e9), 3) if nbytes else None)
 
 

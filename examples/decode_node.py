@@ -87,9 +87,12 @@ def _receive(args, requests: list[Request], pools: RankPools, aux: torch.Tensor)
             live[r.room] = _Room(r, receiver, pages, time.monotonic())
         # Each room is bounded by bootstrap_timeout_s and transfer_timeout_s; this is a backstop.
         deadline = Deadline(2 * args.timeout_s + 10)
+        mark, todo = mgr.progress, list(live)
         while live and not deadline.passed:
-            seen = mgr.progress
-            for room, r in list(live.items()):
+            for room in todo:  # the rooms that changed: one poll() each, not every live room
+                r = live.get(room)
+                if r is None:
+                    continue
                 state = r.receiver.poll()
                 if not r.transferring_at and state in (KVPoll.Transferring, KVPoll.Success):
                     r.transferring_at = time.monotonic()
@@ -104,7 +107,9 @@ def _receive(args, requests: list[Request], pools: RankPools, aux: torch.Tensor)
                 if state in (KVPoll.Success, KVPoll.Failed):
                     del live[room]
             if live:
-                mgr.wait_for_progress(seen, 0.05)
+                mgr.wait_for_progress(mark, 0.05)
+            mark, changed = mgr.changed_rooms(mark)  # None: fell behind, poll them all
+            todo = list(live) if changed is None else {c.room for c, _ in changed}
         for room, r in live.items():
             r.receiver.abort(f"no Success within {deadline.seconds:g} s")
             summary.failed.append([room, f"no Success within {deadline.seconds:g} s"])

@@ -33,9 +33,14 @@ def prefill_loop(mgr, bootstrap, pages, aux_slot):
 def decode_loop(mgr, bootstrap, pages, aux_slot):
     receiver = KVReceiver(mgr, bootstrap, ROOM)
     receiver.init(pages, aux_index=aux_slot)  # may come before bootstrapping is done
-    seen = mgr.progress
+    mark = mgr.progress
     while receiver.poll() not in DONE:
-        seen = mgr.wait_for_progress(seen, timeout_s=1.0)
+        mgr.wait_for_progress(mark, timeout_s=1.0)
+        # Which rooms moved since the mark, and to what (None: fell behind, poll them all):
+        # a scheduler with thousands of live rooms polls only these.
+        mark, changed = mgr.changed_rooms(mark)
+        for room, state in changed or []:
+            print(f"decode room {room.room}: {state.name}")
     receiver.failure_exception()
 
 

@@ -85,9 +85,13 @@ class _PrefillRank:
         # Each room is bounded by the engine (bootstrap_timeout_s while waiting
         # for the decode node, then the transfer); this is a backstop.
         deadline = Deadline(2 * self.args.timeout_s + 10)
+        mark, todo = self.mgr.progress, set(live)
         while live and not deadline.passed:
-            seen = self.mgr.progress
-            for room, r in list(live.items()):
+            delayed = set()  # rooms held back by --send-delay-s: visited again without a change
+            for room in todo:  # the rooms that changed: one poll() each, not every live room
+                r = live.get(room)
+                if r is None:
+                    continue
                 state = r.sender.poll()
                 if state is KVPoll.WaitingForInput and r.asked_at is None:
                     r.asked_at = time.monotonic()
@@ -100,6 +104,8 @@ class _PrefillRank:
                     r.sender.init(len(r.pages), r.request.aux_slot, token_ids=r.request.prompt)
                     r.sender.send(r.pages, last=True)
                     r.sent_at = time.monotonic()
+                elif state is KVPoll.WaitingForInput and r.sent_at is None:
+                    delayed.add(room)
                 elif state is KVPoll.Success:
                     print(f"{self.where}: room {room} sent: {r.request.prompt_tokens} tokens in {len(r.pages)} "
                           f"pages, {(time.monotonic() - r.sent_at) * 1e3:.1f} ms from send to Success", flush=True)
@@ -110,7 +116,9 @@ class _PrefillRank:
                     self.alloc.free(r.pages)
                     del live[room]
             if live:
-                self.mgr.wait_for_progress(seen, 0.05)  # also wakes for --send-delay-s
+                self.mgr.wait_for_progress(mark, 0.05)  # also wakes for --send-delay-s
+            mark, changed = self.mgr.changed_rooms(mark)  # None: fell behind, poll them all
+            todo = set(live) if changed is None else {c.room for c, _ in changed} | delayed
         for room, r in live.items():
             r.sender.abort(f"no Success within {deadline.seconds:g} s")
             summary.failed.append([room, f"no Success within {deadline.seconds:g} s"])

@@ -209,6 +209,8 @@ class Result:
     descriptors: int = 0
     cpu_s: float = 0.0  # process CPU time over the measured window
     control_msgs: int = 0  # control messages this rank received
+    polls: int = 0  # poll() calls of the scheduler loop (it polls only rooms that changed)
+    polls_if_all: int = 0  # what polling every live room on each iteration would have cost
 
 
 def _manager(spec: Spec, role: Role, rank: int, dp_rank: int, pools, aux) -> KVManager:
@@ -260,16 +262,23 @@ def run_prefill(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
         rooms = [r for r in _rooms(spec) if dp_group(spec, r) == dp_rank]
         live: dict[int, tuple[KVSender, list | None, int]] = {}
         window = _Window(spec)
+        mark, todo = mgr.progress, set()
         while rooms or live:
-            seen, busy = mgr.progress, False
+            busy, sending = False, set()  # sending: rooms with chunks left, visited every round
             while rooms and len(live) < spec.concurrency:
                 room = rooms.pop(0)
                 window.room_started(room)
                 slot = room % spec.aux_slots
                 aux[slot] = torch.frombuffer(bytearray(aux_row(spec, room)), dtype=torch.uint8)
                 live[room] = (KVSender(mgr, spec.bootstrap, room), None, slot)
-            for room, (sender, chunks, slot) in list(live.items()):
+                todo.add(room)
+            res.polls_if_all += len(live)
+            for room in todo:  # new rooms, rooms that changed and rooms still sending: not every live room
+                if room not in live:
+                    continue
+                sender, chunks, slot = live[room]
                 state = sender.poll()
+                res.polls += 1
                 if state is KVPoll.WaitingForInput and chunks is None:
                     pages, sizes = room_plan(spec, room)
                     sender.init(len(pages), slot)
@@ -282,6 +291,8 @@ def run_prefill(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
                         sender.send(pages[off:off + n], last=not sizes)
                         chunks[2] = off + n
                     busy = busy or bool(sizes)
+                    if sizes:
+                        sending.add(room)
                 if state in (KVPoll.Success, KVPoll.Failed):
                     _count(res, room, sender, state)
                     del live[room]
@@ -289,7 +300,9 @@ def run_prefill(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
             # Like a scheduler's idle loop: wake on any room's change of state
             # (a sleep-poll loop costs a fifth of a core on this VM).
             if not busy:
-                mgr.wait_for_progress(seen, 0.005)
+                mgr.wait_for_progress(mark, 0.005)
+            mark, changed = mgr.changed_rooms(mark)  # None: fell behind, visit every room
+            todo = set(live) if changed is None else {s.room for s, _ in changed} | sending
         res.elapsed_s, res.cpu_s = window.close()
         res.descriptors = mgr.transport.num_descriptors
         res.bytes = mgr.transport.num_bytes
@@ -317,8 +330,9 @@ def run_decode(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
         rooms = _rooms(spec)
         live: dict[int, tuple[KVReceiver, list[int], float, int]] = {}
         window = _Window(spec)
+        mark, todo = mgr.progress, set()
         while rooms or live:
-            seen, busy = mgr.progress, False
+            busy = False
             while rooms and len(live) < spec.concurrency:
                 room = rooms[0]
                 n = len(room_plan(spec, room)[0])
@@ -334,8 +348,14 @@ def run_decode(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
                 slot = (room * 7) % spec.aux_slots
                 receiver.init(dst, slot)
                 live[room] = (receiver, dst, time.monotonic(), slot)
-            for room, (receiver, dst, started, slot) in list(live.items()):
+                todo.add(room)
+            res.polls_if_all += len(live)
+            for room in todo:  # new rooms and rooms that changed, not every live room
+                if room not in live:
+                    continue
+                receiver, dst, started, slot = live[room]
                 state = receiver.poll()
+                res.polls += 1
                 if state not in (KVPoll.Success, KVPoll.Failed):
                     continue
                 if _count(res, room, receiver, state):
@@ -348,7 +368,9 @@ def run_decode(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
                 del live[room]
                 busy = busy or bool(rooms)  # a slot freed: start the next room now
             if not busy:
-                mgr.wait_for_progress(seen, 0.005)
+                mgr.wait_for_progress(mark, 0.005)
+            mark, changed = mgr.changed_rooms(mark)  # None: fell behind, visit every room
+            todo = set(live) if changed is None else {r.room for r, _ in changed}
         res.elapsed_s, res.cpu_s = window.close()
         res.control_msgs = mgr.channel.num_received
         for (role, c, l), before in canary_bytes.items():

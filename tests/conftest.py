@@ -1,7 +1,7 @@
 """Engine conformance tests (tests/engines/<engine>) run only where the engine is
-installed: `make test-sglang` builds SGLang's own virtual environment; `make test`
-stays free of it."""
+installed: `make test-engines` builds each engine's own virtual environment
+(mk/*.mk); `make test` stays free of them."""
 
 import importlib.util
 
-collect_ignore = [f"engines/{engine}" for engine in ("sglang",) if importlib.util.find_spec(engine) is None]
+collect_ignore = [f"engines/{engine}" for engine in ("sglang", "vllm") if importlib.util.find_spec(engine) is None]

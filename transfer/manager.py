@@ -14,6 +14,7 @@ import torch
 
 from bootstrap.client import BootstrapClient
 from bootstrap.messages import RankInfo, StagingDescriptor
+from transfer.changes import ChangeLog
 from transfer.config import ManagerConfig, Role
 from transfer.control.base import ChannelFactory, ControlChannel
 from transfer.control.zmq_channel import zmq_channel
@@ -36,6 +37,10 @@ log = logging.getLogger("kvferry.manager")
 # node's sessions up again every this many re-registrations (a sibling that
 # restarted has a new session); until then at every one.
 _LEARN_EVERY = 10
+
+#: How often the liveness thread polls every live room, so that timeouts
+#: become state changes (and reach ``changed_rooms``) without a scheduler poll.
+_SWEEP_INTERVAL_S = 0.5
 
 
 class KVManager:
@@ -92,7 +97,8 @@ class KVManager:
             staging_mem = StagingMemory(self.staging, StagingArea(config.staging_bytes), buffers)
         self._lock = threading.RLock()
         self._progress = threading.Condition(self._lock)
-        self._generation = 0
+        self._changes = ChangeLog()
+        self._next_sweep = 0.0
         self._closed = False
         self._stop = threading.Event()
         self.liveness = Liveness(config.heartbeat_interval_s, config.peer_timeout_s)
@@ -252,6 +258,9 @@ class KVManager:
                                 self.config.peer_timeout_s)
                     self.rooms.peer_lost(session, self.config.peer_timeout_s)
                     self.channel.forget(watched[session])
+                if now >= self._next_sweep:  # timeouts fire here, not only when a scheduler polls
+                    self._next_sweep = now + _SWEEP_INTERVAL_S
+                    self.rooms.expire()
             except Exception:  # the watcher must outlive any one round
                 log.exception("%s: liveness round failed", self.where)
 
@@ -277,23 +286,41 @@ class KVManager:
         with self._lock:
             self.liveness.heard(session, time.monotonic())
 
-    def _changed(self) -> None:
-        """A room changed state (called with the lock held)."""
-        self._generation += 1
+    def _changed(self, room=None, state=None) -> None:
+        """``room`` (a sender or receiver; None: some room) changed to
+        ``state`` (called with the lock held)."""
+        self._changes.record(room, state)
         self._progress.notify_all()
 
     @property
     def progress(self) -> int:
-        """A counter that grows whenever any room of this manager changes state."""
-        return self._generation
+        """A mark that grows by one whenever any room of this manager changes state."""
+        return self._changes.progress
+
+    def changed_rooms(self, since: int) -> tuple[int, list | None]:
+        """``(progress, changes)``: the rooms that changed state after the
+        mark ``since`` (a ``progress`` value), as ``(room, state)`` pairs
+        oldest first (``room`` is the KVSender or KVReceiver; a room may
+        appear more than once; ``state`` is what it changed to, call its
+        ``poll()`` for what it is now). ``changes`` is None when the caller
+        fell more than 65,536 changes behind: poll every room then. Cost:
+        O(changes returned); never blocks beyond the manager's lock. Each
+        scheduler loop keeps its own mark; nothing is consumed.
+
+        Every state change is in the log, timeouts included: the manager's
+        liveness thread polls live rooms every ``_SWEEP_INTERVAL_S``, so a
+        scheduler that polls only changed rooms still sees them fail."""
+        with self._lock:
+            return self._changes.since(since)
 
     def wait_for_progress(self, seen: int, timeout_s: float) -> int:
         """Block until ``progress`` exceeds ``seen`` or ``timeout_s`` passed;
         returns ``progress``. For scheduler loops that would otherwise
-        sleep-poll: take ``progress``, poll every room, then wait on it."""
+        sleep-poll: ``mark, changed = changed_rooms(mark)``, handle those
+        rooms, then ``wait_for_progress(mark, ...)``."""
         with self._progress:
-            self._progress.wait_for(lambda: self._generation > seen, timeout_s)
-            return self._generation
+            self._progress.wait_for(lambda: self._changes.progress > seen, timeout_s)
+            return self._changes.progress
 
     def check_open(self) -> None:
         if self._closed:

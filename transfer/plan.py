@@ -243,3 +243,67 @@ def coalesce(plan: TransferPlan) -> TransferPlan:
         return plan
     starts = np.flatnonzero(np.concatenate(([True], ~joins)))
     return TransferPlan(s[starts], d[starts], np.add.reduceat(n, starts))
+
+
+@dataclass(frozen=True)
+class StridedPages:
+    """Head-major fused pages with an explicit page stride (vLLM's layouts).
+
+    Page ``p`` of layer ``l`` starts at ``layer_addrs[l] + p *
+    page_stride_bytes`` and holds ``num_heads`` head blocks of
+    ``head_block_bytes`` each, one after another (a head's K and V together,
+    as vLLM's CPU backend keeps them). Per-layer buffers (``LBHNC``) have a
+    stride of one page; cross-layer blocks (``BLHNC``: every layer's page of
+    block ``p`` side by side) have ``layer_addrs[l] = base + l * page_bytes``
+    and a stride of ``num_layers * page_bytes``.
+    """
+
+    layer_addrs: tuple[int, ...]
+    num_pages: int
+    page_stride_bytes: int
+    num_heads: int
+    head_block_bytes: int
+
+    def __post_init__(self) -> None:
+        if not self.layer_addrs or self.num_pages < 1 or self.num_heads < 1 or self.head_block_bytes < 1:
+            raise ValueError("StridedPages: need layers, pages, heads and head bytes")
+        if self.page_stride_bytes < self.page_bytes:
+            raise ValueError(f"StridedPages: page stride {self.page_stride_bytes} below the page's "
+                             f"{self.page_bytes} bytes")
+
+    @property
+    def page_bytes(self) -> int:
+        return self.num_heads * self.head_block_bytes
+
+
+def plan_strided(src: StridedPages, dst: StridedPages, src_pages, dst_pages, *, src_head_offset: int = 0,
+                 dst_head_offset: int = 0, num_heads: int | None = None) -> TransferPlan:
+    """Plan moving pages (or a head slice of each page, for heterogeneous TP)
+    between two strided layouts, layer by layer; the layouts may differ in
+    stride (cross-layer to per-layer is a plan like any other)."""
+    src_pages = np.asarray(src_pages, dtype=np.int64).reshape(-1)
+    dst_pages = np.asarray(dst_pages, dtype=np.int64).reshape(-1)
+    if len(src.layer_addrs) != len(dst.layer_addrs) or src.head_block_bytes != dst.head_block_bytes:
+        raise ValueError("strided pages: layer counts and head block bytes must match")
+    check_pages(src_pages, src.num_pages, "strided pages (source)")
+    check_pages(dst_pages, dst.num_pages, "strided pages (destination)")
+    heads = src.num_heads if num_heads is None else num_heads
+    if heads < 1 or min(src_head_offset, dst_head_offset) < 0 or src_head_offset + heads > src.num_heads \
+            or dst_head_offset + heads > dst.num_heads:
+        raise ValueError(f"strided pages: head slice of {heads} at {src_head_offset} -> {dst_head_offset} outside "
+                         f"{src.num_heads} -> {dst.num_heads} heads")
+    runs = page_runs(src_pages, dst_pages)
+    if runs.lengths.size == 0:
+        return TransferPlan.empty()
+    src_p, dst_p = _expand_runs(runs)
+    src_off = src_p * src.page_stride_bytes + src_head_offset * src.head_block_bytes
+    dst_off = dst_p * dst.page_stride_bytes + dst_head_offset * dst.head_block_bytes
+    lengths = np.full(src_p.size, heads * src.head_block_bytes, dtype=np.int64)
+    src_b = np.asarray(src.layer_addrs, dtype=_U64)[:, None]
+    dst_b = np.asarray(dst.layer_addrs, dtype=_U64)[:, None]
+    n = len(src.layer_addrs)
+    return coalesce(TransferPlan(
+        (src_b + src_off.astype(_U64)[None, :]).ravel(),
+        (dst_b + dst_off.astype(_U64)[None, :]).ravel(),
+        np.broadcast_to(lengths.astype(_U64), (n, lengths.size)).ravel().copy(),
+    ))

@@ -66,7 +66,8 @@ class KVReceiver:
         self.bootstrap_addr = bootstrap_addr
         self.prefill_node = prefill_node or ctx.config.node_id
         self.prefill_dp_rank = prefill_dp_rank
-        self._phases = DecodePhases(f"{ctx.where} room {self.room}", on_change=ctx.changed)
+        self._phases = DecodePhases(f"{ctx.where} room {self.room}",
+                                   on_change=lambda: ctx.changed(self, self._phases.poll))
         self._created = time.monotonic()
         self._link: Link | None = None
         self._pages: np.ndarray | None = None  # decode page ids, request order, and the aux slot: from init()

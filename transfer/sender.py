@@ -42,7 +42,7 @@ class KVSender:
         self._ctx = ctx = mgr.context
         self._table = mgr.rooms
         self.room = int(bootstrap_room)
-        self._state = RoomState(f"{ctx.where} room {self.room}", on_change=ctx.changed)
+        self._state = RoomState(f"{ctx.where} room {self.room}", on_change=lambda: ctx.changed(self, self._state.state))
         self._created = time.monotonic()
         self._requests: list[TransferRequest] = []
         self._num_pages: int | None = None
@@ -253,7 +253,7 @@ class KVSender:
             if self._state.state is KVPoll.Transferring and self._decode_told and not self._storage_pending:
                 self._succeed()
             elif self._state.terminal:
-                self._ctx.changed()  # poll() may now report the terminal state
+                self._ctx.changed(self, self._state.state)  # poll() may now report it
 
     def _succeed(self) -> None:
         self._state.move(KVPoll.Success)

@@ -1,6 +1,8 @@
 """Adapters that make kvferry the transfer backend of a serving engine.
 
-Each subpackage imports its engine; it is only importable where that engine
-is installed (``pip install 'kvferry[sglang]'``). The library itself never
-imports an adapter.
+Each adapter imports its engine only when imported itself
+(``transfer.adapters.vllm`` imports vLLM, ``transfer.adapters.sglang``
+SGLang): it is only importable where that engine is installed
+(``pip install 'kvferry[vllm]'`` / ``'kvferry[sglang]'``). This package and
+the library itself import no adapter.
 """

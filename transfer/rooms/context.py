@@ -6,8 +6,10 @@ tables, senders, receivers and staging flows of that rank all share it.
 
 Locking: ``lock`` is the rank's one re-entrant lock. Every room's state,
 the room tables and the staging flows' bookkeeping change under it;
-``changed()`` must be called with it held (it wakes
-``KVManager.wait_for_progress``). Nothing under the lock blocks: transport
+``changed(room, state)`` must be called with it held, once per change of
+a room's state, naming the room (its sender or receiver) and the new state:
+it feeds ``KVManager.changed_rooms`` and wakes ``wait_for_progress``
+(``changed()`` without a room makes every consumer poll all rooms). Nothing under the lock blocks: transport
 ``submit`` and channel ``send`` return at once, storage jobs run on the
 tier's own thread.
 """
@@ -52,7 +54,7 @@ class RoomContext:
     where: str
     rank: RankInfo
     lock: threading.RLock
-    changed: Callable[[], None]
+    changed: Callable[..., None]
     transport: "Transport"
     channel: "ControlChannel"
     staging: "StagingMemory | None"

@@ -173,6 +173,14 @@ class DecodeRooms:
                 return
         log.warning("%s: ignored a %s message", self.ctx.where, msg.KIND)
 
+    def expire(self) -> None:
+        """Poll the live receivers, so that their timeouts fire (the manager's
+        liveness thread, every half second or so)."""
+        with self.ctx.lock:
+            receivers = list(self.receivers.values())
+        for r in receivers:
+            r.poll()
+
     def close(self, error: BaseException) -> None:
         self.links.close()
         with self.ctx.lock:

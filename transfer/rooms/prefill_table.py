@@ -60,6 +60,8 @@ class Sender(Protocol):
 
     def fail(self, error: BaseException) -> None: ...
 
+    def poll(self): ...
+
 
 class PrefillRooms:
     """Routes control messages to the live senders of a prefill rank.
@@ -304,6 +306,14 @@ class PrefillRooms:
         for s in senders:
             s.fail(PeerError(f"{s.where}: decode rank {session} silent for more than {silent_s:g} s: "
                               "dead, stopped or unreachable"))
+
+    def expire(self) -> None:
+        """Poll the live senders, so that their timeouts fire (the manager's
+        liveness thread, every half second or so)."""
+        with self.ctx.lock:
+            senders = [s for s in self.senders.values() if not s.terminal]
+        for s in senders:
+            s.poll()
 
     def close(self, error: BaseException) -> None:
         with self.ctx.lock:

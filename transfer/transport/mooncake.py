@@ -53,10 +53,14 @@ from transfer.transport.base import DoneCallback
 
 log = logging.getLogger("kvferry.transport")
 
-# How many consecutive still-pending descriptors a poll round looks at before
-# it stops: the engine finishes them roughly in order, and checking thousands
-# of pending ids per round would burn the CPU the engine needs.
-_PENDING_WINDOW = 64
+# The engine has no completion queue: the only way to learn that a descriptor
+# finished is one transfer_check_status(id) call per id. It finishes each
+# peer's descriptors about in the order they were submitted (its lanes take
+# them first in, first out), so a poll round checks each peer's oldest ids
+# and stops at the first few still pending: a round costs (completions + this
+# many x peers) calls, however many descriptors are in flight. A descriptor
+# that finishes early behind a slow one is seen when the slow one finishes.
+_PENDING_WINDOW = 4
 # While descriptors are outstanding the worker sleeps about a quarter of the
 # time the outstanding bytes need at this rate, within these bounds: short
 # waits keep small transfers fast, long ones leave the CPU to the engine.
@@ -111,6 +115,9 @@ class MooncakeTransport:
         self._closed = threading.Event()
         self.num_descriptors = 0
         self.num_bytes = 0
+        #: engine status checks and worker rounds so far (what completion tracking costs)
+        self.num_status_checks = 0
+        self.num_rounds = 0
         self._inflight_bytes = 0
         self._thread = threading.Thread(target=self._run, name="kvferry-transport", daemon=True)
         self._thread.start()
@@ -156,7 +163,8 @@ class MooncakeTransport:
     def _run(self) -> None:
         by_peer: dict[str, collections.deque[_Job]] = collections.defaultdict(collections.deque)
         inflight: dict[str, int] = collections.defaultdict(int)
-        outstanding: collections.deque[tuple[int, _Job, int]] = collections.deque()
+        # Per peer, oldest first: (engine id, job, bytes) of submitted descriptors.
+        outstanding: dict[str, collections.deque[tuple[int, _Job, int]]] = collections.defaultdict(collections.deque)
         cap = self.config.max_inflight_per_peer
         while True:
             # Admit new jobs; block only when there is nothing to do.
@@ -172,6 +180,7 @@ class MooncakeTransport:
                 pass
             self._submit_round(by_peer, inflight, outstanding, cap)
             self._check_round(outstanding, inflight)
+            self.num_rounds += 1
             if outstanding:
                 pending = self._inflight_bytes / _ASSUMED_BYTES_PER_S / 4
                 time.sleep(min(_MAX_SLEEP_S, max(_MIN_SLEEP_S, pending)))
@@ -196,7 +205,7 @@ class MooncakeTransport:
                             f"(descriptor {i} of {n})", peer=peer)
                         job.next_index = n
                         break
-                    outstanding.append((tid, job, job.lengths[i]))
+                    outstanding[peer].append((tid, job, job.lengths[i]))
                     self._inflight_bytes += job.lengths[i]
                     job.next_index += 1
                     job.num_inflight += 1
@@ -211,16 +220,24 @@ class MooncakeTransport:
 
     def _check_round(self, outstanding, inflight) -> bool:
         progressed = False
+        for peer in list(outstanding):
+            ids = outstanding[peer]
+            progressed |= self._check_peer(ids, inflight)
+            if not ids:
+                del outstanding[peer]
+        return progressed
+
+    def _check_peer(self, ids, inflight) -> bool:
+        """Check one peer's oldest ids until ``_PENDING_WINDOW`` are pending."""
+        progressed = False
         check = self._engine.transfer_check_status
-        pending = 0
-        for _ in range(len(outstanding)):
-            if pending >= _PENDING_WINDOW:
-                break
-            tid, job, nbytes = outstanding.popleft()
+        pending = []
+        while ids and len(pending) < _PENDING_WINDOW:
+            tid, job, nbytes = ids.popleft()
             status = check(tid)
+            self.num_status_checks += 1
             if status == 0:
-                outstanding.append((tid, job, nbytes))  # keeps the order of the still-pending ones
-                pending += 1
+                pending.append((tid, job, nbytes))
                 continue
             progressed = True
             self._inflight_bytes -= nbytes
@@ -234,9 +251,7 @@ class MooncakeTransport:
                                           peer=job.peer, code=status)
                 job.next_index = len(job.src)  # stop submitting the rest of this job
             self._maybe_finish(job)
-        # Rotate the unchecked tail behind the re-queued pending ids, keeping order.
-        if pending >= _PENDING_WINDOW:
-            outstanding.rotate(-(len(outstanding) - pending))
+        ids.extendleft(reversed(pending))  # still the oldest, in order
         return progressed
 
     def _maybe_finish(self, job: _Job) -> None:
@@ -252,7 +267,7 @@ class MooncakeTransport:
 
     def _fail_all(self, by_peer, outstanding) -> None:
         jobs = {id(j): j for q in by_peer.values() for j in q}
-        jobs.update({id(j): j for _, j, _ in outstanding})
+        jobs.update({id(j): j for ids in outstanding.values() for _, j, _ in ids})
         for job in jobs.values():
             if not job.done:
                 job.done = True

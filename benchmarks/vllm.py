@@ -1,0 +1,203 @@
+"""``python -m benchmarks.vllm``: kvferry vs vLLM's own PD connectors, real servers.
+
+One run, the same prompts for every connector (``make bench-vllm``):
+
+- ``single``: one vLLM server, no disaggregation (the reference tokens);
+- ``kvferry`` (sequential proxy protocol: prefill ``max_tokens=1``, then decode
+  with prefill's ``kv_transfer_params``) and ``kvferry-concurrent`` (the router
+  gives both a ``transfer_id`` at once);
+- ``nixl``: NixlConnector, ``kv_buffer_device: cpu``, sequential protocol;
+- ``mooncake``: MooncakeConnector, ``mooncake_protocol: tcp``, concurrent
+  protocol (``transfer_id``), with ``benchmarks/vllm_site`` on its servers'
+  PYTHONPATH (no accelerator).
+
+Prefill on core 0, decode on core 1, one server pair at a time. TTFT is
+measured by the client from the first byte of the proxy flow to decode's first
+streamed token; total time to its last. Mooncake's bootstrap binds 0.0.0.0:
+run this inside a loopback-only network namespace (the Makefile does).
+Writes JSON (``--out``) and the markdown table into ``--doc`` between the
+markers ``<!-- bench-vllm -->`` and ``<!-- /bench-vllm -->``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import statistics
+import tempfile
+import threading
+import time
+import uuid
+
+from harness.vllm import VOCAB, ServerSpec, VLLMServer, _body, build_tiny_model, free_port, post
+
+SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_site")
+MARK, END = "<!-- bench-vllm -->", "<!-- /bench-vllm -->"
+
+
+def stream(url: str, body: dict, t0: float, timeout_s: float = 120.0) -> tuple[list[int], float, float]:
+    """POST with ``stream: true``; (tokens, first token time, last token time) after ``t0``."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
+    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"{url}: HTTP {resp.status}: {resp.read()[:500]!r}")
+    tokens, first, last = [], None, None
+    for raw in resp:
+        line = raw.decode().strip()
+        if not line.startswith("data:") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[5:])
+        ids = (chunk.get("choices") or [{}])[0].get("token_ids") or []
+        if ids:
+            now = time.monotonic() - t0
+            first = now if first is None else first
+            last = now
+            tokens.extend(ids)
+    conn.close()
+    return tokens, first or 0.0, last or 0.0
+
+
+def kv_configs(name: str, ports: dict) -> tuple[dict, dict, dict, dict]:
+    """(prefill config, decode config, prefill env, decode env) of a connector."""
+    if name.startswith("kvferry"):
+        extra = {"kvferry_bootstrap_addr": f"127.0.0.1:{ports['bootstrap']}", "kvferry_node": "prefill0"}
+        base = {"kv_connector": "KvferryConnector", "kv_connector_module_path": "transfer.adapters.vllm"}
+        return ({**base, "kv_role": "kv_producer", "kv_connector_extra_config": {**extra, "kvferry_serve_bootstrap": True}},
+                {**base, "kv_role": "kv_consumer", "kv_connector_extra_config": extra}, {}, {})
+    if name == "nixl":
+        base = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+        return (base, dict(base), {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(ports["nixl_p"])},
+                {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(ports["nixl_d"])})
+    if name == "mooncake":
+        extra = {"mooncake_protocol": "tcp"}
+        env = {"PYTHONPATH": SITE}
+        return ({"kv_connector": "MooncakeConnector", "kv_role": "kv_producer", "engine_id": "prefill0",
+                 "kv_connector_extra_config": extra},
+                {"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer", "kv_connector_extra_config": extra},
+                env, env)
+    raise ValueError(name)
+
+
+def one_request(name: str, servers: dict, model: str, prompt: list[int], max_tokens: int) -> dict:
+    t0 = time.monotonic()
+    if name == "single":
+        tokens, ttft, last = stream(servers["single"].url, _body(model, prompt, max_tokens, None), t0)
+        return {"tokens": tokens, "ttft_s": ttft, "total_s": last}
+    p, d = servers["prefill"], servers["decode"]
+    if name in ("kvferry", "nixl"):  # sequential: prefill answers with decode's params
+        first = post(p.url, _body(model, prompt, 1, {"do_remote_decode": True}))
+        params = first["kv_transfer_params"]
+    else:  # concurrent: the router's transfer_id, sent to both at once
+        tid = str(uuid.uuid4())
+        if name == "mooncake":
+            params = {"do_remote_prefill": True, "transfer_id": tid, "remote_engine_id": "prefill0",
+                      "remote_bootstrap_addr": "http://127.0.0.1:8998"}
+        else:
+            params = {"do_remote_prefill": True, "transfer_id": tid, "kvferry_node": "prefill0",
+                      "kvferry_bootstrap_addr": d.spec.kv_config["kv_connector_extra_config"]["kvferry_bootstrap_addr"]}
+        threading.Thread(target=post, args=(p.url, _body(model, prompt, 1, {"do_remote_decode": True,
+                                                                             "transfer_id": tid})),
+                         daemon=True).start()
+    tokens, ttft, last = stream(d.url, _body(model, prompt, max_tokens, params), t0)
+    return {"tokens": tokens, "ttft_s": ttft, "total_s": last}
+
+
+def run_connector(name: str, model: str, prompts: list[list[int]], max_tokens: int, log_dir: str) -> dict:
+    ports = {"bootstrap": free_port(), "nixl_p": free_port(), "nixl_d": free_port()}
+    if name == "single":
+        specs = {"single": ServerSpec("single", model, 0)}
+    else:
+        pc, dc, penv, denv = kv_configs(name, ports)
+        specs = {"prefill": ServerSpec(f"{name}-prefill", model, 0, pc, env=penv),
+                 "decode": ServerSpec(f"{name}-decode", model, 1, dc, env=denv)}
+    servers = {}
+    try:
+        for key, spec in specs.items():
+            servers[key] = VLLMServer(spec, log_dir)
+        t0 = time.monotonic()
+        for server in servers.values():
+            server.wait_ready()
+        ready_s = time.monotonic() - t0
+        metric_server = servers.get("decode", servers.get("single"))
+        one_request(name, servers, model, prompts[0], 2)  # warm-up, not counted
+        before = metric_server.metrics()
+        results = [one_request(name, servers, model, p, max_tokens) for p in prompts]
+        after = metric_server.metrics()
+    finally:
+        for server in servers.values():
+            server.close()
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    return {"connector": name, "ready_s": ready_s, "results": results,
+            "external_tokens": int(delta.get("external_kv_transfer", 0)),
+            "local_tokens": int(delta.get("local_compute", 0))}
+
+
+def percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def summarize(run: dict, reference: list[list[int]], prompts: list[list[int]]) -> dict:
+    ttft = [r["ttft_s"] for r in run["results"]]
+    equal = sum(r["tokens"] == ref for r, ref in zip(run["results"], reference))
+    return {"connector": run["connector"], "requests": len(ttft), "ttft_p50_s": statistics.median(ttft),
+            "ttft_p99_s": percentile(ttft, 0.99), "total_s": sum(r["total_s"] for r in run["results"]),
+            "tokens_equal": equal, "prompt_tokens": sum(map(len, prompts)),
+            "prompt_tokens_received": run["external_tokens"], "prompt_tokens_computed": run["local_tokens"]}
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| connector | requests | TTFT p50 (s) | TTFT p99 (s) | total (s) | tokens equal | "
+            "prompt tokens received / computed on decode |\n|---|---|---|---|---|---|---|\n")
+    return head + "".join(
+        f"| {r['connector']} | {r['requests']} | {r['ttft_p50_s']:.3f} | {r['ttft_p99_s']:.3f} | {r['total_s']:.2f} "
+        f"| {r['tokens_equal']}/{r['requests']} | {r['prompt_tokens_received']} / {r['prompt_tokens_computed']} "
+        f"of {r['prompt_tokens']} |\n" for r in rows)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.vllm")
+    ap.add_argument("--connectors", default="single,kvferry,kvferry-concurrent,nixl,mooncake")
+    ap.add_argument("--requests", type=int, default=12)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="bench-vllm.json")
+    ap.add_argument("--doc", default="")
+    args = ap.parse_args(argv)
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(4, VOCAB) for _ in range(rng.randrange(100, 1001))] for _ in range(args.requests)]
+    with tempfile.TemporaryDirectory(prefix="kvferry-bench-vllm-") as tmp:
+        model = build_tiny_model(os.path.join(tmp, "model"))
+        runs = []
+        for name in args.connectors.split(","):
+            print(f"bench-vllm: {name} ...", flush=True)
+            try:
+                runs.append(run_connector(name, model, prompts, args.max_tokens, tmp))
+            except Exception as exc:  # one connector's failure is a result, not the end of the run
+                print(f"bench-vllm: {name} failed: {exc}", flush=True)
+                runs.append({"connector": name, "error": str(exc)[:2000]})
+    ref = next((r for r in runs if r["connector"] == "single" and "error" not in r), None)
+    reference = [r["tokens"] for r in ref["results"]] if ref else [None] * len(prompts)
+    rows = [summarize(r, reference, prompts) for r in runs if "error" not in r]
+    with open(args.out, "w") as f:
+        json.dump({"prompts": [len(p) for p in prompts], "max_tokens": args.max_tokens, "rows": rows,
+                   "errors": {r["connector"]: r["error"] for r in runs if "error" in r}, "runs": runs}, f, indent=1)
+    text = table(rows)
+    print(text)
+    if args.doc:
+        with open(args.doc) as f:
+            doc = f.read()
+        start, end = doc.index(MARK) + len(MARK), doc.index(END)
+        with open(args.doc, "w") as f:
+            f.write(doc[:start] + "\n" + text + doc[end:])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

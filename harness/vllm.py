@@ -1,0 +1,214 @@
+"""Real vLLM servers on this machine for the vLLM tests, demo and benchmark.
+
+A tiny random Llama and a word-level tokenizer are built locally
+(:func:`build_tiny_model`); :class:`VLLMServer` runs
+``python -m vllm.entrypoints.openai.api_server`` on one core with a given
+``--kv-transfer-config`` and waits (bounded) until it serves;
+:func:`complete` and :func:`pd_complete` send requests (the second through
+the proxy protocol: prefill with ``max_tokens=1``, then decode with the
+``kv_transfer_params`` prefill returned). Loopback only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB = 1000
+
+
+def build_tiny_model(path: str, seed: int = 0) -> str:
+    """A random 4-layer Llama (hidden 256, 8 heads, 4 KV heads, head dim 32,
+    bf16) and a WordLevel tokenizer (``t<i>`` <-> id i), saved under ``path``."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    os.makedirs(path, exist_ok=True)
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=4096,
+                         bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path)
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2",
+                                   pad_token="t3")
+    fast.save_pretrained(path)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerSpec:
+    """One server: ``kv_config`` None runs it alone (the reference)."""
+
+    name: str
+    model: str
+    core: int
+    kv_config: dict | None = None
+    env: dict = field(default_factory=dict)
+    prefix: list = field(default_factory=list)  # e.g. a network namespace wrapper
+    max_model_len: int = 2048
+    port: int = 0
+
+
+class VLLMServer:
+    """A vLLM OpenAI server process; ``close()`` kills its process group."""
+
+    def __init__(self, spec: ServerSpec, log_dir: str, python: str = sys.executable) -> None:
+        self.spec = spec
+        self.port = spec.port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = os.path.join(log_dir, f"{spec.name}.log")
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model, "--host", "127.0.0.1",
+               "--port", str(self.port), "--enforce-eager", "--no-enable-prefix-caching", "--dtype", "bfloat16",
+               "--max-model-len", str(spec.max_model_len), "--max-num-seqs", "16"]
+        if spec.kv_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(spec.kv_config)]
+        env = dict(os.environ)
+        paths = [REPO_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        env.update({"PYTHONPATH": os.pathsep.join(paths), "VLLM_CPU_KVCACHE_SPACE": "1",
+                    "VLLM_CPU_OMP_THREADS_BIND": str(spec.core), "MC_LOG_LEVEL": "ERROR",
+                    "VLLM_LOGGING_LEVEL": "INFO", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+        extra = dict(spec.env)
+        if "PYTHONPATH" in extra:  # in front of the repository, not instead of it
+            env["PYTHONPATH"] = os.pathsep.join([extra.pop("PYTHONPATH"), env["PYTHONPATH"]])
+        env.update(extra)
+        self.cmd = spec.prefix + cmd
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout_s: float = 240.0) -> "VLLMServer":
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.spec.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.spec.name} not ready within {timeout_s:g} s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def metrics(self) -> dict[str, float]:
+        """``vllm:prompt_tokens_by_source`` per source, and the request counters."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            m = re.match(r'vllm:prompt_tokens_by_source_total\{.*source="([a-z_]+)".*\} ([0-9.e+]+)', line)
+            if m:
+                out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+        return out
+
+    def gauge(self, name: str) -> float:
+        """The sum of a metric's samples (e.g. ``vllm:kv_cache_usage_perc``)."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        pattern = re.compile(re.escape(name) + r"(\{[^}]*\})? ([0-9.e+-]+)$")
+        return sum(float(m.group(2)) for line in text.splitlines() if (m := pattern.match(line)))
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once (a crash, for fault tests)."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(30)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(20)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                self.kill()
+        self._log.close()
+
+    def __enter__(self) -> "VLLMServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def post(url: str, body: dict, timeout_s: float = 120.0) -> dict:
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        return json.loads(r.read())
+
+
+def _body(model: str, prompt: list[int], max_tokens: int, kv_params: dict | None) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True}
+    if kv_params is not None:
+        body["kv_transfer_params"] = kv_params
+    return body
+
+
+def tokens_of(reply: dict) -> list[int]:
+    choice = reply["choices"][0]
+    return list(choice.get("token_ids") or [])
+
+
+@dataclass
+class Completion:
+    tokens: list[int]
+    ttft_s: float  # until decode's first token (the whole reply, for max_tokens 1 on decode)
+    total_s: float
+    kv_params: dict | None = None
+
+
+def complete(server: VLLMServer, model: str, prompt: list[int], max_tokens: int,
+             timeout_s: float = 120.0) -> Completion:
+    t0 = time.monotonic()
+    reply = post(server.url, _body(model, prompt, max_tokens, None), timeout_s)
+    total = time.monotonic() - t0
+    return Completion(tokens_of(reply), total, total)
+
+
+def pd_complete(prefill: VLLMServer, decode: VLLMServer, model: str, prompt: list[int], max_tokens: int,
+                timeout_s: float = 120.0, prefill_params: dict | None = None) -> Completion:
+    """The proxy protocol: prefill with max_tokens=1 and do_remote_decode,
+    then decode with the kv_transfer_params prefill returned."""
+    t0 = time.monotonic()
+    first = post(prefill.url, _body(model, prompt, 1, {"do_remote_decode": True, **(prefill_params or {})}),
+                 timeout_s)
+    params = first.get("kv_transfer_params")
+    if not params:
+        raise RuntimeError(f"prefill returned no kv_transfer_params: {first}")
+    reply = post(decode.url, _body(model, prompt, max_tokens, params), timeout_s)
+    total = time.monotonic() - t0
+    return Completion(tokens_of(reply), total, total, params)

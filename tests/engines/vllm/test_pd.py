@@ -1,0 +1,246 @@
+"""kvferry as vLLM's KV connector, with real vLLM servers (``make test-vllm``).
+
+A tiny random Llama served three ways, one core each: a single instance (the
+reference), and a prefill + decode pair with ``KvferryConnector``. Requests of
+100-1000 tokens go through the proxy protocol; decode's tokens must equal the
+reference's, and decode's ``/metrics`` must show that every prompt token came
+from the connector. Faults: prefill killed while decode waits for a request's
+KV (decode recomputes a new prompt, per ``kv_load_failure_policy:
+recompute``, within the bound of kvferry's timeouts, and restores a prompt
+kvferry's storage tier holds from there, computing none of it), prefill
+restarted, decode restarted.
+
+Server starts are the cost here (about a minute per pair on two shared
+cores): one module-scoped set of servers, restarted only by the fault tests,
+which run last.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import uuid
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from harness.vllm import (VOCAB, ServerSpec, VLLMServer, build_tiny_model, complete, free_port,  # noqa: E402
+                          pd_complete, post, tokens_of, _body)
+
+MAX_TOKENS = 12
+LENGTHS = (100, 257, 640, 1000)
+KVFERRY = {"bootstrap_timeout_s": 15, "transfer_timeout_s": 30, "peer_timeout_s": 3, "model_name": "tiny-llama"}
+STORED = 512  # four full blocks of 128: all of it is written through to storage
+
+
+def kv_config(role: str, bootstrap: str, store: str) -> dict:
+    extra = {"kvferry_bootstrap_addr": bootstrap, "kvferry_node": "prefill0",
+             "kvferry": {**KVFERRY, "storage_url": f"file://{store}"}}
+    if role == "kv_producer":
+        extra["kvferry_serve_bootstrap"] = True
+    config = {"kv_connector": "KvferryConnector", "kv_connector_module_path": "transfer.adapters.vllm",
+              "kv_role": role, "kv_connector_extra_config": extra}
+    if role == "kv_consumer":
+        config["kv_load_failure_policy"] = "recompute"
+    return config
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(4, VOCAB) for _ in range(n)]
+
+
+class Cluster:
+    """The three servers; prefill and decode can be restarted."""
+
+    def __init__(self, model: str, log_dir: str) -> None:
+        self.model, self.log_dir = model, log_dir
+        self.bootstrap = f"127.0.0.1:{free_port()}"
+        self.store = f"{log_dir}/store"  # kvferry's storage tier, shared by prefill and decode
+        self.servers: dict[str, VLLMServer] = {}
+        self.reference_tokens: dict[tuple[int, int], list[int]] = {}
+
+    def start(self, name: str) -> VLLMServer:
+        spec = {"reference": ServerSpec("reference", self.model, 0),
+                "prefill": ServerSpec("prefill", self.model, 0, kv_config("kv_producer", self.bootstrap, self.store)),
+                "decode": ServerSpec("decode", self.model, 1, kv_config("kv_consumer", self.bootstrap, self.store))}[name]
+        old = self.servers.pop(name, None)
+        if old is not None:
+            old.close()
+        server = self.servers[name] = VLLMServer(spec, self.log_dir)
+        return server
+
+    def reference(self, n: int, seed: int) -> list[int]:
+        key = (n, seed)
+        if key not in self.reference_tokens:
+            reply = complete(self.servers["reference"], self.model, prompt_of(n, seed), MAX_TOKENS)
+            self.reference_tokens[key] = reply.tokens
+        return self.reference_tokens[key]
+
+    def close(self) -> None:
+        for server in self.servers.values():
+            server.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm")
+    model = build_tiny_model(str(root / "model"))
+    c = Cluster(model, str(root))
+    try:
+        for name in ("reference", "prefill", "decode"):
+            c.start(name)
+        for server in c.servers.values():
+            server.wait_ready()
+        yield c
+    finally:
+        c.close()
+
+
+def test_decode_tokens_equal_a_single_instance_and_no_prompt_token_is_recomputed(cluster):
+    decode = cluster.servers["decode"]
+    before = decode.metrics()
+    for i, n in enumerate(LENGTHS):
+        want = cluster.reference(n, seed=i)
+        got = pd_complete(cluster.servers["prefill"], decode, cluster.model, prompt_of(n, i), MAX_TOKENS)
+        assert len(got.tokens) == MAX_TOKENS
+        assert got.tokens == want, f"{n} tokens: decode {got.tokens} != single instance {want}"
+        assert got.kv_params["kvferry_bootstrap_addr"] == cluster.bootstrap
+    after = decode.metrics()
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert delta.get("external_kv_transfer") == sum(LENGTHS), delta
+    assert delta.get("local_compute", 0) == 0, delta
+
+
+def test_concurrent_protocol_with_a_router_transfer_id(cluster):
+    """Mooncake-style: decode and prefill get the same transfer_id at once."""
+    prefill, decode = cluster.servers["prefill"], cluster.servers["decode"]
+    n, seed = 333, 7
+    prompt, want = prompt_of(n, seed), cluster.reference(n, seed)
+    transfer_id = str(uuid.uuid4())
+    replies: dict = {}
+
+    def run_decode():
+        params = {"do_remote_prefill": True, "transfer_id": transfer_id, "kvferry_bootstrap_addr": cluster.bootstrap,
+                  "kvferry_node": "prefill0"}
+        replies["decode"] = post(decode.url, _body(cluster.model, prompt, MAX_TOKENS, params), 120)
+
+    before = decode.metrics()
+    t = threading.Thread(target=run_decode)
+    t.start()
+    post(prefill.url, _body(cluster.model, prompt, 1, {"do_remote_decode": True, "transfer_id": transfer_id}), 120)
+    t.join(120)
+    assert not t.is_alive(), "decode did not answer within 120 s"
+    assert tokens_of(replies["decode"]) == want
+    after = decode.metrics()
+    assert after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0) == n
+    assert after.get("local_compute", 0) - before.get("local_compute", 0) == 0
+
+
+def test_the_comparison_catches_kv_of_another_prompt(cluster):
+    """Decode given prompt B with prompt A's room gets A's KV: its tokens must
+    then differ from B's reference (the equality above can fail)."""
+    prefill, decode = cluster.servers["prefill"], cluster.servers["decode"]
+    a, b = prompt_of(400, 11), prompt_of(400, 12)
+    want_b = cluster.reference(400, 12)
+    assert cluster.reference(400, 11) != want_b
+    first = post(prefill.url, _body(cluster.model, a, 1, {"do_remote_decode": True}), 120)
+    reply = post(decode.url, _body(cluster.model, b, MAX_TOKENS, first["kv_transfer_params"]), 120)
+    assert tokens_of(reply) != want_b
+
+
+def test_a_request_cancelled_on_decode_while_its_kv_is_coming_frees_its_blocks(cluster):
+    """The client gives up while decode waits for a room prefill never sends:
+    vLLM holds the blocks until the connector reports the room; kvferry
+    aborts it at once instead of at transfer_timeout_s (30 s here)."""
+    decode = cluster.servers["decode"]
+    params = {"do_remote_prefill": True, "transfer_id": str(uuid.uuid4()),
+              "kvferry_bootstrap_addr": cluster.bootstrap, "kvferry_node": "prefill0"}
+    errors = []
+
+    def give_up():
+        try:
+            post(decode.url, _body(cluster.model, prompt_of(700, 60), MAX_TOKENS, params), timeout_s=4)
+        except OSError as exc:  # urllib's timeout: the connection is closed
+            errors.append(exc)
+
+    t = threading.Thread(target=give_up)
+    t.start()
+    time.sleep(2)
+    assert decode.gauge("vllm:kv_cache_usage_perc") > 0, "decode holds no blocks for the waiting request"
+    t.join(30)
+    assert errors, "decode answered a request whose KV never came"
+    started = time.monotonic()
+    while decode.gauge("vllm:kv_cache_usage_perc") > 0:
+        assert time.monotonic() - started < 12, "decode kept the cancelled request's blocks"
+        time.sleep(0.5)
+
+
+def test_prefill_killed_while_decode_waits_then_restarted(cluster):
+    """Two decode requests wait for prefill, which dies: the new prompt is
+    recomputed on decode; the prompt prefill wrote through to storage earlier
+    is restored from storage, none of it recomputed."""
+    prefill, decode = cluster.servers["prefill"], cluster.servers["decode"]
+    fresh_n, fresh_seed, stored_seed = 500, 21, 22
+    stored = prompt_of(STORED, stored_seed)
+    # A first PD run writes the stored prompt's blocks through to storage.
+    assert pd_complete(prefill, decode, cluster.model, stored, MAX_TOKENS).tokens == cluster.reference(STORED,
+                                                                                                        stored_seed)
+    want = {"fresh": cluster.reference(fresh_n, fresh_seed), "stored": cluster.reference(STORED, stored_seed)}
+    prompts = {"fresh": prompt_of(fresh_n, fresh_seed), "stored": stored}
+    replies: dict = {}
+
+    def run_decode(name):
+        params = {"do_remote_prefill": True, "transfer_id": str(uuid.uuid4()),
+                  "kvferry_bootstrap_addr": cluster.bootstrap, "kvferry_node": "prefill0"}
+        try:
+            replies[name] = post(decode.url, _body(cluster.model, prompts[name], MAX_TOKENS, params), 120)
+        except Exception as exc:  # reported below
+            replies[name] = exc
+
+    before = decode.metrics()
+    threads = [threading.Thread(target=run_decode, args=(name,)) for name in prompts]
+    for t in threads:
+        t.start()
+    time.sleep(3)  # decode looked prefill up and asked for the rooms; prefill never sends them
+    prefill.kill()
+    started = time.monotonic()
+    for t in threads:
+        t.join(90)
+    assert not any(t.is_alive() for t in threads), "decode hung after prefill died"
+    for name in prompts:
+        assert isinstance(replies[name], dict), f"{name}: {replies[name]!r}"
+        assert tokens_of(replies[name]) == want[name], name
+    assert time.monotonic() - started < 60
+    after = decode.metrics()
+    computed = after.get("local_compute", 0) - before.get("local_compute", 0)
+    # The fresh prompt was recomputed (all of it, or all but a token); the stored one not at all.
+    assert fresh_n - 1 <= computed <= fresh_n, (computed, after, before)
+    assert "kvferry: request" in decode.log_tail(200_000)
+
+    cluster.start("prefill").wait_ready()
+    got = pd_complete(cluster.servers["prefill"], decode, cluster.model, prompt_of(150, 31), MAX_TOKENS)
+    assert got.tokens == cluster.reference(150, 31)
+
+
+def test_decode_restarted(cluster):
+    """Decode dies after prefill kept a request's blocks for it: prefill frees
+    them once no decode asked within bootstrap_timeout_s; the restarted
+    decode serves as before."""
+    prefill = cluster.servers["prefill"]
+    post(prefill.url, _body(cluster.model, prompt_of(900, 50), 1, {"do_remote_decode": True}), 120)
+    held = prefill.gauge("vllm:kv_cache_usage_perc")
+    assert held > 0, "prefill freed the blocks before any decode took them"
+    cluster.servers["decode"].kill()
+    started = time.monotonic()
+    decode = cluster.start("decode").wait_ready()
+    while prefill.gauge("vllm:kv_cache_usage_perc") > 0:
+        assert time.monotonic() - started < KVFERRY["bootstrap_timeout_s"] + 30, "prefill never freed the blocks"
+        time.sleep(1)
+    for i, n in enumerate((120, 800)):
+        got = pd_complete(cluster.servers["prefill"], decode, cluster.model, prompt_of(n, 40 + i), MAX_TOKENS)
+        assert got.tokens == cluster.reference(n, 40 + i)
+    m = decode.metrics()
+    assert m.get("external_kv_transfer") == 920 and m.get("local_compute", 0) == 0, m

@@ -1,0 +1,104 @@
+"""The change log (transfer.changes) and KVManager.changed_rooms over
+loopback rooms: which rooms changed, without polling them all."""
+
+import gc
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from transfer import KVPoll, KVReceiver, KVSender, Role
+from transfer.changes import ChangeLog
+
+from ._rooms import assert_landed, cluster, random_pages, run_room, wait_until  # noqa: F401
+
+
+class Room:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+
+def test_each_consumer_reads_from_its_own_mark():
+    log, rooms = ChangeLog(8), [Room(i) for i in range(4)]
+    a = b = log.progress
+    log.record(rooms[0], 1)
+    log.record(rooms[1], 2)
+    a, changes = log.since(a)
+    assert a == 2 and [(r.n, s) for r, s in changes] == [(0, 1), (1, 2)]
+    log.record(rooms[2], 3)
+    a, changes = log.since(a)
+    assert a == 3 and [(r.n, s) for r, s in changes] == [(2, 3)]
+    b, changes = log.since(b)  # the slower consumer still sees all three
+    assert b == 3 and [r.n for r, _ in changes] == [0, 1, 2]
+    assert log.since(b) == (3, [])
+
+
+@settings(max_examples=200, deadline=None)
+@given(capacity=st.integers(1, 16), num_changes=st.integers(0, 60), mark=st.integers(0, 60))
+def test_a_consumer_that_fell_behind_is_told_to_poll_everything(capacity, num_changes, mark):
+    log, rooms = ChangeLog(capacity), [Room(i) for i in range(num_changes)]
+    for i, r in enumerate(rooms):
+        log.record(r, i)
+    mark = min(mark, num_changes)
+    progress, changes = log.since(mark)
+    assert progress == num_changes
+    if num_changes - mark > capacity:
+        assert changes is None
+    else:
+        assert [(r.n, s) for r, s in changes] == [(i, i) for i in range(mark, num_changes)]
+
+
+def test_a_change_that_names_no_room_makes_consumers_poll_everything():
+    log, room = ChangeLog(8), Room(0)
+    log.record(room, 1)
+    log.record(None, None)
+    log.record(room, 2)
+    assert log.since(0) == (3, None)
+    assert log.since(2)[1] == [(room, 2)]
+
+
+def test_the_log_keeps_no_room_alive_and_skips_dropped_ones():
+    log, kept = ChangeLog(8), Room(1)
+    log.record(Room(0), 1)
+    log.record(kept, 2)
+    gc.collect()
+    assert log.since(0) == (2, [(kept, 2)])
+
+
+def test_marks_from_elsewhere_are_refused():
+    with pytest.raises(ValueError, match="outside this log"):
+        ChangeLog(4).since(5)
+    with pytest.raises(ValueError, match="capacity"):
+        ChangeLog(0)
+
+
+def test_changed_rooms_names_exactly_the_rooms_that_moved(cluster):  # noqa: F811
+    prefill, decode = cluster.rank(Role.PREFILL), cluster.rank(Role.DECODE)
+    rng = np.random.default_rng(3)
+    idle = KVReceiver(decode.mgr, prefill.mgr.config.bootstrap_addr, 99)  # never init()ed: stays WaitingForInput
+    wait_until(decode.mgr, lambda: idle.poll() is KVPoll.WaitingForInput, what="idle room bootstrapped")
+    p_mark, d_mark = prefill.mgr.progress, decode.mgr.progress
+    src, dst = random_pages(rng, 9), random_pages(rng, 9)
+    sender, receiver = run_room(prefill, decode, 5, src, dst)
+    assert_landed(prefill, decode, src, dst)
+    d_mark, changes = decode.mgr.changed_rooms(d_mark)
+    assert d_mark == decode.mgr.progress
+    assert [s for r, s in changes if r is receiver] == [KVPoll.WaitingForInput, KVPoll.Transferring,
+                                                         KVPoll.Success]
+    assert all(r is receiver for r, _ in changes), "a room that did not move was reported"
+    p_mark, changes = prefill.mgr.changed_rooms(p_mark)
+    assert [(r, s) for r, s in changes] == [(sender, KVPoll.WaitingForInput), (sender, KVPoll.Transferring),
+                                            (sender, KVPoll.Success)]
+
+
+def test_a_timeout_reaches_changed_rooms_without_any_poll(cluster):  # noqa: F811
+    prefill = cluster.rank(Role.PREFILL, bootstrap_timeout_s=0.5)
+    mark = prefill.mgr.progress
+    sender = KVSender(prefill.mgr, None, 7)  # no decode rank ever asks for it
+    # Only the manager's own sweep polls the room: the test never calls poll().
+    wait_until(prefill.mgr, lambda: prefill.mgr.changed_rooms(mark)[1], timeout_s=5, what="bootstrap timeout")
+    _, changes = prefill.mgr.changed_rooms(mark)
+    assert changes == [(sender, KVPoll.Failed)]
+    with pytest.raises(Exception, match="decode request"):
+        sender.failure_exception()

@@ -1,0 +1,61 @@
+"""transfer.adapters.vllm_params: the vLLM connector's config and router params. Pure."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from transfer.adapters.vllm_params import (PARAMS_VERSION, ConnectorConfig, decode_params, num_pages, room_of,
+                                           source_of)
+
+
+def test_prefill_params_lead_decode_to_the_same_room():
+    config = ConnectorConfig.from_extra({"kvferry_bootstrap_addr": "10.0.0.5:9000", "kvferry_node": "p0"}, "eng")
+    params = decode_params(room_of("cmpl-abc-0"), config)
+    src = source_of(params)
+    assert (src.room, src.bootstrap_addr, src.node_id) == (room_of("cmpl-abc-0"), "10.0.0.5:9000", "p0")
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+
+
+def test_a_transfer_id_names_the_room_on_both_sides():
+    src = source_of({"transfer_id": "t-1", "kvferry_bootstrap_addr": "h:1", "kvferry_node": "n"})
+    assert src.room == room_of("t-1") != room_of("t-2")
+    assert 0 <= src.room < 1 << 63
+
+
+@pytest.mark.parametrize("params, field", [
+    ({"kvferry_bootstrap_addr": "h:1", "kvferry_node": "n"}, "neither kvferry_room nor transfer_id"),
+    ({"kvferry_room": 5, "kvferry_node": "n"}, "kvferry_bootstrap_addr"),
+    ({"kvferry_room": 5, "kvferry_bootstrap_addr": "h:1"}, "kvferry_node"),
+    ({"kvferry_room": -1, "kvferry_bootstrap_addr": "h:1", "kvferry_node": "n"}, "kvferry_room"),
+    ({"kvferry_room": 5, "kvferry_bootstrap_addr": "h:1", "kvferry_node": "n", "kvferry_version": PARAMS_VERSION + 1},
+     "kvferry_version"),
+])
+def test_bad_params_name_the_field(params, field):
+    with pytest.raises(ValueError, match=field):
+        source_of(params)
+
+
+def test_config_defaults_and_validation():
+    c = ConnectorConfig.from_extra({}, "engine-7")
+    assert (c.bootstrap_addr, c.node_id, c.protocol, c.serve_bootstrap) == ("127.0.0.1:8998", "engine-7", "tcp", False)
+    with pytest.raises(ValueError, match="host:port"):
+        ConnectorConfig.from_extra({"kvferry_bootstrap_addr": "nohost"}, None)
+    with pytest.raises(ValueError, match="tcp or rdma"):
+        ConnectorConfig.from_extra({"kvferry_protocol": "udp"}, None)
+    with pytest.raises(ValueError, match="role"):
+        ConnectorConfig.from_extra({"kvferry": {"role": "x"}}, None)
+
+
+def test_pages_of_a_prompt():
+    assert [num_pages(n, 128) for n in (1, 127, 128, 129, 1000)] == [1, 1, 1, 2, 8]
+
+
+def test_the_scheduler_half_imports_no_engine():
+    """In a fresh interpreter (this one may have loaded them for other tests)."""
+    import subprocess
+    code = ("import sys, transfer.adapters.vllm_params; "
+            "bad = [m for m in ('torch', 'zmq', 'mooncake', 'vllm') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

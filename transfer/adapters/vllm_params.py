@@ -1,0 +1,146 @@
+"""The vLLM connector's configuration and ``kv_transfer_params`` protocol. Pure.
+
+Imports neither vLLM, torch, zmq nor Mooncake: the scheduler half of the
+connector runs on it alone.
+
+Protocol (push from prefill; what a router or client sends):
+
+- sequential (NIXL-style): POST prefill with ``max_tokens=1`` and
+  ``kv_transfer_params={"do_remote_decode": true}``; prefill answers with
+  ``kv_transfer_params`` = :func:`decode_params` (room, bootstrap address,
+  prefill node); POST decode with those. Prefill keeps the request's blocks
+  until decode's pages landed, or until no decode asked for them within
+  ``bootstrap_timeout_s`` (the lease), or the transfer failed.
+- concurrent (Mooncake-style): the router picks a ``transfer_id`` and POSTs
+  prefill ``{"do_remote_decode": true, "transfer_id": T}`` and decode
+  ``{"do_remote_prefill": true, "transfer_id": T, "kvferry_bootstrap_addr":
+  B, "kvferry_node": N}`` at once; decode's request waits at prefill until
+  prefill's pages are ready. The room is :func:`room_of` ``(T)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+#: Bumped when a field of the params below changes meaning.
+PARAMS_VERSION = 1
+
+_MANAGER_KEYS = frozenset({
+    "bootstrap_timeout_s", "transfer_timeout_s", "rpc_timeout_s", "register_timeout_s", "staging_bytes",
+    "stage_below_bytes", "stage_part_bytes", "heartbeat_interval_s", "peer_timeout_s", "register_interval_s",
+    "storage_url", "model_name", "storage_write_through", "storage_prefetch", "storage_prefetch_timeout_s",
+    "storage_fallback",
+})
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConnectorConfig:
+    """From ``kv_connector_extra_config``:
+
+    - ``kvferry_bootstrap_addr`` (``host:port``, default ``127.0.0.1:8998``):
+      the bootstrap server prefill registers with and names to decode;
+    - ``kvferry_serve_bootstrap`` (bool, default false): the prefill worker
+      runs that server itself (else run ``python -m bootstrap``);
+    - ``kvferry_host`` (default ``127.0.0.1``): this rank's address for peers;
+    - ``kvferry_node`` (default: vLLM's ``engine_id``): the prefill node's name;
+    - ``kvferry_protocol`` (``tcp`` or ``rdma``, default ``tcp``);
+    - ``kvferry`` (dict): :class:`~transfer.config.ManagerConfig` fields
+      (timeouts, staging, storage tier), validated by ManagerConfig.
+    """
+
+    bootstrap_addr: str = "127.0.0.1:8998"
+    serve_bootstrap: bool = False
+    host: str = "127.0.0.1"
+    node_id: str = "prefill"
+    protocol: str = "tcp"
+    manager: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        host, _, port = self.bootstrap_addr.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"kvferry_bootstrap_addr must be host:port, got {self.bootstrap_addr!r}")
+        if self.protocol not in ("tcp", "rdma"):
+            raise ValueError(f"kvferry_protocol must be tcp or rdma, got {self.protocol!r}")
+        unknown = set(self.manager) - _MANAGER_KEYS
+        if unknown:
+            raise ValueError(f"kvferry: unknown or unsupported ManagerConfig fields {sorted(unknown)}")
+
+    @staticmethod
+    def from_extra(extra: dict | None, engine_id: str | None) -> "ConnectorConfig":
+        extra = dict(extra or {})
+        return ConnectorConfig(
+            bootstrap_addr=str(extra.get("kvferry_bootstrap_addr", "127.0.0.1:8998")),
+            serve_bootstrap=bool(extra.get("kvferry_serve_bootstrap", False)),
+            host=str(extra.get("kvferry_host", "127.0.0.1")),
+            node_id=str(extra.get("kvferry_node") or engine_id or "prefill"),
+            protocol=str(extra.get("kvferry_protocol", "tcp")),
+            manager=dict(extra.get("kvferry", {})),
+        )
+
+
+def room_of(key: str) -> int:
+    """The kvferry room of a transfer id or request id: 63 bits of its hash."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") & ((1 << 63) - 1)
+
+
+def num_pages(num_tokens: int, block_size: int) -> int:
+    """The blocks that hold ``num_tokens`` prompt tokens."""
+    return -(-num_tokens // block_size)
+
+
+@dataclass(frozen=True)
+class SendSpec:
+    """Prefill: push ``pages`` (the prompt's blocks, in order) as ``room``."""
+
+    req_id: str
+    room: int
+    pages: tuple[int, ...]
+    token_ids: tuple[int, ...] = ()  # the prompt: keys the storage tier's pages
+
+
+@dataclass(frozen=True)
+class RecvSpec:
+    """Decode: receive ``room`` from ``node_id`` (found at ``bootstrap_addr``) into ``pages``."""
+
+    req_id: str
+    room: int
+    bootstrap_addr: str
+    node_id: str
+    pages: tuple[int, ...]
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where decode finds a request's KV (parsed from its ``kv_transfer_params``)."""
+
+    room: int
+    bootstrap_addr: str
+    node_id: str
+
+
+def decode_params(room: int, config: ConnectorConfig) -> dict:
+    """What prefill returns in its response, for the router to send to decode."""
+    return {"do_remote_prefill": True, "do_remote_decode": False, "kvferry_version": PARAMS_VERSION,
+            "kvferry_room": room, "kvferry_bootstrap_addr": config.bootstrap_addr, "kvferry_node": config.node_id}
+
+
+def source_of(params: dict) -> Source:
+    """Decode's view of ``kv_transfer_params``; raises ValueError naming the
+    missing or bad field."""
+    version = params.get("kvferry_version", PARAMS_VERSION)
+    if version != PARAMS_VERSION:
+        raise ValueError(f"kv_transfer_params.kvferry_version {version!r}, this connector speaks {PARAMS_VERSION}")
+    if "kvferry_room" in params:
+        room = params["kvferry_room"]
+        if not isinstance(room, int) or not 0 <= room < 1 << 63:
+            raise ValueError(f"kv_transfer_params.kvferry_room must be an int in [0, 2**63), got {room!r}")
+    elif params.get("transfer_id"):
+        room = room_of(str(params["transfer_id"]))
+    else:
+        raise ValueError("kv_transfer_params: neither kvferry_room nor transfer_id")
+    for name in ("kvferry_bootstrap_addr", "kvferry_node"):
+        if not isinstance(params.get(name), str) or not params[name]:
+            raise ValueError(f"kv_transfer_params.{name} missing")
+    return Source(room=room, bootstrap_addr=params["kvferry_bootstrap_addr"], node_id=params["kvferry_node"])
