@@ -71,4 +71,5 @@ test-engines: test-sglang test-vllm
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
 
+# Optional fragments: mk/gpu.mk (make test-gpu), mk/sglang.mk (make test-sglang).
 -include mk/*.mk

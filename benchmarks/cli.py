@@ -118,7 +118,7 @@ def run_workload(w: Workload, options: Options, decode, link: Link) -> list[dict
             best = run_mooncake(w, decode, link, entry_sizes)
             entry_sizes = [best["entry_bytes"]]  # later rounds reuse the best entry size
             runs["merged"].append(best)
-        if modes & {"mooncake", "mooncake-pages"} and w.has_same_pages_baseline:
+        if modes & {"mooncake", "mooncake-pages"} and w.has_same_pages_baseline and w.device == "cpu":
             best = run_mooncake_pages(w, decode, link, patterns)
             patterns = [best["pattern"]]  # ... and the best pattern
             runs["same-pages"].append(best)
@@ -162,6 +162,10 @@ def main(argv=None) -> int:
     two.add_argument("--peer-hostname", help="the decode node's address (default: --peer's host, or --hostname)")
     two.add_argument("--device", default="", help="this node's RDMA NIC (default: the engine picks)")
     two.add_argument("--peer-device", help="the decode node's RDMA NIC (default: --device)")
+    ap.add_argument("--pool-device", default="cpu",
+                    help="where the KV pools live: cpu (default), cuda or cuda:N; on CUDA the raw Mooncake "
+                         "baseline uses CUDA buffers too, the same-pages baseline is left out, and the limits "
+                         "gain a device-to-device copy row (--device names the RDMA NIC)")
     store = ap.add_argument_group("storage (instead of the transfer workloads)")
     store.add_argument("--storage", action="store_true",
                        help="write-through and prefetch with each storage backend (file, Mooncake Store, "
@@ -181,6 +185,10 @@ def main(argv=None) -> int:
         workloads = [w for w in FULL if w.name in wanted]
     if args.requests:
         workloads = [replace(w, requests=args.requests) for w in workloads]
+    if args.pool_device != "cpu":
+        if args.peer:
+            ap.error("--pool-device runs on this host only for now; leave out --peer")
+        workloads = [replace(w, device=args.pool_device) for w in workloads]
     modes = frozenset(args.modes.split(","))
     unknown = modes - {"kvferry", "mooncake", "mooncake-merged", "mooncake-pages", "limit"}
     if unknown:

@@ -43,16 +43,16 @@ import socket
 import sys
 import time
 
-from benchmarks.rawengine import make_engine, prefaulted_buffer, register_buffer
+from benchmarks.rawengine import make_engine, pool_buffer, prefaulted_buffer, register_region
 
 ACCEPT_TIMEOUT_S = 120.0  # sock-recv gives up when no sender connects
 
 
 def mc_recv(args) -> int:
     engine = make_engine(args.hostname, args.protocol, args.device)
-    buf = prefaulted_buffer(args.bytes)
-    register_buffer(engine, buf)
-    print(f"RAW_READY {args.hostname}:{engine.get_rpc_port()} {buf.ctypes.data}", flush=True)
+    buf, addr = pool_buffer(args.bytes, args.pool_device)
+    register_region(engine, addr, args.bytes)
+    print(f"RAW_READY {args.hostname}:{engine.get_rpc_port()} {addr}", flush=True)
     # Until the benchmark closes our stdin, or at most --lifetime-s. A line
     # "cpu TOKEN" asks for this process's CPU time (the engine's receiving
     # threads), which the benchmark adds to the sender's.
@@ -70,9 +70,8 @@ def mc_recv(args) -> int:
 
 def mc_send(args) -> int:
     engine = make_engine(args.hostname, args.protocol, args.device)
-    src = prefaulted_buffer(args.request_bytes)
-    register_buffer(engine, src)
-    base = src.ctypes.data
+    src, base = pool_buffer(args.request_bytes, args.pool_device)
+    register_region(engine, base, args.request_bytes)
     offsets = list(range(0, args.request_bytes, args.entry_bytes))
     lengths = [min(args.entry_bytes, args.request_bytes - o) for o in offsets]
     submit, check = engine.transfer_submit_write, engine.transfer_check_status
@@ -143,6 +142,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hostname", default="127.0.0.1", help="this engine's address, as the peer reaches it")
     ap.add_argument("--protocol", default="tcp")
     ap.add_argument("--device", default="", help="RDMA NIC (empty: the engine picks)")
+    ap.add_argument("--pool-device", default="cpu", help="mc-recv, mc-send: buffers on cpu, cuda or cuda:N")
     ap.add_argument("--host", default="127.0.0.1", help="sock-recv: the address to listen on")
     ap.add_argument("--lifetime-s", type=float, default=3600.0, help="mc-recv: exit after this long at most")
     ap.add_argument("--session", default="")

@@ -38,6 +38,23 @@ def register_buffer(engine, buf: np.ndarray) -> None:
         raise SystemExit("register_memory failed")
 
 
+def register_region(engine, addr: int, nbytes: int) -> None:
+    if engine.register_memory(addr, nbytes) != 0:
+        raise SystemExit("register_memory failed")
+
+
+def pool_buffer(nbytes: int, device: str = "cpu"):
+    """(buffer, address) of ``nbytes`` on ``device``: pre-faulted host memory
+    (``cpu``), or a CUDA tensor (what kvferry's CUDA pools are)."""
+    if device == "cpu":
+        buf = prefaulted_buffer(nbytes)
+        return buf, buf.ctypes.data
+    import torch
+    buf = torch.full((nbytes,), 0x5A, dtype=torch.uint8, device=device)
+    torch.cuda.synchronize(buf.device)
+    return buf, buf.data_ptr()
+
+
 def prefaulted_buffer(nbytes: int) -> np.ndarray:
     """Touched huge-page memory: the same kind kvferry's ranks use here (see transfer.hostmem)."""
     return host_array(nbytes, fill=0x5A)

@@ -121,7 +121,8 @@ def run_mooncake(w: Workload, decode, link: Link, entry_sizes: list[int]) -> dic
     """Raw Mooncake, ``baseline="merged"``: each request's bytes from one
     contiguous buffer into another, as entries of each size given; the best kept."""
     size = w.request_bytes()
-    recv = decode.spawn("mc-recv", ["--bytes", str(size * w.concurrency), *link.engine_args(True)],
+    recv = decode.spawn("mc-recv", ["--bytes", str(size * w.concurrency), "--pool-device", w.device,
+                                    *link.engine_args(True)],
                         forwarded_env(), lifetime_s=RAW_LIFETIME_S)
     try:
         session, addr = recv.wait_line("RAW_READY ", READY_TIMEOUT_S).split()
@@ -131,7 +132,7 @@ def run_mooncake(w: Workload, decode, link: Link, entry_sizes: list[int]) -> dic
             res = _raw_run(recv, f"merged-{entry}", lambda: _LOCAL.spawn("mc-send", [
                 "--session", session, "--addr", addr, "--request-bytes", str(size), "--entry-bytes", str(entry),
                 "--requests", str(w.requests + 1), "--warmup", "1", "--concurrency", str(w.concurrency),
-                *link.engine_args(False)]), w.requests / (w.requests + 1))
+                "--pool-device", w.device, *link.engine_args(False)]), w.requests / (w.requests + 1))
             rows.append(_raw_row(w, res, baseline="merged", entry_bytes=entry))
         return _best(rows)
     finally:
@@ -169,7 +170,10 @@ def run_limits(w: Workload, decode, link: Link) -> list[dict]:
     """The link's limits: a plain TCP stream to the decode host (TCP only: on
     RDMA raw Mooncake is the limit), and a memcpy on this host."""
     rows = [_tcp_stream(w, decode, link)] if link.protocol == "tcp" else []
-    return rows + [_memcpy(w)]
+    rows.append(_memcpy(w))
+    if w.device != "cpu":
+        rows.append(_device_copy(w))
+    return rows
 
 
 def _tcp_stream(w: Workload, decode, link: Link) -> dict:
@@ -207,3 +211,21 @@ def _memcpy(w: Workload) -> dict:
         np.copyto(dst, src)
     copy_s = time.monotonic() - t0
     return row(w, "limit", n * reps, copy_s, [copy_s / reps * 1e3], 0, baseline="memcpy")
+
+
+def _device_copy(w: Workload) -> dict:
+    """The device-to-device copy limit: one request's bytes copied between two
+    buffers of the pools' GPU (what a staging gather costs at best)."""
+    import torch
+    n = min(w.request_bytes(), 1 << 30)
+    src = torch.full((n,), 0x5A, dtype=torch.uint8, device=w.device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up
+    torch.cuda.synchronize(src.device)
+    reps = max(1, min(w.requests, (16 << 30) // n))
+    t0 = time.monotonic()
+    for _ in range(reps):
+        dst.copy_(src)
+    torch.cuda.synchronize(src.device)
+    copy_s = time.monotonic() - t0
+    return row(w, "limit", n * reps, copy_s, [copy_s / reps * 1e3], 0, baseline="d2d-copy")

@@ -30,6 +30,7 @@ class Workload:
     decode_tp: int = 1
     draft: bool = False
     layout: str = "nhd"
+    device: str = "cpu"  # the pools' device (--pool-device): cpu, cuda, cuda:N
 
     def spec(self) -> Spec:
         target = replace(MODELS[self.model], page_layout=self.layout if self.model == "llama8b" else "nhd")
@@ -40,7 +41,7 @@ class Workload:
                     decode_pages=(self.concurrency + 1) * pages + 8, aux_slots=128,
                     num_rooms=self.requests + 1, warmup_rooms=1, concurrency=self.concurrency,
                     min_tokens=self.tokens, max_tokens=self.tokens, page_placement=self.placement,
-                    fill="constant", touch_staging=True, verify=False, timeout_s=600)
+                    fill="constant", touch_staging=True, verify=False, timeout_s=600, device=self.device)
 
     def request_bytes(self) -> int:
         pools = self.spec().decode_pools

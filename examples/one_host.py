@@ -25,6 +25,7 @@ def prefill_loop(mgr, bootstrap, pages, aux_slot):
             sender.init(num_pages=len(pages), aux_index=aux_slot)
         if state in (KVPoll.WaitingForInput, KVPoll.Transferring) and chunks:
             chunk = chunks.pop(0)
+            # CUDA pools written on another stream: pass ready=<torch.cuda.Event recorded after the write>
             sender.send(chunk, last=not chunks)  # the last chunk also sends the aux row
         seen = mgr.wait_for_progress(seen, timeout_s=0.05)  # a forward pass would run here
     sender.failure_exception()  # raises why, if the room failed

@@ -55,8 +55,8 @@ from transfer.manager import KVManager
 from transfer.receiver import KVReceiver
 from transfer.sender import KVSender
 from transfer.state import KVPoll
-from harness.workload import (Spec, _allocate, _components, aux_row, build_pools, global_buffer, prefill_side,
-                               rank_slice, room_plan)
+from harness.workload import (Spec, _allocate, _components, aux_row, build_pools, global_buffer, make_aux,
+                               prefill_side, rank_slice, room_plan)
 
 SENTINEL = 0xA5
 
@@ -181,8 +181,8 @@ class DecodeRank:
     def _check(self, room: int, dst, slot, src) -> list[str]:
         bad = [f"room {room}: {role} {c} layer {l} differs"
                for role, bufs in self.expected.items() for c, ts in bufs.items() for l, want in enumerate(ts)
-               if not torch.equal(self.tensors[role][c][l][dst].view(torch.uint8), want[src].view(torch.uint8))]
-        if bytes(self.aux[slot].numpy()) != aux_row(self.spec, room):
+               if not torch.equal(self.tensors[role][c][l][dst].cpu().view(torch.uint8), want[src].view(torch.uint8))]
+        if bytes(self.aux[slot].cpu().numpy()) != aux_row(self.spec, room):
             bad.append(f"room {room}: aux row differs")
         return bad
 
@@ -271,7 +271,7 @@ def main(argv=None) -> int:
     pools, tensors = build_pools(spec, spec.prefill_pools if prefill else spec.decode_pools, 0, 1,
                                  spec.prefill_pages if prefill else spec.decode_pages,
                                  prefill_side(0) if prefill else "decode")
-    aux = torch.zeros(spec.aux_slots, spec.aux_slot_bytes, dtype=torch.uint8)
+    aux = make_aux(spec)
     base = manager_config_from_env(role)
     cfg = replace(base, bootstrap_addr=spec.bootstrap, node_id=spec.node_id,
                   engine=replace(base.engine, protocol=spec.protocol),

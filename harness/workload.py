@@ -85,6 +85,10 @@ class Spec:
     touch_staging: bool = False  # fault in the CPU staging buffer at start, as a warmed-up server has (benchmark)
     verify: bool = True  # decode checks every byte (the benchmark turns it off)
     warmup_rooms: int = 0  # leading rooms left out of timings (connection set-up)
+    device: str = "cpu"  # where the KV pools live: "cpu", "cuda", "cuda:1" (filled on the host, then copied)
+    aux_device: str = "cpu"  # where the aux tensor lives
+    producer_sleep_cycles: int = 0  # CUDA: prefill writes each chunk late on a side stream (harness.producer)
+    pass_ready: bool = True  # ...and passes its event to send() (False: the race the event prevents)
 
     @staticmethod
     def from_json(text: str) -> "Spec":
@@ -150,8 +154,8 @@ def build_pools(spec: Spec, pools: tuple[PoolSpec, ...], rank: int, tp_size: int
     if side == "decode" and spec.decode_page_size:
         spec = replace(spec, page_size=spec.decode_page_size)
     for pool in pools:
-        bufs = {c: [rank_slice(global_buffer(spec, pool, l, c, num_pages, side), pool, rank, tp_size)
-                    for l in range(pool.num_layers)] for c in _components(pool)}
+        bufs = {c: [on_device(rank_slice(global_buffer(spec, pool, l, c, num_pages, side), pool, rank, tp_size),
+                              spec.device) for l in range(pool.num_layers)] for c in _components(pool)}
         tensors[pool.role] = bufs
         role = PoolRole(pool.role)
         if pool.attention == "mha":
@@ -160,6 +164,17 @@ def build_pools(spec: Spec, pools: tuple[PoolSpec, ...], rank: int, tp_size: int
         else:
             out.append(MLAPool(latent=bufs["latent"], role=role))
     return out, tensors
+
+
+def on_device(t: torch.Tensor, device: str) -> torch.Tensor:
+    """``t`` on ``device`` (a copy there; ``t`` itself for the CPU). The copy
+    from pageable memory returns once it landed, so a pool is complete
+    before any manager reads it."""
+    return t if device == "cpu" else t.to(device).contiguous()
+
+
+def make_aux(spec: Spec) -> torch.Tensor:
+    return torch.zeros(spec.aux_slots, spec.aux_slot_bytes, dtype=torch.uint8, device=spec.aux_device)
 
 
 def dp_group(spec: Spec, room: int) -> int:
@@ -253,9 +268,13 @@ def _rooms(spec: Spec) -> list[int]:
 
 
 def run_prefill(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
-    pools, _ = build_pools(spec, spec.prefill_pools, rank, spec.prefill_tp, spec.prefill_pages,
-                           prefill_side(dp_rank))
-    aux = torch.zeros(spec.aux_slots, spec.aux_slot_bytes, dtype=torch.uint8)
+    pools, tensors = build_pools(spec, spec.prefill_pools, rank, spec.prefill_tp, spec.prefill_pages,
+                                 prefill_side(dp_rank))
+    producer = None
+    if spec.producer_sleep_cycles:
+        from harness.producer import SideStreamProducer
+        producer = SideStreamProducer(tensors, spec.producer_sleep_cycles)
+    aux = make_aux(spec)
     res = Result("prefill", rank, dp_rank)
     slow = rank == spec.slow_prefill_rank
     with _manager(spec, Role.PREFILL, rank, dp_rank, pools, aux) as mgr:
@@ -288,7 +307,8 @@ def run_prefill(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
                     pages, sizes, off, ready_at = chunks
                     if not (slow and len(sizes) == 1 and time.monotonic() - ready_at < spec.slow_delay_s):
                         n = sizes.pop(0)  # one chunk per poll round, like chunked prefill
-                        sender.send(pages[off:off + n], last=not sizes)
+                        ready = producer.write(pages[off:off + n]) if producer is not None else None
+                        sender.send(pages[off:off + n], last=not sizes, ready=ready if spec.pass_ready else None)
                         chunks[2] = off + n
                     busy = busy or bool(sizes)
                     if sizes:
@@ -312,7 +332,7 @@ def run_prefill(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
 
 def run_decode(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
     pools, tensors = build_pools(spec, spec.decode_pools, rank, spec.decode_tp, spec.decode_pages, "decode")
-    aux = torch.zeros(spec.aux_slots, spec.aux_slot_bytes, dtype=torch.uint8)
+    aux = make_aux(spec)
     prefill_roles = {q.role for q in spec.prefill_pools}
     expected = [] if not spec.verify else [{p.role: {c: [rank_slice(global_buffer(spec, p, l, c, spec.prefill_pages, prefill_side(g)), p,
                                          rank, spec.decode_tp) for l in range(p.num_layers)]
@@ -428,10 +448,10 @@ def _verify(spec, room, dst, slot, tensors, expected, aux, mismatches) -> None:
     for role, bufs in expected.items():
         for c, ts in bufs.items():
             for l, want in enumerate(ts):
-                got = tensors[role][c][l][dst]
+                got = tensors[role][c][l][dst].cpu()
                 if not torch.equal(got.view(torch.uint8), want[src].view(torch.uint8)):
                     mismatches.append(f"room {room}: {role} {c} layer {l} differs")
-    if bytes(aux[slot].numpy()) != aux_row(spec, room):
+    if bytes(aux[slot].cpu().numpy()) != aux_row(spec, room):
         mismatches.append(f"room {room}: aux row differs")
 
 

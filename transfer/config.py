@@ -152,7 +152,8 @@ class ManagerConfig:
     loads its pages from storage and succeeds if they were all there.
 
     Staging: each rank keeps a registered ``staging_bytes`` tensor on its
-    pools' device (0: none). A chunk whose direct plan averages descriptors
+    pools' device (0: none; None, the default: :func:`default_staging_bytes`
+    of that device, 256 MiB on the CPU, 64 MiB on a GPU). A chunk whose direct plan averages descriptors
     smaller than ``stage_below_bytes`` is gathered into it, sent in parts of
     at most ``stage_part_bytes``, and scattered on decode; both sides need
     staging for it to be used.
@@ -172,7 +173,7 @@ class ManagerConfig:
     rpc_timeout_s: float = 5.0
     register_timeout_s: float = 30.0
     allow_missing_draft: bool = False
-    staging_bytes: int = 256 << 20
+    staging_bytes: int | None = None
     stage_below_bytes: int = 256 << 10
     stage_part_bytes: int = 64 << 20
     heartbeat_interval_s: float = 0.5
@@ -206,7 +207,7 @@ class ManagerConfig:
         if self.heartbeat_interval_s * 2 > self.peer_timeout_s:
             raise ValueError(f"ManagerConfig.peer_timeout_s ({self.peer_timeout_s}) must be at least twice "
                              f"heartbeat_interval_s ({self.heartbeat_interval_s})")
-        if self.staging_bytes < 0 or self.stage_below_bytes < 0:
+        if (self.staging_bytes is not None and self.staging_bytes < 0) or self.stage_below_bytes < 0:
             raise ValueError("ManagerConfig.staging_bytes and stage_below_bytes must be >= 0")
         if self.staging_bytes and self.stage_part_bytes > self.staging_bytes:
             raise ValueError("ManagerConfig.stage_part_bytes must not exceed staging_bytes")
@@ -219,7 +220,30 @@ _ENGINE_KEYS = {f.name for f in fields(EngineConfig)}
 _MANAGER_KEYS = {f.name for f in fields(ManagerConfig)} - {"engine", "role"}
 
 
+# Staging per rank when ManagerConfig.staging_bytes is None, by the pools'
+# device type. CPU: measured on 2-core TCP hosts (docs/performance.md). CUDA:
+# NOT measured yet (no GPU run; docs/gpu.md): a quarter of the CPU figure,
+# because HBM staging is taken from the KV pool's budget and a device gather
+# runs at HBM speed, so a smaller buffer (two 32 MiB parts) should keep the
+# link busy.
+DEFAULT_STAGING_BYTES = {"cpu": 256 << 20, "cuda": 64 << 20}
+
+
+def default_staging_bytes(device_type: str) -> int:
+    """Staging bytes for pools on ``device_type`` (``cpu``, ``cuda``; another
+    device type gets the CUDA figure: device memory is scarce)."""
+    return DEFAULT_STAGING_BYTES.get(device_type, DEFAULT_STAGING_BYTES["cuda"])
+
+
+def staging_bytes_for(config: "ManagerConfig", device_type: str) -> int:
+    """The staging a rank allocates: ``config.staging_bytes``, or the
+    device's default when it is None."""
+    return default_staging_bytes(device_type) if config.staging_bytes is None else config.staging_bytes
+
+
 def _convert(text: str, like):
+    if like is None:  # an optional int (staging_bytes)
+        return None if text.strip().lower() in ("", "none") else int(text)
     if isinstance(like, bool):
         return text.lower() in ("1", "true", "yes", "on")
     if isinstance(like, int):

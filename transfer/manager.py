@@ -15,21 +15,22 @@ import torch
 from bootstrap.client import BootstrapClient
 from bootstrap.messages import RankInfo, StagingDescriptor
 from transfer.changes import ChangeLog
-from transfer.config import ManagerConfig, Role
+from transfer.config import ManagerConfig, Role, staging_bytes_for
 from transfer.control.base import ChannelFactory, ControlChannel
 from transfer.control.zmq_channel import zmq_channel
 from transfer.errors import BootstrapError, BootstrapUnavailable, ClosedError, KVFerryError
 from transfer.hostmem import host_tensor
 from transfer.liveness import Liveness
 from transfer.messages import PeerBye, PeerPing, PeerPong
-from transfer.pools import MHAPool, MLAPool, describe_aux, describe_pool, memory_regions, pool_tensors
+from transfer.pools import (MHAPool, MLAPool, describe_aux, describe_pool, pool_tensors, pools_device,
+                            registration_regions)
 from transfer.rooms.context import RoomContext
 from transfer.rooms.decode_table import DecodeRooms
 from transfer.rooms.prefill_table import PrefillRooms
 from transfer.staging.area import StagingArea, StagingMemory
 from transfer.storage.tier import StorageTier
 from transfer.transport.base import Transport
-from transfer.transport.mooncake import MooncakeTransport
+from transfer.transport.mooncake import MooncakeTransport, check_engine_build
 
 log = logging.getLogger("kvferry.manager")
 
@@ -85,16 +86,20 @@ class KVManager:
         aux_desc = describe_aux(aux) if aux is not None else None
         #: the staging tensor (uint8; None without staging)
         self.staging, staging_desc, staging_mem = None, None, None
-        if config.staging_bytes:
+        device_type = pools_device(pools)
+        if transport is None and device_type != "cpu":
+            check_engine_build(device_type)  # before any allocation: the non-CUDA wheel cannot read HBM
+        staging_bytes = staging_bytes_for(config, device_type)
+        if staging_bytes:
             buffers = pool_tensors(pools)  # (role, layer, component) -> tensor, for gather and scatter
             device = next(iter(buffers.values())).device
             if device.type == "cpu":  # huge pages: the engine's kernel copies run faster (see hostmem);
                 # untouched: its pages fault in as parts first use them, not all at start-up.
-                self.staging = host_tensor(config.staging_bytes, fill=None)
+                self.staging = host_tensor(staging_bytes, fill=None)
             else:
-                self.staging = torch.zeros(config.staging_bytes, dtype=torch.uint8, device=device)
-            staging_desc = StagingDescriptor(addr=self.staging.data_ptr(), nbytes=config.staging_bytes)
-            staging_mem = StagingMemory(self.staging, StagingArea(config.staging_bytes), buffers)
+                self.staging = torch.zeros(staging_bytes, dtype=torch.uint8, device=device)
+            staging_desc = StagingDescriptor(addr=self.staging.data_ptr(), nbytes=staging_bytes)
+            staging_mem = StagingMemory(self.staging, StagingArea(staging_bytes), buffers)
         self._lock = threading.RLock()
         self._progress = threading.Condition(self._lock)
         self._changes = ChangeLog()
@@ -105,7 +110,7 @@ class KVManager:
         self._ping_seq = 0
         self.transport: Transport = transport if transport is not None else MooncakeTransport(config.engine)
         try:
-            regions = memory_regions(descriptors, aux_desc)
+            regions = registration_regions(pools, aux)  # views of one allocation: registered once
             if staging_desc is not None:
                 regions.append((staging_desc.addr, staging_desc.nbytes))
             self.transport.register(regions)

@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
+
 from bootstrap.messages import (AttentionKind, AuxDescriptor, BufferRef, Component, PageLayout, PoolDescriptor,
                                 PoolRole)
 
@@ -171,6 +173,52 @@ def memory_regions(pools: Sequence[PoolDescriptor], aux: AuxDescriptor | None) -
     if aux is not None:
         regions.append((aux.addr, aux.slot_bytes * aux.num_slots))
     return regions
+
+
+def registration_regions(pools: Sequence[MHAPool | MLAPool], aux=None) -> list[tuple[int, int]]:
+    """(addr, nbytes) to register with the engine: one region per tensor, but
+    tensors that are views of one allocation (vLLM-style K and V halves of
+    one tensor, layers sliced from one block) register that allocation once,
+    by its ``untyped_storage()`` (a CUDA engine registers a device pointer as
+    its whole allocation; registering it per view repeats that). Tensors
+    without ``untyped_storage`` count as their own allocation."""
+    tensors = list(pool_tensors(pools).values()) + ([aux] if aux is not None else [])
+    groups: dict[tuple[int, int], list] = {}
+    for t in tensors:
+        storage = getattr(t, "untyped_storage", None)
+        key = (storage().data_ptr(), storage().nbytes()) if storage is not None else \
+            (t.data_ptr(), t.numel() * t.element_size())
+        groups.setdefault(key, []).append(t)
+    regions = []
+    for (base, nbytes), members in groups.items():
+        if len(members) == 1:
+            t = members[0]
+            regions.append((t.data_ptr(), t.numel() * t.element_size()))
+        else:
+            regions.append((base, nbytes))
+    return regions
+
+
+def pools_device(pools: Sequence[MHAPool | MLAPool]) -> str:
+    """The device type every pool tensor lies on (``cpu``, ``cuda``); raises
+    ValueError when they differ (the staging buffer needs one). The aux
+    tensor may lie elsewhere (on the CPU beside CUDA pools)."""
+    types = {str(t.device.type) for t in pool_tensors(pools).values()}
+    if len(types) != 1:
+        raise ValueError(f"pool tensors lie on several device types: {sorted(types)}")
+    return types.pop()
+
+
+def host_page_ids(values) -> np.ndarray:
+    """Page ids (or tokens) as a flat int64 host array: a list, a numpy array,
+    or a tensor on any device (a CUDA tensor is copied to the host once,
+    which waits for the stream that produced it)."""
+    device = getattr(values, "device", None)
+    if device is not None and getattr(device, "type", "cpu") != "cpu":
+        values = values.cpu()
+    if hasattr(values, "numpy") and not isinstance(values, np.ndarray):
+        values = values.numpy()
+    return np.asarray(values, dtype=np.int64).reshape(-1)
 
 
 # --- pools described by raw pointers ------------------------------------------------

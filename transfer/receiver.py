@@ -16,6 +16,7 @@ from transfer.config import Role
 from transfer.errors import (KVFerryError, KVTimeoutError, PageIndexError, PeerError, ProtocolError, RequestError,
                              StateError, StorageMissError, TransferError)
 from transfer.messages import RoomAbort, RoomStatus, Status, TransferRequest
+from transfer.pools import host_page_ids
 from transfer.rooms.decode_phases import ENDING, LIVE, DecodePhase, DecodePhases
 from transfer.rooms.links import Link, LinkState
 from transfer.rooms.room_storage import RoomStorage
@@ -97,7 +98,7 @@ class KVReceiver:
         with ctx.lock:
             if self._pages is not None:
                 raise StateError(f"{self.where}: init() called twice")
-            pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
+            pages = host_page_ids(page_indices)
             target = ctx.rank.pool(PoolRole.TARGET)
             if pages.size and (pages.min() < 0 or pages.max() >= target.num_pages):
                 self.fail(PageIndexError(f"{self.where}: page index outside the pool of {target.num_pages}"))

@@ -14,6 +14,8 @@ from transfer.config import Role
 from transfer.errors import KVFerryError, KVTimeoutError, PageIndexError, PeerError, RequestError, StateError
 from transfer.messages import RoomAbort, RoomStatus, Status, TransferRequest
 from transfer.plan import TransferPlan, check_transfer, page_runs, page_slice, plan_aux, plan_pool
+from transfer.pools import host_page_ids
+from transfer.ready import gate_for
 from transfer.staging.prefill_flow import part_bytes_for, plan_parts
 from transfer.state import KVPoll, RoomState
 
@@ -77,11 +79,23 @@ class KVSender:
                 self._aux_key = tier.aux_key(token_ids)
             self._check_sizes()
 
-    def send(self, page_indices, last: bool = False) -> None:
-        """Queue the next chunk's pages (prefill page ids, in request order).
-        Allowed in WaitingForInput or Transferring, before the last chunk; on
-        a Failed room it does nothing. Returns at once; problems with the pages
-        fail the room (see ``poll``)."""
+    def send(self, page_indices, last: bool = False, ready=None) -> None:
+        """Queue the next chunk's pages (prefill page ids, in request order:
+        a list, a numpy array or a tensor, CPU or CUDA). Allowed in
+        WaitingForInput or Transferring, before the last chunk; on a Failed
+        room it does nothing. Returns at once; problems with the pages fail
+        the room (see ``poll``).
+
+        Precondition: the pages hold their final KV when kvferry reads them.
+        With CUDA pools written on a stream other than the one this thread
+        synchronised, pass ``ready``: a ``torch.cuda.Event`` recorded on that
+        stream after the KV was written (or any object with ``query()`` /
+        ``synchronize()``). The transport, the staging gather and the
+        storage write-through read the chunk only once it completed; they
+        wait on their own threads, never here, for at most
+        ``transfer_timeout_s`` (then the room fails with KVTimeoutError).
+        Without ``ready`` the caller must have synchronised (see
+        :mod:`transfer.ready`)."""
         with self._ctx.lock:
             if self._state.state is KVPoll.Failed:
                 return
@@ -90,7 +104,8 @@ class KVSender:
             if self._state.state not in (KVPoll.WaitingForInput, KVPoll.Transferring) or self._last_sent:
                 raise StateError(f"{self._state.where}: send() in state {self._state.state.name}"
                                  + (" after the last chunk" if self._last_sent else ""))
-            pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
+            pages = host_page_ids(page_indices)
+            gate = gate_for(ready, self._ctx.config.transfer_timeout_s, self._state.where)
             try:
                 jobs, parts = self._plan_chunk(pages, last)
             except (ValueError, IndexError) as exc:  # the plan's checks: page ids, sizes
@@ -103,13 +118,16 @@ class KVSender:
             if self._state.state is KVPoll.WaitingForInput:
                 self._state.move(KVPoll.Transferring)
             if self._chains is not None:  # queued first: the room's success waits for it
-                self._write_through(pages, self._offset - pages.size, last)
+                self._write_through(pages, self._offset - pages.size, last, gate)
+            extra = {} if gate is None else {"ready": gate}  # injected transports may predate ``ready``
             for session, plan in jobs:
-                handle = self._ctx.transport.submit(session, plan, self.on_chunk_done)
+                handle = self._ctx.transport.submit(session, plan, self.on_chunk_done, **extra)
                 if handle is not None:
                     self._jobs.append(handle)
+            for part in parts:
+                part.ready = gate
             if parts:
-                self._table.staging.submit(parts)
+                self._table.staging.submit(parts, ready=gate)
 
     def poll(self) -> KVPoll:
         with self._ctx.lock:
@@ -224,7 +242,7 @@ class KVSender:
 
     # --- internals --------------------------------------------------------------
 
-    def _write_through(self, pages: np.ndarray, first: int, last: bool) -> None:
+    def _write_through(self, pages: np.ndarray, first: int, last: bool, gate=None) -> None:
         """Queue the chunk's full pages (and, with the last chunk, the aux
         row) for the storage tier. MLA pools are the same on every TP rank,
         so only rank 0 writes them."""
@@ -242,7 +260,7 @@ class KVSender:
         if not items and aux is None:
             return
         self._storage_pending += 1
-        tier.write(items, aux, self._on_storage_done)
+        tier.write(items, aux, self._on_storage_done, ready=gate)
 
     def _on_storage_done(self, job) -> None:
         with self._ctx.lock:

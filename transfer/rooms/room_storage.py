@@ -8,6 +8,7 @@ import logging
 import numpy as np
 
 from bootstrap.messages import PoolRole
+from transfer.pools import host_page_ids
 from transfer.storage.tier import Job, StorageTier
 
 log = logging.getLogger("kvferry.receiver")
@@ -19,7 +20,7 @@ class RoomStorage:
 
     def __init__(self, tier: StorageTier, token_ids, pages: np.ndarray, aux_index: int) -> None:
         """Raises ValueError when the prompt does not take ``len(pages)`` pages."""
-        tokens = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        tokens = host_page_ids(token_ids)  # a CUDA tensor too
         if -(-tokens.size // tier.page_size) != pages.size:
             raise ValueError(f"{tokens.size} tokens take {-(-tokens.size // tier.page_size)} pages of "
                              f"{tier.page_size}, not the {pages.size} given")

@@ -12,10 +12,21 @@ page, each page's :class:`~transfer.plan.PageSlice`.
 :class:`~transfer.staging.area.StagingArea` hands out regions of it.
 ``gather`` and ``scatter`` run torch index ops on uint8 views of the pool
 tensors: no Python loop over pages, and the same code on CPU or CUDA.
+
+On CUDA they run on a private stream per device (:func:`copy_stream`), and
+wait for that stream only before returning (the engine reads, or decode
+reports, right after): never for the device, so kernels the scheduler
+queued elsewhere do not hold them up. Page ids reach the device through
+:func:`page_tensor` (pinned, ``non_blocking``, on the same stream). The
+order after the KV's producer is the caller's: the sender's ``ready``
+event, waited for before the gather (:mod:`transfer.ready`).
 """
 
 from __future__ import annotations
 
+import threading
+
+import numpy as np
 import torch
 
 from bootstrap.messages import PoolDescriptor, components_of
@@ -91,8 +102,9 @@ def gather(staging: torch.Tensor, offset: int, tensors: dict, pool: PoolDescript
     keeps the pool's word views between calls."""
     words = _pool_words(staging, offset, tensors, pool, sl, cache)
     packed = _packed(staging, offset, words, sl, pages.numel())
-    for i, rows in enumerate(words.rows):
-        torch.index_select(rows, 0, pages, out=packed[i])
+    with _on_copy_stream(staging):
+        for i, rows in enumerate(words.rows):
+            torch.index_select(rows, 0, pages, out=packed[i])
     _sync(staging)
     return staged_bytes(pool, sl, pages.numel())
 
@@ -109,12 +121,60 @@ def scatter(staging: torch.Tensor, offset: int, tensors: dict, pool: PoolDescrip
         for i, rows in enumerate(words.arrays):
             rows[index] = src[i]
     else:
-        for i, rows in enumerate(words.rows):
-            rows.index_copy_(0, pages, packed[i])
+        with _on_copy_stream(staging):
+            for i, rows in enumerate(words.rows):
+                rows.index_copy_(0, pages, packed[i])
     _sync(staging)
     return staged_bytes(pool, sl, pages.numel())
 
 
+_streams: dict = {}  # device -> its private copy stream
+_streams_lock = threading.Lock()
+
+
+def copy_stream(device: torch.device):
+    """The private CUDA stream that staging copies of ``device`` run on
+    (created once per device; None for the CPU)."""
+    if device.type != "cuda":
+        return None
+    with _streams_lock:
+        stream = _streams.get(device)
+        if stream is None:
+            stream = _streams[device] = torch.cuda.Stream(device=device)
+        return stream
+
+
+class _on_copy_stream:
+    """``with``: run the block's torch ops on the tensor's copy stream (a
+    no-op on the CPU)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        stream = copy_stream(t.device)
+        self._ctx = torch.cuda.stream(stream) if stream is not None else None
+
+    def __enter__(self):
+        if self._ctx is not None:
+            self._ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)
+
+
+def page_tensor(pages: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Page ids as an int64 tensor on ``device``: on CUDA a pinned host copy
+    sent ``non_blocking`` on the copy stream, so it queues behind nothing
+    else; the gather or scatter that uses it runs on that stream too, and
+    its final synchronisation keeps the pinned copy alive long enough."""
+    host = torch.from_numpy(np.ascontiguousarray(pages, dtype=np.int64))
+    stream = copy_stream(device)
+    if stream is None:
+        return host
+    with torch.cuda.stream(stream):
+        return host.pin_memory().to(device, non_blocking=True)
+
+
 def _sync(t: torch.Tensor) -> None:
-    if t.is_cuda:  # the engine reads and writes device memory after we return
-        torch.cuda.current_stream(t.device).synchronize()
+    stream = copy_stream(t.device)
+    if stream is not None:  # the engine reads and writes device memory after we return
+        stream.synchronize()

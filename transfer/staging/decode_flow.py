@@ -19,13 +19,12 @@ import time
 from typing import Callable
 
 import numpy as np
-import torch
 
 from transfer.errors import KVFerryError
 from transfer.messages import ChunkStaged, StageGrant, StageRequest
 from transfer.plan import page_slice
 from transfer.rooms.context import RoomContext
-from transfer.staging.copies import scatter, staged_bytes
+from transfer.staging.copies import page_tensor, scatter, staged_bytes
 
 log = logging.getLogger("kvferry.staging")
 
@@ -108,7 +107,7 @@ def scatter_part(ctx: RoomContext, dst_pages: np.ndarray, msg: ChunkStaged, offs
                          f"take {expected}")
     mem = ctx.staging
     dst = dst_pages[msg.page_start:msg.page_start + msg.num_pages]
-    pages = torch.from_numpy(dst.astype(np.int64)).to(mem.tensor.device)
+    pages = page_tensor(dst, mem.tensor.device)
     for a in assignments:
         if a.send:
             pool = ctx.rank.pool(a.role)

@@ -19,14 +19,14 @@ from dataclasses import dataclass
 from typing import Mapping, Protocol
 
 import numpy as np
-import torch
 
 from bootstrap.messages import PoolDescriptor, RankInfo
 from transfer.errors import KVFerryError, TransferError
 from transfer.messages import ChunkStaged, StageGrant, StageRequest
 from transfer.plan import PageSlice, TransferPlan, page_slice
+from transfer.ready import ReadyWaiter
 from transfer.rooms.context import RoomContext
-from transfer.staging.copies import gather, staged_bytes
+from transfer.staging.copies import gather, page_tensor, staged_bytes
 
 log = logging.getLogger("kvferry.staging")
 
@@ -58,6 +58,7 @@ class StagedPart:
     pools: list[tuple[PoolDescriptor, PageSlice]]  # in the request's assignment order
     nbytes: int
     local_offset: int = -1
+    ready: object = None  # a transfer.ready.ReadyGate: gather only once it is done
 
 
 def plan_parts(sender: StagedSender, req, pages: np.ndarray, page_start: int, local, peer, part_bytes: int,
@@ -88,11 +89,27 @@ class PrefillStaging:
         self.ctx = ctx
         self.peers = peers
         self._waiting: collections.deque[StagedPart] = collections.deque()
+        self._waiter = ReadyWaiter("kvferry-ready")
         self._granting: dict[tuple[int, int, int], StagedPart] = {}
 
-    def submit(self, parts: list[StagedPart]) -> None:
+    def submit(self, parts: list[StagedPart], ready=None) -> None:
+        """Queue a chunk's parts; with ``ready`` (a
+        :class:`~transfer.ready.ReadyGate` not done yet) only once it is
+        done, never blocking this thread (a part of a gate past its deadline
+        ends with the error)."""
+        if ready is not None and not ready.done():
+            self._waiter.when_ready(ready, lambda error: self._ready(parts, error))
+            return
         self._waiting.extend(parts)
         self.pump()
+
+    def _ready(self, parts: list[StagedPart], error) -> None:
+        if error is None:
+            with self.ctx.lock:
+                self.submit(parts)
+            return
+        for part in parts:
+            part.sender.on_chunk_done(TransferError(f"{part.sender.where}: staging part {part.part}: {error}"))
 
     def pump(self) -> None:
         """Give free local staging to waiting parts, in order, and ask decode."""
@@ -130,9 +147,11 @@ class PrefillStaging:
             if not 0 <= grant.offset <= peer.staging.nbytes - part.nbytes:
                 raise IndexError(f"decode granted [{grant.offset}, +{part.nbytes}) outside its staging buffer "
                                  f"of {peer.staging.nbytes} bytes")
+            if part.ready is not None:
+                part.ready.wait()  # done already: submit() queued the part only then
             offset = part.local_offset
             mem = self.ctx.staging
-            pages = torch.from_numpy(part.src_pages.astype(np.int64)).to(mem.tensor.device)
+            pages = page_tensor(part.src_pages, mem.tensor.device)
             for pool, sl in part.pools:
                 offset += gather(mem.tensor, offset, mem.buffers, pool, sl, pages, mem.word_views)
             plan = TransferPlan(np.asarray([self.ctx.rank.staging.addr + part.local_offset], dtype=np.uint64),

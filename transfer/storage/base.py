@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 from urllib.parse import parse_qsl, urlsplit
 
+from transfer.errors import StorageError
+
 Segment = tuple[int, int]
 """``(address, nbytes)`` of one contiguous block of memory."""
 
@@ -53,7 +55,8 @@ class StorageBackend(abc.ABC):
       :class:`~transfer.errors.StorageError` (anything else); malformed
       arguments raise ``ValueError`` before anything is touched.
     - **Memory.** Segments are host memory that stays valid and unmodified
-      for the whole call. After a timeout a network backend's stuck call may
+      for the whole call (device memory only where ``check_memory`` accepts
+      it: the NIXL store with ``memory=VRAM``). After a timeout a network backend's stuck call may
       still read or write them until it returns; keep such memory alive (pool
       memory lives as long as the process).
     - **Keys** are 1-200 characters of ``[A-Za-z0-9_.-]`` not starting with a
@@ -82,6 +85,18 @@ class StorageBackend(abc.ABC):
         ``False`` for a missing key or another size leaves the segments
         untouched; ``False`` for a corrupt value or a failed transfer may
         have written part of them."""
+
+    def check_memory(self, device: str) -> None:
+        """Raise :class:`~transfer.errors.StorageError` unless this backend
+        can read and write segments in memory of ``device`` (``cpu``,
+        ``cuda:0``). The storage tier calls it for every pool and the aux
+        tensor before any byte moves: a host-memory backend handed a device
+        pointer would crash the process (CRC, memmove) or fail every read.
+        Default: host memory only."""
+        if device != "cpu":
+            raise StorageError(f"{self.url or type(self).__name__}: reads and writes host memory only, not "
+                               f"{device} memory (CUDA pools: use nixl:// with memory=VRAM and a GDS backend, or "
+                               f"no storage_url)", backend=self.url)
 
     def register_memory(self, regions: Sequence[Segment]) -> None:
         """Announce memory that later segments will lie in (a pool's tensors),

@@ -123,6 +123,19 @@ class NixlStore(StorageBackend):
         with self._lock:
             return self._index.total_bytes
 
+    def check_memory(self, device: str) -> None:
+        """``memory=DRAM`` serves the CPU only; ``memory=VRAM`` serves
+        ``cuda:<device_id>`` only (a pool on another GPU would be read from
+        the wrong device)."""
+        cfg = self.config
+        want = "cpu" if cfg.memory == "DRAM" else f"cuda:{cfg.device_id}"
+        if device == want or (cfg.memory == "VRAM" and device == "cuda" and cfg.device_id == 0):
+            return
+        raise StorageError(f"{self.url}: memory={cfg.memory}" + (f" device_id={cfg.device_id}" if
+                           cfg.memory == "VRAM" else "") + f" serves {want} memory, not {device} memory "
+                           f"(CUDA pools need memory=VRAM&device_id=<the pool's GPU> and backend=GDS)",
+                           backend=self.url)
+
     # -- the interface ----------------------------------------------------
 
     def exists(self, keys: Sequence[str]) -> int:

@@ -24,6 +24,7 @@ import threading
 from typing import Callable, Sequence
 
 from bootstrap.messages import PoolRole
+from transfer.errors import StorageError
 from transfer.pools import MHAPool, MLAPool
 from transfer.storage import open_storage
 from transfer.storage.keys import chain_hashes, keys_from_chain
@@ -34,6 +35,23 @@ log = logging.getLogger("kvferry.storage")
 # Pages per backend call: large enough to amortize a call, small enough that
 # a cancelled prefetch stops soon.
 BATCH_PAGES = 64
+
+
+def _device_name(device) -> str:
+    """``cpu``, ``cuda:0``: a device as :meth:`StorageBackend.check_memory` takes it."""
+    return device.type if device.type == "cpu" or device.index is None else f"{device.type}:{device.index}"
+
+
+def _devices(pools, aux) -> list[tuple[str, str]]:
+    """(what, device) of every pool tensor's device and the aux tensor's."""
+    out = {}
+    for pool in pools:
+        tensors = list(pool.k) + list(pool.v) if isinstance(pool, MHAPool) else list(pool.latent)
+        for t in tensors:
+            out.setdefault((f"{pool.role.value} pool", _device_name(t.device)), None)
+    if aux is not None:
+        out.setdefault(("aux tensor", _device_name(aux.device)), None)
+    return list(out)
 
 
 class Job:
@@ -59,6 +77,12 @@ class StorageTier:
         self.config, self.where = config, where
         self.backend = open_storage(config.storage_url)
         try:
+            for what, device in _devices(pools, aux):  # before any byte moves: a device pointer would crash it
+                try:
+                    self.backend.check_memory(device)
+                except StorageError as exc:
+                    raise StorageError(f"{where}: storage cannot serve the {what}: {exc}",
+                                       backend=exc.backend) from exc
             regions = [r for p in pools for r in pool_regions(p)]
             if aux is not None:
                 regions.append((aux.data_ptr(), aux.numel() * aux.element_size()))
@@ -103,11 +127,15 @@ class StorageTier:
     # --- jobs ---------------------------------------------------------------------
 
     def write(self, items: dict[PoolRole, tuple[list[str], Sequence[int]]], aux: tuple[str, int] | None,
-              done: Callable[[Job], None]) -> Job:
+              done: Callable[[Job], None], ready=None) -> Job:
         """Store pages: per role (keys, page ids of this rank's pool), and
-        optionally the aux row ``(key, slot)``."""
+        optionally the aux row ``(key, slot)``. ``ready`` (a
+        :class:`~transfer.ready.ReadyGate`): the job reads no page before it
+        is done (waited for on the storage thread, bounded)."""
 
         def run(job: Job) -> None:
+            if ready is not None:
+                ready.wait()
             for role, (keys, pages) in items.items():
                 stored = 0
                 for b in range(0, len(keys), BATCH_PAGES):

@@ -11,9 +11,13 @@ The contract every implementation keeps:
 - ``register(regions)`` is called once, before any peer learns the
   session; it makes ``(addr, nbytes)`` regions writable by peers. It raises
   :class:`~transfer.errors.TransferError` when the engine refuses.
-- ``submit(peer, plan, callback)`` returns at once, from any thread. An empty
-  plan calls ``callback(None)`` before returning and returns None; otherwise
-  it returns a :class:`TransferHandle`. After ``close()`` it raises
+- ``submit(peer, plan, callback, ready=None)`` returns at once, from any
+  thread. An empty plan calls ``callback(None)`` before returning and returns
+  None; otherwise it returns a :class:`TransferHandle`. ``ready`` (a
+  :class:`~transfer.ready.ReadyGate`, or None): no byte of the plan is read
+  before ``ready.done()``; the worker polls it, never the caller's thread,
+  and a gate past its deadline fails the plan with a TransferError. Callers
+  pass ``ready`` only when they have one (older transports lack it). After ``close()`` it raises
   :class:`~transfer.errors.ClosedError`.
 - ``callback(error)`` runs exactly once per non-empty plan, on the
   transport's worker thread, after every descriptor it submitted finished
@@ -53,6 +57,7 @@ class Transport(Protocol):
 
     def register(self, regions: list[tuple[int, int]]) -> None: ...
 
-    def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback) -> TransferHandle | None: ...
+    def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback,
+               ready=None) -> TransferHandle | None: ...
 
     def close(self) -> None: ...

@@ -31,7 +31,7 @@ from typing import Callable
 
 from transfer.control.base import Handler
 from transfer.control.loopback import LoopbackChannel, origin_of
-from transfer.errors import ClosedError, TransferError
+from transfer.errors import ClosedError, KVFerryError, TransferError
 from transfer.plan import TransferPlan
 from transfer.transport.base import DoneCallback
 
@@ -44,6 +44,7 @@ class _Job:
     plan: TransferPlan
     callback: DoneCallback
     cancelled: bool = False
+    ready: object = None  # a transfer.ready.ReadyGate, waited for on the worker
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -68,18 +69,22 @@ class LoopbackTransport:
     def register(self, regions: list[tuple[int, int]]) -> None:
         self.regions.extend((int(a), int(n)) for a, n in regions)
 
-    def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback) -> _Job | None:
+    def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback, ready=None) -> _Job | None:
         if self._closed.is_set():
             raise ClosedError("transport is closed")
         if plan.num_descriptors == 0:
             callback(None)
             return None
-        job = _Job(peer, plan, callback)
+        job = _Job(peer, plan, callback, ready=ready)
         self._jobs.put(job)
         return job
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
+            if job.ready is not None and not self._closed.is_set() and not self._ready_now(job):
+                self._jobs.put(job)  # later jobs go ahead: a late event holds back its own job only
+                time.sleep(0.001)
+                continue
             error = self._copy(job)
             self._finish(job, error)
         while True:  # closed: fail what is still queued
@@ -90,8 +95,22 @@ class LoopbackTransport:
             if job is not None:
                 self._finish(job, TransferError("transport closed before the transfer finished", peer=job.peer))
 
+    @staticmethod
+    def _ready_now(job: _Job) -> bool:
+        """Whether the job's gate is done or failed (``_copy`` then reports it)."""
+        try:
+            return job.ready.done()
+        except KVFerryError:
+            return True
+
     def _copy(self, job: _Job) -> TransferError | None:
         plan = job.plan
+        if job.ready is not None:
+            try:
+                job.ready.wait()  # on the worker: bounded by the gate's deadline
+            except KVFerryError as exc:
+                return TransferError(str(exc), peer=job.peer)
+            job.ready = None
         for i, (src, dst, n) in enumerate(zip(plan.src_addrs.tolist(), plan.dst_addrs.tolist(),
                                              plan.lengths.tolist())):
             while not self._fabric.writes_open.wait(0.02):

@@ -36,20 +36,17 @@ Two things the engine does not say, which this module does:
 from __future__ import annotations
 
 import collections
-import contextlib
-import ctypes
 import logging
-import os
 import queue
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 
 from transfer.config import EngineConfig, apply_mooncake_env, quiet_engine_start
-from transfer.errors import ClosedError, TransferError
+from transfer.errors import ClosedError, KVFerryError, TransferError
 from transfer.plan import TransferPlan, split_entries
 from transfer.transport.base import DoneCallback
+from transfer.transport.mooncake_process import keep_forever, rdma_devices, stderr_discarded
 
 log = logging.getLogger("kvferry.transport")
 
@@ -68,6 +65,35 @@ _ASSUMED_BYTES_PER_S = 2e9
 _MIN_SLEEP_S, _MAX_SLEEP_S = 20e-6, 1e-3
 
 
+# The wheels whose engine moves device memory (on TCP through a bounce
+# buffer, on RDMA by GPUDirect); ``mooncake-transfer-engine-non-cuda`` hands
+# device pointers to sockets and fails at the first transfer.
+CUDA_BUILDS = ("mooncake-transfer-engine", "mooncake-transfer-engine-cuda13", "mooncake-transfer-engine-efa",
+               "mooncake-transfer-engine-efa-cuda13")
+
+
+def installed_builds() -> list[str]:
+    """The distributions that installed the ``mooncake`` module (empty for a
+    build from source, or none)."""
+    import importlib.metadata
+    return sorted(importlib.metadata.packages_distributions().get("mooncake", []))
+
+
+def check_engine_build(device_type: str, builds: list[str] | None = None) -> None:
+    """Raise TransferError when the installed Mooncake wheel cannot move
+    memory of ``device_type`` (``cuda``: a CUDA build is needed). A build
+    from source (no wheel) is trusted. Imports no Mooncake."""
+    if device_type == "cpu":
+        return
+    builds = installed_builds() if builds is None else builds
+    if not builds or any(b in CUDA_BUILDS for b in builds):
+        return
+    raise TransferError(f"the pools are {device_type} memory, but the Mooncake engine installed is "
+                        f"{', '.join(builds)}, which cannot read or write device memory: install "
+                        f"mooncake-transfer-engine (CUDA 12) or mooncake-transfer-engine-cuda13 instead "
+                        f"(`make test-gpu` sets one up)")
+
+
 @dataclass
 class _Job:
     peer: str
@@ -80,6 +106,22 @@ class _Job:
     error: TransferError | None = None
     done: bool = field(default=False)
     cancelled: bool = False
+    ready: object = None  # a transfer.ready.ReadyGate: submit nothing before it is done
+
+    def waiting(self) -> bool:
+        """Whether the job must not start yet (its producer's event is not
+        complete); past the gate's deadline the job fails instead."""
+        if self.ready is None or self.next_index or self.cancelled:
+            return False
+        try:
+            if self.ready.done():
+                self.ready = None
+                return False
+        except KVFerryError as exc:
+            self.error = self.error or TransferError(str(exc), peer=self.peer)
+            self.next_index = len(self.src)
+            return False
+        return True
 
     def cancel(self) -> None:
         """Submit no more of this job's descriptors (those already submitted
@@ -103,7 +145,7 @@ class MooncakeTransport:
             raise TransferError(f"the Mooncake transfer engine is not installed: {exc}") from exc
         self.config = config
         self._engine = TransferEngine()
-        with _stderr_discarded(quiet_engine_start(config)):
+        with stderr_discarded(quiet_engine_start(config)):
             rc = self._engine.initialize(config.hostname, "P2PHANDSHAKE", config.protocol, config.device_name)
         if rc != 0:
             raise TransferError(
@@ -144,19 +186,23 @@ class MooncakeTransport:
 
     # --- transfers --------------------------------------------------------------
 
-    def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback) -> _Job | None:
+    def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback, ready=None) -> _Job | None:
         """Queue ``plan`` for writing into ``peer`` (a Mooncake session
         ``host:port``); returns at once, with a handle whose ``cancel()``
         stops what was not submitted yet (None for an empty plan, which
         completes at once). ``callback(None)`` on success or
-        ``callback(TransferError)``."""
+        ``callback(TransferError)``. ``ready`` (a
+        :class:`~transfer.ready.ReadyGate`): the worker submits none of the
+        plan's descriptors before it is done (polled, never blocking; later
+        jobs to the same peer go ahead meanwhile)."""
         if self._closed.is_set():
             raise ClosedError("transport is closed")
         if plan.num_descriptors == 0:
             callback(None)
             return None
         plan = split_entries(plan, self.config.max_descriptor_bytes)
-        job = _Job(peer, plan.src_addrs.tolist(), plan.dst_addrs.tolist(), plan.lengths.tolist(), callback)
+        job = _Job(peer, plan.src_addrs.tolist(), plan.dst_addrs.tolist(), plan.lengths.tolist(), callback,
+                   ready=ready)
         self._jobs.put(job)
         return job
 
@@ -184,6 +230,8 @@ class MooncakeTransport:
             if outstanding:
                 pending = self._inflight_bytes / _ASSUMED_BYTES_PER_S / 4
                 time.sleep(min(_MAX_SLEEP_S, max(_MIN_SLEEP_S, pending)))
+            elif by_peer:  # only jobs whose ready event is not complete
+                time.sleep(_MIN_SLEEP_S)
 
     def _submit_round(self, by_peer, inflight, outstanding, cap) -> bool:
         progressed = False
@@ -191,7 +239,11 @@ class MooncakeTransport:
         for peer in list(by_peer):
             jobs = by_peer[peer]
             while jobs and inflight[peer] < cap:
-                job = jobs[0]
+                # The first job not waiting for its ready event (a late event
+                # holds back its own job only, not the rooms behind it).
+                job = next((j for j in jobs if not j.waiting()), None)
+                if job is None:
+                    break
                 n = len(job.src)
                 if job.cancelled and job.next_index < n:
                     job.error = job.error or TransferError(f"transfer to {peer} cancelled", peer=peer)
@@ -212,7 +264,7 @@ class MooncakeTransport:
                     inflight[peer] += 1
                     progressed = True
                 if job.next_index >= n:
-                    jobs.popleft()
+                    jobs.remove(job)
                     self._maybe_finish(job)
             if not jobs:
                 del by_peer[peer]
@@ -286,37 +338,5 @@ class MooncakeTransport:
         if self._registered:
             self._engine.batch_unregister_memory(self._registered)
             self._registered = []
-        _keep_forever(self._engine)  # see the module docstring: its destructor costs ~1 s with the GIL held
+        keep_forever(self._engine)  # see the module docstring: its destructor costs ~1 s with the GIL held
 
-
-def rdma_devices(root: str = "/sys/class/infiniband") -> list[str]:
-    """The RDMA devices of this host (empty without any)."""
-    try:
-        return sorted(os.listdir(root))
-    except OSError:
-        return []
-
-
-def _keep_forever(obj) -> None:
-    """Take a reference that is never given back: ``obj`` is never destroyed."""
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
-
-
-@contextlib.contextmanager
-def _stderr_discarded(discard: bool):
-    """Discard what is written to file descriptor 2 (the engine's C++ logs)
-    inside the block, when ``discard``; the whole process's standard error
-    is affected for that time (about a millisecond)."""
-    if not discard:
-        yield
-        return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
