@@ -38,12 +38,21 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
 
 
+def _env_log_level() -> str:
+    """KVFERRY_LOG_LEVEL, as the ranks read it (TRACE is DEBUG, CRITICAL is
+    ERROR here); INFO when unset or unknown."""
+    level = os.environ.get("KVFERRY_LOG_LEVEL", "").upper()
+    level = {"TRACE": "DEBUG", "CRITICAL": "ERROR"}.get(level, level)
+    return level if level in ("DEBUG", "INFO", "WARNING", "ERROR") else "INFO"
+
+
 def serve(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bootstrap", description="kvferry bootstrap server "
                                      "(`python -m bootstrap status --help`: the status view)")
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0 picks one)")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--log-level", default=_env_log_level(), choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="default INFO, or KVFERRY_LOG_LEVEL (TRACE counts as DEBUG)")
     parser.add_argument("--secret-file", help=_SECRET_HELP)
     parser.add_argument("--insecure", action="store_true", default=_env_flag("KVFERRY_INSECURE"),
                         help="allow a non-loopback --host without a secret (default: refuse; "

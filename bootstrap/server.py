@@ -69,6 +69,12 @@ class ServerConfig:
                         what="the bootstrap server", how_insecure="--insecure (KVFERRY_INSECURE=1)")
 
 
+def _log_drop(count: int, fmt: str, *args) -> None:
+    """A refused request: WARNING for the 1st, 2nd, 4th, 8th... (``count``),
+    DEBUG otherwise, so a flood of bad requests does not flood the log."""
+    log.log(logging.WARNING if count & (count - 1) == 0 else logging.DEBUG, fmt, *args)
+
+
 class BootstrapServer:
     """Owns the ROUTER socket and the registry.
 
@@ -166,7 +172,8 @@ class BootstrapServer:
         else:
             self.num_errors += 1
             self.metrics.on_dropped("malformed")
-            log.warning("bootstrap: dropped a request of %d frames", len(frames))
+            _log_drop(self.num_errors, "bootstrap: dropped a request of %d frames (%d errors so far)", len(frames),
+                      self.num_errors)
             if len(frames) > 2:
                 reply = ErrorReply(code="protocol", message=f"expected 1 payload frame, got {len(frames) - 1}")
                 self._send(frames[:1], reply)
@@ -198,12 +205,12 @@ class BootstrapServer:
             self.num_errors += 1
             self.num_unauthenticated += 1
             self.metrics.on_dropped("unauthenticated")
-            log.warning("bootstrap: refused: %s", exc)
+            _log_drop(self.num_unauthenticated, "bootstrap: refused (%d so far): %s", self.num_unauthenticated, exc)
             return kind, ErrorReply(code="auth", message=str(exc))
         except ProtocolError as exc:
             self.num_errors += 1
             self.metrics.on_dropped("malformed")
-            log.warning("bootstrap: bad request: %s", exc)
+            _log_drop(self.num_errors, "bootstrap: bad request (%d errors so far): %s", self.num_errors, exc)
             return kind, ErrorReply(code="protocol", message=str(exc))
         except RegistryConflict as exc:
             self.num_errors += 1

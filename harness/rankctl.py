@@ -28,6 +28,8 @@ so decode can check every byte), creates its KVManager, prints ``READY
   cache would), so rooms sharing leading pages share a prefix.
 - ``{"op": "stats"}``: threads, open file descriptors, RSS, counters (on
   prefill also the room table's refusals: ``refused_hellos``, ...).
+  (``READY`` also says ``metrics_port``: the rank's /metrics port, 0: none;
+  set it with ``--config '{"metrics_port": N}'``.)
 - ``{"op": "digest"}``: a SHA-256 of every pool buffer (to show that
   nothing wrote into this rank's own pages).
 - ``{"op": "exit"}``.
@@ -280,6 +282,7 @@ def main(argv=None) -> int:
     mgr = KVManager(cfg, pools, aux=aux)
     rank = PrefillRank(spec, mgr, aux) if prefill else DecodeRank(spec, mgr, tensors, aux)
     print("READY " + json.dumps({"session": mgr.rank.session, "endpoint": mgr.rank.control_endpoint,
+                                 "metrics_port": mgr.metrics.port if mgr.metrics is not None else 0,
                                  **_stats(mgr)}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)

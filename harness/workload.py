@@ -237,7 +237,10 @@ def _manager(spec: Spec, role: Role, rank: int, dp_rank: int, pools, aux) -> KVM
                   dp_rank=dp_rank if prefill else 0, dp_size=spec.prefill_dp if prefill else 1,
                   engine=replace(base.engine, protocol=spec.protocol),
                   bootstrap_timeout_s=spec.timeout_s, transfer_timeout_s=spec.timeout_s,
-                  allow_missing_draft=spec.allow_missing_draft)
+                  allow_missing_draft=spec.allow_missing_draft,
+                  # KVFERRY_METRICS_PORT is a base: prefill ranks serve base + rank, decode base + 100 + rank
+                  metrics_port=base.metrics_port and base.metrics_port + (0 if prefill else 100) + rank
+                  + (dp_rank * spec.prefill_tp if prefill else 0))
     mgr = KVManager(cfg, pools, aux=aux)
     if spec.touch_staging and mgr.staging is not None:
         mgr.staging.fill_(0)

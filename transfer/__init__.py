@@ -24,6 +24,7 @@ _EXPORTS = {
     "KVReceiver": "transfer.receiver",
     "KVSender": "transfer.sender",
     "KVPoll": "transfer.state",
+    "FailureReason": "transfer.stats", "ManagerStats": "transfer.stats", "RoomStats": "transfer.stats",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -36,6 +36,7 @@ by someone else than kvferry (:func:`quiet_engine_start`); any other level
 from __future__ import annotations
 
 import enum
+import logging
 import os
 from dataclasses import dataclass, field, fields, replace
 
@@ -157,6 +158,14 @@ class ManagerConfig:
     smaller than ``stage_below_bytes`` is gathered into it, sent in parts of
     at most ``stage_part_bytes``, and scattered on decode; both sides need
     staging for it to be used.
+
+    Observability: ``metrics_port`` (0: off) serves Prometheus ``/metrics``
+    on ``host`` (needs prometheus-client; see :mod:`transfer.metrics`).
+    ``log_level`` (empty: leave it) sets the ``kvferry`` logger hierarchy's
+    level when the manager starts (``DEBUG`` shows each room's life; ``TRACE``
+    counts as ``DEBUG``). From the environment: ``KVFERRY_METRICS_PORT``,
+    ``KVFERRY_LOG_LEVEL`` (which also sets ``engine.log_level`` when it is a
+    level the engine knows, as it always did).
     """
 
     role: Role
@@ -188,6 +197,8 @@ class ManagerConfig:
     storage_prefetch: str = "wait_complete"
     storage_prefetch_timeout_s: float = 1.0
     storage_fallback: bool = True
+    metrics_port: int = 0
+    log_level: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, Role):
@@ -211,9 +222,26 @@ class ManagerConfig:
             raise ValueError("ManagerConfig.staging_bytes and stage_below_bytes must be >= 0")
         if self.staging_bytes and self.stage_part_bytes > self.staging_bytes:
             raise ValueError("ManagerConfig.stage_part_bytes must not exceed staging_bytes")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"ManagerConfig.metrics_port must be in [0, 65536), got {self.metrics_port}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"ManagerConfig.log_level must be one of {', '.join(l or repr(l) for l in LOG_LEVELS)}, "
+                             f"got {self.log_level!r}")
         check_protected(self.host, has_secret=bool(self.secret), insecure=self.insecure,
                         what=f"a {self.role.value} rank (ManagerConfig.host)",
                         how_insecure="insecure=True (KVFERRY_INSECURE=1)")
+
+
+#: ManagerConfig.log_level's values ("": leave the level as it is).
+LOG_LEVELS = ("", "TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_ENGINE_LOG_LEVELS = ("TRACE", "INFO", "WARNING", "ERROR")
+
+
+def apply_log_level(level: str) -> None:
+    """Set the ``kvferry`` logger hierarchy to ``level`` (one of
+    :data:`LOG_LEVELS`; empty: no change)."""
+    if level:
+        logging.getLogger("kvferry").setLevel("DEBUG" if level == "TRACE" else level)
 
 
 _ENGINE_KEYS = {f.name for f in fields(EngineConfig)}
@@ -255,11 +283,15 @@ def _convert(text: str, like):
 
 def manager_config_from_env(role: Role, **overrides) -> ManagerConfig:
     """A ManagerConfig from ``KVFERRY_<FIELD>`` variables (``KVFERRY_TP_RANK``,
-    ``KVFERRY_PROTOCOL``, ...), then ``overrides``."""
+    ``KVFERRY_PROTOCOL``, ``KVFERRY_METRICS_PORT``, ...), then ``overrides``.
+    ``KVFERRY_LOG_LEVEL`` sets ``log_level``, and ``engine.log_level`` when
+    the engine knows the level (TRACE, INFO, WARNING, ERROR)."""
     base = ManagerConfig(role=role)
     engine_kw, manager_kw = {}, {}
     for key in _ENGINE_KEYS:
         if (text := os.environ.get(ENV_PREFIX + key.upper())) is not None:
+            if key == "log_level" and text not in _ENGINE_LOG_LEVELS:
+                continue  # KVFERRY_LOG_LEVEL=DEBUG is for kvferry's loggers only
             engine_kw[key] = _convert(text, getattr(base.engine, key))
     for key in _MANAGER_KEYS:
         if (text := os.environ.get(ENV_PREFIX + key.upper())) is not None:

@@ -33,6 +33,11 @@ class Liveness:
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self._peers: dict[str, _Peer] = {}
 
+    @property
+    def num_watched(self) -> int:
+        """Peers under watch now (those of the last ``step``)."""
+        return len(self._peers)
+
     def heard(self, session: str, now: float) -> None:
         """A message from ``session`` arrived."""
         peer = self._peers.get(session)

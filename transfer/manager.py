@@ -15,7 +15,7 @@ import torch
 from bootstrap.client import BootstrapClient
 from bootstrap.messages import RankInfo, StagingDescriptor
 from transfer.changes import ChangeLog
-from transfer.config import ManagerConfig, Role, staging_bytes_for
+from transfer.config import ManagerConfig, Role, apply_log_level, staging_bytes_for
 from transfer.control.base import ChannelFactory, ControlChannel
 from transfer.control.zmq_channel import zmq_channel
 from transfer.errors import BootstrapError, BootstrapUnavailable, ClosedError, KVFerryError
@@ -28,6 +28,7 @@ from transfer.rooms.context import RoomContext
 from transfer.rooms.decode_table import DecodeRooms
 from transfer.rooms.prefill_table import PrefillRooms
 from transfer.staging.area import StagingArea, StagingMemory
+from transfer.stats import ManagerStats, RankTotals
 from transfer.storage.tier import StorageTier
 from transfer.transport.base import Transport
 from transfer.transport.mooncake import MooncakeTransport, check_engine_build
@@ -74,11 +75,19 @@ class KVManager:
     ``config.engine``); ``channel_factory(host, handler, secret)`` builds the
     :class:`~transfer.control.base.ControlChannel` (default: zmq). The
     manager registers the transport's memory and closes both.
+
+    Observability: :meth:`stats` (totals since start, any time); with
+    ``config.metrics_port`` it serves them as Prometheus ``/metrics`` (see
+    :mod:`transfer.metrics`); ``config.log_level`` sets the ``kvferry``
+    loggers' level.
     """
 
     def __init__(self, config: ManagerConfig, pools: Sequence[MHAPool | MLAPool], aux=None, *,
                  transport: Transport | None = None, channel_factory: ChannelFactory | None = None) -> None:
         self.config = config
+        apply_log_level(config.log_level)
+        self._totals = RankTotals(config.role.value)
+        self.metrics = None
         # The engine holds raw pointers into these tensors: keep them alive as
         # long as the manager, whatever the caller does with its references.
         self._tensors = (tuple(pools), aux)
@@ -140,7 +149,7 @@ class KVManager:
         self.context = RoomContext(
             config=config, where=self.where, rank=self.rank, lock=self._lock, changed=self._changed,
             transport=self.transport, channel=self.channel, staging=staging_mem, storage=self.storage,
-            bootstrap_client=self.bootstrap_client)
+            bootstrap_client=self.bootstrap_client, stats=self._totals)
         #: the room table (prefill or decode)
         self.rooms = PrefillRooms(self.context) if config.role is Role.PREFILL else DecodeRooms(self.context)
         self._threads = [threading.Thread(target=self._watch, name="kvferry-liveness", daemon=True)]
@@ -154,6 +163,13 @@ class KVManager:
                 raise
             self._threads.append(threading.Thread(target=self._keep_registered, name="kvferry-register",
                                                   daemon=True))
+        if config.metrics_port:
+            try:
+                from transfer.metrics import serve_metrics
+                self.metrics = serve_metrics(self)
+            except BaseException:
+                self.close()
+                raise
         for t in self._threads:
             t.start()
 
@@ -250,6 +266,7 @@ class KVManager:
                 with self._lock:
                     watched = self.rooms.live_peers(now)
                     to_ping, lost = self.liveness.step(watched, now)
+                    self._totals.num_peers_lost += len(lost)
                     self._ping_seq += 1
                     seq = self._ping_seq
                 ping = PeerPing(session=self.rank.session, endpoint=self.rank.control_endpoint, seq=seq)
@@ -296,6 +313,29 @@ class KVManager:
         ``state`` (called with the lock held)."""
         self._changes.record(room, state)
         self._progress.notify_all()
+
+    def stats(self) -> ManagerStats:
+        """This rank's totals since it started (a frozen copy; any time, from
+        any thread): rooms by final state and failure reason, bytes and
+        descriptors by pool and path, live rooms, peers, control messages,
+        staging and storage (see :class:`~transfer.stats.ManagerStats`)."""
+        ch, tier, staging = self.channel, self.storage, self.context.staging
+        storage = {}
+        if tier is not None:
+            storage = dict(storage_pages={("read", "hit"): tier.num_pages_read, ("read", "miss"): tier.num_pages_missed,
+                                          ("write", "written"): tier.num_pages_written,
+                                          ("write", "present"): tier.num_pages_present,
+                                          ("write", "failed"): tier.num_pages_failed},
+                           storage_bytes={"read": tier.num_bytes_read, "write": tier.num_bytes_written})
+        with self._lock:
+            rooms = self.rooms
+            return self._totals.snapshot(
+                live_rooms=len(rooms.senders) if isinstance(rooms, PrefillRooms) else len(rooms.receivers),
+                peers_live=self.liveness.num_watched, control_received=ch.num_received,
+                control_malformed=ch.num_malformed, control_unauthenticated=ch.num_unauthenticated,
+                staging_capacity_bytes=staging.area.nbytes if staging is not None else 0,
+                staging_bytes_in_use=staging.area.nbytes - staging.area.free_bytes if staging is not None else 0,
+                **storage)
 
     @property
     def progress(self) -> int:
@@ -361,6 +401,8 @@ class KVManager:
         self.channel.close()
         if self.storage is not None:
             self.storage.close()
+        if self.metrics is not None:
+            self.metrics.close()
 
     def __enter__(self) -> "KVManager":
         return self

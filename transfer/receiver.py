@@ -19,9 +19,11 @@ from transfer.messages import RoomAbort, RoomStatus, Status, TransferRequest
 from transfer.pools import host_page_ids
 from transfer.rooms.decode_phases import ENDING, LIVE, DecodePhase, DecodePhases
 from transfer.rooms.links import Link, LinkState
+from transfer.rooms.room_stats import RoomCounts
 from transfer.rooms.room_storage import RoomStorage
 from transfer.staging.decode_flow import scatter_part
 from transfer.state import KVPoll
+from transfer.stats import FailureReason, RoomStats, tag_reason
 
 if TYPE_CHECKING:
     from transfer.manager import KVManager
@@ -86,8 +88,11 @@ class KVReceiver:
         self.pages_from_storage = 0
         #: False when the room succeeded from storage without its draft pages
         self.draft_restored = True
+        self._counter = ctx.stats.room(self.room)
+        self._counts = RoomCounts(self._counter, ctx.rank, self.where)
         with ctx.lock:
             self._table.add(self)
+        log.debug("%s: created (prefill node %r)", self.where, self.prefill_node)
 
     def init(self, page_indices, aux_index: int | None = None, token_ids=None) -> None:
         """The decode pages (in request order) and aux slot to fill.
@@ -122,8 +127,8 @@ class KVReceiver:
             ph = self._phases
             now = time.monotonic()
             if ph.phase is P.DRAINING and now > self._drain_deadline:
-                log.warning("%s: prefill ranks %s did not confirm they stopped writing within %g s",
-                            self.where, sorted(self._draining), ctx.config.peer_timeout_s)
+                log.info("%s: prefill ranks %s did not confirm they stopped writing within %g s",
+                         self.where, sorted(self._draining), ctx.config.peer_timeout_s)
                 self._finish_fail(self._failure)
             if ph.phase not in LIVE:
                 return ph.poll
@@ -149,7 +154,13 @@ class KVReceiver:
 
     def abort(self, reason: str = "aborted by the decode scheduler") -> None:
         """Fail the room here and tell the prefill ranks (no storage fallback)."""
-        self.fail(PeerError(f"{self.where}: {reason}"), fall_back=False)
+        self.fail(tag_reason(PeerError(f"{self.where}: {reason}"), FailureReason.ABORTED), fall_back=False)
+
+    def stats(self) -> RoomStats:
+        """What this room received so far, and when (any time, from any thread)."""
+        with self._ctx.lock:
+            self._counter.pages_from_storage = self.pages_from_storage
+            return self._counter.snapshot(self._phases.poll.name)
 
     def ranks_writing(self) -> set[int]:
         """Prefill ranks that may still write into this room's pages."""
@@ -185,11 +196,13 @@ class KVReceiver:
                     self._finish_fail(self._failure)
             return
         if isinstance(msg, RoomAbort):
-            self.fail(PeerError(f"{self.where}: prefill aborted the room: {msg.reason}"), notify=False)
+            self.fail(tag_reason(PeerError(f"{self.where}: prefill aborted the room: {msg.reason}"),
+                                 FailureReason.ABORTED), notify=False)
             return
         where = f"prefill rank {msg.prefill_tp_rank} of {self._link.name}"
         if msg.status is Status.FAILED:
-            self.fail(PeerError(f"{self.where}: {where} failed: {msg.reason}"),
+            error = PeerError(f"{self.where}: {where} failed: {msg.reason}")
+            self.fail(tag_reason(error, FailureReason.ABORTED) if msg.aborted else error,
                       stopped={msg.prefill_tp_rank}, fall_back=not msg.aborted)
             return
         expected = self._awaiting.get(msg.prefill_tp_rank)
@@ -201,7 +214,11 @@ class KVReceiver:
                       stopped={msg.prefill_tp_rank})
             return
         del self._awaiting[msg.prefill_tp_rank]
+        p = msg.prefill_tp_rank
+        self._counts.rank_done(p, self._link.routes[p], len(self._pages) - self._skip,
+                               with_aux=p == self._link.aux_rank and self._aux_index >= 0)
         if not self._awaiting:
+            self._counts.ended(None, side="decode", config=self._ctx.config)
             ph.move(P.SUCCESS)
             self._table.remove(self)
 
@@ -214,6 +231,8 @@ class KVReceiver:
             scatter_part(self._ctx, self._pages, msg, offset, self._link.routes[msg.prefill_tp_rank])
         except Exception as exc:
             self.fail(TransferError(f"{self.where}: scattering staged part {msg.part}: {exc}"))
+            return
+        self._counts.staged(msg.prefill_tp_rank, self._link.routes[msg.prefill_tp_rank], msg.num_pages)
 
     def peer_lost(self, session: str, silent_s: float) -> None:
         """Prefill rank ``session`` went silent."""
@@ -230,8 +249,9 @@ class KVReceiver:
                     self._finish_fail(self._failure)
                 return
             p = min(lost)
-            self.fail(PeerError(f"{self.where}: prefill rank {p} of {link.name} ({session}) silent for "
-                                f"more than {silent_s:g} s: dead, stopped or unreachable"), stopped=lost)
+            self.fail(tag_reason(PeerError(f"{self.where}: prefill rank {p} of {link.name} ({session}) silent for "
+                                           f"more than {silent_s:g} s: dead, stopped or unreachable"),
+                                 FailureReason.PEER_LOST), stopped=lost)
 
     def fail(self, error: BaseException, *, notify: bool = True, stopped=(), drain: bool = True,
              fall_back: bool = True) -> None:
@@ -255,8 +275,8 @@ class KVReceiver:
             elif notify and link is None:  # not looked up yet: told once it is (a failed lookup has nobody to tell)
                 self._table.abort_when_resolved(self.bootstrap_addr, self.prefill_node, self.prefill_dp_rank, abort)
             if writing and drain:
-                log.warning("%s failing, waiting for prefill ranks %s to stop writing: %s", self.where,
-                            sorted(writing), error)
+                log.debug("%s failing, waiting for prefill ranks %s to stop writing: %s", self.where,
+                          sorted(writing), error)
                 self._failure, self._draining = error, writing
                 self._drain_deadline = time.monotonic() + ctx.config.peer_timeout_s
                 self._phases.move(P.DRAINING)
@@ -279,6 +299,8 @@ class KVReceiver:
                 return False
             self._prefetch = None
             self._skip = self.pages_from_storage = loaded
+            self._ctx.stats.prefetch_wait_seconds.observe(now - self._init_at)
+            self._counts.storage({role: loaded for role in self._ctx.storage.pools}, loaded, aux=False)
         return True
 
     def _bootstrap(self, now: float) -> None:
@@ -321,7 +343,7 @@ class KVReceiver:
         if self._phases.phase not in LIVE | {P.DRAINING}:
             return
         if self._may_fall_back:
-            log.warning("%s: transfer failed (%s); restoring the room from storage", self.where, error)
+            log.debug("%s: transfer failed (%s); restoring the room from storage", self.where, error)
             self._failure = error
             self._phases.move(P.RESTORING)
             self._restore = self._storage.restore(self._skip, self._storage_done)
@@ -339,6 +361,8 @@ class KVReceiver:
                 self._really_fail(StorageMissError(f"{error}; restoring from storage failed: {'; '.join(missing)}"))
                 return
             self.pages_from_storage = self._storage.num_full_pages
+            self._counts.storage(job.pages, self._storage.num_full_pages - self._skip, aux=job.aux_ok)
+            self._counts.ended(None, side="decode", config=self._ctx.config)
             log.warning("%s: restored from storage after: %s", self.where, error)
             self._phases.move(P.SUCCESS)
             self._table.remove(self)
@@ -347,4 +371,8 @@ class KVReceiver:
         if not self._phases.fail(error):
             return
         self._table.remove(self)
-        log.warning("%s failed: %s", self.where, error)
+        link = self._link
+        peer = ",".join(sorted({link.ranks[p].session for p in link.routes})) if link is not None and link.ranks \
+            else f"{self.prefill_node}/dp{'?' if self.prefill_dp_rank is None else self.prefill_dp_rank}"
+        self._counts.ended(error, side="decode", config=self._ctx.config, peer=peer)
+

@@ -16,8 +16,10 @@ from transfer.messages import RoomAbort, RoomStatus, Status, TransferRequest
 from transfer.plan import TransferPlan, check_transfer, page_runs, page_slice, plan_aux, plan_pool
 from transfer.pools import host_page_ids
 from transfer.ready import gate_for
+from transfer.rooms.room_stats import RoomCounts
 from transfer.staging.prefill_flow import part_bytes_for, plan_parts
 from transfer.state import KVPoll, RoomState
+from transfer.stats import FailureReason, RoomStats, tag_reason
 
 if TYPE_CHECKING:
     from transfer.manager import KVManager
@@ -60,6 +62,9 @@ class KVSender:
         self._storage_pending = 0  # write-through jobs still reading this room's pages
         self._decode_told = False
         self._aborted = False  # by this side's scheduler
+        self._counter = ctx.stats.room(self.room)
+        self._counts = RoomCounts(self._counter, ctx.rank, self._state.where)
+        log.debug("%s: created", self._state.where)
         for msg in self._table.attach(self):
             self.on_message(msg)
 
@@ -120,8 +125,9 @@ class KVSender:
             if self._chains is not None:  # queued first: the room's success waits for it
                 self._write_through(pages, self._offset - pages.size, last, gate)
             extra = {} if gate is None else {"ready": gate}  # injected transports may predate ``ready``
-            for session, plan in jobs:
-                handle = self._ctx.transport.submit(session, plan, self.on_chunk_done, **extra)
+            for session, plan, moved in jobs:
+                handle = self._ctx.transport.submit(session, plan,
+                                                    lambda error, m=moved: self.on_chunk_done(error, m), **extra)
                 if handle is not None:
                     self._jobs.append(handle)
             for part in parts:
@@ -150,7 +156,12 @@ class KVSender:
         """Fail the room here and tell the decode ranks (which then do not
         restore it from storage)."""
         self._aborted = True
-        self.fail(PeerError(f"{self._state.where}: {reason}"))
+        self.fail(tag_reason(PeerError(f"{self._state.where}: {reason}"), FailureReason.ABORTED))
+
+    def stats(self) -> RoomStats:
+        """What this room moved so far, and when (any time, from any thread)."""
+        with self._ctx.lock:
+            return self._counter.snapshot(self._state.state.name)
 
     # --- room layer: called by the room table and the staging flow -------------
 
@@ -183,10 +194,12 @@ class KVSender:
                 # or one whose handshake was refused for its layout).
                 if msg.request_id in [r.request_id for r in self._requests] or (
                         self.awaiting_requests and msg.session not in [r.decode_session for r in self._requests]):
-                    self.fail(PeerError(f"{self._state.where}: decode aborted the room: {msg.reason}"))
+                    self.fail(tag_reason(PeerError(f"{self._state.where}: decode aborted the room: {msg.reason}"),
+                                         FailureReason.ABORTED))
                 return
             if not self._table.is_peer(msg.decode_session, "", msg.decode_endpoint):
                 self._table.num_refused_unhandshaken += 1  # its handshake changed since the table took it
+                self._ctx.stats.num_unhandshaken += 1
                 return
             if msg.request_id in [r.request_id for r in self._requests]:
                 self._table.num_dropped_replays += 1
@@ -197,14 +210,19 @@ class KVSender:
                 return
             self._requests.append(msg)
             if len(self._requests) == msg.num_requests:
+                log.debug("%s: requested by %d decode rank(s)", self._state.where, msg.num_requests)
                 self._state.move(KVPoll.WaitingForInput)
                 self._check_sizes()
 
-    def on_chunk_done(self, error) -> None:
+    def on_chunk_done(self, error, moved=()) -> None:
         """A transport job or staged part of this room ended (``error`` None:
-        it landed); called once per job or part submitted."""
+        it landed); called once per job or part submitted. ``moved``: the
+        job's (pool, path, bytes, descriptors), counted when it landed."""
         with self._ctx.lock:
             self._num_inflight -= 1
+            if error is None:
+                for entry in moved:
+                    self._counts.land(*entry)
             if self._state.state is KVPoll.Failed:
                 self._tell_failure_when_drained()
                 return
@@ -222,13 +240,19 @@ class KVSender:
             if not self._storage_pending:  # else when the write-through is done
                 self._succeed()
 
+    def on_part_landed(self, part) -> None:
+        """A staged part's write landed (before ``on_chunk_done``)."""
+        with self._ctx.lock:
+            self._counts.part_landed(part)
+
     def fail(self, error: BaseException, *, notify: bool = True) -> None:
         """Fail the room, stop submitting its writes, and tell decode once
         none is in flight any more (decode then knows its pages are free)."""
         with self._ctx.lock:
             if not self._state.fail(error):
                 return
-            log.warning("%s failed: %s", self._state.where, error)
+            self._counts.ended(error, side="prefill", config=self._ctx.config,
+                               peer=",".join(sorted({r.decode_session for r in self._requests})))
             for job in self._jobs:  # a write-through goes on: its pages are valid KV whatever the transfer did
                 job.cancel()
             self._jobs.clear()
@@ -274,12 +298,14 @@ class KVSender:
                 self._ctx.changed(self, self._state.state)  # poll() may now report it
 
     def _succeed(self) -> None:
+        self._counts.ended(None, side="prefill", config=self._ctx.config)
         self._state.move(KVPoll.Success)
         self._table.detach(self, [r.request_id for r in self._requests])
 
-    def _plan_chunk(self, pages: np.ndarray, last: bool) -> tuple[list[tuple[str, TransferPlan]], list]:
-        """Direct descriptor plans per decode rank, and staged parts where
-        direct descriptors would be small (scattered pages, head slices)."""
+    def _plan_chunk(self, pages: np.ndarray, last: bool) -> tuple[list[tuple[str, TransferPlan, list]], list]:
+        """Direct descriptor plans per decode rank (with what each moves per
+        pool, for the room's stats), and staged parts where direct
+        descriptors would be small (scattered pages, head slices)."""
         end = self._offset + pages.size
         if end > self._num_pages:
             raise RequestError(f"{self._state.where}: {end} pages sent, more than the {self._num_pages} of init()")
@@ -293,7 +319,7 @@ class KVSender:
             src = pages[skip:]
             dst = np.frombuffer(req.dst_pages, dtype="<i4")[self._offset + skip:end]
             sent = [a for a in req.assignments if a.send] if src.size else []
-            plans = []
+            plans, roles = [], []
             if sent and self._stage(src, dst, sent, local, peer):
                 for a in sent:  # the same checks as the direct path, before any byte moves
                     check_transfer(local.pool(a.role), peer.pool(a.role), src, dst.astype(np.int64),
@@ -307,11 +333,15 @@ class KVSender:
                 plans = [plan_pool(local.pool(a.role), peer.pool(a.role), src, dst,
                                    src_head_offset=a.src_head_offset, dst_head_offset=a.dst_head_offset,
                                    num_heads=a.num_heads) for a in sent]
+                roles = [a.role.value for a in sent]
             if last and local.aux is not None and self._aux_index is not None and req.dst_aux_index >= 0:
                 plans.append(plan_aux(local.aux, peer.aux, self._aux_index, req.dst_aux_index))
+                roles.append("aux")
+            moved = [(role, "direct", p.total_bytes, p.num_descriptors) for role, p in zip(roles, plans)
+                     if p.num_descriptors]
             # Always a job, empty or not: its completion is what ends a room
             # for ranks that send nothing.
-            jobs.append((req.decode_session, TransferPlan.concat(plans)))
+            jobs.append((req.decode_session, TransferPlan.concat(plans), moved))
         return jobs, staged
 
     def _stage(self, pages, dst, sent, local, peer) -> bool:

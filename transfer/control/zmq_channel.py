@@ -114,11 +114,13 @@ class ZmqChannel:
                 msg = codec.decode(frames[1].bytes, self._key)
             except AuthError as exc:
                 self.num_unauthenticated += 1
-                log.warning("control %s: dropped a message: %s", self.endpoint, exc)
+                _log_drop(self.num_unauthenticated, "control %s: dropped an unauthenticated message (%d so far): %s",
+                          self.endpoint, self.num_unauthenticated, exc)
                 continue
             except ProtocolError as exc:
                 self.num_malformed += 1
-                log.warning("control %s: dropped a malformed message: %s", self.endpoint, exc)
+                _log_drop(self.num_malformed, "control %s: dropped a malformed message (%d so far): %s",
+                          self.endpoint, self.num_malformed, exc)
                 continue
             try:
                 self._handler(msg, origin)
@@ -147,6 +149,12 @@ def _origin(frame: zmq.Frame) -> str:
         return frame.get("Peer-Address") or ""
     except zmq.ZMQError:
         return ""
+
+
+def _log_drop(count: int, fmt: str, *args) -> None:
+    """A dropped message: WARNING for the 1st, 2nd, 4th, 8th... of its kind,
+    DEBUG otherwise (a flood must not flood the log)."""
+    log.log(logging.WARNING if count & (count - 1) == 0 else logging.DEBUG, fmt, *args)
 
 
 def zmq_channel(host: str, handler: Handler, secret: str | None) -> ZmqChannel:

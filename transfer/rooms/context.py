@@ -17,11 +17,12 @@ tier's own thread.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Protocol
 
 from bootstrap.messages import LookupReply, RankInfo
 from transfer.config import ManagerConfig
+from transfer.stats import RankTotals
 
 if TYPE_CHECKING:
     from transfer.control.base import ControlChannel
@@ -48,7 +49,8 @@ class RoomContext:
     info (session, control endpoint, pools); ``where`` names it in errors.
     ``staging`` is None without staging memory, ``storage`` None without a
     storage tier. ``bootstrap_client(addr)`` opens a client of the bootstrap
-    server at ``addr`` (the caller closes it)."""
+    server at ``addr`` (the caller closes it). ``stats``: the rank's running
+    totals, which every room's counter adds into (under ``lock``)."""
 
     config: ManagerConfig
     where: str
@@ -60,3 +62,4 @@ class RoomContext:
     staging: "StagingMemory | None"
     storage: "StorageTier | None"
     bootstrap_client: Callable[[str], LookupClient]
+    stats: RankTotals = field(default_factory=lambda: RankTotals(""))

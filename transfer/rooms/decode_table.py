@@ -171,7 +171,7 @@ class DecodeRooms:
                 # pages be reused by the scheduler) halfway through a scatter.
                 self.staging.on_staged(msg, self.receivers.get((msg.room, msg.request_id)))
                 return
-        log.warning("%s: ignored a %s message", self.ctx.where, msg.KIND)
+        log.debug("%s: ignored a %s message", self.ctx.where, msg.KIND)
 
     def expire(self) -> None:
         """Poll the live receivers, so that their timeouts fire (the manager's

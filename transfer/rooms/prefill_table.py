@@ -29,6 +29,7 @@ from transfer.messages import PeerHello, PeerHelloReply, RoomAbort, RoomStatus, 
 from transfer.rooms.context import RoomContext
 from transfer.rooms.peer_check import identity_problem
 from transfer.staging.prefill_flow import PrefillStaging
+from transfer.stats import FailureReason, tag_reason
 
 log = logging.getLogger("kvferry.sender")
 
@@ -112,7 +113,7 @@ class PrefillRooms:
             self.staging.on_grant(msg)
             return
         if not isinstance(msg, (TransferRequest, RoomAbort)):
-            log.warning("%s: ignored a %s message", self.ctx.where, msg.KIND)
+            log.debug("%s: ignored a %s message", self.ctx.where, msg.KIND)
             return
         with self.ctx.lock:
             if (msg.room, msg.request_id) in self._finished:
@@ -122,6 +123,7 @@ class PrefillRooms:
             if isinstance(msg, TransferRequest):
                 if not self.is_peer(msg.decode_session, origin, msg.decode_endpoint):
                     self.num_refused_unhandshaken += 1
+                    self.ctx.stats.num_unhandshaken += 1
                     log.info("%s: dropped a request for room %d from %s (not handshaken from %s at %s)",
                              self.ctx.where, msg.room, msg.decode_session, origin or "?", msg.decode_endpoint)
                     return
@@ -304,8 +306,8 @@ class PrefillRooms:
             senders = [s for s in self.senders.values()
                        if any(r.decode_session == session for r in s.requests)]
         for s in senders:
-            s.fail(PeerError(f"{s.where}: decode rank {session} silent for more than {silent_s:g} s: "
-                              "dead, stopped or unreachable"))
+            s.fail(tag_reason(PeerError(f"{s.where}: decode rank {session} silent for more than {silent_s:g} s: "
+                                        "dead, stopped or unreachable"), FailureReason.PEER_LOST))
 
     def expire(self) -> None:
         """Poll the live senders, so that their timeouts fire (the manager's

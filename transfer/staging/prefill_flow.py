@@ -45,6 +45,9 @@ class StagedSender(Protocol):
     def on_chunk_done(self, error) -> None:
         """One of the sender's submitted jobs or parts ended (``error`` None: landed)."""
 
+    def on_part_landed(self, part: "StagedPart") -> None:
+        """A part's write landed (for the room's stats; before ``on_chunk_done``)."""
+
 
 @dataclass
 class StagedPart:
@@ -179,6 +182,7 @@ class PrefillStaging:
 
     def _landed(self, part: StagedPart, remote_offset: int, error) -> None:
         if error is None:
+            part.sender.on_part_landed(part)
             try:
                 self.ctx.channel.send(part.req.decode_endpoint, ChunkStaged(
                     room=part.sender.room, request_id=part.req.request_id, prefill_tp_rank=self.ctx.rank.tp_rank,

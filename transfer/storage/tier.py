@@ -96,7 +96,11 @@ class StorageTier:
         self.page_size = next(iter(self.fingerprints.values())).page_size
         self._aux = aux
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        # Counted on the storage thread only (read by KVManager.stats()): pages
+        # read (hit) or not found (miss); written, already present, or failed.
         self.num_pages_written = self.num_pages_read = 0
+        self.num_pages_missed = self.num_pages_present = self.num_pages_failed = 0
+        self.num_bytes_written = self.num_bytes_read = 0
         self._thread = threading.Thread(target=self._work, name="kvferry-storage", daemon=True)
         self._thread.start()
 
@@ -147,6 +151,9 @@ class StorageTier:
                     ok = self.backend.put(ks[present:], segs) if segs else []
                     stored += present + sum(ok)
                     self.num_pages_written += sum(ok)
+                    self.num_pages_present += present
+                    self.num_pages_failed += len(ok) - sum(ok)
+                    self.num_bytes_written += sum(n for seg, good in zip(segs, ok) if good for _, n in seg)
                 job.pages[role] = stored
             if aux is not None and not job.cancelled:
                 key, slot = aux
@@ -164,15 +171,19 @@ class StorageTier:
             for role, (keys, pages) in items.items():
                 job.pages[role] = 0
                 run_len = self.backend.exists(keys) if keys else 0
+                self.num_pages_missed += len(keys) - run_len  # counted as read hits or misses once
                 for b in range(0, run_len, BATCH_PAGES):
                     if job.cancelled:
                         break
                     end = min(run_len, b + BATCH_PAGES)
-                    ok = self.backend.get_into(keys[b:end], pages_segments(self.pools[role], pages[b:end]))
+                    segs = pages_segments(self.pools[role], pages[b:end])
+                    ok = self.backend.get_into(keys[b:end], segs)
                     good = next((i for i, x in enumerate(ok) if not x), len(ok))
                     job.pages[role] = b + good
                     self.num_pages_read += good
+                    self.num_bytes_read += sum(n for seg in segs[:good] for _, n in seg)
                     if good < len(ok):
+                        self.num_pages_missed += run_len - b - good
                         break
             if aux is not None and not job.cancelled:
                 key, slot = aux

@@ -147,10 +147,14 @@ class KvferryKVSender(BaseKVSender):
 
     # --- kvferry extras ----------------------------------------------------------------
     def transfer_stats(self):
-        """Bytes, descriptors and submits of this room (see :mod:`.stats`)."""
+        """Bytes and descriptors this room moved (the core's ``KVSender.stats()``,
+        a :class:`transfer.stats.RoomStats`, in the shape of :class:`.stats.RoomStats`)."""
         from transfer.adapters.sglang.stats import RoomStats
 
-        return self.kv_mgr.transport.stats(self._core) if self._core is not None else RoomStats()
+        if self._core is None:
+            return RoomStats()
+        core = self._core.stats()
+        return RoomStats(bytes=core.total_bytes, descriptors=core.total_descriptors)
 
     def _fail(self, error: BaseException) -> None:
         log.warning("kvferry sender room %s failed: %s", self.bootstrap_room, error)

@@ -1,0 +1,193 @@
+"""Room and rank stats over the loopback pair (what moved, by pool and path,
+checked against the pages sent), failure reasons, the one-line failure log,
+the log level setting, and a rank's /metrics scraped over HTTP."""
+
+import logging
+import re
+import socket
+import urllib.request
+
+import numpy as np
+import pytest
+
+from transfer import KVPoll, KVReceiver, KVSender
+from transfer.config import ManagerConfig, Role, apply_log_level, manager_config_from_env
+from transfer.errors import (AuthError, ClosedError, IncompatibleLayoutError, KVTimeoutError, PeerError,
+                             ProtocolError, StorageMissError, StorageTimeoutError, TransferError)
+from transfer.stats import FailureReason, RankTotals, failure_reason, tag_reason
+
+from ._rooms import AUX_BYTES, HEAD_DIM, NUM_HEADS, NUM_LAYERS, PAGE_SIZE, random_pages, run_room, wait_until
+from ._rooms import cluster  # noqa: F401
+
+PAGE_BYTES = PAGE_SIZE * NUM_HEADS * HEAD_DIM * 2 * NUM_LAYERS * 2  # bf16, K and V of every layer
+STAGED = dict(staging_bytes=1 << 20, stage_part_bytes=4096, stage_below_bytes=1 << 20)
+FAILURE = re.compile(r"^room failed: side=(prefill|decode) node=\S+ dp=\d+ tp=\d+/\d+ room=(\d+) peer=(\S+) "
+                     r"reason=([a-z_]+) error=(\w+): .+$")
+
+
+@pytest.mark.parametrize("error, reason", [
+    (ClosedError("x"), "closed"), (AuthError("x"), "auth"), (IncompatibleLayoutError("f", 1, 2), "incompatible"),
+    (StorageMissError("x"), "storage_miss"), (KVTimeoutError("x"), "timeout"), (StorageTimeoutError("x"), "timeout"),
+    (TransferError("x"), "transfer_error"), (IndexError("x"), "bounds"), (ValueError("x"), "bounds"),
+    (PeerError("x"), "refused"), (ProtocolError("x"), "other"), (RuntimeError("x"), "other"),
+    (tag_reason(PeerError("x"), FailureReason.PEER_LOST), "peer_lost"),
+    (tag_reason(PeerError("x"), FailureReason.ABORTED), "aborted"),
+])
+def test_failure_reasons_by_tag_then_type(error, reason):
+    assert failure_reason(error).value == reason
+
+
+def test_a_room_is_counted_once_and_its_histograms_hold_it():
+    totals = RankTotals("decode")
+    c = totals.room(3)
+    c.add("target", "direct", 1000, 4)
+    c.done(None)
+    c.done(PeerError("late"))  # already ended: ignored
+    s = totals.snapshot()
+    assert s.rooms == {("Success", ""): 1}
+    assert s.bytes == {("target", "direct"): 1000} and s.descriptors == {("target", "direct"): 4}
+    assert s.room_seconds.num == s.first_byte_seconds.num == 1
+    assert c.snapshot("Success").total_bytes == 1000
+
+
+def _expected(pages: int) -> dict:
+    return {("target", "direct"): pages * PAGE_BYTES, ("aux", "direct"): AUX_BYTES}
+
+
+def test_direct_room_stats_count_what_moved(cluster):
+    prefill, decode = cluster.rank(Role.PREFILL), cluster.rank(Role.DECODE)
+    rng = np.random.default_rng(30)
+    src, dst = random_pages(rng, 12), random_pages(rng, 12)
+    sender, receiver = run_room(prefill, decode, 50, src, dst, chunks=3)
+    p, d = sender.stats(), receiver.stats()
+    assert (p.state, d.state, p.reason, d.reason) == ("Success", "Success", None, None)
+    assert p.bytes == d.bytes == _expected(12)
+    assert p.bytes_of(pool="target") == 12 * PAGE_BYTES
+    # direct descriptors: at most one per page and buffer (runs merge), plus the aux row
+    assert 1 < p.descriptors[("target", "direct")] <= 12 * 2 * NUM_LAYERS and p.descriptors[("aux", "direct")] == 1
+    assert prefill.mgr.transport.num_descriptors == p.total_descriptors
+    assert prefill.mgr.transport.num_bytes == p.total_bytes
+    for s in (p, d):
+        assert s.requested_at <= s.first_byte_at <= s.done_at and s.requested_wall <= s.done_wall
+        assert s.seconds >= s.first_byte_seconds >= 0
+    for mgr, s in ((prefill.mgr, p), (decode.mgr, d)):
+        totals = mgr.stats()
+        assert totals.rooms == {("Success", ""): 1} and totals.live_rooms == 0
+        assert totals.bytes == s.bytes and totals.room_seconds.num == 1
+        assert totals.control_received > 0 and totals.control_malformed == 0
+
+
+def test_staged_room_stats_count_parts(cluster):
+    prefill, decode = cluster.rank(Role.PREFILL, **STAGED), cluster.rank(Role.DECODE, **STAGED)
+    rng = np.random.default_rng(31)
+    src, dst = random_pages(rng, 30), random_pages(rng, 30)
+    sender, receiver = run_room(prefill, decode, 51, src, dst, chunks=2)
+    p, d = sender.stats(), receiver.stats()
+    assert p.state == d.state == "Success"
+    want = {("target", "staged"): 30 * PAGE_BYTES, ("aux", "direct"): AUX_BYTES}
+    assert p.bytes == d.bytes == want
+    assert p.num_parts == d.num_parts == 8  # 1 KiB pages in parts of 4 KiB, per chunk of 15 pages
+    assert p.descriptors == {("target", "staged"): 8, ("aux", "direct"): 1}
+    assert d.descriptors == {("target", "staged"): 8}
+    assert prefill.mgr.stats().staging_capacity_bytes == 1 << 20
+
+
+def test_an_abort_is_one_warning_line_per_side_with_its_reason(cluster, caplog):
+    prefill, decode = cluster.rank(Role.PREFILL), cluster.rank(Role.DECODE)
+    rng = np.random.default_rng(32)
+    src, dst = random_pages(rng, 16), random_pages(rng, 16)
+    cluster.fabric.hold_writes()
+    receiver = KVReceiver(decode.mgr, prefill.mgr.config.bootstrap_addr, 52)
+    receiver.init(dst, 2)
+    sender = KVSender(prefill.mgr, None, 52)
+    wait_until(prefill.mgr, lambda: sender.poll() is KVPoll.WaitingForInput)
+    sender.init(len(src), 1)
+    sender.send(src[:8])
+    with caplog.at_level(logging.WARNING, logger="kvferry"):
+        receiver.abort()
+        wait_until(prefill.mgr, lambda: sender.poll() is KVPoll.Failed, what="prefill failed")
+        cluster.fabric.release_writes()
+        wait_until(decode.mgr, lambda: receiver.poll() is KVPoll.Failed, what="decode failed")
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "room=52" in r.getMessage()]
+    assert len(lines) == 2, lines
+    sides = {}
+    for line in lines:
+        m = FAILURE.match(line)
+        assert m, line
+        sides[m.group(1)] = m.groups()
+    assert set(sides) == {"prefill", "decode"}
+    assert sides["prefill"][3] == sides["decode"][3] == "aborted"
+    assert sides["prefill"][2] == decode.mgr.rank.session and sides["decode"][2] == prefill.mgr.rank.session
+    assert sender.stats().reason == receiver.stats().reason == "aborted"
+    assert decode.mgr.stats().rooms == {("Failed", "aborted"): 1}
+    assert prefill.mgr.stats().rooms == {("Failed", "aborted"): 1}
+
+
+def test_an_incompatible_handshake_is_counted_as_incompatible(cluster):
+    prefill, decode = cluster.rank(Role.PREFILL), cluster.rank(Role.DECODE, page_size=8)
+    receiver = KVReceiver(decode.mgr, prefill.mgr.config.bootstrap_addr, 53)
+    receiver.init(random_pages(np.random.default_rng(33), 3), 2)
+    wait_until(decode.mgr, lambda: receiver.poll() is KVPoll.Failed, what="handshake refused")
+    assert receiver.stats().reason == "incompatible" and receiver.stats().total_bytes == 0
+    assert decode.mgr.stats().rooms == {("Failed", "incompatible"): 1}
+
+
+def test_log_level_setting(monkeypatch):
+    for key in [k for k in __import__("os").environ if k.startswith("KVFERRY_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("KVFERRY_LOG_LEVEL", "DEBUG")
+    config = manager_config_from_env(Role.DECODE)
+    assert config.log_level == "DEBUG" and config.engine.log_level == "OFF"  # the engine knows no DEBUG: its default stays
+    monkeypatch.setenv("KVFERRY_METRICS_PORT", "9464")
+    assert manager_config_from_env(Role.DECODE).metrics_port == 9464
+    with pytest.raises(ValueError, match="log_level"):
+        ManagerConfig(role=Role.DECODE, log_level="LOUD")
+    with pytest.raises(ValueError, match="metrics_port"):
+        ManagerConfig(role=Role.DECODE, metrics_port=70000)
+    logger = logging.getLogger("kvferry")
+    before = logger.level
+    try:
+        apply_log_level("TRACE")
+        assert logging.getLogger("kvferry.receiver").getEffectiveLevel() == logging.DEBUG
+        apply_log_level("")
+        assert logger.level == logging.DEBUG  # empty: unchanged
+    finally:
+        logger.setLevel(before)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_metrics_of_two_managers_on_one_port_over_http(cluster):
+    parser = pytest.importorskip("prometheus_client.parser")
+    port = _free_port()
+    prefill, decode = cluster.rank(Role.PREFILL, metrics_port=port), cluster.rank(Role.DECODE, metrics_port=port)
+    rng = np.random.default_rng(34)
+    src, dst = random_pages(rng, 5), random_pages(rng, 5)
+    run_room(prefill, decode, 54, src, dst, chunks=1)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for fam in parser.text_string_to_metric_families(text) for s in fam.samples}
+    for role in ("prefill", "decode"):
+        key = ("kvferry_bytes_total", (("path", "direct"), ("pool", "target"), ("role", role)))
+        assert got[key] == 5 * PAGE_BYTES
+        assert got[("kvferry_rooms_total", (("reason", ""), ("role", role), ("state", "Success")))] == 1
+        assert got[("kvferry_room_seconds_count", (("role", role),))] == 1
+        assert got[("kvferry_live_rooms", (("role", role),))] == 0
+    assert not any("room=" in k[0] or "room" in dict(k[1]) for k in got)  # no room ids as labels
+    prefill.mgr.close()
+    urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).close()  # decode still serves
+    decode.mgr.close()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+
+
+def test_a_metrics_port_without_prometheus_client_is_a_clear_error(cluster, monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)
+    with pytest.raises(ValueError, match="needs prometheus-client"):
+        cluster.rank(Role.DECODE, metrics_port=_free_port())

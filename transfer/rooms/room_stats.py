@@ -1,0 +1,85 @@
+"""What one room's bytes are, for its :class:`~transfer.stats.RoomCounter`:
+the sizes of what landed, from the pool layouts (called under ``ctx.lock``).
+
+Prefill counts each job's planned bytes and descriptors when the job
+completes, and a staged part's packed bytes when its write lands. Decode
+cannot see direct (one-sided) writes: it counts a staged part when it
+scatters it, and, when a prefill rank reports its part done, the pages that
+rank did not stage (times each sent pool's page slice) and the aux row.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from bootstrap.messages import RankInfo
+from transfer.plan import page_slice
+from transfer.staging.copies import staged_bytes
+from transfer.stats import RoomCounter, failure_line
+
+log = logging.getLogger("kvferry.rooms")
+
+
+class RoomCounts:
+    """A room's counter, with the first-byte debug line."""
+
+    def __init__(self, counter: RoomCounter, rank: RankInfo, where: str) -> None:
+        self.counter, self.rank, self.where = counter, rank, where
+        self.staged_pages: dict[int, int] = {}  # decode: prefill rank -> pages it sent through staging
+
+    def land(self, pool: str, path: str, num_bytes: int, num_descriptors: int = 0) -> None:
+        if self.counter.first_byte_at is None:
+            log.debug("%s: first byte landed (%s)", self.where, path)
+        self.counter.add(pool, path, num_bytes, num_descriptors)
+
+    def ended(self, error: BaseException | None, *, side: str, config, peer: str = "") -> None:
+        """The room ended (``error`` None: Success): count it, and log its one
+        line (a failure: WARNING with node, rank, room, peer and reason)."""
+        reason = self.counter.done(error)
+        if error is None:
+            log.debug("%s: done (%d bytes)", self.where, sum(self.counter.bytes.values()))
+        else:
+            log.warning("%s", failure_line(side=side, config=config, room=self.counter.room, peer=peer,
+                                           reason=reason, error=error))
+
+    # --- prefill ------------------------------------------------------------------------
+
+    def part_landed(self, part) -> None:
+        """A staged part (:class:`~transfer.staging.prefill_flow.StagedPart`) was written."""
+        for i, (pool, sl) in enumerate(part.pools):
+            self.land(pool.role.value, "staged", staged_bytes(pool, sl, len(part.src_pages)), int(i == 0))
+        self.counter.add_part()
+
+    # --- decode -------------------------------------------------------------------------
+
+    def pages(self, assignments, path: str, num_pages: int, descriptors: int = 0) -> None:
+        """``num_pages`` of the pools a prefill rank sends (``assignments``) landed by ``path``."""
+        for a in assignments:
+            if a.send and num_pages > 0:
+                pool = self.rank.pool(a.role)
+                self.land(a.role.value, path,
+                          staged_bytes(pool, page_slice(pool, a.dst_head_offset, a.num_heads), num_pages), descriptors)
+                descriptors = 0  # a staged part is one descriptor, under its first pool
+
+    def staged(self, p: int, assignments, num_pages: int) -> None:
+        self.staged_pages[p] = self.staged_pages.get(p, 0) + num_pages
+        self.pages(assignments, "staged", num_pages, descriptors=1)
+        self.counter.add_part()
+
+    def rank_done(self, p: int, assignments, num_pages: int, with_aux: bool) -> None:
+        """Prefill rank ``p`` reported its part done: ``num_pages`` were asked
+        of it; what it did not stage it wrote directly."""
+        self.pages(assignments, "direct", num_pages - self.staged_pages.get(p, 0))
+        if with_aux and self.rank.aux is not None:
+            self.land("aux", "direct", self.rank.aux.slot_bytes)
+        self.counter.landed()
+
+    def storage(self, pages_by_role: dict, num_pages: int, *, aux: bool) -> None:
+        """Pages (at most ``num_pages`` of each pool) and the aux row loaded from storage."""
+        for role, n in pages_by_role.items():
+            pool = self.rank.pool(role)
+            n = min(n, num_pages)
+            if n > 0 and pool is not None:
+                self.land(role.value, "storage", n * pool.page_bytes * len(pool.buffers))
+        if aux and self.rank.aux is not None:
+            self.land("aux", "storage", self.rank.aux.slot_bytes)

@@ -1,0 +1,305 @@
+"""What moved, per room and per rank: the numbers the metrics export and the
+engine adapters report. Pure.
+
+Rule: every count is an integer added under the rank's lock (``ctx.lock``)
+when something *landed* (a transport job or staged part completed, pages
+loaded from storage); nothing is computed on the hot path beyond that. A
+room's :class:`RoomCounter` adds into its rank's :class:`RankTotals` at the
+same moment, so the rank's totals grow while a long room runs. Snapshots
+(:class:`RoomStats`, :class:`ManagerStats`) are frozen copies, safe to keep.
+
+Keys of the byte and descriptor maps are ``(pool, path)``: pool ``target``,
+``draft`` or ``aux``; path ``direct`` (descriptors between the pools),
+``staged`` (through the staging buffers) or ``storage`` (pages loaded from
+the storage tier instead of moved). Descriptors are the plan's, before the
+transport cuts long ones; a staged part is one descriptor, counted under the
+first pool it carries. Decode cannot see direct writes (they are one-sided):
+it counts their bytes when a prefill rank reports its part done (pages x the
+page bytes of each pool it sent), and no descriptors for them.
+
+Failure reasons are a bounded enum (:class:`FailureReason`), found by
+:func:`failure_reason`: a site may tag its error (:func:`tag_reason`),
+otherwise the exception's type decides.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from transfer.errors import (AuthError, BootstrapError, ClosedError, IncompatibleLayoutError, KVTimeoutError,
+                             PeerError, ProtocolError, StorageMissError, TransferError)
+
+POOLS = ("target", "draft", "aux")
+PATHS = ("direct", "staged", "storage")
+
+
+class FailureReason(str, enum.Enum):
+    PEER_LOST = "peer_lost"            # the peer went silent (liveness)
+    TIMEOUT = "timeout"                # a bootstrap, transfer or storage time bound passed
+    REFUSED = "refused"                # the peer refused or failed the room (also a refused lookup)
+    ABORTED = "aborted"                # a scheduler aborted it, on either side
+    AUTH = "auth"                      # a message or lookup failed authentication
+    BOUNDS = "bounds"                  # page indices or sizes outside what the pools hold
+    INCOMPATIBLE = "incompatible"      # the handshake found layouts that differ
+    STORAGE_MISS = "storage_miss"      # the fallback found pages missing from storage
+    CLOSED = "closed"                  # the manager closed
+    TRANSFER_ERROR = "transfer_error"  # the engine failed to move bytes
+    OTHER = "other"
+
+
+REASONS = tuple(r.value for r in FailureReason)
+_TAG = "kvferry_failure_reason"
+
+
+def tag_reason(error: BaseException, reason: FailureReason) -> BaseException:
+    """Mark ``error`` with the reason its site knows; returns it."""
+    setattr(error, _TAG, reason)
+    return error
+
+
+def failure_reason(error: BaseException | None) -> FailureReason:
+    """The reason of a room's failure: its site's tag, else its type."""
+    tagged = getattr(error, _TAG, None)
+    if tagged is not None:
+        return tagged
+    for types, reason in _BY_TYPE:
+        if isinstance(error, types):
+            return reason
+    return FailureReason.OTHER
+
+
+_BY_TYPE = (
+    (ClosedError, FailureReason.CLOSED),
+    (AuthError, FailureReason.AUTH),
+    (IncompatibleLayoutError, FailureReason.INCOMPATIBLE),
+    (StorageMissError, FailureReason.STORAGE_MISS),
+    (KVTimeoutError, FailureReason.TIMEOUT),
+    (TransferError, FailureReason.TRANSFER_ERROR),
+    (ProtocolError, FailureReason.OTHER),  # before ValueError, which it subclasses
+    ((IndexError, ValueError), FailureReason.BOUNDS),
+    ((PeerError, BootstrapError), FailureReason.REFUSED),
+)
+
+#: Histogram bucket bounds (seconds) of room latency, first byte and prefetch wait.
+SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """``counts[i]``: observations <= ``bounds[i]`` (not cumulative); the
+    last count is above every bound."""
+
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]
+    total: float
+
+    @property
+    def num(self) -> int:
+        return sum(self.counts)
+
+
+class _Hist:
+    __slots__ = ("counts", "total")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(SECONDS_BUCKETS) + 1)
+        self.total = 0.0
+
+    def observe(self, seconds: float) -> None:
+        i = 0
+        while i < len(SECONDS_BUCKETS) and seconds > SECONDS_BUCKETS[i]:
+            i += 1
+        self.counts[i] += 1
+        self.total += seconds
+
+    def snapshot(self) -> Histogram:
+        return Histogram(SECONDS_BUCKETS, tuple(self.counts), self.total)
+
+
+@dataclass(frozen=True)
+class RoomStats:
+    """One room on one side, at the moment it was taken.
+
+    Times: ``*_at`` are ``time.monotonic()``, ``*_wall`` ``time.time()``;
+    ``requested``: the scheduler created the sender / receiver; ``first_byte``:
+    the first data landed (prefill: a job or part completed; decode: a staged
+    part, a prefill rank's completion, or pages from storage); ``done``: the
+    room reached Success or Failed. None: not yet. ``state`` is the poll
+    state's name; ``reason`` is set once it is ``Failed``.
+    """
+
+    side: str
+    room: int
+    state: str
+    reason: str | None
+    bytes: dict[tuple[str, str], int]
+    descriptors: dict[tuple[str, str], int]
+    num_parts: int
+    pages_from_storage: int
+    requested_at: float
+    requested_wall: float
+    first_byte_at: float | None = None
+    first_byte_wall: float | None = None
+    done_at: float | None = None
+    done_wall: float | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+    @property
+    def total_descriptors(self) -> int:
+        return sum(self.descriptors.values())
+
+    def bytes_of(self, *, pool: str | None = None, path: str | None = None) -> int:
+        return sum(n for (p, q), n in self.bytes.items() if pool in (None, p) and path in (None, q))
+
+    @property
+    def seconds(self) -> float | None:
+        """Request to done."""
+        return None if self.done_at is None else self.done_at - self.requested_at
+
+    @property
+    def first_byte_seconds(self) -> float | None:
+        return None if self.first_byte_at is None else self.first_byte_at - self.requested_at
+
+
+@dataclass(frozen=True)
+class ManagerStats:
+    """One rank's totals since it started (``KVManager.stats()``).
+
+    ``rooms``: ended rooms by (state, reason), reason ``""`` for Success;
+    ``bytes`` / ``descriptors`` by (pool, path) as in :class:`RoomStats`;
+    ``live_rooms``: rooms not ended; ``peers_live``: peers under liveness
+    watch now, ``peers_lost``: peers given up since start; ``control_*``:
+    control messages received, and dropped (malformed, unauthenticated,
+    unhandshaken: a request from a decode rank without a handshake);
+    ``staging_*``: the staging buffer (0 without one); ``storage_pages``:
+    by (op, result): read hit|miss, write written|present|failed;
+    ``storage_bytes``: by op (read, write).
+    """
+
+    side: str
+    rooms: dict[tuple[str, str], int]
+    bytes: dict[tuple[str, str], int]
+    descriptors: dict[tuple[str, str], int]
+    num_parts: int
+    room_seconds: Histogram
+    first_byte_seconds: Histogram
+    prefetch_wait_seconds: Histogram
+    live_rooms: int = 0
+    peers_live: int = 0
+    peers_lost: int = 0
+    control_received: int = 0
+    control_malformed: int = 0
+    control_unauthenticated: int = 0
+    control_unhandshaken: int = 0
+    staging_bytes_in_use: int = 0
+    staging_capacity_bytes: int = 0
+    storage_pages: dict[tuple[str, str], int] = field(default_factory=dict)
+    storage_bytes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+    def rooms_in(self, state: str, reason: str | None = None) -> int:
+        return sum(n for (s, r), n in self.rooms.items() if s == state and reason in (None, r))
+
+
+class RankTotals:
+    """One rank's running totals; changed under ``ctx.lock`` only."""
+
+    def __init__(self, side: str) -> None:
+        self.side = side
+        self.rooms: dict[tuple[str, str], int] = {}
+        self.bytes: dict[tuple[str, str], int] = {}
+        self.descriptors: dict[tuple[str, str], int] = {}
+        self.num_parts = 0
+        self.num_unhandshaken = 0
+        self.num_peers_lost = 0
+        self.room_seconds, self.first_byte_seconds, self.prefetch_wait_seconds = _Hist(), _Hist(), _Hist()
+
+    def room(self, room: int) -> "RoomCounter":
+        return RoomCounter(self, room)
+
+    def snapshot(self, **live) -> ManagerStats:
+        """A frozen copy (take it under ``ctx.lock``); ``live``: the
+        :class:`ManagerStats` fields the manager reads from elsewhere."""
+        return ManagerStats(side=self.side, rooms=dict(self.rooms), bytes=dict(self.bytes),
+                            descriptors=dict(self.descriptors), num_parts=self.num_parts,
+                            room_seconds=self.room_seconds.snapshot(),
+                            first_byte_seconds=self.first_byte_seconds.snapshot(),
+                            prefetch_wait_seconds=self.prefetch_wait_seconds.snapshot(),
+                            control_unhandshaken=self.num_unhandshaken, peers_lost=self.num_peers_lost, **live)
+
+
+class RoomCounter:
+    """One room's counts; its owner calls it under ``ctx.lock``."""
+
+    __slots__ = ("totals", "room", "bytes", "descriptors", "num_parts", "pages_from_storage", "requested_at",
+                 "requested_wall", "first_byte_at", "first_byte_wall", "done_at", "done_wall", "reason")
+
+    def __init__(self, totals: RankTotals, room: int) -> None:
+        self.totals, self.room = totals, room
+        self.bytes: dict[tuple[str, str], int] = {}
+        self.descriptors: dict[tuple[str, str], int] = {}
+        self.num_parts = self.pages_from_storage = 0
+        self.requested_at, self.requested_wall = time.monotonic(), time.time()
+        self.first_byte_at = self.first_byte_wall = self.done_at = self.done_wall = None
+        self.reason: FailureReason | None = None
+
+    def add(self, pool: str, path: str, num_bytes: int, num_descriptors: int = 0) -> None:
+        """Bytes (and descriptors) of ``pool`` that landed by ``path``."""
+        key = (pool, path)
+        self.bytes[key] = self.bytes.get(key, 0) + num_bytes
+        self.totals.bytes[key] = self.totals.bytes.get(key, 0) + num_bytes
+        if num_descriptors:
+            self.descriptors[key] = self.descriptors.get(key, 0) + num_descriptors
+            self.totals.descriptors[key] = self.totals.descriptors.get(key, 0) + num_descriptors
+        self.landed()
+
+    def add_part(self) -> None:
+        self.num_parts += 1
+        self.totals.num_parts += 1
+
+    def landed(self) -> None:
+        """Data arrived (sets the first-byte time once)."""
+        if self.first_byte_at is None:
+            self.first_byte_at, self.first_byte_wall = time.monotonic(), time.time()
+
+    def done(self, error: BaseException | None) -> FailureReason | None:
+        """The room ended (``error`` None: Success); counts it once. Returns
+        the failure reason."""
+        if self.done_at is not None:
+            return self.reason
+        self.done_at, self.done_wall = time.monotonic(), time.time()
+        t = self.totals
+        if error is None:
+            key = ("Success", "")
+            t.room_seconds.observe(self.done_at - self.requested_at)
+        else:
+            self.reason = failure_reason(error)
+            key = ("Failed", self.reason.value)
+        if self.first_byte_at is not None:
+            t.first_byte_seconds.observe(self.first_byte_at - self.requested_at)
+        t.rooms[key] = t.rooms.get(key, 0) + 1
+        return self.reason
+
+    def snapshot(self, state: str) -> RoomStats:
+        return RoomStats(side=self.totals.side, room=self.room, state=state,
+                         reason=self.reason.value if self.reason is not None else None, bytes=dict(self.bytes),
+                         descriptors=dict(self.descriptors), num_parts=self.num_parts,
+                         pages_from_storage=self.pages_from_storage, requested_at=self.requested_at,
+                         requested_wall=self.requested_wall, first_byte_at=self.first_byte_at,
+                         first_byte_wall=self.first_byte_wall, done_at=self.done_at, done_wall=self.done_wall)
+
+
+def failure_line(*, side: str, config, room: int, peer: str, reason: FailureReason, error: BaseException) -> str:
+    """The one WARNING line of a room failure (``config``: the rank's
+    ManagerConfig): key=value fields first, the error's own message last."""
+    return (f"room failed: side={side} node={config.node_id} dp={config.dp_rank} "
+            f"tp={config.tp_rank}/{config.tp_size} room={room} peer={peer or '-'} reason={reason.value} "
+            f"error={type(error).__name__}: {error}")
