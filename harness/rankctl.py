@@ -102,7 +102,7 @@ def _stats(mgr: KVManager) -> dict:
 
 
 _ROOM_COUNTERS = ("num_refused_hellos", "num_refused_unhandshaken", "num_refused_duplicates", "num_dropped_replays",
-                  "num_refused_aborts")
+                  "num_refused_aborts", "num_early_rooms")
 
 
 def _digest(tensors) -> str:

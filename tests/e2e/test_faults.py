@@ -104,7 +104,10 @@ def test_decode_killed(cluster, kill_after_s):
     threads = prefill.stats()["threads"]
     rooms = [10, 11, 12, 13]
     decode.send(op="rooms", rooms=rooms, timeout_s=60)
-    time.sleep(0.3)  # the requests reach prefill
+    deadline = time.monotonic() + 20  # the requests reach prefill (however loaded the machine)
+    while prefill.stats()["early_rooms"] < len(rooms):
+        assert time.monotonic() < deadline, "decode's requests never reached prefill"
+        time.sleep(0.05)
     prefill.send(op="rooms", rooms=rooms, timeout_s=60, chunk_delay_s=0.3)
     time.sleep(kill_after_s)
     killed_at = decode.kill()

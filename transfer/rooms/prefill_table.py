@@ -289,6 +289,11 @@ class PrefillRooms:
             while len(self._finished) > _REMEMBER_FINISHED:
                 self._finished.popitem(last=False)
 
+    @property
+    def num_early_rooms(self) -> int:
+        """Rooms whose decode requests arrived before their sender exists."""
+        return len(self._early)
+
     def endpoint_of(self, session: str) -> str | None:
         """The control endpoint of a handshaken decode rank."""
         peer = self.peers.get(session)
