@@ -16,7 +16,10 @@ so decode can check every byte), creates its KVManager, prints ``READY
   would, and check after this many seconds that no late write touched them),
   ``abort_on_first_byte`` (decode: rooms to abort as soon as their first
   page shows transferred bytes, i.e. with writes surely in flight),
-  ``timeout_s`` (bounds the whole command). ``stop_after_descriptors``
+  ``timeout_s`` (bounds the whole command), ``abort_at_once`` (decode:
+  rooms to abort right after creating their receiver, before ``init`` and
+  any ``poll``), ``bad_pages`` (decode: rooms whose ``init`` gets a page id
+  outside the pool). ``stop_after_descriptors``
   (prefill: SIGSTOP this process as soon as the transport completed that
   many more descriptors, i.e. with a chunk's writes in flight) and
   ``cont_pid`` (decode: SIGCONT that process right after the sentinel of a
@@ -27,9 +30,12 @@ so decode can check every byte), creates its KVManager, prints ``READY
   holds, default all). A room's prompt is derived from its
   prefill pages (the same page always holds the same tokens, as a prefix
   cache would), so rooms sharing leading pages share a prefix.
-- ``{"op": "stats"}``: threads, open file descriptors, RSS, counters.
+- ``{"op": "stats"}``: threads, open file descriptors, RSS, counters (on
+  prefill also the room table's refusals: ``refused_hellos``, ...).
   (``READY`` also says ``metrics_port``: the rank's /metrics port, 0: none;
   set it with ``--config '{"metrics_port": N}'``.)
+- ``{"op": "digest"}``: a SHA-256 of every pool buffer (to show that
+  nothing wrote into this rank's own pages).
 - ``{"op": "exit"}``.
 
 Every wait is bounded; end of stdin exits.
@@ -38,6 +44,7 @@ Every wait is bounded; end of stdin exits.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -96,7 +103,22 @@ def _stats(mgr: KVManager) -> dict:
             "pages_written": mgr.storage.num_pages_written if mgr.storage else 0,
             "fenced": mgr.rank.fenced,
             "arenas_retired": getattr(mgr.context.staging.area, "num_retired", 0) if mgr.context.staging else 0,
-            "pages_read": mgr.storage.num_pages_read if mgr.storage else 0}
+            "pages_read": mgr.storage.num_pages_read if mgr.storage else 0,
+            **{name.removeprefix("num_"): getattr(mgr.rooms, name) for name in _ROOM_COUNTERS
+               if hasattr(mgr.rooms, name)}}
+
+
+_ROOM_COUNTERS = ("num_refused_hellos", "num_refused_unhandshaken", "num_refused_duplicates", "num_dropped_replays",
+                  "num_refused_aborts", "num_early_rooms")
+
+
+def _digest(tensors) -> str:
+    h = hashlib.sha256()
+    for bufs in tensors.values():
+        for ts in bufs.values():
+            for t in ts:
+                h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def _stop_after(mgr: KVManager, num_descriptors: int, deadline: float) -> None:
@@ -219,7 +241,12 @@ class DecodeRank:
             slot = (room * 7) % spec.aux_slots
             self.aux[slot] = 0
             r = KVReceiver(mgr, spec.bootstrap, room, prefill_node=spec.node_id)
-            r.init(dst.numpy(), slot, token_ids=prompt_of(spec, src, cmd))
+            if room in cmd.get("abort_at_once", ()):
+                r.abort("aborted by the test's decode scheduler before its first poll")
+            elif room in cmd.get("bad_pages", ()):
+                r.init(np.append(dst.numpy()[:-1], spec.decode_pages + 5), slot)
+            else:
+                r.init(dst.numpy(), slot, token_ids=prompt_of(spec, src, cmd))
             live[room] = {"r": r, "dst": dst, "slot": slot, "t0": time.monotonic(), "src": src}
         while live and time.monotonic() < deadline:
             seen = mgr.progress
@@ -288,7 +315,8 @@ def main(argv=None) -> int:
         if cmd["op"] == "exit":
             break
         try:
-            reply = rank.rooms(cmd) if cmd["op"] == "rooms" else {}
+            reply = rank.rooms(cmd) if cmd["op"] == "rooms" else \
+                {"digest": _digest(tensors)} if cmd["op"] == "digest" else {}
         except Exception as exc:
             reply = {"crash": f"{type(exc).__name__}: {exc}"}
         reply.update(_stats(mgr))

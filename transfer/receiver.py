@@ -13,8 +13,8 @@ import numpy as np
 
 from bootstrap.messages import PoolRole
 from transfer.config import Role
-from transfer.errors import (KVFerryError, KVTimeoutError, PeerError, ProtocolError, StateError, StorageMissError,
-                             TransferError)
+from transfer.errors import (KVFerryError, KVTimeoutError, PageIndexError, PeerError, ProtocolError, RequestError,
+                             StateError, StorageMissError, TransferError)
 from transfer.messages import RoomAbort, RoomStatus, Status, TransferRequest
 from transfer.pools import host_page_ids
 from transfer.rooms.decode_phases import ENDING, LIVE, DecodePhase, DecodePhases
@@ -107,7 +107,7 @@ class KVReceiver:
             pages = host_page_ids(page_indices)
             target = ctx.rank.pool(PoolRole.TARGET)
             if pages.size and (pages.min() < 0 or pages.max() >= target.num_pages):
-                self.fail(IndexError(f"{self.where}: page index outside the pool of {target.num_pages}"))
+                self.fail(PageIndexError(f"{self.where}: page index outside the pool of {target.num_pages}"))
                 return
             self._pages = pages.astype("<i4")
             self._aux_index = -1 if aux_index is None else int(aux_index)
@@ -116,7 +116,7 @@ class KVReceiver:
                 try:
                     self._storage = RoomStorage(ctx.storage, token_ids, self._pages, self._aux_index)
                 except ValueError as exc:
-                    self.fail(ValueError(f"{self.where}: {exc}"))
+                    self.fail(RequestError(f"{self.where}: {exc}"))
                     return
                 if ctx.config.storage_prefetch != "off":
                     self._prefetch = self._storage.prefetch(self._storage_done)
@@ -280,9 +280,11 @@ class KVReceiver:
                 self._prefetch.cancel()
             writing = self.ranks_writing() - set(stopped)
             link = self._link
+            abort = RoomAbort(room=self.room, request_id=self.request_id, reason=str(error), session=ctx.rank.session)
             if notify and link is not None and link.ranks:
-                writing -= self._table.abort_on_prefill(link, RoomAbort(
-                    room=self.room, request_id=self.request_id, reason=str(error)), self.where)
+                writing -= self._table.abort_on_prefill(link, abort, self.where)
+            elif notify and link is None:  # not looked up yet: told once it is (a failed lookup has nobody to tell)
+                self._table.abort_when_resolved(self.bootstrap_addr, self.prefill_node, self.prefill_dp_rank, abort)
             self._writers_lost |= bool(writing) and not drain
             if writing and drain:
                 log.debug("%s failing, waiting for prefill ranks %s to stop writing: %s", self.where,

@@ -11,7 +11,7 @@ import numpy as np
 
 from bootstrap.messages import AttentionKind
 from transfer.config import Role
-from transfer.errors import KVTimeoutError, PeerError, StateError
+from transfer.errors import KVFerryError, KVTimeoutError, PageIndexError, PeerError, RequestError, StateError
 from transfer.messages import RoomAbort, RoomStatus, Status, TransferRequest
 from transfer.plan import TransferPlan, check_transfer, page_runs, page_slice, plan_aux, plan_pool
 from transfer.pools import host_page_ids
@@ -114,8 +114,9 @@ class KVSender:
             gate = gate_for(ready, self._ctx.config.transfer_timeout_s, self._state.where)
             try:
                 jobs, parts = self._plan_chunk(pages, last)
-            except (ValueError, IndexError) as exc:
-                self.fail(exc)
+            except (ValueError, IndexError) as exc:  # the plan's checks: page ids, sizes
+                kind = PageIndexError if isinstance(exc, IndexError) else RequestError
+                self.fail(exc if isinstance(exc, KVFerryError) else kind(f"{self._state.where}: {exc}"))
                 return
             self._offset += pages.size
             self._last_sent = last
@@ -178,31 +179,38 @@ class KVSender:
         """The decode requests that arrived for this room."""
         return tuple(self._requests)
 
+    @property
+    def awaiting_requests(self) -> bool:
+        """Whether the room still waits for decode requests."""
+        return not self._requests or len(self._requests) < self._requests[0].num_requests
+
     def on_message(self, msg) -> None:
         """A TransferRequest or RoomAbort for this room."""
         with self._ctx.lock:
             if self._state.terminal:
                 return
             if isinstance(msg, RoomAbort):
-                # Before any request arrived, the abort is for the request this
-                # sender would get (request ids are random per decode room).
-                if not self._requests or msg.request_id in [r.request_id for r in self._requests]:
+                # An abort of a request not here yet is for the request that
+                # session would send (the table took it from a handshaken peer,
+                # or one whose handshake was refused for its layout).
+                if msg.request_id in [r.request_id for r in self._requests] or (
+                        self.awaiting_requests and msg.session not in [r.decode_session for r in self._requests]):
                     self.fail(tag_reason(PeerError(f"{self._state.where}: decode aborted the room: {msg.reason}"),
                                          FailureReason.ABORTED))
                 return
-            peer = self._table.peers.get(msg.decode_session)
-            if peer is None or peer.control_endpoint != msg.decode_endpoint:
-                self._ctx.stats.num_unhandshaken += peer is None
-                self.fail(PeerError(f"{self._state.where}: request from decode {msg.decode_session} "
-                                     + ("which has not completed the handshake" if peer is None else
-                                        f"names endpoint {msg.decode_endpoint}, not its handshake's "
-                                        f"{peer.control_endpoint}")))
+            if not self._table.is_peer(msg.decode_session, "", msg.decode_endpoint):
+                self._table.num_refused_unhandshaken += 1  # its handshake changed since the table took it
+                self._ctx.stats.num_unhandshaken += 1
+                return
+            if msg.request_id in [r.request_id for r in self._requests]:
+                self._table.num_dropped_replays += 1
+                return
+            problem = self._duplicate(msg)
+            if problem:
+                self._table.refuse_request(msg, problem)
                 return
             self._requests.append(msg)
-            if len(self._requests) > msg.num_requests:
-                self.fail(PeerError(f"{self._state.where}: {len(self._requests)} decode requests, "
-                                     f"expected {msg.num_requests}"))
-            elif len(self._requests) == msg.num_requests:
+            if len(self._requests) == msg.num_requests:
                 log.debug("%s: requested by %d decode rank(s)", self._state.where, msg.num_requests)
                 self._state.move(KVPoll.WaitingForInput)
                 self._check_sizes()
@@ -301,9 +309,9 @@ class KVSender:
         descriptors would be small (scattered pages, head slices)."""
         end = self._offset + pages.size
         if end > self._num_pages:
-            raise ValueError(f"{self._state.where}: {end} pages sent, more than the {self._num_pages} of init()")
+            raise RequestError(f"{self._state.where}: {end} pages sent, more than the {self._num_pages} of init()")
         if last and end != self._num_pages:
-            raise ValueError(f"{self._state.where}: last chunk ends at page {end} of {self._num_pages}")
+            raise RequestError(f"{self._state.where}: last chunk ends at page {end} of {self._num_pages}")
         local = self._ctx.rank
         jobs, staged = [], []
         for req in self._requests:
@@ -360,12 +368,25 @@ class KVSender:
             count += runs * buffers if whole else pages.size * sl.rows * buffers
         return total / count < self._ctx.config.stage_below_bytes
 
+    def _duplicate(self, req: TransferRequest) -> str:
+        """Why ``req`` cannot join this room's requests ("" if it can): a
+        room takes one request per decode TP rank, as many as the first said."""
+        if not self._requests:
+            return ""
+        if not self.awaiting_requests:
+            return f"it has all the {self._requests[0].num_requests} decode request(s) it expects"
+        if req.num_requests != self._requests[0].num_requests:
+            return f"it expects {self._requests[0].num_requests} decode requests, this one says {req.num_requests}"
+        if req.decode_tp_rank in [r.decode_tp_rank for r in self._requests]:
+            return f"it already has a request from decode TP rank {req.decode_tp_rank}"
+        return ""
+
     def _check_sizes(self) -> None:
         if self._num_pages is None:
             return
         for req in self._requests:
             if len(req.dst_pages) // 4 != self._num_pages:
-                self.fail(ValueError(f"{self._state.where}: decode rank {req.decode_tp_rank} allocated "
+                self.fail(RequestError(f"{self._state.where}: decode rank {req.decode_tp_rank} allocated "
                                       f"{len(req.dst_pages) // 4} pages, this request has {self._num_pages}"))
 
     def _notify(self, status: Status, reason: str) -> None:

@@ -139,7 +139,7 @@ def test_log_level_setting(monkeypatch):
         monkeypatch.delenv(key)
     monkeypatch.setenv("KVFERRY_LOG_LEVEL", "DEBUG")
     config = manager_config_from_env(Role.DECODE)
-    assert config.log_level == "DEBUG" and config.engine.log_level == "ERROR"  # the engine knows no DEBUG
+    assert config.log_level == "DEBUG" and config.engine.log_level == "OFF"  # the engine knows no DEBUG: its default stays
     monkeypatch.setenv("KVFERRY_METRICS_PORT", "9464")
     assert manager_config_from_env(Role.DECODE).metrics_port == 9464
     with pytest.raises(ValueError, match="log_level"):

@@ -34,9 +34,11 @@ if TYPE_CHECKING:
 class LookupClient(Protocol):
     """The bootstrap server as the decode rooms use it (a
     :class:`bootstrap.client.BootstrapClient`): each call bounded by the
-    client's timeout, raising ``BootstrapUnavailable`` / ``BootstrapError``."""
+    client's timeout, raising ``BootstrapUnavailable`` (``BootstrapRefused``
+    when nothing listens) / ``BootstrapError`` (``UnknownNodeError`` for a
+    strict lookup of a node the server does not know)."""
 
-    def lookup(self, node_id: str, dp_rank: int) -> LookupReply: ...
+    def lookup(self, node_id: str, dp_rank: int, *, strict: bool = False) -> LookupReply: ...
 
     def close(self) -> None: ...
 

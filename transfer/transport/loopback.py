@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from transfer.control.base import Handler
-from transfer.control.loopback import LoopbackChannel
+from transfer.control.loopback import LoopbackChannel, origin_of
 from transfer.errors import ClosedError, KVFerryError, TransferError
 from transfer.plan import TransferPlan
 from transfer.transport.base import DoneCallback
@@ -175,7 +175,7 @@ class LoopbackFabric:
         self.writes_open = threading.Event()
         self.writes_open.set()
         self.broken: set[str] = set()
-        self._held: dict[str, list[bytes]] = {}
+        self._held: dict[str, list[tuple[bytes, str]]] = {}
         self._cut: set[str] = set()
         self._drop_if: Callable[[object], bool] | None = None
         self.delay_s = 0.0
@@ -184,9 +184,10 @@ class LoopbackFabric:
 
     # --- building -----------------------------------------------------------------
 
-    def transport(self) -> LoopbackTransport:
-        """A new transport (pass it to ``KVManager(..., transport=)``)."""
-        t = LoopbackTransport(self, f"loopback:{next(self._ids)}")
+    def transport(self, host: str = "127.0.0.1") -> LoopbackTransport:
+        """A new transport (pass it to ``KVManager(..., transport=)``); its
+        session is ``HOST:N``, like a Mooncake session on that host."""
+        t = LoopbackTransport(self, f"{host}:{next(self._ids)}")
         with self._lock:
             self._transports[t.session] = t
         return t
@@ -223,18 +224,19 @@ class LoopbackFabric:
                 self.num_dropped += 1
                 return
             if dst in self._held:
-                self._held[dst].append(payload)
+                self._held[dst].append((payload, origin_of(src)))
                 return
             ch = self._channels.get(dst)
         if ch is not None:
-            ch.deliver(payload, time.monotonic() + self.delay_s)
+            ch.deliver(payload, time.monotonic() + self.delay_s, origin_of(src))
 
-    def inject(self, dst: str, payload: bytes) -> None:
-        """Deliver raw bytes to ``dst`` (malformed input, for tests)."""
+    def inject(self, dst: str, payload: bytes, origin: str = "127.0.0.1") -> None:
+        """Deliver raw bytes to ``dst`` as if from ``origin`` (malformed or
+        forged input, for tests)."""
         with self._lock:
             ch = self._channels.get(dst)
         if ch is not None:
-            ch.deliver(payload)
+            ch.deliver(payload, origin=origin)
 
     # --- faults -------------------------------------------------------------------
 
@@ -258,9 +260,9 @@ class LoopbackFabric:
         with self._lock:
             held = self._held.pop(endpoint, [])
             ch = self._channels.get(endpoint)
-        for payload in held:
+        for payload, origin in held:
             if ch is not None:
-                ch.deliver(payload)
+                ch.deliver(payload, origin=origin)
 
     def cut(self, endpoint: str) -> None:
         """Drop every message to and from ``endpoint`` (a peer lost, or one that lost us)."""
