@@ -21,6 +21,8 @@
         ├── PeerError                the peer reported a failure or aborted the room
         ├── StateError               an API call that the room's state does not allow
         ├── ClosedError              the manager was closed
+        ├── RequestError             pages that do not fit what init() declared (also a ValueError)
+        │   └── PageIndexError       a page id outside the pool (also an IndexError)
         └── StorageError             a storage backend failed (``backend``, ``code``)
             ├── StorageUnavailableError  the backend cannot be reached or used
             │   └── StorageTimeoutError  a storage call ran out of time (also a KVTimeoutError)

@@ -185,20 +185,31 @@ class AuxDescriptor:
 @dataclass(frozen=True)
 class StagingDescriptor:
     """A registered staging buffer of ``nbytes`` at ``addr``: scattered pages
-    are gathered into it and sent as a few large descriptors."""
+    are gathered into it and sent as a few large descriptors. ``arena_bytes``
+    (0: one arena of ``nbytes``): a fenced decode rank's staging is a span of
+    arenas of this size, registered one by one; a grant never crosses an
+    arena's end."""
 
     addr: int
     nbytes: int
+    arena_bytes: int = 0
 
     def __post_init__(self) -> None:
         _require(0 < self.addr < 1 << 64, "staging addr must be a non-null 64-bit pointer")
         _require(self.nbytes > 0, "staging nbytes must be > 0")
+        _require(0 <= self.arena_bytes <= self.nbytes, "staging arena_bytes must be in [0, nbytes]")
+
+    @property
+    def arena_size(self) -> int:
+        return self.arena_bytes or self.nbytes
 
 
 @struct
 @dataclass(frozen=True)
 class RankInfo:
-    """What a rank tells others about itself: where it is and what it holds."""
+    """What a rank tells others about itself: where it is and what it holds.
+    ``fenced``: a decode rank whose pools are not writable by peers (the
+    write fence): every byte for it goes through its staging arenas."""
 
     node_id: str
     dp_rank: int
@@ -212,11 +223,13 @@ class RankInfo:
     #: taken as no region or that one region
     aux: tuple[AuxDescriptor, ...] = ()
     staging: StagingDescriptor | None = None
+    fenced: bool = False
 
     def __post_init__(self) -> None:
         if self.aux is None or isinstance(self.aux, AuxDescriptor):
             object.__setattr__(self, "aux", () if self.aux is None else (self.aux,))
         _check_name(self.node_id, "node_id")
+        _require(not self.fenced or self.staging is not None, "a fenced rank needs staging")
         _check_name(self.session, "session")
         _check_name(self.control_endpoint, "control_endpoint")
         _require(0 <= self.tp_rank < self.tp_size, f"tp_rank {self.tp_rank} not in [0, {self.tp_size})")

@@ -37,7 +37,7 @@ import torch
 
 from examples.node_common import (AUX_FIRST_TOKEN, AUX_PROMPT_TOKENS, Deadline, Request, add_node_args,
                                   check_node_args, exit_now, make_requests, manager_config, model_pair, new_aux,
-                                  print_result, storage_url, why_failed)
+                                  print_result, storage_url, wait_until_registered, why_failed)
 from examples.paged_kv import PageAllocator, RankPools, pages_for
 from examples.speculative import Prefilled, reference_tokens, speculative, tokens_needed
 from examples.tiny_models import build_models
@@ -74,6 +74,7 @@ def _receive(args, requests: list[Request], pools: RankPools, aux: torch.Tensor)
     prefetch = {} if args.storage_prefetch is None else {"storage_prefetch": args.storage_prefetch}
     config = manager_config(args, Role.DECODE, 0, 1, **prefetch)
     with KVManager(config, pools.kvferry_pools(), aux=aux) as mgr:
+        wait_until_registered(mgr, args.bootstrap, args.node_id, args.timeout_s)
         start = time.monotonic()
         live = {}
         for r in requests:

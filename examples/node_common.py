@@ -165,6 +165,25 @@ def manager_config(args: argparse.Namespace, role: Role, tp_rank: int, tp_size: 
                    model_name=model_name(args), **overrides)
 
 
+def wait_until_registered(mgr, bootstrap: str, node_id: str, timeout_s: float) -> None:
+    """Wait until the prefill node's first DP group is registered (a router
+    sends requests only to a node that is up; a room for a node the
+    bootstrap server does not know fails at once, once the server is past
+    its grace time). Gives up quietly after ``timeout_s``: the rooms then
+    report why."""
+    from transfer.errors import BootstrapUnavailable
+
+    deadline = time.monotonic() + timeout_s
+    with mgr.bootstrap_client(bootstrap) as client:
+        while time.monotonic() < deadline:
+            try:
+                if client.lookup(node_id, 0).ready:
+                    return
+            except BootstrapUnavailable:
+                pass
+            time.sleep(0.05)
+
+
 def why_failed(room_obj) -> str:
     """The reason a KVSender or KVReceiver failed."""
     try:

@@ -34,7 +34,6 @@ def child_env() -> dict[str, str]:
     if REPO_ROOT not in paths:
         env["PYTHONPATH"] = os.pathsep.join([REPO_ROOT, *paths])
     env.setdefault("OMP_NUM_THREADS", "1")  # two cores shared by several ranks
-    env.setdefault("MC_LOG_LEVEL", "ERROR")
     return env
 
 

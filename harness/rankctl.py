@@ -16,16 +16,26 @@ so decode can check every byte), creates its KVManager, prints ``READY
   would, and check after this many seconds that no late write touched them),
   ``abort_on_first_byte`` (decode: rooms to abort as soon as their first
   page shows transferred bytes, i.e. with writes surely in flight),
-  ``timeout_s`` (bounds the whole command).
+  ``timeout_s`` (bounds the whole command), ``abort_at_once`` (decode:
+  rooms to abort right after creating their receiver, before ``init`` and
+  any ``poll``), ``bad_pages`` (decode: rooms whose ``init`` gets a page id
+  outside the pool). ``stop_after_descriptors``
+  (prefill: SIGSTOP this process as soon as the transport completed that
+  many more descriptors, i.e. with a chunk's writes in flight) and
+  ``cont_pid`` (decode: SIGCONT that process right after the sentinel of a
+  failed room is written) make the late-write test of the write fence.
   ``plans`` (room -> prefill page ids) replaces the seeded page choice of
   a room on both sides; ``tokens`` (true: pass each room's prompt to
   ``init`` for the storage tier; ``tail_tokens``: how many the last page
   holds, default all). A room's prompt is derived from its
   prefill pages (the same page always holds the same tokens, as a prefix
   cache would), so rooms sharing leading pages share a prefix.
-- ``{"op": "stats"}``: threads, open file descriptors, RSS, counters.
+- ``{"op": "stats"}``: threads, open file descriptors, RSS, counters (on
+  prefill also the room table's refusals: ``refused_hellos``, ...).
   (``READY`` also says ``metrics_port``: the rank's /metrics port, 0: none;
   set it with ``--config '{"metrics_port": N}'``.)
+- ``{"op": "digest"}``: a SHA-256 of every pool buffer (to show that
+  nothing wrote into this rank's own pages).
 - ``{"op": "exit"}``.
 
 Every wait is bounded; end of stdin exits.
@@ -34,9 +44,11 @@ Every wait is bounded; end of stdin exits.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -89,7 +101,39 @@ def _stats(mgr: KVManager) -> dict:
             "malformed": mgr.channel.num_malformed, "unauthenticated": mgr.channel.num_unauthenticated,
             "received": mgr.channel.num_received, "bytes_sent": mgr.transport.num_bytes,
             "pages_written": mgr.storage.num_pages_written if mgr.storage else 0,
-            "pages_read": mgr.storage.num_pages_read if mgr.storage else 0}
+            "fenced": mgr.rank.fenced,
+            "arenas_retired": getattr(mgr.context.staging.area, "num_retired", 0) if mgr.context.staging else 0,
+            "pages_read": mgr.storage.num_pages_read if mgr.storage else 0,
+            **{name.removeprefix("num_"): getattr(mgr.rooms, name) for name in _ROOM_COUNTERS
+               if hasattr(mgr.rooms, name)}}
+
+
+_ROOM_COUNTERS = ("num_refused_hellos", "num_refused_unhandshaken", "num_refused_duplicates", "num_dropped_replays",
+                  "num_refused_aborts", "num_early_rooms")
+
+
+def _digest(tensors) -> str:
+    h = hashlib.sha256()
+    for bufs in tensors.values():
+        for ts in bufs.values():
+            for t in ts:
+                h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _stop_after(mgr: KVManager, num_descriptors: int, deadline: float) -> None:
+    """SIGSTOP this process once the transport completed ``num_descriptors``
+    more descriptors (a thread; gives up at ``deadline``)."""
+    base = mgr.transport.num_descriptors
+
+    def watch() -> None:
+        while time.monotonic() < deadline:
+            if mgr.transport.num_descriptors >= base + num_descriptors:
+                os.kill(os.getpid(), signal.SIGSTOP)
+                return
+            time.sleep(0.0002)
+
+    threading.Thread(target=watch, name="stop-after", daemon=True).start()
 
 
 def _error(obj) -> tuple[str, str]:
@@ -109,6 +153,8 @@ class PrefillRank:
         abort = {int(k): v for k, v in cmd.get("abort", {}).items()}
         delay = float(cmd.get("chunk_delay_s", 0.0))
         deadline = time.monotonic() + float(cmd.get("timeout_s", 60.0))
+        if cmd.get("stop_after_descriptors"):
+            _stop_after(mgr, int(cmd["stop_after_descriptors"]), deadline)
         live, out = {}, {}
         for room in cmd["rooms"]:
             slot = room % spec.aux_slots
@@ -196,7 +242,12 @@ class DecodeRank:
             for region in self.aux:
                 region[slot] = 0
             r = KVReceiver(mgr, spec.bootstrap, room, prefill_node=spec.node_id)
-            r.init(dst.numpy(), slot, token_ids=prompt_of(spec, src, cmd))
+            if room in cmd.get("abort_at_once", ()):
+                r.abort("aborted by the test's decode scheduler before its first poll")
+            elif room in cmd.get("bad_pages", ()):
+                r.init(np.append(dst.numpy()[:-1], spec.decode_pages + 5), slot)
+            else:
+                r.init(dst.numpy(), slot, token_ids=prompt_of(spec, src, cmd))
             live[room] = {"r": r, "dst": dst, "slot": slot, "t0": time.monotonic(), "src": src}
         while live and time.monotonic() < deadline:
             seen = mgr.progress
@@ -220,6 +271,8 @@ class DecodeRank:
                 if state is KVPoll.Failed and guard_s:
                     self._fill(x["dst"], SENTINEL)  # the scheduler reuses the pages at once
                     guarded.append((room, x["dst"]))
+                    if cmd.get("cont_pid"):
+                        os.kill(int(cmd["cont_pid"]), signal.SIGCONT)
                 else:
                     self.free.extend(int(p) for p in x["dst"])
             mgr.wait_for_progress(seen, 0.0005 if on_first_byte & live.keys() else 0.01)
@@ -263,7 +316,8 @@ def main(argv=None) -> int:
         if cmd["op"] == "exit":
             break
         try:
-            reply = rank.rooms(cmd) if cmd["op"] == "rooms" else {}
+            reply = rank.rooms(cmd) if cmd["op"] == "rooms" else \
+                {"digest": _digest(tensors)} if cmd["op"] == "digest" else {}
         except Exception as exc:
             reply = {"crash": f"{type(exc).__name__}: {exc}"}
         reply.update(_stats(mgr))

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 import torch
 
+from bootstrap.errors import BootstrapUnavailable
 from bootstrap.messages import PoolRole
 from transfer import tp
 from transfer.config import Role, manager_config_from_env
@@ -265,9 +266,28 @@ def _manager(spec: Spec, role: Role, rank: int, dp_rank: int, pools, aux) -> KVM
                   metrics_port=base.metrics_port and base.metrics_port + (0 if prefill else 100) + rank
                   + (dp_rank * spec.prefill_tp if prefill else 0))
     mgr = KVManager(cfg, pools, aux=aux)
-    if spec.touch_staging and mgr.staging is not None:
-        mgr.staging.fill_(0)
+    if spec.touch_staging:
+        mgr.touch_staging()
     return mgr
+
+
+def wait_for_node(mgr: KVManager, spec: Spec) -> None:
+    """Wait (at most ``spec.timeout_s``) until every DP group of the prefill
+    node is registered: decode and prefill processes start together here,
+    and a lookup of a node not registered yet fails rooms at once once the
+    bootstrap server is past its node grace time."""
+    deadline = time.monotonic() + spec.timeout_s
+    with mgr.bootstrap_client(spec.bootstrap) as client:
+        for dp in range(spec.prefill_dp):
+            while True:
+                try:
+                    if client.lookup(spec.node_id, dp).ready:
+                        break
+                except BootstrapUnavailable:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"prefill node {spec.node_id!r} dp {dp} not registered within {spec.timeout_s} s")
+                time.sleep(0.05)
 
 
 def _rooms(spec: Spec) -> list[int]:
@@ -353,6 +373,7 @@ def run_decode(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
                     for c, ts in bufs.items() for l, t in enumerate(ts)}
     res = Result("decode", rank)
     with _manager(spec, Role.DECODE, rank, 0, pools, aux) as mgr:
+        wait_for_node(mgr, spec)
         rooms = _rooms(spec)
         live: dict[int, tuple[KVReceiver, list[int], float, int]] = {}
         window = _Window(spec)

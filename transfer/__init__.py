@@ -15,9 +15,10 @@ _EXPORTS = {
     "EngineConfig": "transfer.config", "ManagerConfig": "transfer.config", "Role": "transfer.config",
     "manager_config_from_env": "transfer.config",
     **{name: "transfer.errors" for name in (
-        "AuthError", "BootstrapError", "BootstrapUnavailable", "ClosedError", "IncompatibleLayoutError", "KVFerryError",
-        "KVTimeoutError", "PeerError", "ProtocolError", "StateError", "StorageClosedError", "StorageError", "StorageMissError",
-        "StorageTimeoutError", "StorageUnavailableError", "TransferError")},
+        "AuthError", "BootstrapError", "BootstrapRefused", "BootstrapUnavailable", "ClosedError",
+        "IncompatibleLayoutError", "InsecureBindError", "KVFerryError", "KVTimeoutError", "PageIndexError", "PeerError",
+        "ProtocolError", "RequestError", "StateError", "StorageClosedError", "StorageError", "StorageMissError",
+        "StorageTimeoutError", "StorageUnavailableError", "TransferError", "UnknownNodeError")},
     "KVManager": "transfer.manager",
     "MHAPool": "transfer.pools", "MLAPool": "transfer.pools",
     "KVReceiver": "transfer.receiver",

@@ -12,7 +12,8 @@ before kvferry builds an engine and only fills in variables that are not set:
 a value the user exported always wins, also one set to the engine's default.
 It fills in, from :class:`EngineConfig` (:meth:`EngineConfig.mooncake_env`):
 
-- always: ``MC_LOG_LEVEL`` (``log_level``) and ``MC_TRANSFER_TIMEOUT``
+- always: ``MC_LOG_LEVEL`` (``log_level``; ``OFF`` sets ``ERROR``, see
+  below) and ``MC_TRANSFER_TIMEOUT``
   (``max(5, progress_timeout_s)``: how long a blocking transfer call waits);
 - for ``protocol="tcp"`` only: ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` and
   ``MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER`` (65535, their maximum; kvferry
@@ -23,6 +24,13 @@ It fills in, from :class:`EngineConfig` (:meth:`EngineConfig.mooncake_env`):
 A user who sets one of these lower than kvferry's value keeps it; kvferry
 then still keeps at most ``max_inflight_per_peer`` descriptors outstanding per
 peer, which must stay below the user's queue caps.
+
+Engine logs. Even at ``ERROR`` the engine prints a few lines at start-up on
+every process (``Local segment descriptor not found``, which is normal).
+With ``log_level="OFF"`` (the default) kvferry discards the engine's
+standard error while the engine initializes, unless ``MC_LOG_LEVEL`` was set
+by someone else than kvferry (:func:`quiet_engine_start`); any other level
+(``KVFERRY_LOG_LEVEL=ERROR``, ...) shows the engine's logs.
 """
 
 from __future__ import annotations
@@ -67,13 +75,14 @@ class EngineConfig:
     max_inflight_per_peer: int = 1024
     max_descriptor_bytes: int = 4 << 20
     progress_timeout_s: int = 10
-    log_level: str = "ERROR"
+    log_level: str = "OFF"
 
     def __post_init__(self) -> None:
         if self.protocol not in ("rdma", "tcp"):
             raise ValueError(f"EngineConfig.protocol must be 'rdma' or 'tcp', got {self.protocol!r}")
-        if self.log_level not in ("TRACE", "INFO", "WARNING", "ERROR"):
-            raise ValueError(f"EngineConfig.log_level must be TRACE, INFO, WARNING or ERROR, got {self.log_level!r}")
+        if self.log_level not in ("TRACE", "INFO", "WARNING", "ERROR", "OFF"):
+            raise ValueError("EngineConfig.log_level must be TRACE, INFO, WARNING, ERROR or OFF, "
+                             f"got {self.log_level!r}")
         _positive(self, "max_inflight_per_peer", "progress_timeout_s", "max_descriptor_bytes")
         if self.max_inflight_per_peer > 60000:
             raise ValueError("EngineConfig.max_inflight_per_peer must stay below the engine's cap of 65535")
@@ -81,7 +90,7 @@ class EngineConfig:
     def mooncake_env(self) -> dict[str, str]:
         """The ``MC_*`` variables an engine of this config needs (read when a
         TransferEngine is constructed); see the module docstring."""
-        env = {"MC_LOG_LEVEL": self.log_level, "MC_TRANSFER_TIMEOUT": str(max(5, self.progress_timeout_s))}
+        env = {"MC_LOG_LEVEL": "ERROR" if self.log_level == "OFF" else self.log_level, "MC_TRANSFER_TIMEOUT": str(max(5, self.progress_timeout_s))}
         if self.protocol == "tcp":
             env.update({
                 # The engine rejects (and may wedge on) more than queue+pending entries
@@ -124,6 +133,11 @@ class ManagerConfig:
     that is not a loopback address (127.0.0.0/8, ::1, ``localhost``; names
     are not resolved) needs a secret, or ``insecure=True``
     (``KVFERRY_INSECURE=1``) to run unauthenticated on a trusted network.
+    A prefill rank refuses a decode peer that declares its own transfer
+    session, another prefill rank's of its node, or (``check_peer_host``) a
+    session on another host than the one its messages come from; see
+    :mod:`transfer.rooms.peer_check` (turn ``check_peer_host`` off where a
+    host's control traffic leaves from another address than its engine's).
 
     Storage tier (off unless ``storage_url`` is set: ``file:///dir``,
     ``mooncake://host:port``, ...; see :mod:`transfer.storage`). Pages are
@@ -144,6 +158,18 @@ class ManagerConfig:
     smaller than ``stage_below_bytes`` is gathered into it, sent in parts of
     at most ``stage_part_bytes``, and scattered on decode; both sides need
     staging for it to be used.
+
+    Write fence (``write_fence``, ``KVFERRY_WRITE_FENCE``; on by default,
+    effective on a decode rank with staging memory only): decode registers
+    none of its pools with the transport; every byte of every room lands in
+    its staging arenas and decode copies it into the pages, so once a room
+    reported ``Failed`` no late write of a stopped, hung or partitioned
+    prefill process reaches its pages (see :mod:`transfer.staging.arenas`).
+    Prefill writes contiguous page runs straight from its pool into the
+    granted region and gathers scattered ones first. Off, or without
+    staging: prefill writes into decode's pages directly, and a prefill rank
+    taken for dead that resumes can overwrite pages the scheduler reused
+    (docs/reliability.md).
 
     Observability: ``metrics_port`` (0: off) serves Prometheus ``/metrics``
     on ``host`` (needs prometheus-client; see :mod:`transfer.metrics`).
@@ -171,11 +197,13 @@ class ManagerConfig:
     staging_bytes: int | None = None
     stage_below_bytes: int = 256 << 10
     stage_part_bytes: int = 64 << 20
+    write_fence: bool = True
     heartbeat_interval_s: float = 0.5
     peer_timeout_s: float = 4.0
     register_interval_s: float = 2.0
     secret: str = field(default="", repr=False)
     insecure: bool = False
+    check_peer_host: bool = True
     storage_url: str = ""
     model_name: str = ""
     storage_write_through: bool = True
@@ -295,4 +323,16 @@ def apply_mooncake_env(engine: EngineConfig) -> dict[str, str]:
     for key, value in engine.mooncake_env().items():
         if key not in os.environ:
             os.environ[key] = added[key] = value
+    _SET_HERE.update(added)
     return added
+
+
+# The MC_* variables kvferry set in this process (so not the user's).
+_SET_HERE: dict[str, str] = {}
+
+
+def quiet_engine_start(engine: EngineConfig) -> bool:
+    """Whether to discard the engine's start-up logs: ``log_level`` is
+    ``OFF`` and ``MC_LOG_LEVEL`` is unset or was set by kvferry."""
+    value = os.environ.get("MC_LOG_LEVEL")
+    return engine.log_level == "OFF" and (value is None or _SET_HERE.get("MC_LOG_LEVEL") == value)

@@ -6,10 +6,13 @@ from __future__ import annotations
 from bootstrap.errors import (  # re-exported: one tree for the whole package
     AuthError,
     BootstrapError,
+    BootstrapRefused,
     BootstrapUnavailable,
+    InsecureBindError,
     KVFerryError,
     KVTimeoutError,
     ProtocolError,
+    UnknownNodeError,
 )
 
 
@@ -46,6 +49,16 @@ class ClosedError(KVFerryError):
     """The manager was closed; its rooms fail with this."""
 
 
+class RequestError(KVFerryError, ValueError):
+    """A room's pages do not fit what was declared: more pages sent than
+    ``init()`` said, page counts that differ between prefill and decode, a
+    prompt that does not match the pages (also a ``ValueError``)."""
+
+
+class PageIndexError(RequestError, IndexError):
+    """A page id outside the pool (also an ``IndexError``)."""
+
+
 # Storage tier (transfer.storage). A per-key miss is a result (False), never an
 # exception; these are failures of a backend as a whole.
 
@@ -78,7 +91,8 @@ class StorageMissError(StorageError):
 
 
 __all__ = [
-    "AuthError", "BootstrapError", "BootstrapUnavailable", "ClosedError", "IncompatibleLayoutError",
-    "KVFerryError", "KVTimeoutError", "PeerError", "ProtocolError", "StateError", "StorageClosedError",
-    "StorageError", "StorageMissError", "StorageTimeoutError", "StorageUnavailableError", "TransferError",
+    "AuthError", "BootstrapError", "BootstrapRefused", "BootstrapUnavailable", "ClosedError",
+    "IncompatibleLayoutError", "InsecureBindError", "KVFerryError", "KVTimeoutError", "PageIndexError", "PeerError",
+    "ProtocolError", "RequestError", "StateError", "StorageClosedError", "StorageError", "StorageMissError",
+    "StorageTimeoutError", "StorageUnavailableError", "TransferError", "UnknownNodeError",
 ]

@@ -21,19 +21,25 @@ from transfer.control.zmq_channel import zmq_channel
 from transfer.errors import BootstrapError, BootstrapUnavailable, ClosedError, KVFerryError
 from transfer.hostmem import host_tensor
 from transfer.liveness import Liveness
-from transfer.messages import PeerPing, PeerPong
+from transfer.messages import PeerBye, PeerPing, PeerPong
 from transfer.pools import (MHAPool, MLAPool, RawAuxRegion, aux_tensors, describe_aux, describe_pool, pool_tensors,
                             pools_device, registration_regions)
 from transfer.rooms.context import RoomContext
 from transfer.rooms.decode_table import DecodeRooms
 from transfer.rooms.prefill_table import PrefillRooms
 from transfer.staging.area import StagingArea, StagingMemory
+from transfer.staging.arenas import StagingArenas, arena_layout, span_tensor
 from transfer.stats import ManagerStats, RankTotals
 from transfer.storage.tier import StorageTier
 from transfer.transport.base import Transport
 from transfer.transport.mooncake import MooncakeTransport, check_engine_build
 
 log = logging.getLogger("kvferry.manager")
+
+# Once every DP group of its node answered ready, a prefill rank looks its
+# node's sessions up again every this many re-registrations (a sibling that
+# restarted has a new session); until then at every one.
+_LEARN_EVERY = 10
 
 #: How often the liveness thread polls every live room, so that timeouts
 #: become state changes (and reach ``changed_rooms``) without a scheduler poll.
@@ -50,7 +56,8 @@ class PrefillTopology(NamedTuple):
 class KVManager:
     """One rank's transfer endpoint, prefill or decode (``config.role``).
 
-    Construction registers the pools' memory with the Mooncake engine, binds
+    Construction registers the pools' memory with the Mooncake engine (a
+    fenced decode rank: only its staging arenas, see ``write_fence``), binds
     the control socket, starts the worker threads and, on prefill, registers
     the rank with the bootstrap server (retrying for at most
     ``config.register_timeout_s``, then raising
@@ -68,8 +75,11 @@ class KVManager:
     ``config.register_interval_s`` so that a restarted bootstrap server is
     re-populated and a dead rank drops out of it.
 
-    ``close()`` fails every live room with ClosedError, stops the threads and
-    unregisters memory; the manager is a context manager.
+    ``close()`` stops the threads, unregisters a prefill rank from the
+    bootstrap server, fails every live room with ClosedError and tells the
+    peers (a prefill rank also says goodbye to its decode peers, which then
+    forget their links to it), then closes the transport and the channel;
+    the manager is a context manager.
 
     Seams (for tests, or another engine): ``transport`` is a
     :class:`~transfer.transport.base.Transport` not yet registered (default:
@@ -98,22 +108,29 @@ class KVManager:
         self._tensors = (tuple(pools), aux)
         descriptors = tuple(describe_pool(p) for p in pools)
         aux_desc = tuple(describe_aux(t) for t in aux)
-        #: the staging tensor (uint8; None without staging)
+        #: the staging tensor (uint8; None without staging; a fenced decode rank's: the span of its arenas,
+        #: mostly unbacked virtual memory: fault it in with touch_staging(), never by filling it)
         self.staging, staging_desc, staging_mem = None, None, None
         device_type = pools_device(pools)
         if transport is None and device_type != "cpu":
             check_engine_build(device_type)  # before any allocation: the non-CUDA wheel cannot read HBM
         staging_bytes = staging_bytes_for(config, device_type)
+        #: whether peers write only into staging arenas (see ManagerConfig, write fence)
+        self.fenced = bool(config.write_fence and staging_bytes and config.role is Role.DECODE)
+        arena_bytes = num_arenas = 0
         if staging_bytes:
             buffers = pool_tensors(pools)  # (role, layer, component) -> tensor, for gather and scatter
             device = next(iter(buffers.values())).device
-            if device.type == "cpu":  # huge pages: the engine's kernel copies run faster (see hostmem);
+            if self.fenced:
+                arena_bytes, num_arenas = arena_layout(staging_bytes, config.stage_part_bytes)
+                self.staging = span_tensor(arena_bytes, num_arenas, device)
+            elif device.type == "cpu":  # huge pages: the engine's kernel copies run faster (see hostmem);
                 # untouched: its pages fault in as parts first use them, not all at start-up.
                 self.staging = host_tensor(staging_bytes, fill=None)
             else:
                 self.staging = torch.zeros(staging_bytes, dtype=torch.uint8, device=device)
-            staging_desc = StagingDescriptor(addr=self.staging.data_ptr(), nbytes=staging_bytes)
-            staging_mem = StagingMemory(self.staging, StagingArea(staging_bytes), buffers)
+            staging_desc = StagingDescriptor(addr=self.staging.data_ptr(), nbytes=self.staging.numel(),
+                                             arena_bytes=arena_bytes)
         self._lock = threading.RLock()
         self._progress = threading.Condition(self._lock)
         self._changes = ChangeLog()
@@ -124,19 +141,30 @@ class KVManager:
         self._ping_seq = 0
         self.transport: Transport = transport if transport is not None else MooncakeTransport(config.engine)
         try:
-            regions = registration_regions(pools, aux)  # views of one allocation: registered once
-            if staging_desc is not None:
-                regions.append((staging_desc.addr, staging_desc.nbytes))
-            self.transport.register(regions)
+            if self.fenced:  # nothing of the pools is writable by peers: only the arenas (registered by them)
+                area = StagingArenas(self.staging, arena_bytes, num_arenas, self.transport.register,
+                                     self.transport.unregister)
+                staging_mem = StagingMemory(self.staging, area, buffers)
+            else:
+                regions = registration_regions(pools, aux)  # views of one allocation: registered once
+                if staging_desc is not None:
+                    regions.append((staging_desc.addr, staging_desc.nbytes))
+                    staging_mem = StagingMemory(self.staging, StagingArea(staging_bytes), buffers)
+                self.transport.register(regions)
             factory = channel_factory if channel_factory is not None else zmq_channel
             self.channel: ControlChannel = factory(config.host, self._on_message, config.secret or None)
         except BaseException:
             self.transport.close()
             raise
+        describe = getattr(self.transport, "describe", None)
+        line = describe() if describe is not None else type(self.transport).__name__
+        log.log(logging.WARNING if "falls back" in line else logging.INFO, "%s: transport %s; control %s",
+                self.where, line, self.channel.endpoint)
         self.rank = RankInfo(
             node_id=config.node_id, dp_rank=config.dp_rank, dp_size=config.dp_size,
             tp_rank=config.tp_rank, tp_size=config.tp_size, session=self.transport.session,
             control_endpoint=self.channel.endpoint, pools=descriptors, aux=aux_desc, staging=staging_desc,
+            fenced=self.fenced,
         )
         self.storage = None
         if config.storage_url:
@@ -150,13 +178,15 @@ class KVManager:
         self.context = RoomContext(
             config=config, where=self.where, rank=self.rank, lock=self._lock, changed=self._changed,
             transport=self.transport, channel=self.channel, staging=staging_mem, storage=self.storage,
-            bootstrap_client=self.bootstrap_client, stats=self._totals)
+            bootstrap_client=self.bootstrap_client, stats=self._totals, aux=aux)
         #: the room table (prefill or decode)
         self.rooms = PrefillRooms(self.context) if config.role is Role.PREFILL else DecodeRooms(self.context)
         self._threads = [threading.Thread(target=self._watch, name="kvferry-liveness", daemon=True)]
+        self._registered = False
         if config.role is Role.PREFILL:
             try:
                 self._register()
+                self._registered = True
             except BaseException:
                 self.close()
                 raise
@@ -198,6 +228,14 @@ class KVManager:
     def bootstrap_client(self, addr: str) -> BootstrapClient:
         return BootstrapClient(addr, timeout_s=self.config.rpc_timeout_s, secret=self.config.secret or None)
 
+    def touch_staging(self) -> None:
+        """Fault in the staging memory in use (benchmarks: as a warmed-up
+        server has it); of a fenced decode rank's span only the live arenas."""
+        mem = self.context.staging
+        if mem is not None:
+            touch = getattr(mem.area, "touch", None)
+            touch() if touch is not None else mem.tensor.fill_(0)
+
     def _register(self) -> None:
         deadline = time.monotonic() + self.config.register_timeout_s
         client = self.bootstrap_client(self.config.bootstrap_addr)
@@ -219,14 +257,19 @@ class KVManager:
             client.close()
 
     def _keep_registered(self) -> None:
-        """Re-register every ``register_interval_s``; log when the server is
-        lost and found again. Never raises."""
+        """Re-register every ``register_interval_s``, and learn the sessions
+        of this node's other prefill ranks (which no decode peer may
+        declare); log when the server is lost and found again. Never raises."""
         client = self.bootstrap_client(self.config.bootstrap_addr)
         reachable = True
         try:
+            learned, n = self._learn_prefill_sessions(client), 0
             while not self._stop.wait(self.config.register_interval_s):
                 try:
                     client.register(self.rank)
+                    n += 1
+                    if not learned or n % _LEARN_EVERY == 0:
+                        learned = self._learn_prefill_sessions(client)
                 except KVFerryError as exc:
                     if reachable:
                         log.warning("%s: re-registration failed (will keep trying): %s", self.where, exc)
@@ -236,6 +279,35 @@ class KVManager:
                     log.warning("%s: registered again with bootstrap server %s", self.where,
                                 self.config.bootstrap_addr)
                 reachable = True
+        finally:
+            client.close()
+
+    def _learn_prefill_sessions(self, client: BootstrapClient) -> bool:
+        """Add the transfer sessions of this node's ranks, every DP group, to
+        those no decode peer may declare (the set only grows within a
+        process's life); True when every group answered ready."""
+        sessions, complete = {self.rank.session}, True
+        for dp in range(self.config.dp_size):
+            try:
+                reply = client.lookup(self.config.node_id, dp)
+            except KVFerryError as exc:
+                log.debug("%s: looking up this node's ranks: %s", self.where, exc)
+                complete = False
+                continue
+            complete = complete and reply.ready
+            sessions.update(r.session for r in reply.ranks)
+        with self._lock:
+            self.rooms.prefill_sessions = self.rooms.prefill_sessions | sessions
+        return complete
+
+    def _unregister(self) -> None:
+        """Drop this rank's bootstrap entry now (errors ignored: the server's
+        rank TTL drops it anyway)."""
+        client = self.bootstrap_client(self.config.bootstrap_addr)
+        try:
+            client.unregister(self.rank, timeout_s=0.5)
+        except KVFerryError as exc:
+            log.info("%s: not unregistered (its entry expires at the server's rank TTL): %s", self.where, exc)
         finally:
             client.close()
 
@@ -268,7 +340,7 @@ class KVManager:
             except Exception:  # the watcher must outlive any one round
                 log.exception("%s: liveness round failed", self.where)
 
-    def _on_message(self, msg) -> None:
+    def _on_message(self, msg, origin: str = "") -> None:
         if isinstance(msg, PeerPing):
             # Answer known peers only, at the endpoint we know them by: a ping
             # cannot make this rank connect anywhere else.
@@ -284,7 +356,7 @@ class KVManager:
         if isinstance(msg, PeerPong):
             self.liveness_heard(msg.session)
             return
-        self.rooms.on_message(msg)
+        self.rooms.on_message(msg, origin)
 
     def liveness_heard(self, session: str) -> None:
         with self._lock:
@@ -354,7 +426,9 @@ class KVManager:
             raise ClosedError(f"{self.where}: manager is closed")
 
     def close(self) -> None:
-        """Fail live rooms, stop threads, unregister memory. Idempotent."""
+        """Stop threads, unregister (prefill), fail live rooms and tell their
+        peers, then close the transport (its outstanding writes fail, and
+        their rooms' peers are told) and last the channel. Idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -364,10 +438,21 @@ class KVManager:
             if t.is_alive():
                 t.join(self.config.rpc_timeout_s + 1)
         rooms = getattr(self, "rooms", None)
+        prefill = isinstance(rooms, PrefillRooms)
+        if getattr(self, "_registered", False):  # leave at once, not at the rank TTL
+            self._unregister()
         if rooms is not None:
             rooms.close(ClosedError(f"{self.where}: manager closed"))
+        self.transport.close()  # failed writes' callbacks send their rooms' notices on the open channel
+        if prefill:
+            with self._lock:
+                peers = [p.control_endpoint for p in rooms.peers.values()]
+            for endpoint in peers:
+                try:
+                    self.channel.send(endpoint, PeerBye(session=self.rank.session))
+                except KVFerryError as exc:
+                    log.debug("%s: goodbye to %s not sent: %s", self.where, endpoint, exc)
         self.channel.close()
-        self.transport.close()
         if self.storage is not None:
             self.storage.close()
         if self.metrics is not None:

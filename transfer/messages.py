@@ -10,6 +10,7 @@ bootstrap messages. Flow for one room::
                                <-------  RoomStatus (success or failure, per prefill rank)
     RoomAbort (either side)    <------>  the room fails on the other side too
     PeerPing / PeerPong        <------>  liveness, while rooms are live (either side)
+                               <-------  PeerBye (prefill closing: forget links through it)
 
 A prefill rank whose room failed (for any reason, an abort from decode
 included) sends ``RoomStatus(FAILED)`` only once none of the room's writes
@@ -115,7 +116,9 @@ class Status(str, enum.Enum):
 class RoomStatus:
     """A prefill rank's terminal state for a room, sent after the bytes landed.
     ``sent`` lists the pools it actually wrote. ``aborted``: the prefill
-    scheduler cancelled the request (decode does not restore it from storage)."""
+    scheduler cancelled the request (decode does not restore it from storage).
+    ``aux_row``: for a fenced decode rank (nothing of its memory but staging
+    is writable), the aux row itself, which decode copies into the room's slot."""
 
     room: int
     request_id: int
@@ -124,17 +127,22 @@ class RoomStatus:
     sent: tuple[PoolRole, ...]
     reason: str
     aborted: bool = False
+    aux_row: bytes = b""
 
 
 @message("room_abort")
 @dataclass(frozen=True)
 class RoomAbort:
     """The sender of this message gave up on the room; the receiver fails it.
-    ``request_id`` 0 aborts whatever request the room has."""
+    ``session``: the aborting rank's transfer session. A prefill rank takes a
+    decode abort whose ``request_id`` it does not know yet (decode gave up
+    before its request went out) only from a handshaken decode rank whose
+    request the room still awaits."""
 
     room: int
     request_id: int
     reason: str
+    session: str = ""
 
 
 @message("peer_ping")
@@ -154,6 +162,16 @@ class PeerPong:
 
     session: str
     seq: int
+
+
+@message("peer_bye")
+@dataclass(frozen=True)
+class PeerBye:
+    """A prefill rank is closing (its rooms were failed and told already):
+    decode forgets the links through ``session`` at once, so that the next
+    room looks the node up afresh instead of waiting on a dead rank."""
+
+    session: str
 
 
 @message("stage_request")

@@ -13,15 +13,15 @@ import numpy as np
 
 from bootstrap.messages import PoolRole
 from transfer.config import Role
-from transfer.errors import (KVFerryError, KVTimeoutError, PeerError, ProtocolError, StateError, StorageMissError,
-                             TransferError)
+from transfer.errors import (KVFerryError, KVTimeoutError, PageIndexError, PeerError, ProtocolError, RequestError,
+                             StateError, StorageMissError, TransferError)
 from transfer.messages import RoomAbort, RoomStatus, Status, TransferRequest
 from transfer.pools import host_page_ids
 from transfer.rooms.decode_phases import ENDING, LIVE, DecodePhase, DecodePhases
 from transfer.rooms.links import Link, LinkState
 from transfer.rooms.room_stats import RoomCounts
 from transfer.rooms.room_storage import RoomStorage
-from transfer.staging.decode_flow import scatter_part
+from transfer.staging.decode_flow import scatter_part, take_aux_row
 from transfer.state import KVPoll
 from transfer.stats import FailureReason, RoomStats, tag_reason
 
@@ -78,6 +78,7 @@ class KVReceiver:
         self._awaiting: dict[int, set[PoolRole]] = {}  # TRANSFERRING: ranks not done yet, and their pools
         self._failure: BaseException | None = None  # DRAINING, RESTORING: why the room failed
         self._draining: set[int] = set()  # ranks that may still write
+        self._writers_lost = False  # a rank that may write was given up on without its word
         self._drain_deadline = 0.0
         self._storage: RoomStorage | None = None  # with a storage tier and the prompt
         self._prefetch = None  # storage job loading the leading pages before the request goes out
@@ -110,7 +111,7 @@ class KVReceiver:
             pages = host_page_ids(page_indices)
             target = ctx.rank.pool(PoolRole.TARGET)
             if pages.size and (pages.min() < 0 or pages.max() >= target.num_pages):
-                self.fail(IndexError(f"{self.where}: page index outside the pool of {target.num_pages}"))
+                self.fail(PageIndexError(f"{self.where}: page index outside the pool of {target.num_pages}"))
                 return
             if not 0 <= int(skip_pages) <= pages.size:
                 self.fail(ValueError(f"{self.where}: skip_pages {skip_pages} outside the request's {pages.size} pages"))
@@ -123,7 +124,7 @@ class KVReceiver:
                 try:
                     self._storage = RoomStorage(ctx.storage, token_ids, self._pages, self._aux_index)
                 except ValueError as exc:
-                    self.fail(ValueError(f"{self.where}: {exc}"))
+                    self.fail(RequestError(f"{self.where}: {exc}"))
                     return
                 if ctx.config.storage_prefetch != "off":
                     self._prefetch = self._storage.prefetch(self._storage_done, start=self._prefix)
@@ -135,6 +136,7 @@ class KVReceiver:
             ph = self._phases
             now = time.monotonic()
             if ph.phase is P.DRAINING and now > self._drain_deadline:
+                self._writers_lost = True
                 log.info("%s: prefill ranks %s did not confirm they stopped writing within %g s",
                          self.where, sorted(self._draining), ctx.config.peer_timeout_s)
                 self._finish_fail(self._failure)
@@ -187,6 +189,11 @@ class KVReceiver:
         return self._phases.phase
 
     @property
+    def writers_lost(self) -> bool:
+        """Whether a rank that may still write was given up on (see :mod:`transfer.staging.arenas`)."""
+        return self._writers_lost
+
+    @property
     def link(self) -> Link | None:
         """The prefill DP group of the room, once looked up."""
         return self._link
@@ -221,6 +228,9 @@ class KVReceiver:
                                     f"{sorted(r.value for r in msg.sent)}, expected {sorted(r.value for r in expected)}"),
                       stopped={msg.prefill_tp_rank})
             return
+        if msg.aux_row and (bad := take_aux_row(self._ctx, self._aux_index, msg.aux_row)):
+            self.fail(ProtocolError(f"{self.where}: {where} {bad}"), stopped={msg.prefill_tp_rank})
+            return
         del self._awaiting[msg.prefill_tp_rank]
         p = msg.prefill_tp_rank
         self._counts.rank_done(p, self._link.routes[p], len(self._pages) - self._skip,
@@ -251,6 +261,7 @@ class KVReceiver:
             lost = {p for p in self.ranks_writing() if link.ranks[p].session == session}
             if not lost:
                 return
+            self._writers_lost = True
             if self._phases.phase in ENDING:  # a dead rank writes no more
                 self._draining -= lost
                 if not self._draining:
@@ -277,9 +288,12 @@ class KVReceiver:
                 self._prefetch.cancel()
             writing = self.ranks_writing() - set(stopped)
             link = self._link
+            abort = RoomAbort(room=self.room, request_id=self.request_id, reason=str(error), session=ctx.rank.session)
             if notify and link is not None and link.ranks:
-                writing -= self._table.abort_on_prefill(link, RoomAbort(
-                    room=self.room, request_id=self.request_id, reason=str(error)), self.where)
+                writing -= self._table.abort_on_prefill(link, abort, self.where)
+            elif notify and link is None:  # not looked up yet: told once it is (a failed lookup has nobody to tell)
+                self._table.abort_when_resolved(self.bootstrap_addr, self.prefill_node, self.prefill_dp_rank, abort)
+            self._writers_lost |= bool(writing) and not drain
             if writing and drain:
                 log.debug("%s failing, waiting for prefill ranks %s to stop writing: %s", self.where,
                           sorted(writing), error)

@@ -11,13 +11,14 @@ import numpy as np
 
 from bootstrap.messages import AttentionKind
 from transfer.config import Role
-from transfer.errors import KVTimeoutError, PeerError, StateError
+from transfer.errors import KVFerryError, KVTimeoutError, PageIndexError, PeerError, RequestError, StateError
 from transfer.messages import RoomAbort, RoomStatus, Status, TransferRequest
 from transfer.plan import TransferPlan, check_transfer, page_runs, page_slice, plan_aux_regions, plan_pool
 from transfer.pools import host_page_ids
 from transfer.ready import gate_for
 from transfer.rooms.room_stats import RoomCounts
-from transfer.staging.prefill_flow import part_bytes_for, plan_parts
+from transfer.staging.copies import aux_row
+from transfer.staging.prefill_flow import mark_direct, part_bytes_for, plan_parts
 from transfer.state import KVPoll, RoomState
 from transfer.stats import FailureReason, RoomStats, tag_reason
 
@@ -113,8 +114,9 @@ class KVSender:
             gate = gate_for(ready, self._ctx.config.transfer_timeout_s, self._state.where)
             try:
                 jobs, parts = self._plan_chunk(pages, last)
-            except (ValueError, IndexError) as exc:
-                self.fail(exc)
+            except (ValueError, IndexError) as exc:  # the plan's checks: page ids, sizes
+                kind = PageIndexError if isinstance(exc, IndexError) else RequestError
+                self.fail(exc if isinstance(exc, KVFerryError) else kind(f"{self._state.where}: {exc}"))
                 return
             self._offset += pages.size
             self._last_sent = last
@@ -196,31 +198,38 @@ class KVSender:
         """The decode requests that arrived for this room."""
         return tuple(self._requests)
 
+    @property
+    def awaiting_requests(self) -> bool:
+        """Whether the room still waits for decode requests."""
+        return not self._requests or len(self._requests) < self._requests[0].num_requests
+
     def on_message(self, msg) -> None:
         """A TransferRequest or RoomAbort for this room."""
         with self._ctx.lock:
             if self._state.terminal:
                 return
             if isinstance(msg, RoomAbort):
-                # Before any request arrived, the abort is for the request this
-                # sender would get (request ids are random per decode room).
-                if not self._requests or msg.request_id in [r.request_id for r in self._requests]:
+                # An abort of a request not here yet is for the request that
+                # session would send (the table took it from a handshaken peer,
+                # or one whose handshake was refused for its layout).
+                if msg.request_id in [r.request_id for r in self._requests] or (
+                        self.awaiting_requests and msg.session not in [r.decode_session for r in self._requests]):
                     self.fail(tag_reason(PeerError(f"{self._state.where}: decode aborted the room: {msg.reason}"),
                                          FailureReason.ABORTED))
                 return
-            peer = self._table.peers.get(msg.decode_session)
-            if peer is None or peer.control_endpoint != msg.decode_endpoint:
-                self._ctx.stats.num_unhandshaken += peer is None
-                self.fail(PeerError(f"{self._state.where}: request from decode {msg.decode_session} "
-                                     + ("which has not completed the handshake" if peer is None else
-                                        f"names endpoint {msg.decode_endpoint}, not its handshake's "
-                                        f"{peer.control_endpoint}")))
+            if not self._table.is_peer(msg.decode_session, "", msg.decode_endpoint):
+                self._table.num_refused_unhandshaken += 1  # its handshake changed since the table took it
+                self._ctx.stats.num_unhandshaken += 1
+                return
+            if msg.request_id in [r.request_id for r in self._requests]:
+                self._table.num_dropped_replays += 1
+                return
+            problem = self._duplicate(msg)
+            if problem:
+                self._table.refuse_request(msg, problem)
                 return
             self._requests.append(msg)
-            if len(self._requests) > msg.num_requests:
-                self.fail(PeerError(f"{self._state.where}: {len(self._requests)} decode requests, "
-                                     f"expected {msg.num_requests}"))
-            elif len(self._requests) == msg.num_requests:
+            if len(self._requests) == msg.num_requests:
                 log.debug("%s: requested by %d decode rank(s)", self._state.where, msg.num_requests)
                 self._state.move(KVPoll.WaitingForInput)
                 self._check_sizes()
@@ -319,9 +328,9 @@ class KVSender:
         descriptors would be small (scattered pages, head slices)."""
         end = self._offset + pages.size
         if end > self._num_pages:
-            raise ValueError(f"{self._state.where}: {end} pages sent, more than the {self._num_pages} of init()")
+            raise RequestError(f"{self._state.where}: {end} pages sent, more than the {self._num_pages} of init()")
         if last and end != self._num_pages:
-            raise ValueError(f"{self._state.where}: last chunk ends at page {end} of {self._num_pages}")
+            raise RequestError(f"{self._state.where}: last chunk ends at page {end} of {self._num_pages}")
         local = self._ctx.rank
         jobs, staged = [], []
         for req in self._requests:
@@ -338,6 +347,7 @@ class KVSender:
                                    num_heads=a.num_heads)
                 new = plan_parts(self, req, src, self._offset + skip, local, peer, part_bytes_for(self._ctx, peer),
                                  self._next_part)
+                mark_direct(new, self._ctx)
                 self._next_part += len(new)
                 staged.extend(new)
             else:
@@ -346,8 +356,10 @@ class KVSender:
                                    num_heads=a.num_heads) for a in sent]
                 roles = [a.role.value for a in sent]
             if last and local.aux and self._aux_index is not None and req.dst_aux_index >= 0:
-                plans.append(plan_aux_regions(local.aux, peer.aux, self._aux_index, req.dst_aux_index))
-                roles.append("aux")
+                aux = plan_aux_regions(local.aux, peer.aux, self._aux_index, req.dst_aux_index)  # checks slots
+                if not peer.fenced:  # a fenced rank gets the row in RoomStatus
+                    plans.append(aux)
+                    roles.append("aux")
             moved = [(role, "direct", p.total_bytes, p.num_descriptors) for role, p in zip(roles, plans)
                      if p.num_descriptors]
             # Always a job, empty or not: its completion is what ends a room
@@ -356,8 +368,11 @@ class KVSender:
         return jobs, staged
 
     def _stage(self, pages, dst, sent, local, peer) -> bool:
-        """Whether this chunk goes through staging: both sides have it and the
-        direct descriptors would average less than ``stage_below_bytes``."""
+        """Whether this chunk goes through staging: always for a fenced peer,
+        else when both sides have it and the direct descriptors would
+        average less than ``stage_below_bytes``."""
+        if peer.fenced and pages.size:
+            return True
         if self._ctx.staging is None or peer.staging is None or not pages.size:
             return False
         runs = page_runs(pages, dst).lengths.size
@@ -372,21 +387,38 @@ class KVSender:
             count += runs * buffers if whole else pages.size * sl.rows * buffers
         return total / count < self._ctx.config.stage_below_bytes
 
+    def _duplicate(self, req: TransferRequest) -> str:
+        """Why ``req`` cannot join this room's requests ("" if it can): a
+        room takes one request per decode TP rank, as many as the first said."""
+        if not self._requests:
+            return ""
+        if not self.awaiting_requests:
+            return f"it has all the {self._requests[0].num_requests} decode request(s) it expects"
+        if req.num_requests != self._requests[0].num_requests:
+            return f"it expects {self._requests[0].num_requests} decode requests, this one says {req.num_requests}"
+        if req.decode_tp_rank in [r.decode_tp_rank for r in self._requests]:
+            return f"it already has a request from decode TP rank {req.decode_tp_rank}"
+        return ""
+
     def _check_sizes(self) -> None:
         if self._num_pages is None:
             return
         for req in self._requests:
             if len(req.dst_pages) // 4 != self._num_pages:
-                self.fail(ValueError(f"{self._state.where}: decode rank {req.decode_tp_rank} allocated "
+                self.fail(RequestError(f"{self._state.where}: decode rank {req.decode_tp_rank} allocated "
                                       f"{len(req.dst_pages) // 4} pages, this request has {self._num_pages}"))
 
     def _notify(self, status: Status, reason: str) -> None:
         for req in self._requests:
             sent = tuple(a.role for a in req.assignments if a.send)
+            row, peer = b"", self._table.peers.get(req.decode_session)
+            if status is Status.SUCCESS and req.dst_aux_index >= 0 and self._aux_index is not None \
+                    and self._ctx.aux and peer is not None and peer.fenced:
+                row = aux_row(self._ctx.aux, self._aux_index)  # a fenced rank's aux is not writable
             self._ctx.channel.send(req.decode_endpoint, RoomStatus(
                 room=self.room, request_id=req.request_id, prefill_tp_rank=self._ctx.rank.tp_rank,
                 status=status, sent=sent if status is Status.SUCCESS else (), reason=reason,
-                aborted=self._aborted))
+                aborted=self._aborted, aux_row=row))
 
     def _tell_failure_when_drained(self) -> None:
         if self._failure_note is None or self._num_inflight > 0:

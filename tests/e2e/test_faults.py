@@ -7,7 +7,9 @@ behind, and its next requests succeed byte-exact."""
 from __future__ import annotations
 
 import signal
+import socket
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -102,7 +104,10 @@ def test_decode_killed(cluster, kill_after_s):
     threads = prefill.stats()["threads"]
     rooms = [10, 11, 12, 13]
     decode.send(op="rooms", rooms=rooms, timeout_s=60)
-    time.sleep(0.3)  # the requests reach prefill
+    deadline = time.monotonic() + 20  # the requests reach prefill (however loaded the machine)
+    while prefill.stats()["early_rooms"] < len(rooms):
+        assert time.monotonic() < deadline, "decode's requests never reached prefill"
+        time.sleep(0.05)
     prefill.send(op="rooms", rooms=rooms, timeout_s=60, chunk_delay_s=0.3)
     time.sleep(kill_after_s)
     killed_at = decode.kill()
@@ -230,3 +235,111 @@ def test_abort_from_prefill(cluster):
     p, d = _both(prefill, decode, [20, 21])
     assert_all_success(p, [20, 21])
     assert_all_success(d, [20, 21])
+
+
+@pytest.mark.parametrize("fence", [True, False], ids=["fenced", "unfenced-documents-the-hole"])
+def test_late_write_of_a_stopped_prefill_never_reaches_reused_pages(fence):
+    """The write fence: prefill is SIGSTOPped with a ~100 MiB contiguous
+    (direct) chunk's writes in flight; decode fails the room on liveness,
+    writes a sentinel into its pages at once and SIGCONTs prefill, whose
+    writes then resume. Fenced, the sentinel stays intact (the late bytes
+    land in a retired staging arena). With ``write_fence=False`` the same
+    scenario shows the hole: the late write lands in the reused pages."""
+    with BootstrapProcess() as server:
+        # 400 pages of 16 tokens x 16 KiB: 100 MiB in one chunk, contiguous on both sides.
+        spec = fault_spec(server.address, page_placement="contiguous", min_tokens=6400, max_tokens=6400,
+                          chunk_pages=0, prefill_pages=512, decode_pages=1024)
+        config = {**FAST, "write_fence": fence}
+        prefill, decode = Rank("prefill", spec, config), Rank("decode", spec, config)
+        try:
+            _warm(prefill, decode)
+            prefill.send(op="rooms", rooms=[10], timeout_s=60, stop_after_descriptors=1)
+            decode.send(op="rooms", rooms=[10], timeout_s=60, guard_s=3.0, cont_pid=prefill.proc.pid)
+            d = decode.reply()
+            got = d["results"]["10"]
+            assert got["state"] == "Failed" and got["error_type"] in DEAD_PEER_ERRORS, got
+            assert "silent for more than" in got["error"] or got["error_type"] == "TransferError", got
+            prefill.reply()
+            if fence:
+                assert got["late_write"] is False, "a write of the failed room landed in its reused pages"
+                assert d["arenas_retired"] >= 1, "no staging arena was retired: was a write in flight?"
+            else:
+                assert got["late_write"] is True, "no late write without the fence: the test proves nothing"
+            p, d = _both(prefill, decode, [20, 21])
+            assert_all_success(p, [20, 21])
+            assert_all_success(d, [20, 21])
+        finally:
+            prefill.close()
+            decode.close()
+
+
+def test_decode_failures_before_the_first_poll_reach_prefill_at_once(cluster):
+    """Decode aborts a room before its first poll(), and gives another
+    page ids outside its pool: prefill, waiting for their requests, fails
+    both within a second (not at its bootstrap timeout). The decode rank
+    has never looked the prefill node up: the abort waits for the lookup
+    and the handshake."""
+    prefill, decode = cluster.rank("prefill"), cluster.rank("decode")
+    rooms = [10, 11, 12]
+    prefill.send(op="rooms", rooms=rooms, timeout_s=60)
+    time.sleep(0.5)  # the senders exist, in Bootstrapping
+    asked = time.time()
+    d = decode.rooms(rooms, timeout_s=60, abort_at_once=[10], bad_pages=[11])
+    p = prefill.reply()
+    for room, why, kind in ((10, "before its first poll", "PeerError"), (11, "outside the pool", "PageIndexError")):
+        got, sent = d["results"][str(room)], p["results"][str(room)]
+        assert got["state"] == "Failed" and got["error_type"] == kind and why in got["error"], got
+        assert sent["state"] == "Failed" and sent["error_type"] == "PeerError", sent
+        late = sent["ended_at"] - asked  # decode fails the room as soon as it reads the command
+        print(f"  room {room}: prefill failed {late * 1000:.0f} ms after decode was asked")
+        assert late < 1.0, f"room {room}: prefill heard {late:.2f} s after decode was asked"
+    assert d["results"]["12"]["state"] == "Success" and p["results"]["12"]["state"] == "Success"
+
+
+def test_a_restarted_prefill_is_served_without_a_stall(cluster):
+    """A prefill rank closes (it unregisters and says goodbye) and a new
+    process takes the node id: decode's next room goes to the new rank at
+    once, not after a handshake with the dead one times out, nor after
+    liveness finds the dead one silent (decode's peer timeout here is long,
+    so that only the goodbye can tell it)."""
+    prefill, decode = cluster.rank("prefill"), cluster.rank("decode", config={"peer_timeout_s": 20.0})
+    _warm(prefill, decode)
+    for i in range(3):
+        prefill.close()
+        prefill = cluster.rank("prefill")  # READY once registered
+        room = 20 + i
+        prefill.send(op="rooms", rooms=[room], timeout_s=60)
+        sent_at = time.time()
+        d = decode.rooms([room], timeout_s=60)
+        assert_all_success(prefill.reply(), [room])
+        assert_all_success(d, [room])
+        took = d["results"][str(room)]["ended_at"] - sent_at
+        print(f"  restart {i}: room done {took * 1000:.0f} ms after decode asked")
+        assert took < 1.0, f"the room after a prefill restart took {took:.2f} s"
+
+
+def test_wrong_bootstrap_address_and_unknown_node_fail_at_once():
+    """A bootstrap address where nothing listens, and a prefill node id the
+    server does not know (it is past its grace time): rooms fail in well
+    under a second, saying so."""
+    with BootstrapProcess(extra_args=("--node-grace-s", "0.5")) as server:
+        spec = fault_spec(server.address)
+        prefill = Rank("prefill", spec, FAST)
+        ranks = [prefill]
+        try:
+            with socket.socket() as sock:  # a port where nothing listens once it is closed
+                sock.bind(("127.0.0.1", 0))
+                nobody = f"127.0.0.1:{sock.getsockname()[1]}"
+            for bad, want, kind in ((dict(node_id="prefil-0"), "knows no prefill node 'prefil-0'", "UnknownNodeError"),
+                                    (dict(bootstrap=nobody), "refused the connection", "BootstrapRefused")):
+                decode = Rank("decode", replace(spec, **bad), FAST)
+                ranks.append(decode)
+                asked = time.time()
+                d = decode.rooms([1, 2], timeout_s=30)
+                for r in d["results"].values():
+                    assert r["state"] == "Failed" and r["error_type"] == kind and want in r["error"], r
+                    print(f"  {kind}: failed {(r['ended_at'] - asked) * 1000:.0f} ms after the request")
+                    assert r["ended_at"] - asked < 1.0
+        finally:
+            for r in ranks:
+                r.close()

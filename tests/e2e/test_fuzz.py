@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import time
+from dataclasses import replace
 
 import msgpack
 import pytest
@@ -15,6 +16,9 @@ from hypothesis import strategies as st
 
 from bootstrap import codec
 from bootstrap.client import BootstrapClient
+from bootstrap.messages import PoolRole
+from harness.workload import room_plan
+from transfer.messages import PeerHello, PeerHelloReply, PoolAssignment, RoomStatus, TransferRequest
 from tests.unit.test_codec import SAMPLES
 from harness.launch import BootstrapProcess
 
@@ -117,7 +121,7 @@ class _Target:
 @pytest.fixture(scope="module")
 def live():
     with BootstrapProcess() as server:
-        spec = fault_spec(server.address, min_tokens=512, max_tokens=1024, chunk_pages=0)
+        spec = prefill_spec(server)
         prefill, decode = Rank("prefill", spec, FAST), Rank("decode", spec, FAST)
         targets = {"bootstrap": _Target(f"tcp://{server.address}"),
                    "prefill": _Target(prefill.ready["endpoint"]), "decode": _Target(decode.ready["endpoint"])}
@@ -169,5 +173,76 @@ def test_after_the_fuzz(live):
     _good_requests_still_served(prefill, decode, client)
     p, d = prefill.stats(), decode.stats()
     assert p["malformed"] > 500 and d["malformed"] > 500, (p, d)
+    assert p["refused_unhandshaken"] > 0, p  # well-formed requests from sessions that never handshook
     assert p["fds"] < prefill.ready["fds"] + 64, "a socket per hostile endpoint leaked"
     assert client.ping().num_errors > 500
+
+
+def test_a_hostile_decode_cannot_aim_writes_at_prefill(live):
+    """A peer that declares, in its handshake, the prefill rank's own
+    session and pools (all public at the bootstrap server) is refused and
+    counted; its request for a live room is dropped and counted; the room
+    then goes through for its real decode rank, and not one byte of the
+    prefill rank's pages changed."""
+    server, prefill, decode, targets, client = live
+    me = ZmqChannelForTest()
+    try:
+        victim = client.lookup("prefill", 0).ranks[0]
+        prefill.send(op="digest")
+        before, stats = prefill.reply()["digest"], prefill.stats()
+        assert victim.session == prefill.ready["session"]
+        hostile = replace(victim, control_endpoint=me.endpoint, staging=None)  # no staging: direct writes
+        dealer = targets["prefill"]
+        dealer.send([codec.encode(PeerHello(rank=hostile, allow_missing_draft=False))])
+        reply = me.receive(PeerHelloReply)
+        assert not reply.ok and reply.field == "session" and "own transfer session" in reply.reason, reply
+        room = 9000
+        src = room_plan(prefill_spec(server), room)[0]
+        pool = victim.pools[0]
+        dst = ((src + 1) % pool.num_pages).astype("<i4")  # other pages of its own pool: they would change
+        dealer.send([codec.encode(TransferRequest(
+            room=room, request_id=12345, decode_session=victim.session, decode_endpoint=me.endpoint,
+            decode_tp_rank=0, dst_pages=dst.tobytes(), dst_aux_index=-1,
+            assignments=(PoolAssignment(role=PoolRole.TARGET, send=True, src_head_offset=0, dst_head_offset=0,
+                                        num_heads=pool.num_kv_heads),), num_requests=1))])
+        time.sleep(0.5)
+        prefill.send(op="rooms", rooms=[room], timeout_s=60)
+        decode.send(op="rooms", rooms=[room], timeout_s=60)
+        assert_all_success(prefill.reply(90), [room])
+        assert_all_success(decode.reply(90), [room])
+        prefill.send(op="digest")
+        assert prefill.reply()["digest"] == before, "the prefill rank's own pages changed"
+        after = prefill.stats()
+        assert after["refused_hellos"] == stats["refused_hellos"] + 1, (stats, after)
+        assert after["refused_unhandshaken"] >= stats["refused_unhandshaken"] + 1, (stats, after)
+        assert not [m for m in me.got if isinstance(m, RoomStatus)], "the hostile peer was told about a room"
+    finally:
+        me.close()
+
+
+class ZmqChannelForTest:
+    """A ROUTER on loopback that keeps the decoded messages it receives."""
+
+    def __init__(self) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.got = []
+
+    def receive(self, kind, timeout_s: float = 10.0):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.sock.poll(100):
+                msg = codec.decode(self.sock.recv_multipart()[-1])
+                self.got.append(msg)
+                if isinstance(msg, kind):
+                    return msg
+        raise AssertionError(f"no {kind.__name__} within {timeout_s} s")
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+def prefill_spec(server):
+    return fault_spec(server.address, min_tokens=512, max_tokens=1024, chunk_pages=0)

@@ -14,18 +14,29 @@ pytestmark = pytest.mark.e2e
 MHA = PoolSpec(num_layers=4, total_heads=8, head_dim=128, dtype="bfloat16")
 
 
-def test_chunked_sends_scattered_pages_byte_exact():
+@pytest.fixture
+def unfenced(monkeypatch):
+    """Direct writes into decode's pools (``write_fence`` off), for the tests
+    that count direct descriptors and the aux row's write; the fenced path
+    has its own tests (test_faults.py, tests/unit/test_rooms_fence.py)."""
+    monkeypatch.setenv("KVFERRY_WRITE_FENCE", "0")
+
+
+@pytest.mark.parametrize("fence", [False, True], ids=["unfenced", "fenced"])
+def test_chunked_sends_scattered_pages_byte_exact(monkeypatch, fence):
+    monkeypatch.setenv("KVFERRY_WRITE_FENCE", "1" if fence else "0")
     spec = Spec(bootstrap="", prefill_pools=(MHA,), decode_pools=(MHA,), num_rooms=12, concurrency=4,
                 chunk_pages=7, min_tokens=100, max_tokens=2048, page_placement="scattered", seed=11)
     runs = run_pd(spec, timeout_s=180)
     assert_all_succeeded(runs, 12)
     prefill = next(r.result for r in runs if r.role == "prefill")
     decode = next(r.result for r in runs if r.role == "decode")
-    # Prefill wrote exactly the bytes decode verified, plus one aux row per room.
-    assert prefill["bytes"] == decode["bytes"] + 12 * spec.aux_slot_bytes
+    # Prefill wrote exactly the bytes decode verified, plus one aux row per
+    # room (fenced: the aux row travels in the room's final control message).
+    assert prefill["bytes"] == decode["bytes"] + (0 if fence else 12 * spec.aux_slot_bytes)
 
 
-def test_contiguous_pages_go_as_one_descriptor_per_buffer():
+def test_contiguous_pages_go_as_one_descriptor_per_buffer(unfenced):
     rooms, layers = 4, MHA.num_layers
     spec = Spec(bootstrap="", prefill_pools=(MHA,), decode_pools=(MHA,), num_rooms=rooms, concurrency=2,
                 min_tokens=1000, max_tokens=1024, page_placement="contiguous", prefill_pages=128,

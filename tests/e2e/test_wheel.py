@@ -108,6 +108,10 @@ ROOM = textwrap.dedent("""
             wait(sender, KVPoll.Success)
             print("SENT", mgr.transport.num_bytes, flush=True)
         else:
+            with mgr.bootstrap_client(bootstrap_addr) as client:  # both start at once: wait for prefill
+                deadline = time.monotonic() + 60
+                while not client.lookup(config.node_id, 0).ready and time.monotonic() < deadline:
+                    time.sleep(0.05)
             receiver = KVReceiver(mgr, bootstrap_addr, ROOM, prefill_node=config.node_id)
             receiver.init(dst_pages, aux_index=dst_slot)
             wait(receiver, KVPoll.Success)

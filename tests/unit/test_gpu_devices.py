@@ -185,7 +185,9 @@ def test_the_default_staging_follows_the_pools_device(monkeypatch):
         assert made == [(64 << 20, torch.device("cuda", 0))]
         cpu_pool = MHAPool(k=[torch.ones(SHAPE, dtype=torch.bfloat16)], v=[torch.ones(SHAPE, dtype=torch.bfloat16)])
         with KVManager(cfg, [cpu_pool], transport=fabric.transport(), channel_factory=fabric.channel) as mgr:
-            assert mgr.rank.staging.nbytes == 256 << 20
+            # Fenced (the default on decode): the descriptor names the reserved span of
+            # arenas; the live arenas hold the staging bytes.
+            assert mgr.rank.fenced and mgr.context.staging.area.nbytes == 256 << 20
         explicit = ManagerConfig(role=Role.DECODE, bootstrap_addr=server.address, staging_bytes=0)
         with KVManager(explicit, [_cuda_pool()], transport=fabric.transport(), channel_factory=fabric.channel) as mgr:
             assert mgr.rank.staging is None

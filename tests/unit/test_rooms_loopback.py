@@ -112,7 +112,8 @@ def _channels(fabric, secret=None, other_secret=None):
     events = {"a": threading.Event(), "b": threading.Event()}
 
     def handler(name):
-        def on(msg):
+        def on(msg, origin):
+            assert origin == "127.0.0.1"  # the sending channel's host, as zmq's Peer-Address
             got[name].append(msg)
             events[name].set()
         return on

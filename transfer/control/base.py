@@ -3,7 +3,11 @@
 A :class:`ControlChannel` is bound at construction to ``endpoint`` (what
 peers pass to ``send``) and delivers every message that arrives, decoded
 with :mod:`bootstrap.codec` (sealed and verified with the shared secret when
-there is one), to the handler it was built with. Implementations: zmq
+there is one), to the handler it was built with, as ``handler(msg,
+origin)``: ``origin`` is the network address (host, no port) the message
+came from as the transport saw it (zmq: the TCP peer address), or "" when
+the channel cannot tell. A message says who sent it; ``origin`` is what a
+receiver may check that claim against. Implementations: zmq
 (:mod:`transfer.control.zmq_channel`) and an in-process one for unit tests
 (:mod:`transfer.control.loopback`).
 
@@ -32,7 +36,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Protocol
 
-Handler = Callable[[Any], None]
+#: ``handler(msg, origin)``; see the module docstring.
+Handler = Callable[[Any, str], None]
 
 
 class ControlChannel(Protocol):

@@ -25,9 +25,16 @@ log = logging.getLogger("kvferry.channel")
 
 class Router(Protocol):
     def route(self, src: str, dst: str, payload: bytes, msg=None) -> None:
-        """Deliver ``payload`` (``msg`` encoded) from ``src`` to the channel bound at ``dst`` (or not)."""
+        """Deliver ``payload`` (``msg`` encoded) from ``src`` to the channel
+        bound at ``dst`` (or not), with the origin :func:`origin_of` ``src``."""
 
     def unbind(self, endpoint: str) -> None: ...
+
+
+def origin_of(endpoint: str) -> str:
+    """The synthetic origin of messages sent from a loopback endpoint
+    (``loopback://HOST/N``): its HOST, as zmq would give the sender's address."""
+    return endpoint.removeprefix("loopback://").split("/", 1)[0]
 
 
 class LoopbackChannel:
@@ -38,7 +45,7 @@ class LoopbackChannel:
         self._router = router
         self._handler = handler
         self._key = codec.secret_key(secret)
-        self._inbox: collections.deque[tuple[float, bytes]] = collections.deque()
+        self._inbox: collections.deque[tuple[float, bytes, str]] = collections.deque()
         self._cond = threading.Condition()
         self._closed = False
         self.num_received = 0
@@ -56,27 +63,29 @@ class LoopbackChannel:
     def forget(self, endpoint: str) -> None:
         """Nothing is queued on this side: messages wait at the destination."""
 
-    def deliver(self, payload: bytes, due: float = 0.0) -> None:
-        """Called by the fabric: queue ``payload`` for the handler, not before ``due``."""
+    def deliver(self, payload: bytes, due: float = 0.0, origin: str = "") -> None:
+        """Called by the fabric: queue ``payload`` (from ``origin``) for the
+        handler, not before ``due``."""
         with self._cond:
             if not self._closed:
-                self._inbox.append((due, payload))
+                self._inbox.append((due, payload, origin))
                 self._cond.notify()
 
-    def _next(self) -> bytes | None:
+    def _next(self) -> tuple[float, bytes, str] | None:
         with self._cond:
             while not self._closed:
                 if self._inbox:
                     wait = self._inbox[0][0] - time.monotonic()
                     if wait <= 0:
-                        return self._inbox.popleft()[1]
+                        return self._inbox.popleft()
                     self._cond.wait(min(wait, 0.05))
                 else:
                     self._cond.wait(0.05)
             return None
 
     def _run(self) -> None:
-        while (payload := self._next()) is not None:
+        while (item := self._next()) is not None:
+            _, payload, origin = item
             self.num_received += 1
             try:
                 msg = codec.decode(payload, self._key)
@@ -89,7 +98,7 @@ class LoopbackChannel:
                 log.warning("control %s: dropped a malformed message: %s", self.endpoint, exc)
                 continue
             try:
-                self._handler(msg)
+                self._handler(msg, origin)
             except Exception:
                 log.exception("control %s: handling %s failed; the channel goes on", self.endpoint, msg.KIND)
 

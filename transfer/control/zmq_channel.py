@@ -99,7 +99,7 @@ class ZmqChannel:
             try:
                 if not poller.poll(50):
                     continue
-                frames = self._router.recv_multipart(zmq.NOBLOCK)
+                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 continue
             except zmq.ZMQError as exc:
@@ -110,7 +110,8 @@ class ZmqChannel:
             try:
                 if len(frames) != 2:
                     raise ProtocolError(f"expected 1 payload frame, got {len(frames) - 1}")
-                msg = codec.decode(frames[1], self._key)
+                origin = _origin(frames[1])
+                msg = codec.decode(frames[1].bytes, self._key)
             except AuthError as exc:
                 self.num_unauthenticated += 1
                 _log_drop(self.num_unauthenticated, "control %s: dropped an unauthenticated message (%d so far): %s",
@@ -122,21 +123,32 @@ class ZmqChannel:
                           self.endpoint, self.num_malformed, exc)
                 continue
             try:
-                self._handler(msg)
+                self._handler(msg, origin)
             except Exception:
                 log.exception("control %s: handling %s failed; the channel goes on", self.endpoint, msg.KIND)
         self._router.close(0)
 
-    def close(self, timeout_s: float = 2.0) -> None:
+    def close(self, timeout_s: float = 2.0, linger_s: float = 0.1) -> None:
+        """Stop receiving; messages still queued to peers get ``linger_s`` to
+        leave (a failure notice sent just before close reaches its peer)."""
         with self._send_lock:
             if self._closed.is_set():
                 return
             self._closed.set()
             for sock in self._dealers.values():
-                sock.close(0)
+                sock.close(int(linger_s * 1000))
             self._dealers.clear()
         self._thread.join(timeout_s)
         self._ctx.term()
+
+
+def _origin(frame: zmq.Frame) -> str:
+    """The TCP peer address of the connection ``frame`` came in on ("" if
+    zmq cannot tell)."""
+    try:
+        return frame.get("Peer-Address") or ""
+    except zmq.ZMQError:
+        return ""
 
 
 def _log_drop(count: int, fmt: str, *args) -> None:

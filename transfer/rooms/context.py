@@ -34,9 +34,11 @@ if TYPE_CHECKING:
 class LookupClient(Protocol):
     """The bootstrap server as the decode rooms use it (a
     :class:`bootstrap.client.BootstrapClient`): each call bounded by the
-    client's timeout, raising ``BootstrapUnavailable`` / ``BootstrapError``."""
+    client's timeout, raising ``BootstrapUnavailable`` (``BootstrapRefused``
+    when nothing listens) / ``BootstrapError`` (``UnknownNodeError`` for a
+    strict lookup of a node the server does not know)."""
 
-    def lookup(self, node_id: str, dp_rank: int) -> LookupReply: ...
+    def lookup(self, node_id: str, dp_rank: int, *, strict: bool = False) -> LookupReply: ...
 
     def close(self) -> None: ...
 
@@ -48,7 +50,9 @@ class RoomContext:
     ``staging`` is None without staging memory, ``storage`` None without a
     storage tier. ``bootstrap_client(addr)`` opens a client of the bootstrap
     server at ``addr`` (the caller closes it). ``stats``: the rank's running
-    totals, which every room's counter adds into (under ``lock``)."""
+    totals, which every room's counter adds into (under ``lock``). ``aux``:
+    the rank's aux regions as tensors (empty without); with the write fence
+    a slot's rows travel in RoomStatus."""
 
     config: ManagerConfig
     where: str
@@ -61,3 +65,4 @@ class RoomContext:
     storage: "StorageTier | None"
     bootstrap_client: Callable[[str], LookupClient]
     stats: RankTotals = field(default_factory=lambda: RankTotals(""))
+    aux: tuple = ()

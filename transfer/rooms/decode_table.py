@@ -8,13 +8,15 @@ watch for liveness."""
 from __future__ import annotations
 
 import logging
+import time
 from typing import Protocol
 
 from transfer.errors import KVFerryError
-from transfer.messages import ChunkStaged, PeerHelloReply, RoomAbort, RoomStatus, StageRequest
+from transfer.messages import ChunkStaged, PeerBye, PeerHelloReply, RoomAbort, RoomStatus, StageRequest
 from transfer.rooms.context import RoomContext
 from transfer.rooms.decode_phases import DecodePhase
-from transfer.rooms.links import Link, LinkResolver
+from transfer.rooms.links import Link, LinkResolver, LinkState
+from transfer.rooms.peer_check import same_host
 from transfer.staging.decode_flow import DecodeStaging
 
 log = logging.getLogger("kvferry.receiver")
@@ -33,6 +35,11 @@ class Receiver(Protocol):
     def phase(self) -> DecodePhase: ...
 
     def ranks_writing(self) -> set[int]: ...
+
+    @property
+    def writers_lost(self) -> bool:
+        """Whether the room ended without every prefill rank's word that it
+        stopped writing (a lost, hung or untold rank)."""
 
     def poll(self): ...
 
@@ -53,6 +60,11 @@ class DecodeRooms:
                                      quarantine_s=2.0 * ctx.config.engine.progress_timeout_s) \
             if ctx.staging is not None else None
         self.links = LinkResolver(ctx, kick=self._kick, tick=self._tick)
+        # Aborts of rooms that failed before their link was known:
+        # (deadline, bootstrap addr, node, dp rank, abort), sent once it is.
+        self._pending_aborts: list[tuple[float, str, str, int | None, RoomAbort]] = []
+        #: PeerBye messages whose origin did not match their session's host
+        self.num_refused_byes = 0
 
     # --- used by receivers (under ctx.lock) ------------------------------------------
 
@@ -61,10 +73,11 @@ class DecodeRooms:
 
     def remove(self, receiver: Receiver) -> None:
         """The room ended: it gets no more messages, and its staging regions
-        still granted go to quarantine."""
+        still granted go to quarantine (fenced: are freed, or poisoned when
+        its writers were lost)."""
         self.receivers.pop((receiver.room, receiver.request_id), None)
         if self.staging is not None:
-            self.staging.release_room(receiver.room, receiver.request_id)
+            self.staging.release_room(receiver.room, receiver.request_id, receiver.writers_lost)
 
     def link(self, addr: str, node: str, dp_rank: int | None, room: int) -> Link | None:
         """The link for a room; None while the node's DP size is unknown."""
@@ -85,6 +98,32 @@ class DecodeRooms:
                 log.warning("%s: could not tell prefill rank %d: %s", where, p, exc)
                 untold.add(p)
         return untold
+
+    def abort_when_resolved(self, addr: str, node: str, dp_rank: int | None, abort: RoomAbort) -> None:
+        """A room failed before its link was known (``abort()`` before the
+        first ``poll()``, bad page ids at ``init()``): look the prefill node
+        up and tell its ranks as soon as the link is ready (within
+        ``bootstrap_timeout_s``), so that prefill does not wait out its own
+        timeout."""
+        deadline = time.monotonic() + self.ctx.config.bootstrap_timeout_s
+        self._pending_aborts.append((deadline, addr, node, dp_rank, abort))
+        self._send_pending_aborts()
+
+    def _send_pending_aborts(self) -> None:
+        with self.ctx.lock:
+            now, keep = time.monotonic(), []
+            for item in self._pending_aborts:
+                deadline, addr, node, dp_rank, abort = item
+                if now > deadline:
+                    log.info("%s: room %d: prefill not told of its abort (%s not ready in time)", self.ctx.where,
+                             abort.room, node)
+                    continue
+                link = self.links.link(addr, node, dp_rank, abort.room)
+                if link is None or link.state is LinkState.RESOLVING:
+                    keep.append(item)
+                elif link.state is LinkState.READY:
+                    self.abort_on_prefill(link, abort, f"{self.ctx.where} room {abort.room}")
+            self._pending_aborts = keep
 
     # --- used by the manager ------------------------------------------------------------
 
@@ -113,8 +152,15 @@ class DecodeRooms:
         for r in receivers:
             r.peer_lost(session, silent_s)
 
-    def on_message(self, msg) -> None:
+    def on_message(self, msg, origin: str = "") -> None:
+        """A control message from ``origin`` (see :mod:`transfer.control.base`)."""
         with self.ctx.lock:
+            if isinstance(msg, PeerBye):
+                if origin and self.ctx.config.check_peer_host and not same_host(msg.session, origin):
+                    self.num_refused_byes += 1
+                    return
+                self.links.forget_session(msg.session)  # its live rooms were told by RoomStatus already
+                return
             if isinstance(msg, PeerHelloReply):
                 self.links.on_hello_reply(msg)
                 return
@@ -159,5 +205,7 @@ class DecodeRooms:
             r.poll()
 
     def _tick(self) -> None:
+        if self._pending_aborts:
+            self._send_pending_aborts()
         if self.staging is not None:
             self.staging.pump()  # frees quarantined regions

@@ -13,8 +13,8 @@ from typing import Callable
 
 from bootstrap.messages import AttentionKind, PoolRole, RankInfo
 from transfer import tp
-from transfer.errors import (BootstrapError, BootstrapUnavailable, IncompatibleLayoutError, KVFerryError,
-                             ProtocolError)
+from transfer.errors import (BootstrapError, BootstrapRefused, BootstrapUnavailable, IncompatibleLayoutError,
+                             KVFerryError, ProtocolError, UnknownNodeError)
 from transfer.layout import check_compatible
 from transfer.messages import PeerHello, PeerHelloReply, PoolAssignment
 from transfer.rooms.context import LookupClient, RoomContext
@@ -58,6 +58,26 @@ class Link:
         return f"prefill node {node!r} dp {dp} (bootstrap {addr})"
 
 
+def _final(exc: KVFerryError, reached: bool) -> bool:
+    """Whether a lookup failure fails rooms at once instead of being retried:
+    an error reply (an unknown node, after the server's grace time; a refused
+    or unauthenticated request), or a refused connection to a server this
+    rank never reached (a wrong address; one it reached before is taken for
+    restarting). A timeout is retried within the room's bootstrap bound."""
+    if isinstance(exc, BootstrapRefused):
+        return not reached
+    return not isinstance(exc, BootstrapUnavailable)
+
+
+def _located(exc: KVFerryError, where: str) -> KVFerryError:
+    """``exc`` again, its message prefixed with ``where`` (same type and fields)."""
+    if isinstance(exc, UnknownNodeError):
+        return UnknownNodeError(f"{where}: {exc}", node_id=exc.node_id, known_nodes=exc.known_nodes)
+    if isinstance(exc, BootstrapError):
+        return type(exc)(f"{where}: {exc}", code=exc.code)
+    return type(exc)(f"{where}: {exc}")
+
+
 class _Hello:
     __slots__ = ("sent_at", "ok", "error")
 
@@ -87,6 +107,7 @@ class LinkResolver:
         self._dp_refused: dict[tuple[str, str], tuple[float, KVFerryError]] = {}
         self._hellos: dict[str, _Hello] = {}
         self._clients: dict[str, LookupClient] = {}
+        self._reached: set[str] = set()  # bootstrap addresses that answered at least once
         self._wake = threading.Event()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="kvferry-resolver", daemon=True)
@@ -172,15 +193,15 @@ class LinkResolver:
                 todo = [l for l in self.links.values() if l.state is LinkState.RESOLVING]
             for addr, node in dp_todo:
                 try:
-                    reply = self._client(addr).lookup(node, 0)
+                    reply = self._lookup(addr, node, 0)
                 except (BootstrapUnavailable, ProtocolError, BootstrapError) as exc:
-                    if isinstance(exc, BootstrapUnavailable):
+                    if not _final(exc, addr in self._reached):
                         log.debug("dp size of %s at %s: %s", node, addr, exc)
                         continue
                     with self.ctx.lock:  # refused: retrying will not help
                         self.dp_sizes.pop((addr, node), None)
-                        self._dp_refused[(addr, node)] = (time.monotonic(), type(exc)(
-                            f"{self.ctx.where}: looking up prefill node {node!r} at {addr}: {exc}"))
+                        self._dp_refused[(addr, node)] = (time.monotonic(), _located(
+                            exc, f"{self.ctx.where}: looking up prefill node {node!r} at {addr}"))
                     continue
                 if reply.dp_size:
                     with self.ctx.lock:
@@ -211,6 +232,12 @@ class LinkResolver:
                      if l.state is not LinkState.READY and l.last_wanted < horizon]:
             self.forget(link)
 
+    def _lookup(self, addr: str, node: str, dp_rank: int):
+        """A strict lookup (an unknown node raises UnknownNodeError)."""
+        reply = self._client(addr).lookup(node, dp_rank, strict=True)
+        self._reached.add(addr)
+        return reply
+
     def _client(self, addr: str) -> LookupClient:
         client = self._clients.get(addr)
         if client is None:
@@ -221,12 +248,14 @@ class LinkResolver:
         addr, node, dp = link.key
         if not link.ranks:
             try:
-                reply = self._client(addr).lookup(node, dp)
+                reply = self._lookup(addr, node, dp)
             except BootstrapUnavailable as exc:
+                if _final(exc, addr in self._reached):
+                    raise _located(exc, f"{self.ctx.where}: looking up {link.name}") from exc
                 link.progress = str(exc)
                 return
             except BootstrapError as exc:
-                raise BootstrapError(f"{self.ctx.where}: looking up {link.name}: {exc}", code=exc.code) from exc
+                raise _located(exc, f"{self.ctx.where}: looking up {link.name}") from exc
             if not reply.ready:
                 link.progress = f"{reply.num_registered} of {reply.tp_size or '?'} prefill ranks registered"
                 return
@@ -260,9 +289,20 @@ class LinkResolver:
     def _route(self, link: Link, ranks: tuple[RankInfo, ...]) -> None:
         local = self.ctx.rank
         link.ranks = ranks  # known before the check, so a failure can reach every rank
+        hello = PeerHello(rank=local, allow_missing_draft=self.ctx.config.allow_missing_draft)
         for r in ranks:
-            check_compatible(local, r, local_is_prefill=False,
-                             allow_missing_draft=self.ctx.config.allow_missing_draft)
+            try:
+                check_compatible(local, r, local_is_prefill=False,
+                                 allow_missing_draft=self.ctx.config.allow_missing_draft)
+            except IncompatibleLayoutError:
+                # Introduce this rank anyway: prefill finds the same field, and
+                # then takes this rank's abort of the rooms that await it.
+                for q in ranks:
+                    try:
+                        self.ctx.channel.send(q.control_endpoint, hello)
+                    except KVFerryError as exc:
+                        log.debug("hello to %s not sent: %s", q.control_endpoint, exc)
+                raise
         prefill_tp, decode_tp = ranks[0].tp_size, local.tp_size
         shapes = tuple(
             tp.PoolShape(role=p.role, is_mla=p.attention is AttentionKind.MLA, total_heads=p.total_kv_heads)

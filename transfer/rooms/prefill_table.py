@@ -1,7 +1,19 @@
 """Prefill side: the rank's room table, which routes control messages to its
 live senders (:class:`~transfer.sender.KVSender`), keeps requests that arrive
 before their sender exists, refuses late requests for rooms that already
-failed, and answers decode ranks' handshakes."""
+failed, and answers decode ranks' handshakes (who may be a peer:
+:mod:`transfer.rooms.peer_check`).
+
+Nobody outside a room can end it. A request from a session that has not
+handshaken (or from another endpoint or origin than its handshake's) is
+dropped; a request for a room that already has one from the same decode TP
+rank, or all it expects, is refused at once (that receiver gets
+``RoomStatus(FAILED)``, the room goes on); a request seen before is
+dropped; an abort whose request id the room does not know is taken only
+from a decode rank that handshook (or whose handshake was refused for an
+incompatible layout: prefill then learns why) and whose request the room
+still awaits. Each is
+counted (``num_*`` below); none fails a room that others own."""
 
 from __future__ import annotations
 
@@ -15,6 +27,7 @@ from transfer.errors import IncompatibleLayoutError, PeerError, StateError
 from transfer.layout import check_compatible
 from transfer.messages import PeerHello, PeerHelloReply, RoomAbort, RoomStatus, StageGrant, Status, TransferRequest
 from transfer.rooms.context import RoomContext
+from transfer.rooms.peer_check import identity_problem
 from transfer.staging.prefill_flow import PrefillStaging
 from transfer.stats import FailureReason, tag_reason
 
@@ -41,6 +54,9 @@ class Sender(Protocol):
     @property
     def requests(self) -> tuple[TransferRequest, ...]: ...
 
+    @property
+    def awaiting_requests(self) -> bool: ...
+
     def on_message(self, msg) -> None: ...
 
     def fail(self, error: BaseException) -> None: ...
@@ -60,6 +76,24 @@ class PrefillRooms:
     def __init__(self, ctx: RoomContext) -> None:
         self.ctx = ctx
         self.peers: dict[str, RankInfo] = {}  # decode session -> its rank info
+        self._origins: dict[str, str] = {}  # decode session -> where its hello came from
+        # Decode sessions whose hello was refused for an incompatible layout
+        # (-> origin): their aborts may still end rooms that await them, so
+        # that prefill learns why the decode side gave up.
+        self._incompatible: collections.OrderedDict[str, str] = collections.OrderedDict()
+        #: transfer sessions of this node's prefill ranks (from the bootstrap
+        #: server; set by the manager), which no decode peer may declare
+        self.prefill_sessions: frozenset[str] = frozenset()
+        #: hellos refused for the identity they declared (peer_check)
+        self.num_refused_hellos = 0
+        #: requests from a session that has not handshaken (or not from its handshake's endpoint, origin)
+        self.num_refused_unhandshaken = 0
+        #: requests refused because the room has one from that decode TP rank, or all it expects
+        self.num_refused_duplicates = 0
+        #: requests seen before (same room and request id), dropped
+        self.num_dropped_replays = 0
+        #: aborts with an unknown request id from a session that may not end the room
+        self.num_refused_aborts = 0
         self.senders: dict[int, Sender] = {}
         self._early: dict[int, list[tuple[float, object]]] = {}  # insertion order = age
         # Rooms whose sender failed before every decode request arrived: a
@@ -68,11 +102,13 @@ class PrefillRooms:
         self._refused: dict[int, tuple[float, str]] = {}
         self.num_dropped_early = 0
         self._finished: collections.OrderedDict[tuple[int, int], None] = collections.OrderedDict()
-        self.staging = PrefillStaging(ctx, self.peers) if ctx.staging is not None else None
+        # Also without local staging: a fenced decode rank takes every part in its staging.
+        self.staging = PrefillStaging(ctx, self.peers)
 
-    def on_message(self, msg) -> None:
+    def on_message(self, msg, origin: str = "") -> None:
+        """A control message from ``origin`` (see :mod:`transfer.control.base`)."""
         if isinstance(msg, PeerHello):
-            self._on_hello(msg)
+            self._on_hello(msg, origin)
             return
         if isinstance(msg, StageGrant) and self.staging is not None:
             self.staging.on_grant(msg)
@@ -82,16 +118,80 @@ class PrefillRooms:
             return
         with self.ctx.lock:
             if (msg.room, msg.request_id) in self._finished:
+                self.num_dropped_replays += isinstance(msg, TransferRequest)
                 return
             sender = self.senders.get(msg.room)
-            if sender is None:
-                if isinstance(msg, TransferRequest) and self._refuse(msg):
+            if isinstance(msg, TransferRequest):
+                if not self.is_peer(msg.decode_session, origin, msg.decode_endpoint):
+                    self.num_refused_unhandshaken += 1
+                    self.ctx.stats.num_unhandshaken += 1
+                    log.info("%s: dropped a request for room %d from %s (not handshaken from %s at %s)",
+                             self.ctx.where, msg.room, msg.decode_session, origin or "?", msg.decode_endpoint)
                     return
-                if isinstance(msg, RoomAbort):
+                if sender is None:
+                    if not self._refuse(msg) and not self._early_duplicate(msg):
+                        self._keep_early(msg)
+                    return
+            else:
+                known = sender.requests if sender is not None else \
+                    [m for _, m in self._early.get(msg.room, ()) if isinstance(m, TransferRequest)]
+                if msg.request_id not in [r.request_id for r in known] and not self.is_peer(msg.session, origin) \
+                        and not self._incompatible_peer(msg.session, origin):
+                    self.num_refused_aborts += 1
+                    log.info("%s: ignored an abort of room %d from %s (%s)", self.ctx.where, msg.room,
+                             msg.session or "an unnamed session", origin or "?")
+                    return
+                if sender is None:
                     self._abort_early(msg)
-                self._keep_early(msg)
-                return
+                    self._keep_early(msg)
+                    return
         sender.on_message(msg)
+
+    def is_peer(self, session: str, origin: str, endpoint: str | None = None) -> bool:
+        """Whether ``session`` handshook (at ``endpoint``, when given), and
+        ``origin`` is where its handshake came from (unless either is unknown
+        or ``check_peer_host`` is off)."""
+        peer = self.peers.get(session)
+        if peer is None or (endpoint is not None and peer.control_endpoint != endpoint):
+            return False
+        seen = self._origins.get(session, "")
+        return not (self.ctx.config.check_peer_host and origin and seen and origin != seen)
+
+    def _incompatible_peer(self, session: str, origin: str) -> bool:
+        seen = self._incompatible.get(session)
+        return seen is not None and not (self.ctx.config.check_peer_host and origin and seen and origin != seen)
+
+    def refuse_request(self, req: TransferRequest, reason: str) -> None:
+        """Refuse one decode request at once (a duplicate receiver of a live
+        room): its receiver fails, the room goes on (under the lock)."""
+        self.num_refused_duplicates += 1
+        self._finished[(req.room, req.request_id)] = None
+        log.warning("%s: refused a request for room %d from decode %s: %s", self.ctx.where, req.room,
+                    req.decode_session, reason)
+        self._tell_failed(req, f"{self.ctx.where} room {req.room} refused this request: {reason}")
+
+    def _tell_failed(self, req: TransferRequest, reason: str) -> None:
+        peer = self.peers.get(req.decode_session)
+        if peer is None:
+            return  # only handshaken peers are ever written to
+        try:
+            self.ctx.channel.send(peer.control_endpoint, RoomStatus(
+                room=req.room, request_id=req.request_id, prefill_tp_rank=self.ctx.rank.tp_rank,
+                status=Status.FAILED, sent=(), reason=reason))
+        except Exception as exc:
+            log.warning("%s: could not tell decode: %s", self.ctx.where, exc)
+
+    def _early_duplicate(self, req: TransferRequest) -> bool:
+        """A request kept early for this room came from the same decode TP
+        rank already: refuse the newcomer at once."""
+        for _, kept in self._early.get(req.room, ()):
+            if isinstance(kept, TransferRequest) and kept.decode_tp_rank == req.decode_tp_rank:
+                if kept.request_id == req.request_id:
+                    self.num_dropped_replays += 1
+                else:
+                    self.refuse_request(req, f"it already has a request from decode TP rank {req.decode_tp_rank}")
+                return True
+        return False
 
     def refuse_later(self, room: int, reason: str) -> None:
         """The room's sender failed before all its requests arrived."""
@@ -107,15 +207,7 @@ class PrefillRooms:
         if refused is None or time.monotonic() - refused[0] > self.ctx.config.bootstrap_timeout_s:
             return False
         self._finished[(req.room, req.request_id)] = None
-        peer = self.peers.get(req.decode_session)
-        if peer is not None:
-            try:
-                self.ctx.channel.send(peer.control_endpoint, RoomStatus(
-                    room=req.room, request_id=req.request_id, prefill_tp_rank=self.ctx.rank.tp_rank,
-                    status=Status.FAILED, sent=(), reason=f"{self.ctx.where} room {req.room} ended before this "
-                                                         f"request arrived: {refused[1]}"))
-            except Exception as exc:
-                log.warning("%s: could not tell decode: %s", self.ctx.where, exc)
+        self._tell_failed(req, f"{self.ctx.where} room {req.room} ended before this request arrived: {refused[1]}")
         return True
 
     def _abort_early(self, abort: RoomAbort) -> None:
@@ -126,15 +218,7 @@ class PrefillRooms:
             if isinstance(msg, TransferRequest) and msg.request_id == abort.request_id:
                 kept.remove((t, msg))
                 self._finished[(msg.room, msg.request_id)] = None
-                peer = self.peers.get(msg.decode_session)
-                if peer is None:
-                    continue  # only handshaken peers are ever written to
-                try:
-                    self.ctx.channel.send(peer.control_endpoint, RoomStatus(
-                        room=msg.room, request_id=msg.request_id, prefill_tp_rank=self.ctx.rank.tp_rank,
-                        status=Status.FAILED, sent=(), reason=f"{self.ctx.where}: aborted before its sender existed"))
-                except Exception as exc:
-                    log.warning("%s: could not tell decode: %s", self.ctx.where, exc)
+                self._tell_failed(msg, f"{self.ctx.where}: aborted before its sender existed")
 
     def _keep_early(self, msg) -> None:
         """Keep a message for a room whose sender does not exist yet, within
@@ -154,17 +238,36 @@ class PrefillRooms:
             return
         kept.append((now, msg))
 
-    def _on_hello(self, hello: PeerHello) -> None:
+    def _on_hello(self, hello: PeerHello, origin: str) -> None:
+        session = hello.rank.session
+        with self.ctx.lock:
+            problem = identity_problem(session, origin, own_session=self.ctx.rank.session,
+                                       prefill_sessions=self.prefill_sessions,
+                                       check_host=self.ctx.config.check_peer_host)
+            if problem:
+                self.num_refused_hellos += 1
+        if problem:
+            log.error("%s: refused a decode peer (hello from %s, endpoint %s): it %s", self.ctx.where,
+                      origin or "?", hello.rank.control_endpoint, problem)
+            reply = PeerHelloReply(session=self.ctx.rank.session, ok=False, field="session",
+                                   reason=f"{self.ctx.where}: refused a decode peer that {problem}")
+            self.ctx.channel.send(hello.rank.control_endpoint, reply)
+            return
         try:
             check_compatible(self.ctx.rank, hello.rank, local_is_prefill=True,
                              allow_missing_draft=hello.allow_missing_draft)
         except IncompatibleLayoutError as exc:
-            log.error("%s: refused decode rank %s: %s", self.ctx.where, hello.rank.session, exc)
+            log.error("%s: refused decode rank %s: %s", self.ctx.where, session, exc)
+            with self.ctx.lock:
+                self._incompatible[session] = origin
+                while len(self._incompatible) > _EARLY_ROOMS:
+                    self._incompatible.popitem(last=False)
             reply = PeerHelloReply(session=self.ctx.rank.session, ok=False, field=exc.field,
                                    reason=f"{self.ctx.where}: {exc}")
         else:
             with self.ctx.lock:
-                self.peers[hello.rank.session] = hello.rank
+                self.peers[session] = hello.rank
+                self._origins[session] = origin
             reply = PeerHelloReply(session=self.ctx.rank.session, ok=True, field="", reason="")
         self.ctx.channel.send(hello.rank.control_endpoint, reply)
 
@@ -186,6 +289,11 @@ class PrefillRooms:
                 self._finished[(sender.room, rid)] = None
             while len(self._finished) > _REMEMBER_FINISHED:
                 self._finished.popitem(last=False)
+
+    @property
+    def num_early_rooms(self) -> int:
+        """Rooms whose decode requests arrived before their sender exists."""
+        return len(self._early)
 
     def endpoint_of(self, session: str) -> str | None:
         """The control endpoint of a handshaken decode rank."""

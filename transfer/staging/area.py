@@ -55,10 +55,11 @@ class StagingArea:
 @dataclass
 class StagingMemory:
     """``tensor``: the registered staging buffer (uint8, on the pools'
-    device); ``area``: its allocator; ``buffers``: (role, layer, component)
+    device); ``area``: its allocator (a fenced decode rank's: a
+    :class:`~transfer.staging.arenas.StagingArenas` over the span); ``buffers``: (role, layer, component)
     -> pool tensor; ``word_views``: the copies' cache of views of them."""
 
     tensor: torch.Tensor
-    area: StagingArea
+    area: StagingArea  # or a StagingArenas (same alloc / free / free_bytes / nbytes)
     buffers: dict
     word_views: dict = field(default_factory=dict)

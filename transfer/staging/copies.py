@@ -178,3 +178,24 @@ def _sync(t: torch.Tensor) -> None:
     stream = copy_stream(t.device)
     if stream is not None:  # the engine reads and writes device memory after we return
         stream.synchronize()
+
+
+def _aux_rows(aux) -> list:
+    """Each aux region (one tensor, or a sequence of them) as uint8 rows."""
+    regions = aux if isinstance(aux, (tuple, list)) else (aux,)
+    return [t.reshape(t.shape[0], -1).view(torch.uint8) for t in regions]
+
+
+def aux_row(aux, slot: int) -> bytes:
+    """The bytes of one aux row: slot ``slot`` of every region (each
+    [num_slots, ...], contiguous), back to back."""
+    return b"".join(rows[slot].cpu().numpy().tobytes() for rows in _aux_rows(aux))
+
+
+def write_aux_row(aux, slot: int, row: bytes) -> None:
+    """Write one aux row (what :func:`aux_row` read on the other side)."""
+    offset = 0
+    for rows in _aux_rows(aux):
+        n = rows.shape[1]
+        rows[slot].copy_(torch.frombuffer(bytearray(row[offset:offset + n]), dtype=torch.uint8))
+        offset += n

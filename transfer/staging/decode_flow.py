@@ -8,7 +8,10 @@ decode has scattered every part before it reports Success.
 
 A region granted to a room that then fails is freed only after
 ``quarantine_s``: a write still in flight to it would otherwise land in a
-region handed to someone else.
+region handed to someone else. With the write fence (the area is a
+:class:`~transfer.staging.arenas.StagingArenas`) there is no quarantine: a
+room whose prefill ranks confirmed they stopped writing frees its regions at
+once; one with a lost writer poisons them (their arena is retired).
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from transfer.errors import KVFerryError
 from transfer.messages import ChunkStaged, StageGrant, StageRequest
 from transfer.plan import page_slice
 from transfer.rooms.context import RoomContext
-from transfer.staging.copies import page_tensor, scatter, staged_bytes
+from transfer.staging.arenas import StagingArenas
+from transfer.staging.copies import page_tensor, scatter, staged_bytes, write_aux_row
 
 log = logging.getLogger("kvferry.staging")
 
@@ -59,6 +63,11 @@ class DecodeStaging:
                 if not self.is_live(req.room, req.request_id):
                     self._queue.popleft()  # the room ended; its prefill learns from the abort
                     continue
+                if req.nbytes > getattr(area, "arena_bytes", area.nbytes):
+                    self._queue.popleft()  # would never fit, and hold up the queue
+                    log.warning("staging request of %d bytes from %s refused: larger than a region can be",
+                                req.nbytes, req.prefill_endpoint)
+                    continue
                 offset = area.alloc(req.nbytes)
                 if offset is None:
                     return
@@ -85,12 +94,23 @@ class DecodeStaging:
             self.ctx.staging.area.free(*grant)
             self.pump()
 
-    def release_room(self, room: int, request_id: int) -> None:
-        """A room ended: its outstanding regions go to quarantine."""
+    def release_room(self, room: int, request_id: int, writers_lost: bool = True) -> None:
+        """A room ended: its outstanding regions go to quarantine; with the
+        fence they are freed (``writers_lost`` False: every prefill rank
+        confirmed it stopped writing) or poisoned."""
+        area = self.ctx.staging.area
+        fenced = isinstance(area, StagingArenas)
         with self.ctx.lock:
             for key in [k for k in self._granted if k[:2] == (room, request_id)]:
                 offset, nbytes = self._granted.pop(key)
-                self._quarantine.append((time.monotonic() + self.quarantine_s, offset, nbytes))
+                if not fenced:
+                    self._quarantine.append((time.monotonic() + self.quarantine_s, offset, nbytes))
+                elif writers_lost:
+                    area.poison(offset, nbytes)
+                else:
+                    area.free(offset, nbytes)
+        if fenced:
+            self.pump()
 
 
 def scatter_part(ctx: RoomContext, dst_pages: np.ndarray, msg: ChunkStaged, offset: int, assignments) -> None:
@@ -113,3 +133,12 @@ def scatter_part(ctx: RoomContext, dst_pages: np.ndarray, msg: ChunkStaged, offs
             pool = ctx.rank.pool(a.role)
             offset += scatter(mem.tensor, offset, mem.buffers, pool,
                               page_slice(pool, a.dst_head_offset, a.num_heads), pages, mem.word_views)
+
+
+def take_aux_row(ctx: RoomContext, slot: int, row: bytes) -> str | None:
+    """Copy an aux row that came in a RoomStatus (fenced transfer) into aux
+    slot ``slot``; what is wrong with it (None: copied)."""
+    if not ctx.aux or not ctx.rank.aux or slot < 0 or len(row) != sum(a.slot_bytes for a in ctx.rank.aux):
+        return f"sent an aux row of {len(row)} bytes; this room's aux slot is {slot}"
+    write_aux_row(ctx.aux, slot, row)
+    return None

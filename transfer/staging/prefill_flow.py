@@ -7,6 +7,10 @@ Prefill, per part (a run of a chunk's pages for one decode rank)::
     StageGrant                 ->  gather into local staging, write it to decode's region
     write landed               ->  ChunkStaged to decode; the part counts as done
 
+A *direct* part (its source pages in long runs, or no local staging; see
+:func:`mark_direct`) needs no local region: on its grant its runs are
+written from the pool straight into decode's region, in the packed layout.
+
 A part's local region is freed when its write ended (or, for a room that
 failed, when no write reads it); a part of a failed room counts as done.
 """
@@ -20,10 +24,10 @@ from typing import Mapping, Protocol
 
 import numpy as np
 
-from bootstrap.messages import PoolDescriptor, RankInfo
+from bootstrap.messages import PoolDescriptor, RankInfo, components_of
 from transfer.errors import KVFerryError, TransferError
 from transfer.messages import ChunkStaged, StageGrant, StageRequest
-from transfer.plan import PageSlice, TransferPlan, page_slice
+from transfer.plan import PageSlice, TransferPlan, page_runs, page_slice
 from transfer.ready import ReadyWaiter
 from transfer.rooms.context import RoomContext
 from transfer.staging.copies import gather, page_tensor, staged_bytes
@@ -61,6 +65,7 @@ class StagedPart:
     pools: list[tuple[PoolDescriptor, PageSlice]]  # in the request's assignment order
     nbytes: int
     local_offset: int = -1
+    direct: bool = False  # written from the pool, not gathered (see mark_direct)
     ready: object = None  # a transfer.ready.ReadyGate: gather only once it is done
 
 
@@ -79,8 +84,54 @@ def plan_parts(sender: StagedSender, req, pages: np.ndarray, page_start: int, lo
 
 
 def part_bytes_for(ctx: RoomContext, peer: RankInfo) -> int:
-    """Part size both staging buffers can hold several of."""
-    return min(ctx.config.stage_part_bytes, ctx.rank.staging.nbytes // 2, peer.staging.nbytes // 2)
+    """Part size both staging buffers can hold several of (a fenced peer's:
+    one arena's worth)."""
+    remote = peer.staging.arena_size if peer.fenced else peer.staging.nbytes // 2
+    local = ctx.rank.staging.nbytes // 2 if ctx.rank.staging is not None else remote
+    return max(1, min(ctx.config.stage_part_bytes, local, remote))
+
+
+def _source_entries(part: StagedPart) -> tuple[np.ndarray, np.ndarray]:
+    """The part's packed layout as (source address, bytes) descriptors read
+    straight from the pools: one per (buffer, page run) for whole pages,
+    else one per (buffer, page, row) of the slice."""
+    pages = part.src_pages.astype(np.int64)
+    runs = page_runs(pages, pages)
+    srcs, lengths = [], []
+    for pool, sl in part.pools:
+        addrs = {(b.layer, b.component): b.addr for b in pool.buffers}
+        whole = sl.rows == 1 and sl.nbytes == sl.row_bytes
+        for layer in range(pool.num_layers):
+            for comp in components_of(pool.attention):
+                base = addrs[(layer, comp)]
+                if whole:
+                    srcs.append(base + runs.src_starts * pool.page_bytes)
+                    lengths.append(runs.lengths * sl.packed_bytes)
+                else:
+                    rows = pages[:, None] * pool.page_bytes + np.arange(sl.rows)[None, :] * sl.row_bytes
+                    srcs.append(base + sl.start + rows.reshape(-1))
+                    lengths.append(np.full(rows.size, sl.nbytes, dtype=np.int64))
+    return np.concatenate(srcs), np.concatenate(lengths)
+
+
+def mark_direct(parts: list[StagedPart], ctx: RoomContext) -> None:
+    """Mark the parts written straight from the pools: every part without
+    local staging, else those whose descriptors would average at least
+    ``stage_below_bytes`` (contiguous page runs), which a gather would only
+    slow down."""
+    for part in parts:
+        if ctx.staging is None:
+            part.direct = True
+        else:
+            _, lengths = _source_entries(part)
+            part.direct = part.nbytes / max(1, lengths.size) >= ctx.config.stage_below_bytes
+
+
+def source_plan(part: StagedPart, dst_addr: int) -> TransferPlan:
+    """A direct part's descriptors into the region at ``dst_addr``."""
+    src, lengths = _source_entries(part)
+    dst = dst_addr + np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    return TransferPlan(src.astype(np.uint64), dst.astype(np.uint64), lengths.astype(np.uint64))
 
 
 class PrefillStaging:
@@ -123,7 +174,7 @@ class PrefillStaging:
                     self._waiting.popleft()
                     part.sender.on_chunk_done(None)  # counts as done for a failed room
                     continue
-                offset = self.ctx.staging.area.alloc(part.nbytes)
+                offset = -1 if part.direct else self.ctx.staging.area.alloc(part.nbytes)
                 if offset is None:
                     return
                 self._waiting.popleft()
@@ -147,24 +198,32 @@ class PrefillStaging:
             return
         try:
             peer = self.peers[part.req.decode_session]
-            if not 0 <= grant.offset <= peer.staging.nbytes - part.nbytes:
+            arena = peer.staging.arena_size
+            if not 0 <= grant.offset <= peer.staging.nbytes - part.nbytes or \
+                    grant.offset // arena != (grant.offset + part.nbytes - 1) // arena:
                 raise IndexError(f"decode granted [{grant.offset}, +{part.nbytes}) outside its staging buffer "
-                                 f"of {peer.staging.nbytes} bytes")
+                                 f"of {peer.staging.nbytes} bytes or across one of its {arena}-byte arenas")
             if part.ready is not None:
                 part.ready.wait()  # done already: submit() queued the part only then
-            offset = part.local_offset
-            mem = self.ctx.staging
-            pages = page_tensor(part.src_pages, mem.tensor.device)
-            for pool, sl in part.pools:
-                offset += gather(mem.tensor, offset, mem.buffers, pool, sl, pages, mem.word_views)
-            plan = TransferPlan(np.asarray([self.ctx.rank.staging.addr + part.local_offset], dtype=np.uint64),
-                                np.asarray([peer.staging.addr + grant.offset], dtype=np.uint64),
-                                np.asarray([part.nbytes], dtype=np.uint64))
+            if part.direct:
+                plan = source_plan(part, peer.staging.addr + grant.offset)
+            else:
+                plan = self._gathered(part, peer.staging.addr + grant.offset)
         except Exception as exc:
             self._finish(part, TransferError(f"{part.sender.where}: staging part {part.part}: {exc}"))
             return
         self.ctx.transport.submit(part.req.decode_session, plan,
                                   lambda err, p=part, off=grant.offset: self._landed(p, off, err))
+
+    def _gathered(self, part: StagedPart, dst_addr: int) -> TransferPlan:
+        """Gather a part into its local region; the one descriptor that writes it."""
+        offset = part.local_offset
+        mem = self.ctx.staging
+        pages = page_tensor(part.src_pages, mem.tensor.device)
+        for pool, sl in part.pools:
+            offset += gather(mem.tensor, offset, mem.buffers, pool, sl, pages, mem.word_views)
+        return TransferPlan(np.asarray([self.ctx.rank.staging.addr + part.local_offset], dtype=np.uint64),
+                            np.asarray([dst_addr], dtype=np.uint64), np.asarray([part.nbytes], dtype=np.uint64))
 
     def release(self, sender) -> None:
         """A sender failed: free the local regions of its parts still waiting

@@ -11,6 +11,12 @@ The contract every implementation keeps:
 - ``register(regions)`` is called once, before any peer learns the
   session; it makes ``(addr, nbytes)`` regions writable by peers. It raises
   :class:`~transfer.errors.TransferError` when the engine refuses.
+- ``unregister(regions)`` takes back regions given to ``register``
+  (matched by address); from then on peers' new writes into them are
+  refused. A write the engine accepted before may still land (Mooncake's
+  TCP transport validates a write request once, at its start): callers must
+  never reuse such memory for anything read. Raises TransferError when the
+  engine refuses.
 - ``submit(peer, plan, callback, ready=None)`` returns at once, from any
   thread. An empty plan calls ``callback(None)`` before returning and returns
   None; otherwise it returns a :class:`TransferHandle`. ``ready`` (a
@@ -56,6 +62,8 @@ class Transport(Protocol):
     num_descriptors: int
 
     def register(self, regions: list[tuple[int, int]]) -> None: ...
+
+    def unregister(self, regions: list[tuple[int, int]]) -> None: ...
 
     def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback,
                ready=None) -> TransferHandle | None: ...

@@ -5,7 +5,7 @@ process share a :class:`LoopbackFabric`.
 a worker thread copies each descriptor with ``memmove``, after checking that
 the source lies in memory this transport registered and the destination in
 memory the peer registered (a TransferError otherwise, as a remote engine
-would refuse); the callback runs once, on the worker thread, after the last
+would refuse; also after the peer unregistered it); the callback runs once, on the worker thread, after the last
 descriptor. Host memory only (a CUDA pointer cannot be memmoved). The
 fabric also routes the control messages of
 :class:`~transfer.control.loopback.LoopbackChannel` s.
@@ -15,7 +15,10 @@ transport before its next descriptor (a write "in flight"); ``break_writes``
 fails the writes to a session; ``hold`` / ``release`` keep the messages to an
 endpoint queued; ``cut`` / ``mend`` drop every message to and from an
 endpoint (a lost peer); ``drop_if`` drops the messages a predicate picks;
-``delay_s`` delays every delivery.
+``delay_s`` delays every delivery; ``validate_on_submit`` checks a
+plan's destinations when it is submitted, not before each copy, as
+Mooncake's TCP transport does (an accepted write lands even into memory
+unregistered since).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from transfer.control.base import Handler
-from transfer.control.loopback import LoopbackChannel
+from transfer.control.loopback import LoopbackChannel, origin_of
 from transfer.errors import ClosedError, KVFerryError, TransferError
 from transfer.plan import TransferPlan
 from transfer.transport.base import DoneCallback
@@ -45,6 +48,7 @@ class _Job:
     callback: DoneCallback
     cancelled: bool = False
     ready: object = None  # a transfer.ready.ReadyGate, waited for on the worker
+    accepted: bool = False  # destinations checked at submit (``validate_on_submit``)
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -69,6 +73,11 @@ class LoopbackTransport:
     def register(self, regions: list[tuple[int, int]]) -> None:
         self.regions.extend((int(a), int(n)) for a, n in regions)
 
+    def unregister(self, regions: list[tuple[int, int]]) -> None:
+        """Writes into these regions (by address) are refused from now on."""
+        gone = {int(a) for a, _ in regions}
+        self.regions = [r for r in self.regions if r[0] not in gone]
+
     def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback, ready=None) -> _Job | None:
         if self._closed.is_set():
             raise ClosedError("transport is closed")
@@ -76,6 +85,10 @@ class LoopbackTransport:
             callback(None)
             return None
         job = _Job(peer, plan, callback, ready=ready)
+        target = self._fabric.transport_of(peer)
+        if self._fabric.validate_on_submit and target is not None:
+            job.accepted = all(_inside(target.regions, d, n) for d, n in
+                               zip(plan.dst_addrs.tolist(), plan.lengths.tolist()))
         self._jobs.put(job)
         return job
 
@@ -126,7 +139,7 @@ class LoopbackTransport:
             if not _inside(self.regions, src, n):
                 return TransferError(f"descriptor {i}: source [{src:#x}, +{n}) is not registered here",
                                      peer=job.peer)
-            if not _inside(peer.regions, dst, n):
+            if not job.accepted and not _inside(peer.regions, dst, n):
                 return TransferError(f"descriptor {i}: destination [{dst:#x}, +{n}) is outside the memory "
                                      f"{job.peer} registered", peer=job.peer)
             ctypes.memmove(dst, src, n)
@@ -162,17 +175,19 @@ class LoopbackFabric:
         self.writes_open = threading.Event()
         self.writes_open.set()
         self.broken: set[str] = set()
-        self._held: dict[str, list[bytes]] = {}
+        self._held: dict[str, list[tuple[bytes, str]]] = {}
         self._cut: set[str] = set()
         self._drop_if: Callable[[object], bool] | None = None
         self.delay_s = 0.0
         self.num_dropped = 0
+        self.validate_on_submit = False
 
     # --- building -----------------------------------------------------------------
 
-    def transport(self) -> LoopbackTransport:
-        """A new transport (pass it to ``KVManager(..., transport=)``)."""
-        t = LoopbackTransport(self, f"loopback:{next(self._ids)}")
+    def transport(self, host: str = "127.0.0.1") -> LoopbackTransport:
+        """A new transport (pass it to ``KVManager(..., transport=)``); its
+        session is ``HOST:N``, like a Mooncake session on that host."""
+        t = LoopbackTransport(self, f"{host}:{next(self._ids)}")
         with self._lock:
             self._transports[t.session] = t
         return t
@@ -209,18 +224,19 @@ class LoopbackFabric:
                 self.num_dropped += 1
                 return
             if dst in self._held:
-                self._held[dst].append(payload)
+                self._held[dst].append((payload, origin_of(src)))
                 return
             ch = self._channels.get(dst)
         if ch is not None:
-            ch.deliver(payload, time.monotonic() + self.delay_s)
+            ch.deliver(payload, time.monotonic() + self.delay_s, origin_of(src))
 
-    def inject(self, dst: str, payload: bytes) -> None:
-        """Deliver raw bytes to ``dst`` (malformed input, for tests)."""
+    def inject(self, dst: str, payload: bytes, origin: str = "127.0.0.1") -> None:
+        """Deliver raw bytes to ``dst`` as if from ``origin`` (malformed or
+        forged input, for tests)."""
         with self._lock:
             ch = self._channels.get(dst)
         if ch is not None:
-            ch.deliver(payload)
+            ch.deliver(payload, origin=origin)
 
     # --- faults -------------------------------------------------------------------
 
@@ -244,9 +260,9 @@ class LoopbackFabric:
         with self._lock:
             held = self._held.pop(endpoint, [])
             ch = self._channels.get(endpoint)
-        for payload in held:
+        for payload, origin in held:
             if ch is not None:
-                ch.deliver(payload)
+                ch.deliver(payload, origin=origin)
 
     def cut(self, endpoint: str) -> None:
         """Drop every message to and from ``endpoint`` (a peer lost, or one that lost us)."""
