@@ -163,3 +163,19 @@ def test_prefill_topology_is_a_bounded_bootstrap_lookup(cluster):
     assert decode.mgr.prefill_topology(addr, "no-such-node") is None
     with pytest.raises(BootstrapUnavailable):
         decode.mgr.prefill_topology("127.0.0.1:1", "prefill", timeout_s=0.5)
+
+
+def test_several_aux_regions_reach_a_fenced_decode_rank_in_room_status(cluster):
+    """With the write fence, decode's aux memory is not writable: every
+    region's row travels in RoomStatus and lands byte-exact."""
+    rows = (64, 8, 520)
+    staged = dict(staging_bytes=1 << 20, stage_part_bytes=64 << 10, stage_below_bytes=16 << 10)
+    prefill = cluster.rank(Role.PREFILL, aux_row_bytes=rows, **staged)
+    decode = cluster.rank(Role.DECODE, aux_row_bytes=rows, **staged)
+    assert decode.mgr.rank.fenced
+    rng = np.random.default_rng(28)
+    src, dst = random_pages(rng, 9), random_pages(rng, 9)
+    sender, receiver = run_room(prefill, decode, 69, src, dst, chunks=2, src_aux=6, dst_aux=1)
+    assert (sender.poll(), receiver.poll()) == (KVPoll.Success, KVPoll.Success), receiver.failure_exception()
+    assert_landed(prefill, decode, src, dst, src_aux=6, dst_aux=1)
+    assert all(not region[s].any() for region in decode.aux for s in range(AUX_SLOTS) if s != 1)
