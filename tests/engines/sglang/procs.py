@@ -52,7 +52,10 @@ class Proc:
     taken: dict = field(default_factory=dict)
 
     def events(self, kind: str) -> list[dict]:
-        return [json.loads(line.split(" ", 1)[1]) for line in self.log if line.startswith(kind + " ")]
+        # print() writes the event and its newline apart: a log line of
+        # another thread may sit between them, so only the event's object is read.
+        return [json.JSONDecoder().raw_decode(line.split(" ", 1)[1])[0] for line in self.log
+                if line.startswith(kind + " ")]
 
     def wait_for(self, kind: str, timeout_s: float) -> dict:
         """The next not yet taken line of ``kind`` (every line read is kept in
