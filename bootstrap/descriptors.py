@@ -1,0 +1,190 @@
+"""Descriptors of a rank's KV memory: pool roles, attention kinds, page
+layouts, buffer references, and the pool, aux and staging descriptors a
+rank registers (inside :class:`bootstrap.messages.RankInfo`). Re-exported
+from :mod:`bootstrap.messages`, their public import path."""
+
+from __future__ import annotations
+
+import enum
+import functools
+from dataclasses import dataclass
+
+from bootstrap.codec import struct
+
+_MAX_NAME = 256
+
+
+class PoolRole(str, enum.Enum):
+    """Which model a KV pool belongs to."""
+
+    TARGET = "target"
+    DRAFT = "draft"
+
+
+class AttentionKind(str, enum.Enum):
+    """MHA: K and V per layer, sliced by heads across TP ranks.
+    MLA: one latent buffer per layer, identical on every TP rank."""
+
+    MHA = "mha"
+    MLA = "mla"
+
+
+class PageLayout(str, enum.Enum):
+    """Order within one page of an MHA buffer. NHD: ``[page_size, heads,
+    head_dim]`` (token-major, the common one). HND: ``[heads, page_size,
+    head_dim]`` (head-major): a head slice of a page is one contiguous block,
+    so heterogeneous TP moves one descriptor per page instead of one per token."""
+
+    NHD = "nhd"
+    HND = "hnd"
+
+
+class Component(str, enum.Enum):
+    K = "k"
+    V = "v"
+    LATENT = "latent"
+
+
+def _require(cond: bool, what: str) -> None:
+    if not cond:
+        raise ValueError(what)
+
+
+def _check_name(name: str, what: str) -> None:
+    _require(0 < len(name) <= _MAX_NAME, f"{what} must be 1..{_MAX_NAME} characters")
+
+
+@struct
+@dataclass(frozen=True)
+class BufferRef:
+    """One registered KV buffer: ``num_pages`` pages of ``page_bytes`` each,
+    starting at ``addr`` (a device or host pointer from ``data_ptr()``)."""
+
+    layer: int
+    component: Component
+    addr: int
+    nbytes: int
+
+    def __post_init__(self) -> None:
+        _require(self.layer >= 0, f"layer must be >= 0, got {self.layer}")
+        _require(0 < self.addr < 1 << 64, "addr must be a non-null 64-bit pointer")
+        _require(self.nbytes > 0, f"nbytes must be > 0, got {self.nbytes}")
+
+
+@struct
+@dataclass(frozen=True)
+class PoolDescriptor:
+    """The layout of one KV pool on one rank.
+
+    Every buffer holds ``num_pages`` pages, page-major. An MHA page of one
+    buffer is ``page_size`` tokens x ``num_kv_heads`` heads (the heads this rank
+    holds, out of ``total_kv_heads``) x ``head_dim`` elements, ordered as
+    ``page_layout`` says. An MLA page is ``page_size`` x ``head_dim`` elements
+    (the latent width, ``kv_lora_rank + rope_dim``), with ``num_kv_heads`` 1.
+    """
+
+    role: PoolRole
+    attention: AttentionKind
+    dtype: str
+    itemsize: int
+    page_size: int
+    num_pages: int
+    num_layers: int
+    num_kv_heads: int
+    total_kv_heads: int
+    head_dim: int
+    page_layout: PageLayout
+    buffers: tuple[BufferRef, ...]
+
+    def __post_init__(self) -> None:
+        _check_name(self.dtype, "dtype")
+        for name in ("itemsize", "page_size", "num_pages", "num_layers", "num_kv_heads",
+                     "total_kv_heads", "head_dim"):
+            _require(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
+        components = _components(self.attention)
+        _require(
+            len(self.buffers) == self.num_layers * len(components),
+            f"{self.role.value} pool: {len(self.buffers)} buffers for {self.num_layers} layers "
+            f"of {'/'.join(c.value for c in components)}",
+        )
+        seen = {(b.layer, b.component) for b in self.buffers}
+        wanted = {(layer, c) for layer in range(self.num_layers) for c in components}
+        _require(seen == wanted, f"{self.role.value} pool: buffers must name each (layer, component) once")
+        need = self.num_pages * self.page_bytes
+        for b in self.buffers:
+            _require(
+                b.nbytes >= need,
+                f"{self.role.value} pool: buffer layer {b.layer} {b.component.value} holds "
+                f"{b.nbytes} bytes, less than {self.num_pages} pages of {self.page_bytes}",
+            )
+        if self.attention is AttentionKind.MLA:
+            _require(self.num_kv_heads == 1 and self.total_kv_heads == 1, "an MLA pool has one latent head")
+            _require(self.page_layout is PageLayout.NHD, "an MLA pool has the nhd page layout")
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token in one buffer."""
+        return self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page in one buffer."""
+        return self.page_size * self.token_bytes
+
+    @functools.cached_property
+    def _by_key(self) -> dict[tuple[int, Component], BufferRef]:
+        return {(b.layer, b.component): b for b in self.buffers}
+
+    def buffer(self, layer: int, component: Component) -> BufferRef:
+        try:
+            return self._by_key[(layer, component)]
+        except KeyError:
+            raise KeyError((self.role.value, layer, component.value)) from None
+
+
+def _components(kind: AttentionKind) -> tuple[Component, ...]:
+    return (Component.K, Component.V) if kind is AttentionKind.MHA else (Component.LATENT,)
+
+
+def components_of(kind: AttentionKind) -> tuple[Component, ...]:
+    """The per-layer buffer components of an attention kind."""
+    return _components(kind)
+
+
+@struct
+@dataclass(frozen=True)
+class AuxDescriptor:
+    """One metadata region: ``num_slots`` rows of ``slot_bytes`` at ``addr``.
+    One row per request slot (first output token id and the like); a rank may
+    have several regions sharing one row index (SGLang's metadata buffers)."""
+
+    addr: int
+    slot_bytes: int
+    num_slots: int
+
+    def __post_init__(self) -> None:
+        _require(0 < self.addr < 1 << 64, "aux addr must be a non-null 64-bit pointer")
+        _require(self.slot_bytes > 0 and self.num_slots > 0, "aux slot_bytes and num_slots must be > 0")
+
+
+@struct
+@dataclass(frozen=True)
+class StagingDescriptor:
+    """A registered staging buffer of ``nbytes`` at ``addr``: scattered pages
+    are gathered into it and sent as a few large descriptors. ``arena_bytes``
+    (0: one arena of ``nbytes``): a fenced decode rank's staging is a span of
+    arenas of this size, registered one by one; a grant never crosses an
+    arena's end."""
+
+    addr: int
+    nbytes: int
+    arena_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        _require(0 < self.addr < 1 << 64, "staging addr must be a non-null 64-bit pointer")
+        _require(self.nbytes > 0, "staging nbytes must be > 0")
+        _require(0 <= self.arena_bytes <= self.nbytes, "staging arena_bytes must be in [0, nbytes]")
+
+    @property
+    def arena_size(self) -> int:
+        return self.arena_bytes or self.nbytes
