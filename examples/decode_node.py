@@ -64,6 +64,9 @@ class _Summary:
     network_kv_bytes: int = 0  # of them, sent by the prefill node
     storage_kv_bytes: int = 0  # of them, loaded from the storage tier
     aux_bytes: int = 0
+    # With the write fence (decode's default with staging) prefill's engine writes only into staging
+    # arenas, and the aux rows travel in the final RoomStatus, not through the engine.
+    fenced: bool = False
     transfer_s: float = 0.0  # first receiver created -> last Success (lookup and handshake included)
 
 
@@ -74,6 +77,7 @@ def _receive(args, requests: list[Request], pools: RankPools, aux: torch.Tensor)
     prefetch = {} if args.storage_prefetch is None else {"storage_prefetch": args.storage_prefetch}
     config = manager_config(args, Role.DECODE, 0, 1, **prefetch)
     with KVManager(config, pools.kvferry_pools(), aux=aux) as mgr:
+        summary.fenced = mgr.fenced
         wait_until_registered(mgr, args.bootstrap, args.node_id, args.timeout_s)
         start = time.monotonic()
         live = {}

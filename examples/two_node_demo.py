@@ -266,14 +266,17 @@ def _prefetch_report(runs: list[list[NodeRun]], lengths: list[int], page_size: i
                           first_network_kv_bytes=a["network_kv_bytes"], same_tokens=a["tokens"] == b["tokens"] == want))
     engine = [sum(r.result["bytes_sent"] for r in run[:-1] if r.result) for run in runs]
     network = [sum(room["network_kv_bytes"] for room in _rooms(run[-1]).values()) for run in runs]
-    aux = [(run[-1].result or {}).get("aux_bytes", 0) for run in runs]
+    # The aux rows go through the engine only to an unfenced decode node (else in RoomStatus).
+    fenced = [bool((run[-1].result or {}).get("fenced")) for run in runs]
+    aux = [0 if f else (run[-1].result or {}).get("aux_bytes", 0) for f, run in zip(fenced, runs)]
     from_storage = sum(room["pages_from_storage"] for room in rooms)
     # What the decode node counts as sent is what the prefill node's engine wrote, aux rows aside.
     ok &= all(e == n + x for e, n, x in zip(engine, network, aux))
     ok &= from_storage > 0 and network[1] < network[0]
     print(f"prefetch          run 2 (new processes, same prompts): {from_storage} of "
           f"{sum(room['pages'] for room in rooms)} pages from storage; the prefill node's engine wrote "
-          f"{engine[1]:,} bytes, the partly filled last pages and {len(rooms)} aux rows (first run: {engine[0]:,})",
+          f"{engine[1]:,} bytes, the partly filled last pages" + (" (the aux rows travelled in RoomStatus: the "
+          "write fence)" if fenced[1] else f" and {len(rooms)} aux rows") + f" (first run: {engine[0]:,})",
           flush=True)
     return ok, {"runs": [_nodes_json(r) for r in runs], "rooms": rooms, "prefill_engine_bytes": engine,
                 "network_kv_bytes": network}

@@ -58,7 +58,9 @@ def check_decode_result(decode: dict, prefill: list[dict], lengths, max_new_toke
     latent = num_pages * pair.target.num_layers * PAGE_SIZE * pair.target.latent_dim * float32_bytes
     half_draft = (num_pages * pair.draft.num_layers * 2 * PAGE_SIZE * (pair.draft.num_kv_heads // 2)
                   * pair.draft.head_dim * float32_bytes)
-    assert sorted(p["bytes_sent"] for p in prefill) == [half_draft, latent + half_draft + decode["aux_bytes"]]
+    # The aux rows go through the engine only to an unfenced decode node (else in RoomStatus).
+    aux_by_engine = 0 if decode["fenced"] else decode["aux_bytes"]
+    assert sorted(p["bytes_sent"] for p in prefill) == [half_draft, latent + half_draft + aux_by_engine]
     assert all(p["success"] == p["rooms"] == len(lengths) and p["failed"] == [] for p in prefill)
 
 
@@ -129,8 +131,10 @@ def test_demo_storage_step_skips_stored_pages_and_restores_a_killed_prefill(make
     assert [r["first_network_kv_bytes"] for r in rooms] == [n * page_bytes for n in pages]
     assert [r["network_kv_bytes"] for r in rooms] == [(n - f) * page_bytes for n, f in zip(pages, full)]
     assert all(r["network_kv_bytes"] < r["first_network_kv_bytes"] and r["same_tokens"] for r in rooms)
-    # What the prefill node's engine wrote: every page, then the partial last pages; the aux rows both times.
-    aux = len(STORAGE_LENGTHS) * aux_row
+    # What the prefill node's engine wrote: every page, then the partial last pages; the aux rows both
+    # times, unless decode is fenced (its default: then they travel in RoomStatus).
+    assert first[-1]["result"]["fenced"] == second[-1]["result"]["fenced"]
+    aux = 0 if first[-1]["result"]["fenced"] else len(STORAGE_LENGTHS) * aux_row
     assert first[0]["result"]["bytes_sent"] == sum(pages) * page_bytes + aux
     assert second[0]["result"]["bytes_sent"] == (sum(pages) - sum(full)) * page_bytes + aux
     assert second[0]["result"]["storage_pages_written"] == 0  # all there already
