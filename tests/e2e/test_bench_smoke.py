@@ -142,9 +142,16 @@ def test_bench_same_pages_baseline_row(tmp_path):
 
 # --- two hosts: the decode side through an agent ---------------------------------------------
 
+# Loopback as two hosts: the kernel sends from 127.0.0.1 whatever address a rank declares, so
+# prefill's check that a decode peer's session is on the host its messages come from
+# (check_peer_host) would refuse the 127.0.0.2 side; two real hosts pass it.
+_TWO_HOSTS_ENV = dict(os.environ, KVFERRY_CHECK_PEER_HOST="0")
+
+
 def _start_agent(*args: str) -> tuple[subprocess.Popen, str]:
     agent = subprocess.Popen([sys.executable, "-m", "benchmarks", "agent", "--host", "127.0.0.1", "--port", "0",
-                              *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                              *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                             env=_TWO_HOSTS_ENV)
     line = agent.stdout.readline()  # the agent prints it once listening, or exits
     if "listening on" not in line:
         agent.kill()
@@ -171,7 +178,7 @@ def test_bench_two_hosts_through_an_agent(tmp_path):
         proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--only", "mha-128-c64",
                                "--requests", "2", "--peer", address, "--protocol", "tcp",
                                "--hostname", "127.0.0.1", "--peer-hostname", "127.0.0.2", "--json", str(out)],
-                              capture_output=True, text=True, timeout=180)
+                              capture_output=True, text=True, timeout=180, env=_TWO_HOSTS_ENV)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     finally:
         _stop(agent)
