@@ -50,7 +50,9 @@ def test_rank_metrics_match_what_moved():
         spec = fault_spec(server.address)
         env = {"KVFERRY_LOG_LEVEL": "WARNING"}  # rankctl's own default is ERROR
         prefill = Rank("prefill", spec, {**FAST, "metrics_port": _free_port()}, env=env)
-        decode = Rank("decode", spec, {**FAST, "metrics_port": _free_port()}, env=env)
+        # Unfenced, so the aux row is an engine write counted on both sides (a fenced decode
+        # gets it in RoomStatus, which prefill's stats do not count as aux bytes moved).
+        decode = Rank("decode", spec, {**FAST, "metrics_port": _free_port(), "write_fence": False}, env=env)
         try:
             ports = {"prefill": prefill.ready["metrics_port"], "decode": decode.ready["metrics_port"]}
             assert all(ports.values()), ports
