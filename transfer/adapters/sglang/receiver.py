@@ -26,7 +26,7 @@ import numpy as np
 from sglang.srt.disaggregation.base.conn import BaseKVReceiver
 
 from transfer.adapters.sglang.manager import PREFILL_NODE
-from transfer.adapters.sglang.sender import FailedOnAnotherRank
+from transfer.adapters.sglang.sender import FailedOnAnotherRank, state_pools_refused
 from transfer.errors import KVFerryError, StateError, TransferError
 from transfer.receiver import KVReceiver
 from transfer.state import KVPoll
@@ -69,9 +69,9 @@ class KvferryKVReceiver(BaseKVReceiver):
         if self._core is None:
             self._fail(StateError(f"room {self.bootstrap_room}: send_metadata() before init()"))
             return
-        if state_indices and any(s is not None for s in state_indices):
-            self._fail(TransferError(f"room {self.bootstrap_room}: state indices given; kvferry does not move "
-                                     "state pools"))
+        refused = state_pools_refused(self.bootstrap_room, state_indices)
+        if refused is not None:
+            self._fail(refused)
             return
         if destination is not None and str(getattr(destination, "value", destination)) != "device":
             self._fail(TransferError(f"room {self.bootstrap_room}: {destination} destinations are not supported"))

@@ -29,6 +29,15 @@ from transfer.state import KVPoll
 log = logging.getLogger("kvferry.sglang")
 
 
+def state_pools_refused(room: int, state_indices) -> TransferError | None:
+    """The error for a request that names state-pool indices (kvferry moves
+    no state pools: hybrid, SWA and Mamba set-ups are refused at start-up),
+    or None."""
+    if state_indices and any(s is not None for s in state_indices):
+        return TransferError(f"room {room}: state indices given; kvferry does not move state pools")
+    return None
+
+
 class FailedOnAnotherRank(TransferError):
     """SGLang's MIN all-reduce failed the room because another rank failed."""
 
@@ -88,9 +97,9 @@ class KvferryKVSender(BaseKVSender):
         if self._num_pages is None:
             self._fail(StateError(f"room {self.bootstrap_room}: send() before init()"))
             return
-        if state_indices and any(s is not None for s in state_indices):
-            self._fail(TransferError(f"room {self.bootstrap_room}: state indices given; kvferry does not move "
-                                     "state pools"))
+        refused = state_pools_refused(self.bootstrap_room, state_indices)
+        if refused is not None:
+            self._fail(refused)
             return
         pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
         if self._num_sent == 0 and self._prefix_pages:
