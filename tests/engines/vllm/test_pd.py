@@ -4,8 +4,10 @@ A tiny random Llama served three ways, one core each: a single instance (the
 reference), and a prefill + decode pair with ``KvferryConnector``. Requests of
 100-1000 tokens go through the proxy protocol; decode's tokens must equal the
 reference's, and decode's ``/metrics`` must show that every prompt token came
-from the connector. Faults: prefill killed while decode waits for a request's
-KV (decode recomputes a new prompt, per ``kv_load_failure_policy:
+from the connector. One landed page overwritten with random values on decode
+(``corrupting.py``, a test-only subclass of the connector) changes that
+request's tokens and no other's: the comparison can fail. Faults: prefill
+killed while decode waits for a request's KV (decode recomputes a new prompt, per ``kv_load_failure_policy:
 recompute``, within the bound of kvferry's timeouts, and restores a prompt
 kvferry's storage tier holds from there, computing none of it), prefill
 restarted, decode restarted.
@@ -32,6 +34,7 @@ from harness.vllm import (VOCAB, ServerSpec, VLLMServer, build_tiny_model, compl
 MAX_TOKENS = 12
 LENGTHS = (100, 257, 640, 1000)
 KVFERRY = {"bootstrap_timeout_s": 15, "transfer_timeout_s": 30, "peer_timeout_s": 3, "model_name": "tiny-llama"}
+CORRUPT = "kvferry_test_corrupt"  # corrupting.KEY (that module imports vLLM's connector base)
 STORED = 512  # four full blocks of 128: all of it is written through to storage
 
 
@@ -44,6 +47,9 @@ def kv_config(role: str, bootstrap: str, store: str) -> dict:
               "kv_role": role, "kv_connector_extra_config": extra}
     if role == "kv_consumer":
         config["kv_load_failure_policy"] = "recompute"
+        # The same connector, able to corrupt a landed page of a request that asks for it (corrupting.py).
+        config.update(kv_connector="CorruptingKvferryConnector",
+                      kv_connector_module_path="tests.engines.vllm.corrupting")
     return config
 
 
@@ -149,6 +155,47 @@ def test_the_comparison_catches_kv_of_another_prompt(cluster):
     first = post(prefill.url, _body(cluster.model, a, 1, {"do_remote_decode": True}), 120)
     reply = post(decode.url, _body(cluster.model, b, MAX_TOKENS, first["kv_transfer_params"]), 120)
     assert tokens_of(reply) != want_b
+
+
+def test_the_comparison_catches_one_corrupted_page(cluster):
+    """Three requests at once; decode overwrites one landed page (one block of
+    one layer) of the first with random values of that page's mean and spread
+    before vLLM reads it: that request's tokens must differ from the single
+    instance's, the two others' must equal them, and still no prompt token
+    was computed on decode (a corrupted page is not a failed load)."""
+    prefill, decode = cluster.servers["prefill"], cluster.servers["decode"]
+    n, seeds = 600, {"corrupted": 71, "clean-a": 72, "clean-b": 73}
+    want = {name: cluster.reference(n, seed) for name, seed in seeds.items()}
+    marks_before = decode.log_tail(10_000_000).count("kvferry-test: corrupted block")
+    replies: dict = {}
+
+    def run(name):
+        try:
+            first = post(prefill.url, _body(cluster.model, prompt_of(n, seeds[name]), 1, {"do_remote_decode": True}))
+            params = dict(first["kv_transfer_params"])
+            if name == "corrupted":
+                params[CORRUPT] = {"block": 2, "layer": 1, "seed": 5}
+            replies[name] = post(decode.url, _body(cluster.model, prompt_of(n, seeds[name]), MAX_TOKENS, params))
+        except Exception as exc:  # reported below
+            replies[name] = exc
+
+    before = decode.metrics()
+    threads = [threading.Thread(target=run, args=(name,)) for name in seeds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a request did not answer within 120 s"
+    for name in seeds:
+        assert isinstance(replies[name], dict), f"{name}: {replies[name]!r}"
+    assert decode.log_tail(10_000_000).count("kvferry-test: corrupted block") == marks_before + 1, \
+        "decode did not corrupt the page"
+    assert tokens_of(replies["corrupted"]) != want["corrupted"], "the corrupted request's tokens equal the reference"
+    assert tokens_of(replies["clean-a"]) == want["clean-a"]
+    assert tokens_of(replies["clean-b"]) == want["clean-b"]
+    after = decode.metrics()
+    assert after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0) == 3 * n
+    assert after.get("local_compute", 0) - before.get("local_compute", 0) == 0
 
 
 def test_a_request_cancelled_on_decode_while_its_kv_is_coming_frees_its_blocks(cluster):

@@ -1,0 +1,95 @@
+"""A test-only KvferryConnector that corrupts one landed page of a chosen request.
+
+The decode server of ``test_pd.py`` runs this subclass. It behaves exactly as
+:class:`transfer.adapters.vllm.KvferryConnector` except for a request whose
+``kv_transfer_params`` carry ``kvferry_test_corrupt`` = ``{"block": i,
+"layer": j, "seed": s}``: when kvferry reports that request's KV landed
+(``get_finished``, on the model-runner thread, before the step that reads
+those blocks), the request's ``i``-th block of layer ``j`` (one kvferry page,
+64 KiB for the test model) is overwritten with random values of the page's own
+mean and spread, and the decode log says so (``kvferry-test: corrupted``).
+So the test's token comparison can be shown to catch a page that came wrong.
+
+Nothing of this is installed: vLLM loads it with ``kv_connector_module_path``
+``tests.engines.vllm.corrupting`` (the repository root is on the servers'
+PYTHONPATH).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from transfer.adapters.vllm import KvferryConnector, KvferryConnectorMetadata
+from transfer.adapters.vllm_worker import _layer_order
+
+log = logging.getLogger("kvferry.vllm.test")
+
+KEY = "kvferry_test_corrupt"
+
+
+@dataclass(frozen=True)
+class Corruption:
+    block: int  # a vLLM block id of decode
+    layer: int
+    seed: int
+
+
+@dataclass
+class CorruptingMetadata(KvferryConnectorMetadata):
+    corrupt: dict[str, Corruption] = field(default_factory=dict)  # request id -> what to overwrite
+
+
+class CorruptingKvferryConnector(KvferryConnector):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._planned: dict[str, Corruption] = {}  # scheduler: until the next build_connector_meta
+        self._armed: dict[str, Corruption] = {}  # worker: until the request's KV landed
+        self._layers: list = []
+
+    # --- scheduler side ---------------------------------------------------------
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        spec = (request.kv_transfer_params or {}).get(KEY)
+        recv = self._recvs[-1] if self._recvs else None
+        if spec and recv is not None and recv.req_id == request.request_id:
+            self._planned[request.request_id] = Corruption(block=recv.pages[int(spec["block"])],
+                                                           layer=int(spec.get("layer", 0)),
+                                                           seed=int(spec.get("seed", 0)))
+
+    def build_connector_meta(self, scheduler_output) -> CorruptingMetadata:
+        meta = super().build_connector_meta(scheduler_output)
+        out = CorruptingMetadata(sends=meta.sends, recvs=meta.recvs, aborts=meta.aborts, corrupt=self._planned)
+        self._planned = {}
+        return out
+
+    # --- worker side ------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        super().register_kv_caches(kv_caches)
+        self._layers = [kv_caches[name] for name in sorted(kv_caches, key=_layer_order)]
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        super().start_load_kv(forward_context, **kwargs)
+        meta = self._connector_metadata
+        if isinstance(meta, CorruptingMetadata):
+            self._armed.update(meta.corrupt)
+
+    def get_finished(self, finished_req_ids: set[str]):
+        sending, recving = super().get_finished(finished_req_ids)
+        for req_id in (recving or set()) & set(self._armed):
+            self._corrupt(req_id, self._armed.pop(req_id))
+        return sending, recving
+
+    def _corrupt(self, req_id: str, c: Corruption) -> None:
+        import torch
+
+        page = self._layers[c.layer][c.block]
+        before = page.clone()
+        values = page.float()
+        noise = torch.randn(page.shape, generator=torch.Generator().manual_seed(c.seed))
+        page.copy_((noise * values.std() + values.mean()).to(page.dtype))
+        changed = int((page != before).sum())
+        log.warning("kvferry-test: corrupted block %d of layer %d for request %s (%d of %d values changed)",
+                    c.block, c.layer, req_id, changed, page.numel())
