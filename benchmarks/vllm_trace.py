@@ -55,72 +55,94 @@ def thread_cpu() -> dict[str, float]:
     return out
 
 
-class TracingKvferryConnector(KvferryConnector):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._side = "prefill" if self.is_producer else "decode"
-        self._room_of: dict[str, int] = {}
-        self._handles: dict[str, object] = {}
-        self._sched_seen: set[str] = set()
-        self._steps = 0
-        if self.worker is not None:
-            threading.Thread(target=self._cpu_loop, name="kvtrace-cpu", daemon=True).start()
+class _Tracing:
+    """Connector-agnostic events: admitted with external tokens, finished
+    with delayed free, first scheduled, reported by get_finished."""
 
-    def _cpu_loop(self) -> None:
-        while True:
-            time.sleep(5)
-            trace("cpu", side=self._side, threads=thread_cpu(), steps=self._steps)
+    def _trace_init(self, side: str) -> None:
+        self._side = side
+        self._sched_seen: set = set()
+        self._ext: set[str] = set()
 
-    # scheduler
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        n = len(self._recvs)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
-        if len(self._recvs) > n:
-            r = self._recvs[-1]
-            self._room_of[r.req_id] = r.room
-            trace("alloc", side=self._side, room=r.room, req=r.req_id)
+        if num_external_tokens > 0:
+            self._ext.add(request.request_id)
+            trace("alloc", side=self._side, req=request.request_id)
 
     def request_finished(self, request, block_ids):
-        n = len(self._sends)
         out = super().request_finished(request, block_ids)
-        if len(self._sends) > n:
-            s = self._sends[-1]
-            self._room_of[s.req_id] = s.room
-            trace("finished", side=self._side, room=s.room, req=s.req_id)
+        if out[0]:
+            self._ext.add(request.request_id)
+            trace("finished", side=self._side, req=request.request_id)
         return out
 
     def build_connector_meta(self, scheduler_output):
-        self._steps += 1
-        for req_id in getattr(scheduler_output, "num_scheduled_tokens", {}) or {}:
-            key = (req_id, req_id in self._room_of)
+        for req_id, n in (getattr(scheduler_output, "num_scheduled_tokens", {}) or {}).items():
+            key = (req_id, req_id in self._ext)
             if key not in self._sched_seen:
                 self._sched_seen.add(key)
-                trace("sched", side=self._side, req=req_id, room=self._room_of.get(req_id),
-                      tokens=scheduler_output.num_scheduled_tokens[req_id])
+                trace("sched", side=self._side, req=req_id, tokens=n)
         return super().build_connector_meta(scheduler_output)
-
-    # worker
-    def start_load_kv(self, forward_context, **kwargs) -> None:
-        super().start_load_kv(forward_context, **kwargs)
-        meta = self._connector_metadata
-        specs = list(getattr(meta, "sends", ())) + list(getattr(meta, "recvs", ()))
-        if specs:
-            with self.worker._lock:
-                for s in specs:
-                    room = self.worker._rooms.get(s.req_id)
-                    if room is not None:
-                        self._handles[s.req_id] = room.handle
-            for s in specs:
-                trace("start", side=self._side, room=s.room, req=s.req_id)
 
     def get_finished(self, finished_req_ids):
         sending, recving = super().get_finished(finished_req_ids)
         for req_id in (sending or set()) | (recving or set()):
-            handle = self._handles.pop(req_id, None)
-            st = handle.stats() if handle is not None else None
-            trace("reported", side=self._side, req=req_id, room=getattr(handle, "room", None),
-                  requested=st and st.requested_wall, first_byte=st and st.first_byte_wall,
-                  done=st and st.done_wall)
+            trace("reported", side=self._side, req=req_id)
+        return sending, recving
+
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import MooncakeConnector
+
+    class TracingMooncakeConnector(_Tracing, MooncakeConnector):
+        def __init__(self, vllm_config, role, kv_cache_config=None) -> None:
+            super().__init__(vllm_config, role, kv_cache_config)
+            self._trace_init("prefill" if vllm_config.kv_transfer_config.kv_role == "kv_producer" else "decode")
+except ImportError:  # no Mooncake connector in this vLLM
+    pass
+
+
+class TracingKvferryConnector(_Tracing, KvferryConnector):
+    """Also: each room's kvferry RoomStats (requested, first byte, done) and
+    when the worker's driver saw it end, at the get_finished that reports it;
+    and the CPU seconds of each thread every 5 s."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._trace_init("prefill" if self.is_producer else "decode")
+        self._ended: dict[str, tuple[float, object]] = {}
+        self._calls: list[float] = []  # the last get_finished calls
+        if self.worker is not None:
+            threading.Thread(target=self._cpu_loop, name="kvtrace-cpu", daemon=True).start()
+            poll_all = self.worker._poll_all
+
+            def traced_poll_all():
+                with self.worker._lock:
+                    rooms = dict(self.worker._rooms)
+                poll_all()
+                now = time.time()
+                with self.worker._lock:
+                    gone = set(rooms) - set(self.worker._rooms)
+                for req_id in gone:
+                    self._ended.setdefault(req_id, (now, rooms[req_id].handle.stats()))
+
+            self.worker._poll_all = traced_poll_all
+
+    def _cpu_loop(self) -> None:
+        while True:
+            time.sleep(5)
+            trace("cpu", side=self._side, threads=thread_cpu())
+
+    def get_finished(self, finished_req_ids):
+        sending, recving = KvferryConnector.get_finished(self, finished_req_ids)
+        now = time.time()
+        for req_id in (sending or set()) | (recving or set()):
+            seen, st = self._ended.pop(req_id, (None, None))
+            trace("reported", side=self._side, req=req_id, worker_done=seen,
+                  prev_call=self._calls[-1] if self._calls else None,
+                  requested=st and st.requested_wall, first_byte=st and st.first_byte_wall, done=st and st.done_wall)
+        self._calls = self._calls[-1:] + [now]
         return sending, recving
 
 
@@ -153,7 +175,7 @@ def breakdown(windows: list[tuple[float, float, float]], events: list[dict]) -> 
                 row.setdefault(key, (e["t"] - t0) * 1e3)
             elif ev == "reported":
                 row.setdefault(f"{side}.reported", (e["t"] - t0) * 1e3)
-                for k in ("requested", "first_byte", "done"):
+                for k in ("requested", "first_byte", "done", "worker_done", "prev_call"):
                     if e.get(k):
                         row.setdefault(f"{side}.room_{k}", (e[k] - t0) * 1e3)
             elif ev in ("alloc", "finished", "start"):
@@ -162,9 +184,9 @@ def breakdown(windows: list[tuple[float, float, float]], events: list[dict]) -> 
     return rows
 
 
-ORDER = ["decode.alloc", "decode.start", "decode.room_requested", "prefill.sched", "prefill.finished",
-         "prefill.start", "prefill.room_requested", "prefill.room_first_byte", "prefill.room_done",
-         "prefill.reported", "decode.room_first_byte", "decode.room_done", "decode.reported", "decode.sched",
+ORDER = ["decode.alloc", "decode.room_requested", "prefill.sched", "prefill.finished",
+         "prefill.room_requested", "prefill.room_first_byte", "prefill.room_done",
+         "prefill.reported", "decode.room_first_byte", "decode.room_done", "decode.room_worker_done", "decode.room_prev_call", "decode.reported", "decode.sched",
          "decode.sched2", "ttft"]
 
 
@@ -174,7 +196,7 @@ def main(argv=None) -> int:
     from harness.vllm import VOCAB, build_tiny_model
 
     ap = argparse.ArgumentParser(prog="python -m benchmarks.vllm_trace")
-    ap.add_argument("--connector", default="kvferry-concurrent")
+    ap.add_argument("--connectors", default="kvferry-concurrent,mooncake")
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--dir", required=True)
@@ -187,8 +209,9 @@ def main(argv=None) -> int:
 
     def traced(name, ports):
         pc, dc, penv, denv = configs(name, ports)
+        cls = "TracingMooncakeConnector" if name == "mooncake" else "TracingKvferryConnector"
         for c in (pc, dc):
-            c.update(kv_connector="TracingKvferryConnector", kv_connector_module_path="benchmarks.vllm_trace")
+            c.update(kv_connector=cls, kv_connector_module_path="benchmarks.vllm_trace")
         return pc, dc, penv, denv
 
     bv.kv_configs = traced
@@ -200,15 +223,21 @@ def main(argv=None) -> int:
         return one(*a, **kw)
 
     bv.one_request = timed
-    run = bv.run_connector(args.connector, model, prompts, args.max_tokens, args.dir)
-    starts = starts[1:]  # the warm-up
+    for name in args.connectors.split(","):
+        starts.clear()
+        run = bv.run_connector(name, model, prompts, args.max_tokens, args.dir)
+        report(name, run, starts[1:], args.dir)
+    return 0
+
+
+def report(name: str, run: dict, starts: list[float], log_dir: str) -> None:
     events = []
     for side in ("prefill", "decode"):
-        events += read_traces(os.path.join(args.dir, f"{args.connector}-{side}.log"))
+        events += read_traces(os.path.join(log_dir, f"{name}-{side}.log"))
     windows = [(t0, r["ttft_s"], starts[i + 1] if i + 1 < len(starts) else t0 + 60)
                for i, (t0, r) in enumerate(zip(starts, run["results"]))]
     rows = breakdown(windows, events)
-    print("ms from the client's start (median over requests; n = requests that have the event):")
+    print(f"{name}: ms from the client's start (median over requests; n = requests that have the event):")
     for key in ORDER:
         vals = [r[key] for r in rows if key in r]
         if vals:
@@ -219,11 +248,9 @@ def main(argv=None) -> int:
         last = [e for e in cpu if e["side"] == side]
         if last:
             top = sorted(last[-1]["threads"].items(), key=lambda kv: -kv[1])[:12]
-            print(f"  {side} thread CPU s: " + ", ".join(f"{k}={v:.1f}" for k, v in top)
-                  + f"; engine steps {last[-1]['steps']}")
-    with open(os.path.join(args.dir, "trace.json"), "w") as f:
+            print(f"  {side} thread CPU s: " + ", ".join(f"{k}={v:.1f}" for k, v in top))
+    with open(os.path.join(log_dir, f"trace-{name}.json"), "w") as f:
         json.dump({"rows": rows, "events": events}, f)
-    return 0
 
 
 if __name__ == "__main__":

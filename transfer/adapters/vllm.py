@@ -49,6 +49,14 @@ log = logging.getLogger("kvferry.vllm")
 # A request that generated its one token and stopped, or hit max_tokens: its prompt's KV is complete.
 _SENDABLE = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 
+# The workers of this process, by vLLM engine id. With vLLM's in-process
+# executor (TP 1: scheduler and worker share the EngineCore process) the
+# scheduler half opens a room on its worker at once, from request_finished
+# (prefill) or update_state_after_alloc (decode), instead of in the next
+# engine step's metadata: the push starts one engine step earlier. Other
+# executors (a worker in another process) take the metadata path.
+_LOCAL_WORKERS: dict[str, Any] = {}
+
 
 @dataclass
 class KvferryConnectorMetadata(KVConnectorMetadata):
@@ -72,6 +80,7 @@ class KvferryConnector(KVConnectorBase_V1):
         if tc.kv_role not in ("kv_producer", "kv_consumer"):
             raise ValueError(f"KvferryConnector: kv_role must be kv_producer or kv_consumer, got {tc.kv_role!r}")
         self.block_size = vllm_config.cache_config.block_size
+        self._engine_id = str(tc.engine_id)
         # scheduler state
         self._sends: list[SendSpec] = []
         self._recvs: list[RecvSpec] = []
@@ -111,9 +120,10 @@ class KvferryConnector(KVConnectorBase_V1):
         source = source_of(params)  # checked in get_num_new_matched_tokens
         pages = tuple(blocks.get_block_ids()[0][:num_pages(len(request.prompt_token_ids), self.block_size)])
         self._open_recvs.add(request.request_id)
-        self._recvs.append(RecvSpec(req_id=request.request_id, room=source.room,
-                                    bootstrap_addr=source.bootstrap_addr, node_id=source.node_id, pages=pages,
-                                    token_ids=self._prompt(request)))
+        spec = RecvSpec(req_id=request.request_id, room=source.room, bootstrap_addr=source.bootstrap_addr,
+                        node_id=source.node_id, pages=pages, token_ids=self._prompt(request))
+        if not self._start_here(recvs=[spec]):
+            self._recvs.append(spec)
 
     def build_connector_meta(self, scheduler_output) -> KvferryConnectorMetadata:
         meta = KvferryConnectorMetadata(sends=self._sends, recvs=self._recvs, aborts=self._aborts)
@@ -138,10 +148,25 @@ class KvferryConnector(KVConnectorBase_V1):
             log.warning("kvferry: request %s holds %d blocks for %d prompt tokens; not sent",
                         request.request_id, len(block_ids), request.num_prompt_tokens)
             return False, None
-        self._sends.append(SendSpec(req_id=request.request_id, room=room, pages=tuple(block_ids[:n]),
-                                    token_ids=self._prompt(request)))
+        spec = SendSpec(req_id=request.request_id, room=room, pages=tuple(block_ids[:n]),
+                        token_ids=self._prompt(request))
         self._pending_sends.add(request.request_id)
+        if not self._start_here(sends=[spec]):
+            self._sends.append(spec)
         return True, decode_params(room, self.config)
+
+    def _start_here(self, sends=(), recvs=()) -> bool:
+        """Open rooms on this process's worker now (see ``_LOCAL_WORKERS``);
+        False: there is none, send them in the step's metadata."""
+        worker = _LOCAL_WORKERS.get(self._engine_id)
+        if worker is None:
+            return False
+        try:
+            worker.start(list(sends), list(recvs))
+        except Exception:  # a bug, not a transfer failure (start reports those): the metadata path then
+            log.exception("kvferry: opening rooms on the in-process worker failed")
+            return False
+        return True
 
     def _prompt(self, request: "Request") -> tuple[int, ...]:
         """The prompt's token ids when a storage tier needs them as keys."""
@@ -160,6 +185,7 @@ class KvferryConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict) -> None:
         self.worker.register_kv_caches(kv_caches)
+        _LOCAL_WORKERS[self._engine_id] = self.worker
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         meta = self._connector_metadata
@@ -184,4 +210,6 @@ class KvferryConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         if self.worker is not None:
+            if _LOCAL_WORKERS.get(self._engine_id) is self.worker:
+                del _LOCAL_WORKERS[self._engine_id]
             self.worker.close()

@@ -27,6 +27,12 @@ log = logging.getLogger("kvferry.vllm.test")
 
 KEY = "kvferry_test_corrupt"
 
+# Armed corruptions by request id, seen by the worker half of this process
+# (the scheduler half may open the room on the in-process worker at once, see
+# transfer.adapters.vllm._LOCAL_WORKERS); the step's metadata carries them too,
+# for a worker in another process.
+_ARMED: dict[str, "Corruption"] = {}
+
 
 @dataclass(frozen=True)
 class Corruption:
@@ -50,13 +56,14 @@ class CorruptingKvferryConnector(KvferryConnector):
     # --- scheduler side ---------------------------------------------------------
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params or {}
+        spec = params.get(KEY)
+        if spec and params.get("do_remote_prefill") and num_external_tokens > 0 and not self.is_producer:
+            # Armed before the room opens (super() may open it at once).
+            c = Corruption(block=blocks.get_block_ids()[0][int(spec["block"])], layer=int(spec.get("layer", 0)),
+                           seed=int(spec.get("seed", 0)))
+            self._planned[request.request_id] = _ARMED[request.request_id] = c
         super().update_state_after_alloc(request, blocks, num_external_tokens)
-        spec = (request.kv_transfer_params or {}).get(KEY)
-        recv = self._recvs[-1] if self._recvs else None
-        if spec and recv is not None and recv.req_id == request.request_id:
-            self._planned[request.request_id] = Corruption(block=recv.pages[int(spec["block"])],
-                                                           layer=int(spec.get("layer", 0)),
-                                                           seed=int(spec.get("seed", 0)))
 
     def build_connector_meta(self, scheduler_output) -> CorruptingMetadata:
         meta = super().build_connector_meta(scheduler_output)
@@ -78,8 +85,11 @@ class CorruptingKvferryConnector(KvferryConnector):
 
     def get_finished(self, finished_req_ids: set[str]):
         sending, recving = super().get_finished(finished_req_ids)
-        for req_id in (recving or set()) & set(self._armed):
-            self._corrupt(req_id, self._armed.pop(req_id))
+        for req_id in recving or set():
+            c = self._armed.pop(req_id, None)
+            c = _ARMED.pop(req_id, None) or c
+            if c is not None:
+                self._corrupt(req_id, c)
         return sending, recving
 
     def _corrupt(self, req_id: str, c: Corruption) -> None:
