@@ -8,7 +8,10 @@ A driver thread (``kvferry-vllm``) polls the rooms as they change
 (``KVManager.wait_for_progress``) and pushes a prefill room's pages as soon
 as its decode request arrived, so no push waits for the next engine step.
 ``start`` also polls its new prefill rooms once, so a room whose decode
-request came first is pushed at once. Nothing blocks vLLM: ``start`` submits
+request came first is pushed at once. With vLLM's in-process executor the
+scheduler half calls ``start`` too, from the scheduler's thread, as soon as a
+room is known (``transfer.adapters.vllm._LOCAL_WORKERS``): ``start`` and the
+pollers take the worker's lock, so any thread may call it. Nothing blocks vLLM: ``start`` submits
 and ``finished`` only takes a lock.
 """
 
