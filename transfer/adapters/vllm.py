@@ -17,13 +17,17 @@ Prefill (``kv_producer``): a request with ``do_remote_decode`` finishes
 after its prompt; ``request_finished`` keeps its blocks (``delay_free``) and
 returns decode's ``kv_transfer_params``; the worker opens a kvferry room and
 pushes the blocks when decode asks; the blocks are freed when the room ends
-(landed, failed, or no decode asked within ``bootstrap_timeout_s``).
+(landed, failed, or no decode asked within the lease, ``kvferry_lease_s``).
 Decode (``kv_consumer``): a request with ``do_remote_prefill`` claims its
 whole prompt as an asynchronous external load; the worker receives the room
 into the allocated blocks and reports it finished; a failed room reports its
 blocks in ``get_block_ids_with_load_errors`` and vLLM recomputes or fails the
 request (``kv_load_failure_policy``). Every wait is bounded by kvferry's
 timeouts (``transfer_timeout_s``, ``peer_timeout_s``).
+
+Stats: each worker reports the rooms that ended in a step
+(``get_kv_connector_stats``); vLLM logs them and exports them on its own
+``/metrics`` as ``vllm:kvferry_*`` (:mod:`transfer.adapters.vllm_metrics`).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
+from transfer.adapters.vllm_metrics import KvferryConnectorStats, KvferryPromMetrics
 from transfer.adapters.vllm_params import (ConnectorConfig, RecvSpec, SendSpec, decode_params, num_pages, room_of,
                                            source_of)
 
@@ -185,3 +190,18 @@ class KvferryConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.close()
+
+    # --- stats (docs/observability.md) -------------------------------------------
+
+    def get_kv_connector_stats(self):
+        """The rooms that ended since the last call (worker side; the scheduler has none)."""
+        data = self.worker.take_stats() if self.worker is not None else None
+        return None if data is None else KvferryConnectorStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        return KvferryConnectorStats(data=data) if data is not None else KvferryConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KvferryPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
