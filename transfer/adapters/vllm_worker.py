@@ -242,10 +242,12 @@ class KvferryWorker:
                     expired.append(room)
             wait = min(_WAKE_S, self._leases[0][0] - now) if self._leases else _WAKE_S
         for room in expired:
-            if room.handle.poll() is KVPoll.Bootstrapping:  # else a decode asked: the push comes
+            if room.handle.poll() is KVPoll.Bootstrapping:
                 room.expired = True
                 room.handle.abort(f"lease expired: no decode asked for request {room.req_id} within "
                                   f"{self.config.lease_s:g} s (kvferry_lease_s)")
+            else:  # a decode asked: push it now if no poll did (a change missed by a failed round)
+                self._poll([room])
         return max(0.0, wait)
 
     def _poll(self, rooms: list[_Room]) -> None:
