@@ -141,6 +141,7 @@ def run_prefill(case: Case) -> dict:
     mgrs = [KVManager(config(case, Role.PREFILL, r, case.prefill_tp),
                       [FusedKVPool(kv=caches[r][1], total_kv_heads=case.total_heads, kv_layout=case.kv_layout,
                                    vllm_layout=case.layout)]) for r in range(case.prefill_tp)]
+    print(f"REGISTERED {case.name}", flush=True)  # decode looks the node up only now
     try:
         senders, pages, sent = [], {}, set()
         for room, src, _ in rooms(case):
@@ -230,6 +231,8 @@ def _worker_side(case: Case, role: Role, tp: int, caches: list, *, layout: str =
             w = KvferryWorker(cc, role=role, tp_rank=rank, tp_size=tp, layout=lay)
             w.register_kv_caches({f"model.layers.{i}.self_attn.attn": v for i, v in enumerate(caches[rank][1])})
             workers.append(w)
+        if role is Role.PREFILL:
+            print(f"REGISTERED {case.name}", flush=True)
         specs = rooms(case)
         ids = {f"req-{room}" for room, _, _ in specs}
         for w in workers:

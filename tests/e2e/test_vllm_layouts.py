@@ -61,6 +61,16 @@ class Side:
         self.proc.stdin.write(json.dumps(asdict(case)) + "\n")
         self.proc.stdin.flush()
 
+    def registered(self, timeout_s: float) -> None:
+        """Wait for the prefill side's ranks to be registered (or its result, if it failed first)."""
+        while True:
+            line = self._wait("", timeout_s)
+            if line.startswith("REGISTERED"):
+                return
+            if line.startswith("RESULT "):
+                self.lines.put(line + "\n")  # read again by result()
+                return
+
     def result(self, timeout_s: float) -> dict:
         return json.loads(self._wait("RESULT ", timeout_s))
 
@@ -88,6 +98,7 @@ def run_case(sides, **kw) -> tuple[dict, dict]:
     addr, prefill, decode = sides
     case = Case(bootstrap=addr, node=f"layout-{kw['name']}", **kw)
     prefill.submit(case)
+    prefill.registered(case.timeout_s)  # the prefill node is known before decode looks it up
     decode.submit(case)
     return prefill.result(case.timeout_s + 30), decode.result(case.timeout_s + 30)
 
