@@ -8,7 +8,7 @@
 - the handshake names both sides' layouts where no plan bridges them;
 - plans (direct) and staged copies (gather, scatter) over every layout and
   head slice move exactly the right bytes (executed with memmove here; the
-  multi-process Mooncake runs are tests/e2e/test_vllm_layouts.py).
+  multi-process Mooncake runs are tests/layouts/test_vllm_layouts.py).
 """
 
 from __future__ import annotations

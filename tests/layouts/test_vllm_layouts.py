@@ -5,7 +5,7 @@ loopback. Random data, random block lists; decode compares its whole buffer
 byte for byte with what it must hold (the received blocks in place, every
 other byte, other layers' pages of cross-layer blocks included, unchanged).
 
-One process pair serves the whole matrix (:mod:`tests.e2e.layout_rank`), so
+One process pair serves the whole matrix (:mod:`tests.layouts.layout_rank`), so
 it costs one start-up. Layouts (vLLM 0.32's ``KVCacheLayout`` names): the CPU
 backend's ``LBHNC`` with K rows then V rows (``fused_rows``), and the GPU
 backends' ``LBHNC``, ``LBNHC``, ``BLHNC``, ``BLNHC`` (``fused_cells``), with
@@ -25,14 +25,14 @@ from dataclasses import asdict
 import pytest
 
 from harness.launch import BootstrapProcess, child_env
-from tests.e2e.layout_rank import Case
+from tests.layouts.layout_rank import Case
 
 
 class Side:
-    """One ``tests.e2e.layout_rank`` process; every wait bounded."""
+    """One ``tests.layouts.layout_rank`` process; every wait bounded."""
 
     def __init__(self, role: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.e2e.layout_rank", "--role", role],
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.layouts.layout_rank", "--role", role],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env=child_env())
         self.lines: queue.Queue[str | None] = queue.Queue()

@@ -1,5 +1,5 @@
 """One side (prefill or decode) of the vLLM-layout transfer tests, as a
-long-lived process: ``python -m tests.e2e.layout_rank --role prefill``.
+long-lived process: ``python -m tests.layouts.layout_rank --role prefill``.
 
 Reads one case per stdin line (JSON, see :class:`Case`) and answers one JSON
 line per case. A side hosts all its TP ranks (one KVManager each, its own
