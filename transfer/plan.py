@@ -137,11 +137,10 @@ def plan_pool(src: PoolDescriptor, dst: PoolDescriptor, src_pages: np.ndarray, d
         # Token-major pages: a head slice is strided, one descriptor per token.
         tokens = runs.lengths * src.page_size
         first = np.repeat(np.cumsum(tokens) - tokens, tokens)
-        tok = np.arange(int(tokens.sum())) - first
-        tok_in_run = tok  # token index from the run's first page
-        src_page = np.repeat(runs.src_starts, tokens) + tok_in_run // src.page_size
-        dst_page = np.repeat(runs.dst_starts, tokens) + tok_in_run // src.page_size
-        in_page = tok_in_run % src.page_size
+        tok = np.arange(int(tokens.sum())) - first  # token index from its run's first page
+        src_page = np.repeat(runs.src_starts, tokens) + tok // src.page_size
+        dst_page = np.repeat(runs.dst_starts, tokens) + tok // src.page_size
+        in_page = tok % src.page_size
         head_bytes = src.head_bytes
         src_off = src_page * src.page_stride + in_page * src.token_bytes + src_head_offset * head_bytes
         dst_off = dst_page * dst.page_stride + in_page * dst.token_bytes + dst_head_offset * head_bytes

@@ -10,6 +10,11 @@ as its decode request arrived, so no push waits for the next engine step.
 ``start`` also polls its new prefill rooms once, so a room whose decode
 request came first is pushed at once. Nothing blocks vLLM: ``start`` submits
 and ``finished`` only takes a lock.
+
+Every TP rank has its own worker and KVManager, registered with its TP rank
+and size and holding its slice of the KV heads (:class:`CacheLayout` gives
+the model's head count and vLLM's layout); prefill and decode TP sizes may
+differ wherever one divides the other, and kvferry plans the head slices.
 """
 
 from __future__ import annotations
