@@ -208,3 +208,28 @@ def test_pages_and_head_slices_move_byte_exact(p_layout, d_layout, tp, path):
         scatter(staging, 0, pool_tensors([pool(d_layout, dst_views, total=H)]), dp, d_sl,
                 torch.as_tensor(dst_pages))
     assert torch.equal(dst_raw.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
+def test_storage_segments_of_a_fused_pool(layout):
+    """The storage tier stores a page as each layer's block, in physical order;
+    its key fingerprint is per TP rank and names the packing."""
+    from transfer.storage.segments import pages_segments, pool_fingerprint
+    raw, views = vllm_cache(layout, seed=3)
+    p = pool(layout, views, total=2 * H)
+    page = 5
+    segs = pages_segments(p, [page])[0]
+    got = b"".join(ctypes.string_at(addr, n) for addr, n in segs)
+    want = b"".join((v[page] if layout == "LBHNC" else v[page].permute(1, 0, 2)).contiguous()
+                    .view(torch.uint8).numpy().tobytes() for v in views)
+    assert got == want
+    a = pool_fingerprint(p, model="m", tp_rank=0, tp_size=2)
+    b = pool_fingerprint(p, model="m", tp_rank=1, tp_size=2)
+    assert a != b and a.extra == "fused_cells" and a.num_kv_heads == H
+
+
+def test_storage_refuses_cross_layer_blocks():
+    from transfer.storage.segments import pages_segments
+    _, views = vllm_cache("BLHNC")
+    with pytest.raises(ValueError, match="cross-layer"):
+        pages_segments(pool("BLHNC", views), [1])
