@@ -64,6 +64,17 @@ class KvferryConnectorMetadata(KVConnectorMetadata):
     aborts: list[str] = field(default_factory=list)  # decode requests finished while their room is open
 
 
+def _cache_layout(vllm_config):
+    """The model's KV heads and vLLM's cache layout, for the worker's pool
+    (the layout name is vLLM's resolved one where it is known already)."""
+    from vllm.platforms import current_platform
+
+    from transfer.adapters.vllm_worker import CacheLayout
+    return CacheLayout(total_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
+                       kv_layout="fused_rows" if current_platform.is_cpu() else "fused_cells",
+                       vllm_layout=getattr(vllm_config.cache_config, "kv_cache_layout", None))
+
+
 class KvferryConnector(KVConnectorBase_V1):
     """vLLM's ``KVConnectorBase_V1`` over kvferry rooms (push from prefill)."""
 
@@ -90,7 +101,7 @@ class KvferryConnector(KVConnectorBase_V1):
             pc = vllm_config.parallel_config
             self.worker = KvferryWorker(self.config, role=Role.PREFILL if self.is_producer else Role.DECODE,
                                         tp_rank=pc.rank % pc.tensor_parallel_size,
-                                        tp_size=pc.tensor_parallel_size)
+                                        tp_size=pc.tensor_parallel_size, layout=_cache_layout(vllm_config))
 
     # --- scheduler side ---------------------------------------------------------
 
@@ -164,6 +175,7 @@ class KvferryConnector(KVConnectorBase_V1):
     # --- worker side ------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict) -> None:
+        self.worker.layout = _cache_layout(self._vllm_config)  # the layout is resolved by now
         self.worker.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:

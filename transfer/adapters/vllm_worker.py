@@ -19,6 +19,11 @@ looked at per wake-up). ``start`` polls the rooms it opened once (a decode
 request may have come first; a change before the room was listed would be
 missed). Nothing blocks vLLM: ``start`` submits, ``finished`` and
 ``take_stats`` only take a lock.
+
+Every TP rank has its own worker and KVManager, registered with its TP rank
+and size and holding its slice of the KV heads (:class:`CacheLayout` gives
+the model's head count and vLLM's layout); prefill and decode TP sizes may
+differ wherever one divides the other, and kvferry plans the head slices.
 """
 
 from __future__ import annotations
@@ -48,6 +53,19 @@ def _layer_order(name: str) -> tuple:
     return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
 
 
+@dataclass(frozen=True)
+class CacheLayout:
+    """What the connector knows of vLLM's KV cache beyond the tensors:
+    ``total_kv_heads`` (the model's; None: this rank's, right for TP 1),
+    ``kv_layout`` (``fused_rows`` on vLLM's CPU backend, ``fused_cells`` on
+    the GPU backends) and ``vllm_layout`` (vLLM's resolved KVCacheLayout
+    name, checked against the tensors' strides when given)."""
+
+    total_kv_heads: int | None = None
+    kv_layout: str = "fused_rows"
+    vllm_layout: str | None = None
+
+
 @dataclass
 class _Room:
     req_id: str
@@ -61,11 +79,12 @@ class _Room:
 class KvferryWorker:
     """Sends (prefill) or receives (decode) rooms for one vLLM worker rank."""
 
-    def __init__(self, config: ConnectorConfig, *, role: Role, tp_rank: int, tp_size: int) -> None:
-        if tp_size != 1:
-            raise ValueError("kvferry's vLLM connector moves whole blocks of vLLM's CPU layout: tensor "
-                             f"parallel size must be 1 on both sides (got {tp_size})")
-        self.config, self.role, self.tp_rank = config, role, tp_rank
+    def __init__(self, config: ConnectorConfig, *, role: Role, tp_rank: int, tp_size: int,
+                 layout: CacheLayout | None = None) -> None:
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"kvferry vLLM worker: tp_rank {tp_rank} not in [0, {tp_size})")
+        self.config, self.role, self.tp_rank, self.tp_size = config, role, tp_rank, tp_size
+        self.layout = layout or CacheLayout()
         self.mgr = None
         self.server = None
         self._lock = threading.Lock()
@@ -84,18 +103,21 @@ class KvferryWorker:
     # --- vLLM's calls ------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict) -> None:
-        """Describe vLLM's per-layer caches as one fused K/V pool and build the manager."""
+        """Describe vLLM's per-layer caches as one fused K/V pool (this rank's
+        heads of ``layout.total_kv_heads``) and build the manager."""
         from transfer.manager import KVManager  # lazily: Mooncake and zmq load here only
 
         layers = [kv_caches[name] for name in sorted(kv_caches, key=_layer_order)]
-        pool = FusedKVPool(kv=layers).single_buffer()
+        lay = self.layout
+        pool = FusedKVPool(kv=layers, total_kv_heads=lay.total_kv_heads, kv_layout=lay.kv_layout,
+                           vllm_layout=lay.vllm_layout)
         c = self.config
         if c.serve_bootstrap and self.role is Role.PREFILL and self.tp_rank == 0:
             from bootstrap.server import BootstrapServer
             host, _, port = c.bootstrap_addr.rpartition(":")
             self.server = BootstrapServer(host, int(port)).start()
         mconfig = ManagerConfig(role=self.role, bootstrap_addr=c.bootstrap_addr, node_id=c.node_id,
-                                host=c.host, tp_rank=self.tp_rank,
+                                host=c.host, tp_rank=self.tp_rank, tp_size=self.tp_size,
                                 engine=replace(EngineConfig(), protocol=c.protocol, hostname=c.host),
                                 **c.manager_fields(prefill=self.role is Role.PREFILL))
         try:
@@ -104,9 +126,10 @@ class KvferryWorker:
             if self.server is not None:
                 self.server.close()
             raise
-        log.info("kvferry %s worker: %d layers, %d blocks of %d bytes per layer, bootstrap %s",
-                 self.role.value, len(layers), layers[0].shape[0],
-                 layers[0][0].numel() * layers[0].element_size(), c.bootstrap_addr)
+        log.info("kvferry %s worker (TP rank %d of %d): %d layers, %d blocks of %d bytes per layer, %s, "
+                 "bootstrap %s", self.role.value, self.tp_rank, self.tp_size, len(layers), layers[0].shape[0],
+                 layers[0][0].numel() * layers[0].element_size(), lay.vllm_layout or lay.kv_layout,
+                 c.bootstrap_addr)
 
     def attach(self, mgr) -> None:
         """Work through ``mgr`` (register_kv_caches builds it; a test may
