@@ -115,19 +115,19 @@ class TracingKvferryConnector(_Tracing, KvferryConnector):
         self._calls: list[float] = []  # the last get_finished calls
         if self.worker is not None:
             threading.Thread(target=self._cpu_loop, name="kvtrace-cpu", daemon=True).start()
-            poll_all = self.worker._poll_all
+            poll = self.worker._poll
 
-            def traced_poll_all():
+            def traced_poll(rooms):  # when the worker (driver or start) saw a room end
                 with self.worker._lock:
-                    rooms = dict(self.worker._rooms)
-                poll_all()
+                    listed = dict(self.worker._rooms)
+                poll(rooms)
                 now = time.time()
                 with self.worker._lock:
-                    gone = set(rooms) - set(self.worker._rooms)
+                    gone = set(listed) - set(self.worker._rooms)
                 for req_id in gone:
-                    self._ended.setdefault(req_id, (now, rooms[req_id].handle.stats()))
+                    self._ended.setdefault(req_id, (now, listed[req_id].handle.stats()))
 
-            self.worker._poll_all = traced_poll_all
+            self.worker._poll = traced_poll
 
     def _cpu_loop(self) -> None:
         while True:
