@@ -11,10 +11,14 @@ wall time, and on/off runs interleaved rather than compared across runs):
   process's CPU minus its live threads' is the CPU of the scrapes
   (``rank_cpu_ms_per_scrape``), and the growth of the live threads shows
   whether the data-path threads paid anything besides.
-- **throughput**: rounds of the workload alternate metrics off, and on
-  with that scraper; each round's GB/s and CPU seconds per GB are kept,
-  and ``paired_gbps_ratio`` is the median over rounds of on / off of the
-  same round (the spread of single runs on a shared 2-core VM is 20-40%).
+- **throughput**: each round runs the workload three ways, in an order
+  that rotates: metrics off; off, with the same scraper fetching a static
+  page of the same size from a stand-in process (the scraper's own CPU and
+  wake-ups on a machine the ranks share, not the ranks'); and on, scraped.
+  Each round's GB/s and CPU seconds per GB are kept; ``paired_gbps_ratio``
+  is the median over rounds of on / off of the same round, and
+  ``control_gbps_ratio`` the same of the stand-in run (the spread of single
+  runs on a shared 2-core VM is 20-40%).
 
 The ranks serve the port base + rank (prefill) and base + 100 + rank
 (decode), as :mod:`harness.workload` assigns them.
@@ -27,6 +31,8 @@ import json
 import os
 import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -144,11 +150,44 @@ class Scraper:
         return out
 
 
-def run_round(w, link: Link, interval_s: float | None) -> dict:
-    """One kvferry run of ``w``: metrics off (``interval_s`` None) or on and
-    scraped every ``interval_s``."""
-    if interval_s is None:
-        os.environ.pop("KVFERRY_METRICS_PORT", None)
+_STAND_IN = """
+import http.server, sys
+body = b"# kvferry stand-in\\n" + b"x" * int(sys.argv[1])
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+print(srv.server_address[1], flush=True)
+srv.serve_forever()
+"""
+
+
+def _stand_in_run(w, link: Link, interval_s: float) -> dict:
+    """Metrics off; the scraper fetches a static page of a rank's size from
+    another process instead."""
+    proc = subprocess.Popen([sys.executable, "-c", _STAND_IN, "8600"], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline())
+        with Scraper({"stand-in": port}, interval_s / 2):  # as many fetches as two ranks get
+            row = run_kvferry(w, LocalHost(), link)
+    finally:
+        proc.kill()
+        proc.wait(10)
+    return dict(metrics="off, stand-in scraped", gbps=row["gbps"], cpu_s_per_gb=row["cpu_s_per_gb"],
+                p50_ms=row["p50_ms"])
+
+
+def run_round(w, link: Link, interval_s: float | None, condition: str = "on") -> dict:
+    """One kvferry run of ``w`` under ``condition``: ``off``, ``control``
+    (off, the scraper busy with a stand-in) or ``on`` (scraped every
+    ``interval_s``)."""
+    os.environ.pop("KVFERRY_METRICS_PORT", None)
+    if condition == "control":
+        return _stand_in_run(w, link, interval_s)
+    if condition == "off":
         row = run_kvferry(w, LocalHost(), link)
         return dict(metrics="off", gbps=row["gbps"], cpu_s_per_gb=row["cpu_s_per_gb"], p50_ms=row["p50_ms"])
     base = _free_port_base()
@@ -164,10 +203,13 @@ def run_round(w, link: Link, interval_s: float | None) -> dict:
                                                * 1e3, 3))
 
 
+_CONDITIONS = ("off", "control", "on")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks metrics-cost", description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default="mha-8k-contig", help="comma-separated workload names (default %(default)s)")
-    ap.add_argument("--rounds", type=int, default=4, help="off/on pairs per workload (default %(default)s)")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds of the three conditions per workload (default %(default)s)")
     ap.add_argument("--interval", type=float, default=1.0,
                     help="seconds between scrapes of each rank (default %(default)s; Prometheus' default is 15)")
     ap.add_argument("--requests", type=int, help="override the workloads' request counts")
@@ -185,15 +227,19 @@ def main(argv=None) -> int:
     for w in workloads:
         rounds = []
         for i in range(args.rounds):
-            # Alternate which goes first, so a trend in the machine's load does not favour one.
-            order = (None, args.interval) if i % 2 == 0 else (args.interval, None)
-            pair = {("off" if x is None else "on"): run_round(w, link, x) for x in order}
+            # Rotate the order, so that a trend in the machine's load favours none.
+            order = _CONDITIONS[i % 3:] + _CONDITIONS[:i % 3]
+            pair = {c: run_round(w, link, args.interval, c) for c in order}
             rounds.append(pair)
             print(w.name, i, json.dumps(pair), flush=True)
         ratios = [p["on"]["gbps"] / p["off"]["gbps"] for p in rounds if p["off"]["gbps"]]
+        control = [p["control"]["gbps"] / p["off"]["gbps"] for p in rounds if p["off"]["gbps"]]
         per_scrape = [r["rank_cpu_ms_per_scrape"] for p in rounds for r in p["on"]["ranks"].values()
                       if r["rank_cpu_ms_per_scrape"] is not None]
         summary = dict(paired_gbps_ratio=round(statistics.median(ratios), 3), gbps_ratios=[round(x, 3) for x in ratios],
+                       control_gbps_ratio=round(statistics.median(control), 3),
+                       control_gbps_ratios=[round(x, 3) for x in control],
+                       cpu_s_per_gb_control=[p["control"]["cpu_s_per_gb"] for p in rounds],
                        cpu_s_per_gb_off=[p["off"]["cpu_s_per_gb"] for p in rounds],
                        cpu_s_per_gb_on=[p["on"]["cpu_s_per_gb"] for p in rounds],
                        rank_cpu_ms_per_scrape_median=round(statistics.median(per_scrape), 3) if per_scrape else None)
