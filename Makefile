@@ -15,7 +15,7 @@ NIXL_VERSION ?= 1.5.1
 MOONCAKE_PKG ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo mooncake-transfer-engine || echo mooncake-transfer-engine-non-cuda)
 STAMP := $(VENV)/.kvferry-setup
 
-.PHONY: setup demo demo-load test test-engines scale bench clean debian-libs
+.PHONY: setup demo demo-load test test-scale test-engines scale bench clean debian-libs
 
 setup: $(STAMP)
 
@@ -54,6 +54,11 @@ demo-load: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# The scale test's small version (tests/scale, left out of `make test` for its
+# budget): about a minute on two cores. CI runs it after `make test`.
+test-scale: setup
+	$(PY) -m pytest -q tests/scale
 
 # Thousands of rooms and 20 ranks in real processes, every byte checked; CPU,
 # memory, threads and descriptors per role (JSON in scale.json). See docs/scale.md.
