@@ -9,7 +9,8 @@ wall time, and on/off runs interleaved rather than compared across runs):
   ``/proc/PID/task/*/stat`` at the first and last scrape; prometheus-client
   answers each request on a thread of its own that then exits, so the
   process's CPU minus its live threads' is the CPU of the scrapes
-  (``rank_cpu_ms_per_scrape``), and the growth of the live threads shows
+  (``rank_cpu_ms_per_scrape``: an upper bound, as any other thread that
+  exits in the window counts too), and the growth of the live threads shows
   whether the data-path threads paid anything besides.
 - **throughput**: each round runs the workload three ways, in an order
   that rotates: metrics off; off, with the same scraper fetching a static
@@ -118,7 +119,8 @@ class Scraper:
         self._thread.join(timeout=30)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        # Every 0.2 s until each rank serves (the first sample), then every interval.
+        while not self._stop.wait(0.2 if len(self.first) < len(self.ports) else self.interval_s):
             for role, port in self.ports.items():
                 c0 = time.thread_time()
                 try:
