@@ -24,6 +24,11 @@ a secret, frames are the bare msgpack bytes and a sealed frame is refused.
 Version rules: ``PROTOCOL_VERSION`` is bumped whenever a field is added,
 removed, renamed or changes meaning, in any message. Peers with different
 versions refuse each other's messages, with an error that names both versions.
+One exception: a field added with a default that keeps the old meaning and
+the metadata ``omit_default`` (``bootstrap.descriptors.OMIT_DEFAULT``) is
+left out of the encoding while it holds that default, so a peer that
+predates it decodes every message that does not use it, and refuses one
+that does (``unexpected field``, naming it) instead of misreading it.
 """
 
 from __future__ import annotations
@@ -205,7 +210,8 @@ def _hints(cls: type) -> dict[str, Any]:
 
 def _dump_struct(obj: Any, path: str) -> dict[str, Any]:
     hints = _hints(type(obj))
-    return {name: _dump(getattr(obj, name), hints[name], f"{path}.{name}") for name in _fields(type(obj))}
+    return {name: _dump(getattr(obj, name), hints[name], f"{path}.{name}") for name, f in _fields(type(obj)).items()
+            if not (f.metadata.get("omit_default") and getattr(obj, name) == f.default)}
 
 
 def _dump(value: Any, tp: Any, path: str) -> Any:
