@@ -61,7 +61,7 @@ test-layouts: setup
 	timeout 600 $(PY) -m pytest -q -p no:cacheprovider tests/layouts
 
 # The scale test's small version (tests/scale, left out of `make test` for its
-# budget): about a minute on two cores. CI runs it after `make test`.
+# budget): about 30 s on two cores. CI runs it after `make test`.
 test-scale: setup
 	timeout 600 $(PY) -m pytest -q -p no:cacheprovider tests/scale
 
