@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -224,6 +225,8 @@ def main(argv=None) -> int:
     if args.requests:
         from dataclasses import replace
         workloads = [replace(w, requests=args.requests) for w in workloads]
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: the rank processes are ended
     link = Link(protocol="tcp", hostname="127.0.0.1", peer_hostname="127.0.0.1", device="", peer_device="")
     report = {}
     for w in workloads:
