@@ -175,28 +175,33 @@ def nixl_pages(args) -> int:
     draw = PageDraw(args.seed, args.tokens, args.tokens, args.page_size, args.src_pages, args.dst_pages)
     src = prefaulted_buffer(src_layout.arena_bytes)
     _register(sender.agent, src.ctypes.data, src_layout.arena_bytes)
-    sender.prep(*(_page_descs(layout, base) for layout, base in ((src_layout, src.ctypes.data),
+    sender.prep(*(page_descs(layout, base) for layout, base in ((src_layout, src.ctypes.data),
                                                                   (dst_layout, args.addr))))
     alloc = DecodeAllocator(draw)
-    page_bytes = np.array(buffers, dtype=np.int64)
-    buffer_ids = np.arange(len(buffers), dtype=np.int64)[:, None]
 
     def plan(req: int):
         src_pages = room_source_pages(draw, args.first_room + req)
         dst_pages = alloc.take(len(src_pages))
-        s, d = np.asarray(src_pages, dtype=np.int64), np.asarray(dst_pages, dtype=np.int64)
-        local_idx = (buffer_ids * args.src_pages + s[None, :]).ravel().astype(np.int32)
-        remote_idx = (buffer_ids * args.dst_pages + d[None, :]).ravel().astype(np.int32)
+        local_idx, remote_idx = page_indices(src_layout, dst_layout, src_pages, dst_pages)
         # descriptors as the Mooncake same-pages row counts them: runs adjacent on both sides, per buffer
-        runs = len(page_descriptors(src_layout, dst_layout, 0, 0, s, d)[2])
-        return local_idx, remote_idx, int(page_bytes.sum()) * len(s), runs, dst_pages
+        runs = len(page_descriptors(src_layout, dst_layout, 0, 0, src_pages, dst_pages)[2])
+        return local_idx, remote_idx, src_layout.request_page_bytes * len(src_pages), runs, dst_pages
 
     result = sender.run(plan, alloc.give_back)
     print("RAW_RESULT " + json.dumps(result), flush=True)
     return 0
 
 
-def _page_descs(layout: ArenaLayout, base_addr: int) -> np.ndarray:
+def page_indices(src: ArenaLayout, dst: ArenaLayout, src_pages, dst_pages) -> tuple[np.ndarray, np.ndarray]:
+    """The indices, into the lists of :func:`page_descs`, that write page
+    ``src_pages[i]`` of every buffer onto ``dst_pages[i]``, buffers in order."""
+    buffer_ids = np.arange(len(src.page_bytes), dtype=np.int64)[:, None]
+    s, d = np.asarray(src_pages, dtype=np.int64), np.asarray(dst_pages, dtype=np.int64)
+    return ((buffer_ids * src.num_pages + s[None, :]).ravel().astype(np.int32),
+            (buffer_ids * dst.num_pages + d[None, :]).ravel().astype(np.int32))
+
+
+def page_descs(layout: ArenaLayout, base_addr: int) -> np.ndarray:
     """One descriptor per (buffer, page), buffer-major: index ``b * num_pages + p``."""
     page_bytes = np.array(layout.page_bytes, dtype=np.int64)[:, None]
     pages = np.arange(layout.num_pages, dtype=np.int64)[None, :]

@@ -8,6 +8,7 @@ addresses of ``link``. Every wait is bounded.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from dataclasses import replace
@@ -35,7 +36,9 @@ def row(w: Workload, mode: str, nbytes: int, seconds: float, latencies, descript
     return {"workload": w.name, "mode": mode, "tokens": w.tokens, "concurrency": w.concurrency,
             "bytes": int(nbytes), "gbps": round(nbytes / seconds / 1e9, 3) if seconds else 0.0,
             "p50_ms": _pct(latencies, 50), "p99_ms": _pct(latencies, 99),
-            "descriptors_per_request": round(descriptors, 1), **extra}
+            "descriptors_per_request": round(descriptors, 1),
+            "load_1m": round(os.getloadavg()[0], 2),  # the machine may be shared: a disturbed run shows here
+            **extra}
 
 
 def run_kvferry(w: Workload, decode, link: Link, env: dict[str, str] | None = None, **labels) -> dict:
@@ -138,7 +141,8 @@ def run_mooncake(w: Workload, decode, link: Link, entry_sizes: list[int]) -> dic
                 "--session", session, "--addr", addr, "--request-bytes", str(size), "--entry-bytes", str(entry),
                 "--requests", str(w.requests + 1), "--warmup", "1", "--concurrency", str(w.concurrency),
                 "--pool-device", w.device, *link.engine_args(False)]), w.requests / (w.requests + 1))
-            rows.append(_raw_row(w, res, baseline="merged", entry_bytes=entry, transport=f"mooncake-{link.protocol}"))
+            rows.append(_raw_row(w, res, baseline="merged", entry_bytes=entry,
+                                 transport=f"mooncake-{link.protocol}"))
         return _best(rows)
     finally:
         recv.finish(30)
@@ -165,7 +169,8 @@ def run_mooncake_pages(w: Workload, decode, link: Link, patterns: list[str]) -> 
                 "--first-room", str(spec.first_room), "--requests", str(spec.num_rooms),
                 "--warmup", str(spec.warmup_rooms), "--concurrency", str(w.concurrency), "--pattern", pattern,
                 *link.engine_args(False)]), (spec.num_rooms - spec.warmup_rooms) / spec.num_rooms)
-            rows.append(_raw_row(w, res, baseline="same-pages", pattern=pattern, transport=f"mooncake-{link.protocol}"))
+            rows.append(_raw_row(w, res, baseline="same-pages", pattern=pattern,
+                                 transport=f"mooncake-{link.protocol}"))
         return _best(rows)
     finally:
         recv.finish(30)
