@@ -17,6 +17,7 @@
     │       └── BootstrapRefused     nothing listens at its address (connection refused)
     └── (transfer.errors)
         ├── IncompatibleLayoutError  the handshake found a field that differs
+        │   └── IncompatibleTransportError  the two sides use different transfer engines
         ├── TransferError            the engine failed to move bytes
         ├── PeerError                the peer reported a failure or aborted the room
         ├── StateError               an API call that the room's state does not allow

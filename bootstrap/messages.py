@@ -17,9 +17,9 @@ Request/reply pairs served by the bootstrap server::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from bootstrap.codec import message, struct
+from bootstrap.codec import OMIT_DEFAULT, message, struct
 from bootstrap.descriptors import (_MAX_NAME, AttentionKind, AuxDescriptor, BufferRef,  # noqa: F401
                                    Component, PageLayout, PoolDescriptor, PoolRole, StagingDescriptor,
                                    _check_name, _components, _require, components_of)
@@ -33,7 +33,9 @@ MAX_KNOWN_NODES = 32
 class RankInfo:
     """What a rank tells others about itself: where it is and what it holds.
     ``fenced``: a decode rank whose pools are not writable by peers (the
-    write fence): every byte for it goes through its staging arenas."""
+    write fence): every byte for it goes through its staging arenas.
+    ``transport``: the transfer engine its session belongs to (``mooncake``,
+    ``nixl``; both sides of a room must use the same one)."""
 
     node_id: str
     dp_rank: int
@@ -48,8 +50,10 @@ class RankInfo:
     aux: tuple[AuxDescriptor, ...] = ()
     staging: StagingDescriptor | None = None
     fenced: bool = False
+    transport: str = field(default="mooncake", metadata=OMIT_DEFAULT)
 
     def __post_init__(self) -> None:
+        _check_name(self.transport, "transport")
         if self.aux is None or isinstance(self.aux, AuxDescriptor):
             object.__setattr__(self, "aux", () if self.aux is None else (self.aux,))
         _check_name(self.node_id, "node_id")

@@ -28,12 +28,18 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def child_env() -> dict[str, str]:
     """This process's environment for a rank or server process, with the
     repository on ``PYTHONPATH`` (``python -m harness.workload`` works from
-    any directory)."""
+    any directory). ``KVFERRY_TEST_TRANSPORT=nixl`` runs the ranks on NIXL
+    (``KVFERRY_BACKEND``), with UCX on the loopback device."""
     env = dict(os.environ)
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     if REPO_ROOT not in paths:
         env["PYTHONPATH"] = os.pathsep.join([REPO_ROOT, *paths])
     env.setdefault("OMP_NUM_THREADS", "1")  # two cores shared by several ranks
+    transport = env.get("KVFERRY_TEST_TRANSPORT", "")
+    if transport:  # the whole multi-process suite on another transport (make test-nixl)
+        env.setdefault("KVFERRY_BACKEND", transport)
+    if env.get("KVFERRY_BACKEND") == "nixl":
+        env.setdefault("UCX_NET_DEVICES", "lo")  # UCX listens on loopback only, as every test server does
     return env
 
 

@@ -16,7 +16,8 @@ _EXPORTS = {
     "manager_config_from_env": "transfer.config",
     **{name: "transfer.errors" for name in (
         "AuthError", "BootstrapError", "BootstrapRefused", "BootstrapUnavailable", "ClosedError",
-        "IncompatibleLayoutError", "InsecureBindError", "KVFerryError", "KVTimeoutError", "PageIndexError", "PeerError",
+        "IncompatibleLayoutError", "IncompatibleTransportError", "InsecureBindError", "KVFerryError", "KVTimeoutError",
+        "PageIndexError", "PeerError",
         "ProtocolError", "RequestError", "StateError", "StorageClosedError", "StorageError", "StorageMissError",
         "StorageTimeoutError", "StorageUnavailableError", "TransferError", "UnknownNodeError")},
     "KVManager": "transfer.manager",

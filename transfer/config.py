@@ -56,11 +56,35 @@ def _positive(obj, *names: str) -> None:
             raise ValueError(f"{type(obj).__name__}.{name} must be > 0, got {getattr(obj, name)!r}")
 
 
+#: EngineConfig.backend's values: the transports kvferry can move KV with.
+BACKENDS = ("mooncake", "nixl")
+
+
+def _options(value) -> tuple[tuple[str, str], ...]:
+    """A mapping, pairs, or ``"key=value,key=value"`` text as sorted pairs of strings."""
+    if isinstance(value, str):
+        value = [item.partition("=")[::2] for item in value.split(",") if item.strip()]
+    items = value.items() if hasattr(value, "items") else value
+    pairs = tuple(sorted((str(k).strip(), str(v).strip()) for k, v in items))
+    if any(not k for k, _ in pairs):
+        raise ValueError(f"EngineConfig.nixl_options: every option needs a name, got {value!r}")
+    return pairs
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
-    """The Mooncake transfer engine of one rank.
+    """The transfer engine of one rank: ``backend`` ``mooncake`` (the
+    default) or ``nixl`` (see docs/transports.md). Both sides of a room must
+    use the same one; the handshake refuses a mismatch by name.
 
-    ``protocol`` is ``rdma`` on clusters, ``tcp`` where there is no RDMA NIC.
+    NIXL: ``nixl_backend`` is the NIXL plugin (``UCX``, the default;
+    ``LIBFABRIC``, ...), ``nixl_options`` its initialization parameters,
+    passed through unchanged (a mapping, or ``"key=value,..."`` text from
+    ``KVFERRY_NIXL_OPTIONS``); ``progress_timeout_s`` and ``hostname`` apply
+    to it too. UCX itself reads ``UCX_*`` variables (``UCX_TLS``,
+    ``UCX_NET_DEVICES``), which kvferry leaves to the user.
+
+    Mooncake: ``protocol`` is ``rdma`` on clusters, ``tcp`` where there is no RDMA NIC.
     ``max_inflight_per_peer`` caps the descriptors kvferry has outstanding to
     one peer: the TCP transport wedges a peer path when its own queue
     overflows, so we never let it. Longer descriptors are cut into pieces of
@@ -76,8 +100,16 @@ class EngineConfig:
     max_descriptor_bytes: int = 4 << 20
     progress_timeout_s: int = 10
     log_level: str = "OFF"
+    backend: str = "mooncake"
+    nixl_backend: str = "UCX"
+    nixl_options: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"EngineConfig.backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if not self.nixl_backend:
+            raise ValueError("EngineConfig.nixl_backend must name a NIXL plugin (UCX, LIBFABRIC, ...)")
+        object.__setattr__(self, "nixl_options", _options(self.nixl_options))
         if self.protocol not in ("rdma", "tcp"):
             raise ValueError(f"EngineConfig.protocol must be 'rdma' or 'tcp', got {self.protocol!r}")
         if self.log_level not in ("TRACE", "INFO", "WARNING", "ERROR", "OFF"):
@@ -283,6 +315,8 @@ def staging_bytes_for(config: "ManagerConfig", device_type: str) -> int:
 
 
 def _convert(text: str, like):
+    if isinstance(like, tuple):  # nixl_options: "key=value,key=value"
+        return _options(text)
     if like is None:  # an optional int (staging_bytes)
         return None if text.strip().lower() in ("", "none") else int(text)
     if isinstance(like, bool):

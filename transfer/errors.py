@@ -29,6 +29,11 @@ class IncompatibleLayoutError(KVFerryError):
         self.field, self.local, self.remote = field, local, remote
 
 
+class IncompatibleTransportError(IncompatibleLayoutError):
+    """Prefill and decode use different transfer engines (``field`` is
+    ``transport``; ``local`` and ``remote`` name the engines)."""
+
+
 class TransferError(KVFerryError):
     """The transfer engine failed to move bytes (``peer`` and ``code`` say where)."""
 
@@ -92,7 +97,7 @@ class StorageMissError(StorageError):
 
 __all__ = [
     "AuthError", "BootstrapError", "BootstrapRefused", "BootstrapUnavailable", "ClosedError",
-    "IncompatibleLayoutError", "InsecureBindError", "KVFerryError", "KVTimeoutError", "PageIndexError", "PeerError",
+    "IncompatibleLayoutError", "IncompatibleTransportError", "InsecureBindError", "KVFerryError", "KVTimeoutError", "PageIndexError", "PeerError",
     "ProtocolError", "RequestError", "StateError", "StorageClosedError", "StorageError", "StorageMissError",
     "StorageTimeoutError", "StorageUnavailableError", "TransferError", "UnknownNodeError",
 ]

@@ -16,7 +16,7 @@ import enum
 
 from bootstrap.messages import PoolDescriptor, PoolRole, RankInfo
 from transfer import tp
-from transfer.errors import IncompatibleLayoutError
+from transfer.errors import IncompatibleLayoutError, IncompatibleTransportError
 
 _POOL_FIELDS = ("attention", "dtype", "itemsize", "page_size", "num_layers", "total_kv_heads", "head_dim",
                 "page_layout")
@@ -37,6 +37,15 @@ def check_compatible(local: RankInfo, remote: RankInfo, *, allow_missing_draft: 
     def mismatch(field, p, d, detail=""):
         lv, rv = (p, d) if local_is_prefill else (d, p)
         raise IncompatibleLayoutError(field, lv, rv, detail=detail)
+
+    if prefill.transport != decode.transport:
+        here, there = (prefill, decode) if local_is_prefill else (decode, prefill)
+        roles = ("prefill", "decode") if local_is_prefill else ("decode", "prefill")
+        raise IncompatibleTransportError(
+            "transport", here.transport, there.transport,
+            detail=f"{roles[1]} rank {there.node_id} dp {there.dp_rank} tp {there.tp_rank}/{there.tp_size} "
+                   f"uses transport {there.transport}, this {roles[0]} rank uses {here.transport}; "
+                   "both sides of a room must use the same one (EngineConfig.backend, KVFERRY_BACKEND)")
 
     try:
         tp.check_tp_pair(prefill.tp_size, decode.tp_size)

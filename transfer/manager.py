@@ -34,7 +34,8 @@ from transfer.staging.arenas import StagingArenas, arena_layout, span_tensor
 from transfer.stats import ManagerStats, RankTotals
 from transfer.storage.tier import StorageTier
 from transfer.transport.base import Transport
-from transfer.transport.mooncake import MooncakeTransport, check_engine_build
+from transfer.transport.factory import build_transport, transport_kind
+from transfer.transport.mooncake import MooncakeTransport, check_engine_build  # noqa: F401  (tests patch it here)
 
 log = logging.getLogger("kvferry.manager")
 
@@ -105,7 +106,7 @@ class KVManager(ManagerThreads, ManagerStatsView):
         #: mostly unbacked virtual memory: fault it in with touch_staging(), never by filling it)
         self.staging, staging_desc, staging_mem = None, None, None
         device_type = pools_device(pools)
-        if transport is None and device_type != "cpu":
+        if transport is None and device_type != "cpu" and config.engine.backend == "mooncake":
             check_engine_build(device_type)  # before any allocation: the non-CUDA wheel cannot read HBM
         staging_bytes = staging_bytes_for(config, device_type)
         #: whether peers write only into staging arenas (see ManagerConfig, write fence)
@@ -132,11 +133,12 @@ class KVManager(ManagerThreads, ManagerStatsView):
         self._stop = threading.Event()
         self.liveness = Liveness(config.heartbeat_interval_s, config.peer_timeout_s)
         self._ping_seq = 0
-        self.transport: Transport = transport if transport is not None else MooncakeTransport(config.engine)
+        self.transport: Transport = transport if transport is not None else build_transport(config.engine,
+                                                                                                device_type)
         try:
             if self.fenced:  # nothing of the pools is writable by peers: only the arenas (registered by them)
-                area = StagingArenas(self.staging, arena_bytes, num_arenas, self.transport.register,
-                                     self.transport.unregister)
+                area = StagingArenas(self.staging, arena_bytes, num_arenas, self._register_arena,
+                                     self._unregister_arena)
                 staging_mem = StagingMemory(self.staging, area, buffers)
             else:
                 regions = registration_regions(pools, aux)  # views of one allocation: registered once
@@ -157,7 +159,7 @@ class KVManager(ManagerThreads, ManagerStatsView):
             node_id=config.node_id, dp_rank=config.dp_rank, dp_size=config.dp_size,
             tp_rank=config.tp_rank, tp_size=config.tp_size, session=self.transport.session,
             control_endpoint=self.channel.endpoint, pools=descriptors, aux=aux_desc, staging=staging_desc,
-            fenced=self.fenced,
+            fenced=self.fenced, transport=transport_kind(self.transport),
         )
         self.storage = None
         if config.storage_url:
@@ -194,6 +196,23 @@ class KVManager(ManagerThreads, ManagerStatsView):
                 raise
         for t in self._threads:
             t.start()
+
+    def _register_arena(self, regions: list[tuple[int, int]]) -> None:
+        self.transport.register(regions)
+        self._memory_changed()
+
+    def _unregister_arena(self, regions: list[tuple[int, int]]) -> None:
+        self.transport.unregister(regions)
+        self._memory_changed()
+
+    def _memory_changed(self) -> None:
+        """A fenced decode rank's registered memory changed (an arena was
+        replaced; called under the lock): a transport whose peers hold its
+        metadata (NIXL) tells them at once, before any grant names the new
+        arena (see PeerHello)."""
+        rooms = getattr(self, "rooms", None)
+        if rooms is not None and hasattr(self.transport, "metadata"):
+            rooms.links.announce()
 
     @property
     def where(self) -> str:

@@ -24,19 +24,26 @@ per receiver, so a reused room id never matches a stale message.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from bootstrap.codec import message, struct
+from bootstrap.codec import OMIT_DEFAULT, message, struct
 from bootstrap.messages import PoolRole, RankInfo
 
 
 @message("peer_hello")
 @dataclass(frozen=True)
 class PeerHello:
-    """A decode rank introduces itself and its pools to a prefill rank."""
+    """A decode rank introduces itself and its pools to a prefill rank.
+    ``transport_meta``: what the prefill rank's transport needs to write into
+    this rank's registered memory (NIXL: the agent's metadata and its
+    registered regions; empty for Mooncake, whose engines handshake on their
+    own). A decode rank whose registered memory changed (a fenced rank's
+    fresh staging arena) sends a new hello to the prefill ranks it
+    handshook with, before any grant names the new memory."""
 
     rank: RankInfo
     allow_missing_draft: bool
+    transport_meta: bytes = field(default=b"", metadata=OMIT_DEFAULT, repr=False)
 
 
 @message("peer_hello_reply")

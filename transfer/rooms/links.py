@@ -14,7 +14,7 @@ from typing import Callable
 from bootstrap.messages import AttentionKind, PoolRole, RankInfo
 from transfer import tp
 from transfer.errors import (BootstrapError, BootstrapRefused, BootstrapUnavailable, IncompatibleLayoutError,
-                             KVFerryError, ProtocolError, UnknownNodeError)
+                             IncompatibleTransportError, KVFerryError, ProtocolError, UnknownNodeError)
 from transfer.layout import check_compatible
 from transfer.messages import PeerHello, PeerHelloReply, PoolAssignment
 from transfer.rooms.context import LookupClient, RoomContext
@@ -178,8 +178,31 @@ class LinkResolver:
         if hello is not None:
             hello.ok = msg.ok
             if not msg.ok:
-                hello.error = IncompatibleLayoutError(msg.field, "decode side", "prefill side", detail=msg.reason)
+                kind = IncompatibleTransportError if msg.field == "transport" else IncompatibleLayoutError
+                hello.error = kind(msg.field, "decode side", "prefill side", detail=msg.reason)
             self._wake.set()
+
+    def hello(self) -> PeerHello:
+        """This rank's hello, with its transport's current metadata (NIXL)."""
+        metadata = getattr(self.ctx.transport, "metadata", None)
+        return PeerHello(rank=self.ctx.rank, allow_missing_draft=self.ctx.config.allow_missing_draft,
+                         transport_meta=metadata() if metadata is not None else b"")
+
+    def announce(self) -> None:
+        """This rank's registered memory changed (called under ctx.lock):
+        send a fresh hello to every prefill rank a hello went to, on the
+        socket later grants take, so it arrives before any of them."""
+        if not self._hellos:
+            return
+        hello = self.hello()
+        for session in list(self._hellos):
+            endpoint = self.endpoint_of(session)
+            if endpoint is None:
+                continue
+            try:
+                self.ctx.channel.send(endpoint, hello)
+            except KVFerryError as exc:
+                log.warning("%s: new transport metadata not sent to %s: %s", self.ctx.where, endpoint, exc)
 
     # --- resolver thread --------------------------------------------------------------
 
@@ -267,8 +290,7 @@ class LinkResolver:
                 hello = self._hellos.get(session)
                 if hello is None:
                     hello = self._hellos[session] = _Hello()
-                    self.ctx.channel.send(link.ranks[p].control_endpoint, PeerHello(
-                        rank=self.ctx.rank, allow_missing_draft=self.ctx.config.allow_missing_draft))
+                    self.ctx.channel.send(link.ranks[p].control_endpoint, self.hello())
                 if hello.error is not None:
                     raise hello.error
                 if not hello.ok:
@@ -289,7 +311,7 @@ class LinkResolver:
     def _route(self, link: Link, ranks: tuple[RankInfo, ...]) -> None:
         local = self.ctx.rank
         link.ranks = ranks  # known before the check, so a failure can reach every rank
-        hello = PeerHello(rank=local, allow_missing_draft=self.ctx.config.allow_missing_draft)
+        hello = self.hello()
         for r in ranks:
             try:
                 check_compatible(local, r, local_is_prefill=False,

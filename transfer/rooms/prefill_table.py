@@ -23,7 +23,7 @@ import time
 from typing import Protocol
 
 from bootstrap.messages import RankInfo
-from transfer.errors import IncompatibleLayoutError, PeerError, StateError
+from transfer.errors import IncompatibleLayoutError, KVFerryError, PeerError, StateError
 from transfer.layout import check_compatible
 from transfer.messages import PeerHello, PeerHelloReply, RoomAbort, RoomStatus, StageGrant, Status, TransferRequest
 from transfer.rooms.context import RoomContext
@@ -265,11 +265,27 @@ class PrefillRooms:
             reply = PeerHelloReply(session=self.ctx.rank.session, ok=False, field=exc.field,
                                    reason=f"{self.ctx.where}: {exc}")
         else:
-            with self.ctx.lock:
-                self.peers[session] = hello.rank
-                self._origins[session] = origin
-            reply = PeerHelloReply(session=self.ctx.rank.session, ok=True, field="", reason="")
+            reply = self._load_transport_meta(hello)
+            if reply is None:
+                with self.ctx.lock:
+                    self.peers[session] = hello.rank
+                    self._origins[session] = origin
+                reply = PeerHelloReply(session=self.ctx.rank.session, ok=True, field="", reason="")
         self.ctx.channel.send(hello.rank.control_endpoint, reply)
+
+    def _load_transport_meta(self, hello: PeerHello) -> PeerHelloReply | None:
+        """Give the decode peer's transport metadata (NIXL) to this rank's
+        transport; None when it took it, or none was needed, else the refusal."""
+        add_peer = getattr(self.ctx.transport, "add_peer", None)
+        if add_peer is None:
+            return None
+        try:
+            add_peer(hello.rank.session, hello.transport_meta)
+        except KVFerryError as exc:
+            log.error("%s: refused decode rank %s: %s", self.ctx.where, hello.rank.session, exc)
+            return PeerHelloReply(session=self.ctx.rank.session, ok=False, field="transport",
+                                  reason=f"{self.ctx.where}: {exc}")
+        return None
 
     def attach(self, sender: Sender) -> list:
         with self.ctx.lock:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import ctypes
 import itertools
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -34,9 +33,10 @@ from typing import Callable
 
 from transfer.control.base import Handler
 from transfer.control.loopback import LoopbackChannel, origin_of
-from transfer.errors import ClosedError, KVFerryError, TransferError
+from transfer.errors import KVFerryError, TransferError
 from transfer.plan import TransferPlan
 from transfer.transport.base import DoneCallback
+from transfer.transport.worker import TransportWorker, closed_error, gate_state, run_callback
 
 log = logging.getLogger("kvferry.transport")
 
@@ -65,10 +65,8 @@ class LoopbackTransport:
         self.regions: list[tuple[int, int]] = []
         self.num_bytes = 0
         self.num_descriptors = 0
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvferry-transport", daemon=True)
-        self._thread.start()
+        self._worker = TransportWorker(self._run, lambda job: run_callback(job.callback, closed_error(job.peer)))
+        self._closed = self._worker.closed
 
     def register(self, regions: list[tuple[int, int]]) -> None:
         self.regions.extend((int(a), int(n)) for a, n in regions)
@@ -79,8 +77,7 @@ class LoopbackTransport:
         self.regions = [r for r in self.regions if r[0] not in gone]
 
     def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback, ready=None) -> _Job | None:
-        if self._closed.is_set():
-            raise ClosedError("transport is closed")
+        self._worker.check_open()
         if plan.num_descriptors == 0:
             callback(None)
             return None
@@ -89,32 +86,16 @@ class LoopbackTransport:
         if self._fabric.validate_on_submit and target is not None:
             job.accepted = all(_inside(target.regions, d, n) for d, n in
                                zip(plan.dst_addrs.tolist(), plan.lengths.tolist()))
-        self._jobs.put(job)
+        self._worker.put(job)
         return job
 
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            if job.ready is not None and not self._closed.is_set() and not self._ready_now(job):
-                self._jobs.put(job)  # later jobs go ahead: a late event holds back its own job only
+    def _run(self, jobs) -> None:
+        while (job := jobs.get()) is not None:
+            if job.ready is not None and not self._closed.is_set() and gate_state(job.ready, job.peer)[0]:
+                jobs.put(job)  # later jobs go ahead: a late event holds back its own job only
                 time.sleep(0.001)
                 continue
-            error = self._copy(job)
-            self._finish(job, error)
-        while True:  # closed: fail what is still queued
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                return
-            if job is not None:
-                self._finish(job, TransferError("transport closed before the transfer finished", peer=job.peer))
-
-    @staticmethod
-    def _ready_now(job: _Job) -> bool:
-        """Whether the job's gate is done or failed (``_copy`` then reports it)."""
-        try:
-            return job.ready.done()
-        except KVFerryError:
-            return True
+            run_callback(job.callback, self._copy(job))
 
     def _copy(self, job: _Job) -> TransferError | None:
         plan = job.plan
@@ -130,7 +111,7 @@ class LoopbackTransport:
                 if self._closed.is_set():
                     break
             if self._closed.is_set():
-                return TransferError("transport closed before the transfer finished", peer=job.peer)
+                return closed_error(job.peer)
             if job.cancelled:
                 return TransferError(f"transfer to {job.peer} cancelled", peer=job.peer)
             peer = self._fabric.transport_of(job.peer)
@@ -147,20 +128,9 @@ class LoopbackTransport:
         self.num_bytes += plan.total_bytes
         return None
 
-    @staticmethod
-    def _finish(job: _Job, error: TransferError | None) -> None:
-        try:
-            job.callback(error)
-        except Exception:
-            log.exception("transport: a completion callback raised; the worker goes on")
-
     def close(self, timeout_s: float = 5.0) -> None:
-        if self._closed.is_set():
-            return
-        self._closed.set()
-        self._jobs.put(None)
-        self._thread.join(timeout_s)
-        self._fabric.unbind_transport(self.session)
+        if self._worker.close(timeout_s):
+            self._fabric.unbind_transport(self.session)
 
 
 class LoopbackFabric:

@@ -38,14 +38,14 @@ from __future__ import annotations
 import collections
 import logging
 import queue
-import threading
 import time
 from dataclasses import dataclass, field
 
 from transfer.config import EngineConfig, apply_mooncake_env, quiet_engine_start
-from transfer.errors import ClosedError, KVFerryError, TransferError
+from transfer.errors import TransferError
 from transfer.plan import TransferPlan, split_entries
 from transfer.transport.base import DoneCallback
+from transfer.transport.worker import TransportWorker, closed_error, gate_state, run_callback
 from transfer.transport.mooncake_process import keep_forever, rdma_devices, stderr_discarded
 
 log = logging.getLogger("kvferry.transport")
@@ -113,15 +113,13 @@ class _Job:
         complete); past the gate's deadline the job fails instead."""
         if self.ready is None or self.next_index or self.cancelled:
             return False
-        try:
-            if self.ready.done():
-                self.ready = None
-                return False
-        except KVFerryError as exc:
-            self.error = self.error or TransferError(str(exc), peer=self.peer)
+        waiting, error = gate_state(self.ready, self.peer)
+        if error is not None:
+            self.error = self.error or error
             self.next_index = len(self.src)
-            return False
-        return True
+        elif not waiting:
+            self.ready = None
+        return waiting
 
     def cancel(self) -> None:
         """Submit no more of this job's descriptors (those already submitted
@@ -153,16 +151,13 @@ class MooncakeTransport:
                 code=rc)
         self.session = f"{config.hostname}:{self._engine.get_rpc_port()}"
         self._registered: list[int] = []
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._closed = threading.Event()
         self.num_descriptors = 0
         self.num_bytes = 0
         #: engine status checks and worker rounds so far (what completion tracking costs)
         self.num_status_checks = 0
         self.num_rounds = 0
         self._inflight_bytes = 0
-        self._thread = threading.Thread(target=self._run, name="kvferry-transport", daemon=True)
-        self._thread.start()
+        self._worker = TransportWorker(self._run, self._fail)
 
     def describe(self) -> str:
         """The transport actually in use, in words (for one log line)."""
@@ -208,18 +203,17 @@ class MooncakeTransport:
         :class:`~transfer.ready.ReadyGate`): the worker submits none of the
         plan's descriptors before it is done (polled, never blocking; later
         jobs to the same peer go ahead meanwhile)."""
-        if self._closed.is_set():
-            raise ClosedError("transport is closed")
+        self._worker.check_open()
         if plan.num_descriptors == 0:
             callback(None)
             return None
         plan = split_entries(plan, self.config.max_descriptor_bytes)
         job = _Job(peer, plan.src_addrs.tolist(), plan.dst_addrs.tolist(), plan.lengths.tolist(), callback,
                    ready=ready)
-        self._jobs.put(job)
+        self._worker.put(job)
         return job
 
-    def _run(self) -> None:
+    def _run(self, jobs: queue.SimpleQueue) -> None:
         by_peer: dict[str, collections.deque[_Job]] = collections.defaultdict(collections.deque)
         inflight: dict[str, int] = collections.defaultdict(int)
         # Per peer, oldest first: (engine id, job, bytes) of submitted descriptors.
@@ -228,13 +222,13 @@ class MooncakeTransport:
         while True:
             # Admit new jobs; block only when there is nothing to do.
             try:
-                job = self._jobs.get(timeout=0.05) if not outstanding and not by_peer else self._jobs.get_nowait()
+                job = jobs.get(timeout=0.05) if not outstanding and not by_peer else jobs.get_nowait()
                 while True:
                     if job is None:
                         self._fail_all(by_peer, outstanding)
                         return
                     by_peer[job.peer].append(job)
-                    job = self._jobs.get_nowait()
+                    job = jobs.get_nowait()
             except queue.Empty:
                 pass
             self._submit_round(by_peer, inflight, outstanding, cap)
@@ -325,29 +319,24 @@ class MooncakeTransport:
         job.done = True
         if job.error is None:
             self.num_bytes += sum(job.lengths)
-        try:
-            job.callback(job.error)
-        except Exception:
-            log.exception("transport: a completion callback raised; the worker goes on")
+        run_callback(job.callback, job.error)
 
     def _fail_all(self, by_peer, outstanding) -> None:
         jobs = {id(j): j for q in by_peer.values() for j in q}
         jobs.update({id(j): j for ids in outstanding.values() for _, j, _ in ids})
         for job in jobs.values():
-            if not job.done:
-                job.done = True
-                try:
-                    job.callback(TransferError("transport closed before the transfer finished", peer=job.peer))
-                except Exception:
-                    log.exception("transport: a completion callback raised during close")
+            self._fail(job)
+
+    @staticmethod
+    def _fail(job: _Job) -> None:
+        if not job.done:
+            job.done = True
+            run_callback(job.callback, closed_error(job.peer))
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the worker (outstanding jobs fail) and unregister memory."""
-        if self._closed.is_set():
+        if not self._worker.close(timeout_s):
             return
-        self._closed.set()
-        self._jobs.put(None)
-        self._thread.join(timeout_s)
         if self._registered:
             self._engine.batch_unregister_memory(self._registered)
             self._registered = []

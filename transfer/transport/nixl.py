@@ -1,0 +1,325 @@
+"""The NIXL transport: kvferry's data path on a NIXL agent (UCX by default;
+any NIXL network plugin by ``EngineConfig.nixl_backend``, with
+``nixl_options`` passed to it unchanged). It keeps the contract of
+:mod:`transfer.transport.base`; docs/transports.md says when to use it.
+
+One agent per transport, no listener thread (it binds every interface and
+answers anyone): a decode rank's agent metadata and registered regions
+travel in kvferry's handshake (:meth:`NixlTransport.metadata`, loaded by the
+prefill side with :meth:`NixlTransport.add_peer`; see
+:mod:`transfer.transport.nixl_peers`). A plan becomes one NIXL transfer
+request with the plan's descriptor lists (split only past
+``_MAX_DESCS_PER_REQUEST``), posted and polled on the worker thread; NIXL
+and UCX handle many small descriptors in one request, so nothing is split
+into per-descriptor writes.
+
+``unregister`` deregisters the memory from the agent. UCX does not refuse a
+write into memory its target deregistered (measured: it lands, over shared
+memory and over TCP alike), and NIXL keeps every section of a peer's
+metadata it ever loaded; so the writer refuses it: it checks each plan
+against the regions the peer last announced, and a decode rank announces
+anew (a fresh ``PeerHello``) whenever its registered memory changes. A
+writer that missed the announcement (stopped, partitioned) can still land a
+late write: the write fence never reads or grants such memory again
+(docs/reliability.md).
+
+A posted request that is still running after ``progress_timeout_s`` plus
+its bytes at 1 GB/s is released (NIXL cancels it) and fails.
+
+Importing this module does not import NIXL.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from transfer.config import EngineConfig
+from transfer.errors import KVFerryError, TransferError
+from transfer.plan import TransferPlan
+from transfer.transport.base import DoneCallback
+from transfer.transport.nixl_peers import PeerRegions, decode_metadata, encode_metadata
+from transfer.transport.worker import TransportWorker, closed_error, gate_state, run_callback
+
+log = logging.getLogger("kvferry.transport")
+
+_MAX_DESCS_PER_REQUEST = 1 << 16
+_ASSUMED_BYTES_PER_S = 2e9
+_MIN_SLEEP_S, _MAX_SLEEP_S = 20e-6, 1e-3
+_agent_ids = itertools.count()
+
+
+@dataclass
+class _Peer:
+    agent: str
+    regions: PeerRegions
+
+
+@dataclass
+class _Job:
+    peer: str
+    plan: TransferPlan
+    callback: DoneCallback
+    ready: object = None
+    cancelled: bool = False
+    handles: list = field(default_factory=list)
+    deadline: float = 0.0
+    error: TransferError | None = None
+
+    def cancel(self) -> None:
+        """Post nothing of this plan if it was not posted yet (a posted
+        request runs to its end); its callback then gets a TransferError."""
+        self.cancelled = True
+
+
+def _import_api():
+    from transfer.storage.nixl_probe import _import_nixl
+    try:
+        return _import_nixl()
+    except KVFerryError as exc:
+        raise TransferError(f"the NIXL transport needs NIXL: {exc}") from exc
+
+
+class NixlTransport:
+    """Moves :class:`TransferPlan` entries into a peer's registered memory
+    through NIXL. Thread-safe: ``submit`` from any thread; the agent runs in
+    NIXL's strict thread-safe mode."""
+
+    kind = "nixl"
+
+    def __init__(self, config: EngineConfig, *, memory: str = "DRAM", device_id: int = 0) -> None:
+        api = _import_api()
+        self.config = config
+        self.memory, self.device_id = memory, device_id
+        self.name = f"kvferry-{config.hostname}-{os.getpid()}-{next(_agent_ids)}"
+        #: what peers pass as ``peer``: ``host:agent`` (the host part is what peer_check compares)
+        self.session = f"{config.hostname}:{self.name}"
+        self.backend = config.nixl_backend
+        try:
+            agent_config = api.nixl_agent_config(
+                enable_prog_thread=True, enable_listen_thread=False, backends=[],
+                sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+            self._agent = api.nixl_agent(self.name, agent_config)
+            if self.backend not in self._agent.get_plugin_list():
+                raise TransferError(f"this NIXL build has no {self.backend} plugin "
+                                    f"(it has {', '.join(self._agent.get_plugin_list())})")
+            self._agent.create_backend(self.backend, dict(config.nixl_options))
+        except TransferError:
+            raise
+        except Exception as exc:  # NIXL raises its own exception types
+            raise TransferError(f"cannot start a NIXL agent with the {self.backend} backend "
+                                f"(options {dict(config.nixl_options)}): {type(exc).__name__}: {exc}") from exc
+        self._lock = threading.Lock()
+        self._registered: dict[int, int] = {}  # addr -> nbytes
+        self._peers: dict[str, _Peer] = {}
+        self.num_bytes = 0
+        self.num_descriptors = 0
+        #: NIXL transfer requests posted so far
+        self.num_requests = 0
+        self._inflight_bytes = 0
+        self._worker = TransportWorker(self._run, self._fail)
+
+    def describe(self) -> str:
+        """The transport in use, in words (for one log line)."""
+        options = ", ".join(f"{k}={v}" for k, v in self.config.nixl_options)
+        return f"NIXL {self.backend}{f' ({options})' if options else ''} (agent {self.name})"
+
+    # --- memory and peers -------------------------------------------------------
+
+    def _descs(self, regions):
+        return self._agent.get_reg_descs([(int(a), int(n), self.device_id, "") for a, n in regions], self.memory)
+
+    def register(self, regions: list[tuple[int, int]]) -> None:
+        """Register (addr, nbytes) regions that peers may write into (and
+        that plans read from)."""
+        if not regions:
+            return
+        try:
+            self._agent.register_memory(self._descs(regions), backends=[self.backend])
+        except Exception as exc:
+            raise TransferError(f"NIXL could not register {len(regions)} {self.memory} regions: {exc}") from exc
+        with self._lock:
+            self._registered.update((int(a), int(n)) for a, n in regions)
+
+    def unregister(self, regions: list[tuple[int, int]]) -> None:
+        """Deregister regions given to :meth:`register` (by address); peers
+        refuse writes into them once they loaded this rank's next
+        :meth:`metadata` (see the module docstring)."""
+        with self._lock:
+            gone = [(a, self._registered.pop(int(a))) for a, _ in regions if int(a) in self._registered]
+        if gone:
+            try:
+                self._agent.deregister_memory(self._descs(gone), backends=[self.backend])
+            except Exception as exc:
+                raise TransferError(f"NIXL could not deregister {len(gone)} regions: {exc}") from exc
+
+    def metadata(self) -> bytes:
+        """What a peer needs to write into this transport's registered
+        memory (its agent's metadata and the regions), for :meth:`add_peer`."""
+        with self._lock:
+            regions = list(self._registered.items())
+        return encode_metadata(self._agent.get_agent_metadata(), regions)
+
+    def add_peer(self, session: str, blob: bytes) -> None:
+        """Load a peer's :meth:`metadata` (again, when its memory changed).
+        TransferError when NIXL refuses it."""
+        try:
+            agent_md, regions = decode_metadata(blob)
+            name = self._agent.add_remote_agent(agent_md)
+        except Exception as exc:
+            raise TransferError(f"cannot load the NIXL metadata of peer {session}: {exc}", peer=session) from exc
+        with self._lock:
+            self._peers[session] = _Peer(name.decode() if isinstance(name, bytes) else str(name), regions)
+
+    # --- transfers --------------------------------------------------------------
+
+    def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback, ready=None) -> _Job | None:
+        """Queue ``plan`` for writing into ``peer`` (a session whose
+        metadata :meth:`add_peer` loaded); returns at once. See
+        :mod:`transfer.transport.base`."""
+        self._worker.check_open()
+        if plan.num_descriptors == 0:
+            callback(None)
+            return None
+        job = _Job(peer, plan, callback, ready=ready)
+        self._worker.put(job)
+        return job
+
+    def _run(self, jobs: queue.SimpleQueue) -> None:
+        waiting: list[_Job] = []
+        posted: list[_Job] = []
+        while True:
+            try:
+                job = jobs.get(timeout=0.05) if not waiting and not posted else jobs.get_nowait()
+                while True:
+                    if job is None:
+                        for j in waiting + posted:
+                            self._fail(j)
+                        return
+                    waiting.append(job)
+                    job = jobs.get_nowait()
+            except queue.Empty:
+                pass
+            still = []
+            for job in waiting:
+                if not job.cancelled and gate_state(job.ready, job.peer)[0]:
+                    still.append(job)  # a late event holds back its own job only
+                elif self._post(job):
+                    posted.append(job)
+            waiting = still
+            posted = [job for job in posted if not self._check(job)]
+            if posted:
+                time.sleep(min(_MAX_SLEEP_S, max(_MIN_SLEEP_S, self._inflight_bytes / _ASSUMED_BYTES_PER_S / 4)))
+            elif waiting:
+                time.sleep(_MIN_SLEEP_S)
+
+    def _post(self, job: _Job) -> bool:
+        """Post the job's requests; True while they run, False when the job
+        finished at once (failed, or done: its callback ran)."""
+        plan, peer = job.plan, job.peer
+        _, gate_error = gate_state(job.ready, peer)
+        with self._lock:
+            target = self._peers.get(peer)
+        error = gate_error
+        if job.cancelled:
+            error = TransferError(f"transfer to {peer} cancelled", peer=peer)
+        elif error is None and target is None:
+            error = TransferError(f"no NIXL metadata of peer {peer} (no handshake with it)", peer=peer)
+        elif error is None and (bad := target.regions.first_outside(plan.dst_addrs, plan.lengths)) >= 0:
+            error = TransferError(f"descriptor {bad}: destination [{int(plan.dst_addrs[bad]):#x}, "
+                                  f"+{int(plan.lengths[bad])}) is outside the memory {peer} registered", peer=peer)
+        if error is not None:
+            self._finish(job, error)
+            return False
+        zeros = np.full(plan.num_descriptors, self.device_id, dtype=np.uint64)
+        local = np.stack([plan.src_addrs.astype(np.uint64), plan.lengths.astype(np.uint64), zeros], axis=1)
+        remote = np.stack([plan.dst_addrs.astype(np.uint64), plan.lengths.astype(np.uint64), zeros], axis=1)
+        agent = self._agent
+        job.deadline = time.monotonic() + self.config.progress_timeout_s + plan.total_bytes / 1e9
+        for start in range(0, plan.num_descriptors, _MAX_DESCS_PER_REQUEST):
+            part = slice(start, start + _MAX_DESCS_PER_REQUEST)
+            try:
+                handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local[part], self.memory),
+                                               agent.get_xfer_descs(remote[part], self.memory), target.agent,
+                                               backends=[self.backend])
+                job.handles.append(handle)
+                state = agent.transfer(handle)
+            except Exception as exc:
+                job.error = TransferError(f"NIXL refused a write of {plan.num_descriptors} descriptors to {peer}: "
+                                          f"{type(exc).__name__}: {exc}", peer=peer)
+                break
+            self.num_requests += 1
+            if state == "ERR":
+                job.error = TransferError(f"NIXL failed to post a write to {peer}", peer=peer)
+                break
+        self._inflight_bytes += plan.total_bytes
+        return not self._check(job)
+
+    def _check(self, job: _Job) -> bool:
+        """Poll the job's requests; True when it finished (callback run)."""
+        running = []
+        for handle in job.handles:
+            try:
+                state = self._agent.check_xfer_state(handle)
+            except Exception as exc:  # a failed transfer surfaces as a raised NIXL status
+                state = "ERR"
+                log.debug("NIXL transfer to %s failed: %s", job.peer, exc)
+            if state == "PROC":
+                running.append(handle)
+                continue
+            if state != "DONE" and job.error is None:
+                job.error = TransferError(f"NIXL write to {job.peer} failed (state {state})", peer=job.peer)
+            self._release(handle)
+        if running and time.monotonic() > job.deadline:
+            for handle in running:
+                self._release(handle)
+            running = []
+            job.error = job.error or TransferError(
+                f"NIXL write to {job.peer} did not finish within {self.config.progress_timeout_s} s "
+                "(plus 1 s per GB); cancelled", peer=job.peer)
+        job.handles = running
+        if running:
+            return False
+        self._inflight_bytes -= job.plan.total_bytes
+        return self._finish(job, job.error)
+
+    def _release(self, handle) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception as exc:
+            log.warning("NIXL could not release a transfer request: %s", exc)
+
+    def _finish(self, job: _Job, error: TransferError | None) -> bool:
+        """Run the job's callback (once: the job is in no list afterwards); True."""
+        if error is None:
+            self.num_bytes += job.plan.total_bytes
+            self.num_descriptors += job.plan.num_descriptors
+        run_callback(job.callback, error)
+        return True
+
+    def _fail(self, job: _Job) -> None:
+        for handle in job.handles:
+            self._release(handle)
+        job.handles = []
+        run_callback(job.callback, closed_error(job.peer))
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the worker (outstanding plans fail; their requests are
+        released) and deregister memory. Idempotent."""
+        if not self._worker.close(timeout_s):
+            return
+        with self._lock:
+            regions = list(self._registered.items())
+            self._registered.clear()
+        if regions:
+            try:
+                self._agent.deregister_memory(self._descs(regions), backends=[self.backend])
+            except Exception as exc:
+                log.warning("NIXL could not deregister %d regions at close: %s", len(regions), exc)
