@@ -71,5 +71,6 @@ test-engines: test-sglang test-vllm
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
 
-# Optional fragments: mk/gpu.mk (make test-gpu), mk/sglang.mk (make test-sglang).
+# Optional fragments: mk/gpu.mk (make test-gpu), mk/sglang.mk (make test-sglang),
+# mk/nixl.mk (make test-nixl: the multi-process suite on the NIXL transport).
 -include mk/*.mk

@@ -250,6 +250,7 @@ class Result:
     control_msgs: int = 0  # control messages this rank received
     polls: int = 0  # poll() calls of the scheduler loop (it polls only rooms that changed)
     polls_if_all: int = 0  # what polling every live room on each iteration would have cost
+    transport: str = ""  # the rank's transfer engine (RankInfo.transport)
 
 
 def _manager(spec: Spec, role: Role, rank: int, dp_rank: int, pools, aux) -> KVManager:
@@ -353,6 +354,7 @@ def run_prefill(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
         res.elapsed_s, res.cpu_s = window.close()
         res.descriptors = mgr.transport.num_descriptors
         res.bytes = mgr.transport.num_bytes
+        res.transport = mgr.rank.transport
         res.control_msgs = mgr.channel.num_received
     return res
 
@@ -420,6 +422,7 @@ def run_decode(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
             todo = set(live) if changed is None else {r.room for r, _ in changed}
         res.elapsed_s, res.cpu_s = window.close()
         res.control_msgs = mgr.channel.num_received
+        res.transport = mgr.rank.transport
         for (role, c, l), before in canary_bytes.items():
             if not torch.equal(tensors[role][c][l][canaries].view(torch.uint8), before.view(torch.uint8)):
                 res.mismatches.append(f"canary pages of {role} {c} layer {l} were overwritten")

@@ -1,5 +1,8 @@
 """End-to-end fixtures: real bootstrap server process, real prefill and decode
-processes, real Mooncake engine over TCP on loopback."""
+processes, real Mooncake engine over TCP on loopback (or NIXL, with
+``KVFERRY_TEST_TRANSPORT=nixl``: ``make test-nixl``)."""
+
+import os
 
 import pytest
 
@@ -23,3 +26,16 @@ def assert_all_succeeded(runs, num_rooms):
         assert run.returncode == 0, run.log[-2000:]
     decode = [r.result for r in runs if r.role == "decode"]
     assert all(d["bytes"] > 0 for d in decode), "decode verified no bytes"
+    expected = e2e_transport()
+    assert all(r.result.get("transport") == expected for r in runs), \
+        f"ranks ran on {[r.result.get('transport') for r in runs]}, not {expected}"
+
+
+def e2e_transport() -> str:
+    """The transport the multi-process tests run on (``KVFERRY_TEST_TRANSPORT``)."""
+    return os.environ.get("KVFERRY_TEST_TRANSPORT", "") or "mooncake"
+
+
+#: tests that poke one engine's internals skip on the others
+def only_on(transport: str, why: str):
+    return pytest.mark.skipif(e2e_transport() != transport, reason=f"{transport} only: {why}")

@@ -19,7 +19,9 @@ What this does not cover, and what covers it: a peer on the same host
 naming another local process's session passes rule 3; its writes still
 land only inside memory that process registered with its engine (Mooncake's
 TCP transport checks every write against the target's registered buffers
-on the target side, and the loopback transport does the same), and within
+on the target side, and the loopback transport does the same; NIXL's
+writer checks against the regions the peer announced, see
+:mod:`transfer.transport.nixl_peers`), and within
 the pools the peer declared (:func:`transfer.plan.check_transfer`).
 Authentication (``KVFERRY_SECRET``) is what keeps strangers out altogether.
 """
