@@ -125,6 +125,7 @@ class Options:
     quick: bool  # one entry size and one submit pattern for the raw baselines
     ucx_tls: tuple[str, ...] = ("default", "tcp")  # the NIXL modes run once per value
     nixl_progress_delay_us: int = 100
+    limits_each_round: bool = False  # the limits alternate with the modes too (median kept), not once at the end
 
 
 def run_workload(w: Workload, options: Options, decode, link: Link) -> list[dict]:
@@ -148,10 +149,13 @@ def run_workload(w: Workload, options: Options, decode, link: Link) -> list[dict
             runs["same-pages"].append(best)
         for tls in options.ucx_tls:
             _nixl_round(w, options, decode, link, tls, nixl_entries, runs)
+        if "limit" in modes and options.limits_each_round:
+            for limit in run_limits(w, decode, link):
+                runs.setdefault(f"limit/{limit['baseline']}", []).append(limit)
     rows = [_median(mode_runs) for mode_runs in runs.values() if mode_runs]
     if runs["kvferry"]:
         _add_paired_ratios(rows[0], runs)
-    if "limit" in modes:
+    if "limit" in modes and not options.limits_each_round:
         rows.extend(run_limits(w, decode, link))
     return rows
 
@@ -196,6 +200,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ucx-tls", default="default,tcp",
                     help="the NIXL modes run once per value: 'default' (UCX picks, same-host shortcuts "
                          "included) or a UCX_TLS value such as 'tcp' (default %(default)s)")
+    ap.add_argument("--limits-each-round", action="store_true",
+                    help="measure the limits in every round too (median kept): the targets compare against them")
     ap.add_argument("--nixl-progress-delay-us", type=int, default=100,
                     help="raw NIXL: the UCX progress threads' poll delay (NIXL's Python API: 0, a busy spin)")
     ap.add_argument("--requests", type=int, help="override every workload's request count")
@@ -241,7 +247,8 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown modes: {', '.join(sorted(unknown))}")
     options = Options(modes=modes, rounds=args.rounds or (1 if args.quick else 3), quick=args.quick,
-                      ucx_tls=tuple(args.ucx_tls.split(",")), nixl_progress_delay_us=args.nixl_progress_delay_us)
+                      ucx_tls=tuple(args.ucx_tls.split(",")), nixl_progress_delay_us=args.nixl_progress_delay_us,
+                      limits_each_round=args.limits_each_round)
     missing = {"kvferry-nixl": kvferry_nixl_missing()} if "kvferry-nixl" in modes else {}
     missing = {mode: why for mode, why in missing.items() if why}
     for mode, why in missing.items():

@@ -7,4 +7,4 @@ NIXL_BENCH_JSON ?= nixl-bench.json
 .PHONY: bench-nixl
 bench-nixl: setup
 	$(PY) -m benchmarks --only mha-128,mha-8k-contig,mha-8k-scatter,mha-128-c64 \
-		--modes kvferry,kvferry-nixl,mooncake,nixl,limit --ucx-tls default,tcp --json $(NIXL_BENCH_JSON)
+		--modes kvferry,kvferry-nixl,mooncake,nixl,limit --ucx-tls default,tcp --limits-each-round --json $(NIXL_BENCH_JSON)
