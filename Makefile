@@ -15,7 +15,7 @@ NIXL_VERSION ?= 1.5.1
 MOONCAKE_PKG ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo mooncake-transfer-engine || echo mooncake-transfer-engine-non-cuda)
 STAMP := $(VENV)/.kvferry-setup
 
-.PHONY: setup demo demo-load test test-engines scale bench clean debian-libs
+.PHONY: setup demo demo-load test test-layouts test-engines scale bench clean debian-libs
 
 setup: $(STAMP)
 
@@ -53,7 +53,12 @@ demo-load: setup
 	$(PY) -m examples.loopback_demo
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --ignore=tests/layouts
+
+# vLLM's KV layouts (CPU, NHD, HND, cross-layer) and TP 2 <-> 1 through real
+# processes and Mooncake, byte-exact (about 20 s; kept out of `make test`'s budget).
+test-layouts: setup
+	timeout 600 $(PY) -m pytest -q -p no:cacheprovider tests/layouts
 
 # Thousands of rooms and 20 ranks in real processes, every byte checked; CPU,
 # memory, threads and descriptors per role (JSON in scale.json). See docs/scale.md.

@@ -24,12 +24,12 @@ a secret, frames are the bare msgpack bytes and a sealed frame is refused.
 Version rules: ``PROTOCOL_VERSION`` is bumped whenever a field is added,
 removed, renamed or changes meaning, in any message. Peers with different
 versions refuse each other's messages, with an error that names both versions.
-One exception: an optional field declared with :data:`OMIT_DEFAULT` metadata
-is left out while it holds its default, so it reaches only peers that know
-it (an older peer of the same version refuses a message that sets it, naming
-the field as unexpected). ``RankInfo.transport`` and ``PeerHello.transport_meta``
-were added this way (a rank on the default Mooncake transport speaks
-exactly version 4).
+One exception: a field added with a default that keeps the old meaning and
+the metadata ``omit_default`` (``bootstrap.descriptors.OMIT_DEFAULT``) is
+left out of the encoding while it holds that default, so a peer that
+predates it decodes every message that does not use it, and refuses one
+that does (``unexpected field``, naming it) instead of misreading it.
+``RankInfo.transport`` and ``PeerHello.transport_meta`` were added this way.
 """
 
 from __future__ import annotations
@@ -209,21 +209,12 @@ def _hints(cls: type) -> dict[str, Any]:
     return hints
 
 
-#: Field metadata of an optional field added without a version bump: it is
-#: left out of the encoded body while it holds its default, so peers of the
-#: same version that predate it still decode the message.
-OMIT_DEFAULT = {"omit_default": True}
 
 
 def _dump_struct(obj: Any, path: str) -> dict[str, Any]:
     hints = _hints(type(obj))
-    body = {}
-    for name, f in _fields(type(obj)).items():
-        value = getattr(obj, name)
-        if f.metadata.get("omit_default") and value == f.default:
-            continue
-        body[name] = _dump(value, hints[name], f"{path}.{name}")
-    return body
+    return {name: _dump(getattr(obj, name), hints[name], f"{path}.{name}") for name, f in _fields(type(obj)).items()
+            if not (f.metadata.get("omit_default") and getattr(obj, name) == f.default)}
 
 
 def _dump(value: Any, tp: Any, path: str) -> Any:

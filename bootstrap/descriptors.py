@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from bootstrap.codec import struct
 
@@ -43,6 +43,34 @@ class Component(str, enum.Enum):
     K = "k"
     V = "v"
     LATENT = "latent"
+    KV = "kv"  # K and V fused in one buffer per layer (a pool whose kv_layout is not SPLIT)
+
+
+class KVLayout(str, enum.Enum):
+    """How an MHA pool keeps K and V. SPLIT: a K and a V buffer per layer
+    (kvferry's own, SGLang's). The fused kinds have one buffer per layer
+    holding both, as vLLM does; a (page, head) or (token, head) unit holds
+    ``2 * head_dim`` elements:
+
+    - FUSED_ROWS (vLLM's CPU backend): head-major pages (``page_layout``
+      HND); each (page, head) holds ``page_size`` K rows, then ``page_size``
+      V rows;
+    - FUSED_CELLS (vLLM's GPU backends): each (token, head) cell holds its K
+      then its V; pages head-major (HND: vLLM's ``LBHNC``/``BLHNC``) or
+      token-major (NHD: ``LBNHC``/``BLNHC``).
+
+    Both sides of a transfer must keep the same kind and page interior: no
+    plan turns one into another. Page strides may differ (cross-layer blocks
+    to per-layer buffers is an ordinary plan)."""
+
+    SPLIT = "split"
+    FUSED_ROWS = "fused_rows"
+    FUSED_CELLS = "fused_cells"
+
+
+#: Field metadata: the codec leaves the field out while it holds its default,
+#: so that a peer that predates the field decodes every message not using it.
+OMIT_DEFAULT = {"omit_default": True}
 
 
 def _require(cond: bool, what: str) -> None:
@@ -95,13 +123,15 @@ class PoolDescriptor:
     head_dim: int
     page_layout: PageLayout
     buffers: tuple[BufferRef, ...]
+    kv_layout: KVLayout = field(default=KVLayout.SPLIT, metadata=OMIT_DEFAULT)
+    page_stride_bytes: int = field(default=0, metadata=OMIT_DEFAULT)  # 0: pages are dense (page_bytes apart)
 
     def __post_init__(self) -> None:
         _check_name(self.dtype, "dtype")
         for name in ("itemsize", "page_size", "num_pages", "num_layers", "num_kv_heads",
                      "total_kv_heads", "head_dim"):
             _require(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
-        components = _components(self.attention)
+        components = self.components
         _require(
             len(self.buffers) == self.num_layers * len(components),
             f"{self.role.value} pool: {len(self.buffers)} buffers for {self.num_layers} layers "
@@ -110,21 +140,50 @@ class PoolDescriptor:
         seen = {(b.layer, b.component) for b in self.buffers}
         wanted = {(layer, c) for layer in range(self.num_layers) for c in components}
         _require(seen == wanted, f"{self.role.value} pool: buffers must name each (layer, component) once")
-        need = self.num_pages * self.page_bytes
+        _require(self.page_stride_bytes == 0 or self.page_stride_bytes >= self.page_bytes,
+                 f"{self.role.value} pool: page stride {self.page_stride_bytes} below the page's {self.page_bytes} bytes")
+        need = (self.num_pages - 1) * self.page_stride + self.page_bytes
         for b in self.buffers:
             _require(
                 b.nbytes >= need,
                 f"{self.role.value} pool: buffer layer {b.layer} {b.component.value} holds "
-                f"{b.nbytes} bytes, less than {self.num_pages} pages of {self.page_bytes}",
+                f"{b.nbytes} bytes, less than {self.num_pages} pages of {self.page_bytes} "
+                f"(stride {self.page_stride})",
             )
         if self.attention is AttentionKind.MLA:
             _require(self.num_kv_heads == 1 and self.total_kv_heads == 1, "an MLA pool has one latent head")
             _require(self.page_layout is PageLayout.NHD, "an MLA pool has the nhd page layout")
+            _require(self.kv_layout is KVLayout.SPLIT, "an MLA pool keeps one latent buffer (kv_layout split)")
+        if self.kv_layout is KVLayout.FUSED_ROWS:
+            _require(self.page_layout is PageLayout.HND, "a fused_rows pool has head-major (hnd) pages")
+
+    @property
+    def components(self) -> tuple[Component, ...]:
+        """The per-layer buffer components of this pool."""
+        if self.kv_layout is not KVLayout.SPLIT:
+            return (Component.KV,)
+        return _components(self.attention)
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one head of one token in one buffer (K and V in a fused pool)."""
+        return self.head_dim * self.itemsize * (1 if self.kv_layout is KVLayout.SPLIT else 2)
+
+    @property
+    def page_stride(self) -> int:
+        """Bytes from a page of a buffer to the next one (the page bytes, or
+        more where other layers' pages lie between: cross-layer blocks)."""
+        return self.page_stride_bytes or self.page_bytes
+
+    @property
+    def dense(self) -> bool:
+        """Whether consecutive pages of a buffer are contiguous."""
+        return self.page_stride == self.page_bytes
 
     @property
     def token_bytes(self) -> int:
         """Bytes of one token in one buffer."""
-        return self.num_kv_heads * self.head_dim * self.itemsize
+        return self.num_kv_heads * self.head_bytes
 
     @property
     def page_bytes(self) -> int:

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bootstrap.codec import OMIT_DEFAULT, message, struct
+from bootstrap.codec import message, struct
+from bootstrap.descriptors import OMIT_DEFAULT
 from bootstrap.descriptors import (_MAX_NAME, AttentionKind, AuxDescriptor, BufferRef,  # noqa: F401
-                                   Component, PageLayout, PoolDescriptor, PoolRole, StagingDescriptor,
+                                   Component, KVLayout, PageLayout, PoolDescriptor, PoolRole, StagingDescriptor,
                                    _check_name, _components, _require, components_of)
 
 #: At most this many node ids are named in an unknown-node reply.

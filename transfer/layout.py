@@ -2,7 +2,7 @@
 
 :func:`check_compatible` compares what must match between a prefill rank and
 a decode rank (per pool role: attention kind, dtype, page size, layer count,
-KV heads, head dim; the TP pair; the aux regions' number and row sizes) and raises
+KV heads, head dim, K/V packing and page interior; the TP pair; the aux regions' number and row sizes) and raises
 :class:`~transfer.errors.IncompatibleLayoutError` naming the first field that
 differs. :func:`layout_fingerprint` hashes the same fields, for logs and for
 storage keys.
@@ -14,7 +14,7 @@ import hashlib
 
 import enum
 
-from bootstrap.messages import PoolDescriptor, PoolRole, RankInfo
+from bootstrap.messages import KVLayout, PageLayout, PoolDescriptor, PoolRole, RankInfo
 from transfer import tp
 from transfer.errors import IncompatibleLayoutError, IncompatibleTransportError
 
@@ -61,6 +61,11 @@ def check_compatible(local: RankInfo, remote: RankInfo, *, allow_missing_draft: 
             mismatch(f"{role.value} pool", "present" if p else "absent", "present" if d else "absent",
                      "a pool on one side only" + ("" if role is PoolRole.TARGET else
                                                   "; allow_missing_draft serves the target alone"))
+        fused = p.kv_layout is not KVLayout.SPLIT
+        if p.kv_layout is not d.kv_layout or (fused and p.page_layout is not d.page_layout):
+            mismatch(f"{role.value}.kv_layout", layout_name(p), layout_name(d),
+                     "K/V packing or page interior differ, which no plan bridges (page strides may differ: "
+                     "cross-layer blocks and per-layer buffers are bridged)")
         for name in _POOL_FIELDS:
             if _value(p, name) != _value(d, name):
                 mismatch(f"{role.value}.{name}", _value(p, name), _value(d, name))
@@ -85,7 +90,24 @@ def check_compatible(local: RankInfo, remote: RankInfo, *, allow_missing_draft: 
             mismatch(f"{name}.slot_bytes", p.slot_bytes, d.slot_bytes, f"aux region {i}'s rows differ in size")
 
 
+def layout_name(pool: PoolDescriptor) -> str:
+    """A pool's memory layout in words, for errors: kvferry's own (``split
+    nhd``, ``split hnd``, ``mla``) or vLLM's (``vLLM CPU (LBHNC, K rows then
+    V rows)``, ``vLLM LBNHC``, ``vLLM BLHNC``...: ``BL`` where layers share
+    a block, that is where the page stride exceeds the page)."""
+    if pool.attention.value == "mla":
+        return "mla"
+    if pool.kv_layout is KVLayout.SPLIT:
+        return f"split {pool.page_layout.value}"
+    name = ("LB" if pool.dense else "BL") + ("HNC" if pool.page_layout is PageLayout.HND else "NHC")
+    if pool.kv_layout is KVLayout.FUSED_ROWS:
+        return f"vLLM CPU ({name}, K rows then V rows)"
+    return f"vLLM {name}"
+
+
 def layout_fingerprint(pool: PoolDescriptor) -> str:
     """A short hash of the fields that make two pools' bytes comparable."""
     text = "|".join(f"{n}={_value(pool, n)}" for n in ("role",) + _POOL_FIELDS if n != "role")
+    if pool.kv_layout is not KVLayout.SPLIT:  # split pools hash as before fused ones came
+        text += f"|kv_layout={pool.kv_layout.value}"
     return hashlib.sha256(f"{pool.role.value}|{text}".encode()).hexdigest()[:16]

@@ -26,7 +26,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from bootstrap.codec import OMIT_DEFAULT, message, struct
+from bootstrap.codec import message, struct
+from bootstrap.descriptors import OMIT_DEFAULT
 from bootstrap.messages import PoolRole, RankInfo
 
 

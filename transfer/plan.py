@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bootstrap.messages import AuxDescriptor, PageLayout, PoolDescriptor, components_of
+from bootstrap.messages import AuxDescriptor, PageLayout, PoolDescriptor
 
 _U64 = np.uint64
 
@@ -91,7 +91,7 @@ def check_transfer(src: PoolDescriptor, dst: PoolDescriptor, src_pages: np.ndarr
     check_pages(dst_pages, dst.num_pages, f"{dst.role.value} pool (destination)")
     if src.page_size != dst.page_size or src.itemsize != dst.itemsize or src.head_dim != dst.head_dim:
         raise ValueError(f"{src.role.value} pool: page size, item size and head dim must match")
-    if src.page_layout is not dst.page_layout:
+    if src.page_layout is not dst.page_layout or src.kv_layout is not dst.kv_layout:
         raise ValueError(f"{src.role.value} pool: page layouts differ")
     heads = src.num_kv_heads if num_heads is None else num_heads
     if heads < 1 or src_head_offset < 0 or dst_head_offset < 0 \
@@ -114,33 +114,40 @@ def plan_pool(src: PoolDescriptor, dst: PoolDescriptor, src_pages: np.ndarray, d
     if runs.lengths.size == 0:
         return TransferPlan.empty()
     whole_pages = heads == src.num_kv_heads == dst.num_kv_heads
-    if whole_pages:
+    if whole_pages and src.dense and dst.dense:
         src_off = runs.src_starts * src.page_bytes
         dst_off = runs.dst_starts * dst.page_bytes
         lengths = runs.lengths * src.page_bytes
+    elif whole_pages:
+        # Pages strided by more than their bytes (cross-layer blocks): one
+        # descriptor per page (merged again where both sides touch).
+        src_p, dst_p = _expand_runs(runs)
+        src_off, dst_off = src_p * src.page_stride, dst_p * dst.page_stride
+        lengths = np.full(src_p.size, src.page_bytes, dtype=np.int64)
     elif src.page_layout is PageLayout.HND:
         # Head-major pages: a head slice of a page is one block of
-        # heads x page_size x head_dim; consecutive pages are separated by the
-        # other heads, so one descriptor per page.
+        # heads x page_size x head bytes; consecutive pages are separated by
+        # the other heads, so one descriptor per page.
         src_p, dst_p = _expand_runs(runs)
-        head_block = src.page_size * src.head_dim * src.itemsize
-        src_off = src_p * src.page_bytes + src_head_offset * head_block
-        dst_off = dst_p * dst.page_bytes + dst_head_offset * head_block
+        head_block = src.page_size * src.head_bytes
+        src_off = src_p * src.page_stride + src_head_offset * head_block
+        dst_off = dst_p * dst.page_stride + dst_head_offset * head_block
         lengths = np.full(src_p.size, heads * head_block, dtype=np.int64)
     else:
         # Token-major pages: a head slice is strided, one descriptor per token.
         tokens = runs.lengths * src.page_size
         first = np.repeat(np.cumsum(tokens) - tokens, tokens)
-        tok = np.arange(int(tokens.sum())) - first
-        head_bytes = src.head_dim * src.itemsize
-        src_off = (np.repeat(runs.src_starts * src.page_size, tokens) + tok) * src.token_bytes \
-            + src_head_offset * head_bytes
-        dst_off = (np.repeat(runs.dst_starts * dst.page_size, tokens) + tok) * dst.token_bytes \
-            + dst_head_offset * head_bytes
+        tok = np.arange(int(tokens.sum())) - first  # token index from its run's first page
+        src_page = np.repeat(runs.src_starts, tokens) + tok // src.page_size
+        dst_page = np.repeat(runs.dst_starts, tokens) + tok // src.page_size
+        in_page = tok % src.page_size
+        head_bytes = src.head_bytes
+        src_off = src_page * src.page_stride + in_page * src.token_bytes + src_head_offset * head_bytes
+        dst_off = dst_page * dst.page_stride + in_page * dst.token_bytes + dst_head_offset * head_bytes
         lengths = np.full(tok.size, heads * head_bytes, dtype=np.int64)
     src_bases, dst_bases = [], []
     for layer in range(src.num_layers):
-        for comp in components_of(src.attention):
+        for comp in src.components:
             src_bases.append(src.buffer(layer, comp).addr)
             dst_bases.append(dst.buffer(layer, comp).addr)
     src_b = np.asarray(src_bases, dtype=_U64)[:, None]
@@ -181,7 +188,7 @@ def page_slice(pool: PoolDescriptor, head_offset: int, num_heads: int) -> PageSl
     """What a head slice of a page is in this pool's memory layout."""
     if num_heads == pool.num_kv_heads:
         return PageSlice(1, pool.page_bytes, 0, pool.page_bytes)
-    head_bytes = pool.head_dim * pool.itemsize
+    head_bytes = pool.head_bytes
     if pool.page_layout is PageLayout.HND:
         block = pool.page_size * head_bytes
         return PageSlice(1, pool.page_bytes, head_offset * block, num_heads * block)

@@ -8,9 +8,9 @@ read, and no KV byte is copied. Shapes:
   (``layout="hnd"``, head-major pages: cheaper heterogeneous TP);
 - MLA: per layer one latent tensor ``[num_pages, page_size, latent_dim]``
   (``kv_lora_rank + rope_dim``), or ``[num_pages, page_size, 1, latent_dim]``;
-- fused K/V (vLLM's CPU backend): per layer one tensor
-  ``[num_pages, num_kv_heads, page_size, 2 * head_dim]``, where each (page,
-  head) holds its K rows, then its V rows (see :class:`FusedKVPool`);
+- fused K/V (vLLM): per layer one tensor, vLLM's view ``[num_pages,
+  num_kv_heads, page_size, 2 * head_dim]`` of any layout it names LBHNC,
+  LBNHC, BLHNC or BLNHC (see :mod:`transfer.fused_pool`);
 - aux: ``[num_slots, ...]``, one row per request slot; a rank may have several
   aux regions sharing one row index (:func:`aux_tensors`).
 
@@ -30,6 +30,8 @@ from bootstrap.messages import (AttentionKind, AuxDescriptor, BufferRef, Compone
                                 PoolRole)
 # Raw-pointer memory lives in transfer.raw_pools; re-exported here (public import path).
 from transfer.raw_pools import RawAuxRegion, RawPool, _CudaMemory, head_dim_of, wrap_pointer  # noqa: F401
+# vLLM's fused K/V pools live in transfer.fused_pool; re-exported here (public import path).
+from transfer.fused_pool import FusedKVPool, describe_fused, fused_tensors
 
 
 @dataclass(frozen=True)
@@ -50,45 +52,6 @@ class MLAPool:
     role: PoolRole = PoolRole.TARGET
 
 
-@dataclass(frozen=True)
-class FusedKVPool:
-    """One tensor per layer holding K and V together, page-major: vLLM's CPU
-    layout ``[num_pages, num_kv_heads, page_size, 2 * head_dim]`` (viewed as
-    ``[num_pages, num_kv_heads, 2 * page_size, head_dim]``: a head's K rows,
-    then its V rows). A page of a layer is one contiguous run of bytes, and
-    so is one head's K+V within it. The layers may be views of one buffer.
-
-    On the wire it is a pool of one buffer per layer (the kind MLA uses)
-    whose page is the whole block: pages move whole, so both sides must hold
-    the same heads (equal TP sizes). ``describe_pool`` refuses other shapes.
-    """
-
-    kv: Sequence[Any]
-    role: PoolRole = PoolRole.TARGET
-
-    def single_buffer(self) -> MLAPool:
-        """The same bytes as a pool of one buffer per layer, for every part of
-        kvferry that takes MHA or MLA pools (the manager, storage, staging)."""
-        return MLAPool(latent=_fused_views(self), role=self.role)
-
-
-def _fused_views(pool: FusedKVPool) -> list:
-    """Each layer as ``[num_pages, page_size, num_kv_heads * 2 * head_dim]``:
-    the same bytes per page, in the single-buffer shape the descriptor has."""
-    if not pool.kv:
-        raise ValueError(f"{pool.role.value} pool: no fused K/V tensors")
-    views = []
-    for layer, t in enumerate(pool.kv):
-        if t.dim() != 4 or t.shape[3] % 2:
-            raise ValueError(f"{pool.role.value} pool layer {layer}: fused K/V tensors are "
-                             f"[num_pages, kv_heads, page_size, 2 * head_dim], got {tuple(t.shape)}")
-        if not t.is_contiguous():
-            raise ValueError(f"{pool.role.value} pool layer {layer}: must be contiguous")
-        num_pages, heads, page_size, width = t.shape
-        views.append(t.view(num_pages, page_size, heads * width))
-    return views
-
-
 def _dtype_name(t) -> str:
     return str(t.dtype).removeprefix("torch.")
 
@@ -105,7 +68,7 @@ def _check_tensor(t, shape, dtype: str, what: str) -> None:
 def describe_pool(pool: MHAPool | MLAPool | FusedKVPool) -> PoolDescriptor:
     """The wire descriptor of a pool; raises ValueError on inconsistent tensors."""
     if isinstance(pool, FusedKVPool):
-        pool = pool.single_buffer()
+        return describe_fused(pool)
     if isinstance(pool, MHAPool):
         if len(pool.k) != len(pool.v) or not pool.k:
             raise ValueError(f"{pool.role.value} pool: need as many K as V tensors, at least one")
@@ -177,11 +140,12 @@ def aux_tensors(aux) -> tuple:
 
 
 def pool_tensors(pools: Sequence[MHAPool | MLAPool | FusedKVPool]) -> dict[tuple[PoolRole, int, Component], Any]:
-    """(role, layer, component) -> tensor (a fused K/V layer: its single-buffer view)."""
+    """(role, layer, component) -> tensor (a fused K/V layer: its blocks in physical order)."""
     out = {}
     for pool in pools:
         if isinstance(pool, FusedKVPool):
-            pool = pool.single_buffer()
+            out.update(fused_tensors(pool))
+            continue
         parts = [(Component.K, pool.k), (Component.V, pool.v)] if isinstance(pool, MHAPool) \
             else [(Component.LATENT, pool.latent)]
         for comp, tensors in parts:

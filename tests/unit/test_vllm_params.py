@@ -55,7 +55,7 @@ def test_pages_of_a_prompt():
 def test_the_scheduler_half_imports_no_engine():
     """In a fresh interpreter (this one may have loaded them for other tests)."""
     import subprocess
-    code = ("import sys, transfer.adapters.vllm_params; "
+    code = ("import sys, transfer.adapters.vllm_params, transfer.adapters.vllm_stats; "
             "bad = [m for m in ('torch', 'zmq', 'mooncake', 'vllm') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -17,13 +17,17 @@ Prefill (``kv_producer``): a request with ``do_remote_decode`` finishes
 after its prompt; ``request_finished`` keeps its blocks (``delay_free``) and
 returns decode's ``kv_transfer_params``; the worker opens a kvferry room and
 pushes the blocks when decode asks; the blocks are freed when the room ends
-(landed, failed, or no decode asked within ``bootstrap_timeout_s``).
+(landed, failed, or no decode asked within the lease, ``kvferry_lease_s``).
 Decode (``kv_consumer``): a request with ``do_remote_prefill`` claims its
 whole prompt as an asynchronous external load; the worker receives the room
 into the allocated blocks and reports it finished; a failed room reports its
 blocks in ``get_block_ids_with_load_errors`` and vLLM recomputes or fails the
 request (``kv_load_failure_policy``). Every wait is bounded by kvferry's
 timeouts (``transfer_timeout_s``, ``peer_timeout_s``).
+
+Stats: each worker reports the rooms that ended in a step
+(``get_kv_connector_stats``); vLLM logs them and exports them on its own
+``/metrics`` as ``vllm:kvferry_*`` (:mod:`transfer.adapters.vllm_metrics`).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
+from transfer.adapters.vllm_metrics import KvferryConnectorStats, KvferryPromMetrics
 from transfer.adapters.vllm_params import (ConnectorConfig, RecvSpec, SendSpec, decode_params, num_pages, room_of,
                                            source_of)
 
@@ -57,6 +62,17 @@ class KvferryConnectorMetadata(KVConnectorMetadata):
     sends: list[SendSpec] = field(default_factory=list)
     recvs: list[RecvSpec] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)  # decode requests finished while their room is open
+
+
+def _cache_layout(vllm_config):
+    """The model's KV heads and vLLM's cache layout, for the worker's pool
+    (the layout name is vLLM's resolved one where it is known already)."""
+    from vllm.platforms import current_platform
+
+    from transfer.adapters.vllm_worker import CacheLayout
+    return CacheLayout(total_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
+                       kv_layout="fused_rows" if current_platform.is_cpu() else "fused_cells",
+                       vllm_layout=getattr(vllm_config.cache_config, "kv_cache_layout", None))
 
 
 class KvferryConnector(KVConnectorBase_V1):
@@ -85,7 +101,7 @@ class KvferryConnector(KVConnectorBase_V1):
             pc = vllm_config.parallel_config
             self.worker = KvferryWorker(self.config, role=Role.PREFILL if self.is_producer else Role.DECODE,
                                         tp_rank=pc.rank % pc.tensor_parallel_size,
-                                        tp_size=pc.tensor_parallel_size)
+                                        tp_size=pc.tensor_parallel_size, layout=_cache_layout(vllm_config))
 
     # --- scheduler side ---------------------------------------------------------
 
@@ -159,6 +175,7 @@ class KvferryConnector(KVConnectorBase_V1):
     # --- worker side ------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict) -> None:
+        self.worker.layout = _cache_layout(self._vllm_config)  # the layout is resolved by now
         self.worker.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
@@ -185,3 +202,18 @@ class KvferryConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.close()
+
+    # --- stats (docs/observability.md) -------------------------------------------
+
+    def get_kv_connector_stats(self):
+        """The rooms that ended since the last call (worker side; the scheduler has none)."""
+        data = self.worker.take_stats() if self.worker is not None else None
+        return None if data is None else KvferryConnectorStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        return KvferryConnectorStats(data=data) if data is not None else KvferryConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KvferryPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -10,7 +10,7 @@ Protocol (push from prefill; what a router or client sends):
   ``kv_transfer_params`` = :func:`decode_params` (room, bootstrap address,
   prefill node); POST decode with those. Prefill keeps the request's blocks
   until decode's pages landed, or until no decode asked for them within
-  ``bootstrap_timeout_s`` (the lease), or the transfer failed.
+  the lease (``kvferry_lease_s``), or the transfer failed.
 - concurrent (Mooncake-style): the router picks a ``transfer_id`` and POSTs
   prefill ``{"do_remote_decode": true, "transfer_id": T}`` and decode
   ``{"do_remote_prefill": true, "transfer_id": T, "kvferry_bootstrap_addr":
@@ -30,8 +30,11 @@ _MANAGER_KEYS = frozenset({
     "bootstrap_timeout_s", "transfer_timeout_s", "rpc_timeout_s", "register_timeout_s", "staging_bytes",
     "stage_below_bytes", "stage_part_bytes", "heartbeat_interval_s", "peer_timeout_s", "register_interval_s",
     "storage_url", "model_name", "storage_write_through", "storage_prefetch", "storage_prefetch_timeout_s",
-    "storage_fallback",
+    "storage_fallback", "write_fence",
 })
+
+#: The lease when neither ``kvferry_lease_s`` nor ``kvferry.bootstrap_timeout_s`` is given (seconds).
+DEFAULT_LEASE_S = 30.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,8 +48,16 @@ class ConnectorConfig:
     - ``kvferry_host`` (default ``127.0.0.1``): this rank's address for peers;
     - ``kvferry_node`` (default: vLLM's ``engine_id``): the prefill node's name;
     - ``kvferry_protocol`` (``tcp`` or ``rdma``, default ``tcp``);
+    - ``kvferry_lease_s`` (seconds; default ``kvferry.bootstrap_timeout_s``,
+      else 30): prefill keeps a finished request's blocks this long for a
+      decode request; then the worker ends the room (reason
+      ``lease_expired``) and vLLM frees them. Counted from when the prefill
+      worker opened the room (the step after the request finished);
     - ``kvferry`` (dict): :class:`~transfer.config.ManagerConfig` fields
-      (timeouts, staging, storage tier), validated by ManagerConfig.
+      (timeouts, staging, the write fence, storage tier), validated by
+      ManagerConfig. The connector's defaults: prefill ``staging_bytes`` 0;
+      decode ManagerConfig's (staging on, so ``write_fence`` is effective;
+      ``{"write_fence": false}`` or ``{"staging_bytes": 0}`` turns it off).
     """
 
     bootstrap_addr: str = "127.0.0.1:8998"
@@ -54,6 +65,7 @@ class ConnectorConfig:
     host: str = "127.0.0.1"
     node_id: str = "prefill"
     protocol: str = "tcp"
+    lease_s: float = DEFAULT_LEASE_S
     manager: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -62,6 +74,8 @@ class ConnectorConfig:
             raise ValueError(f"kvferry_bootstrap_addr must be host:port, got {self.bootstrap_addr!r}")
         if self.protocol not in ("tcp", "rdma"):
             raise ValueError(f"kvferry_protocol must be tcp or rdma, got {self.protocol!r}")
+        if not self.lease_s > 0:
+            raise ValueError(f"kvferry_lease_s must be > 0, got {self.lease_s!r}")
         unknown = set(self.manager) - _MANAGER_KEYS
         if unknown:
             raise ValueError(f"kvferry: unknown or unsupported ManagerConfig fields {sorted(unknown)}")
@@ -69,14 +83,28 @@ class ConnectorConfig:
     @staticmethod
     def from_extra(extra: dict | None, engine_id: str | None) -> "ConnectorConfig":
         extra = dict(extra or {})
+        manager = dict(extra.get("kvferry", {}))
+        lease = extra.get("kvferry_lease_s", manager.get("bootstrap_timeout_s", DEFAULT_LEASE_S))
         return ConnectorConfig(
             bootstrap_addr=str(extra.get("kvferry_bootstrap_addr", "127.0.0.1:8998")),
             serve_bootstrap=bool(extra.get("kvferry_serve_bootstrap", False)),
             host=str(extra.get("kvferry_host", "127.0.0.1")),
             node_id=str(extra.get("kvferry_node") or engine_id or "prefill"),
             protocol=str(extra.get("kvferry_protocol", "tcp")),
-            manager=dict(extra.get("kvferry", {})),
+            lease_s=float(lease),
+            manager=manager,
         )
+
+    def manager_fields(self, *, prefill: bool) -> dict:
+        """The ManagerConfig fields of this side: ``manager`` over the
+        connector's defaults. Prefill's ``bootstrap_timeout_s`` (how long a
+        sender waits for its decode request) is at least the lease plus a
+        second, so the lease, not that bound, ends an unasked room."""
+        if not prefill:
+            return dict(self.manager)
+        fields = {"staging_bytes": 0, **self.manager}
+        fields["bootstrap_timeout_s"] = max(float(fields.get("bootstrap_timeout_s", 30.0)), self.lease_s + 1.0)
+        return fields
 
 
 def room_of(key: str) -> int:

@@ -3,36 +3,67 @@
 Imported only in vLLM's worker processes (it pulls in torch, zmq and the
 Mooncake engine). vLLM calls, on its model-runner thread:
 ``register_kv_caches`` once, then every engine step ``start`` (the step's
-sends and receives) and ``finished`` (what completed since the last call).
-A driver thread (``kvferry-vllm``) polls the rooms as they change
-(``KVManager.wait_for_progress``) and pushes a prefill room's pages as soon
-as its decode request arrived, so no push waits for the next engine step.
-``start`` also polls its new prefill rooms once, so a room whose decode
-request came first is pushed at once. Nothing blocks vLLM: ``start`` submits
-and ``finished`` only takes a lock.
+sends and receives), ``finished`` (what completed since the last call) and
+``take_stats`` (the rooms that ended since the last call).
+
+A driver thread (``kvferry-vllm``) waits for the manager's progress and
+polls only the rooms that changed (``KVManager.changed_rooms``): the work
+per wake-up is proportional to the rooms that changed, not to the rooms
+open. It pushes a prefill room's pages as soon as its decode request
+arrived, so no push waits for the next engine step. Time bounds need no
+polling here: the manager's liveness thread polls every live room twice a
+second, so a room that times out (or whose peer went silent) changes state
+and reaches the driver like any other change. The prefill lease is the
+driver's own bound, kept in a heap of deadlines (only the earliest is
+looked at per wake-up). ``start`` polls the rooms it opened once (a decode
+request may have come first; a change before the room was listed would be
+missed). Nothing blocks vLLM: ``start`` submits, ``finished`` and
+``take_stats`` only take a lock.
+
+Every TP rank has its own worker and KVManager, registered with its TP rank
+and size and holding its slice of the KV heads (:class:`CacheLayout` gives
+the model's head count and vLLM's layout); prefill and decode TP sizes may
+differ wherever one divides the other, and kvferry plans the head slices.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import re
 import threading
+import time
 from dataclasses import dataclass, replace
 
+from transfer.adapters import vllm_stats
 from transfer.adapters.vllm_params import ConnectorConfig, RecvSpec, SendSpec
 from transfer.config import EngineConfig, ManagerConfig, Role
 from transfer.errors import KVFerryError
 from transfer.pools import FusedKVPool
 from transfer.state import KVPoll
+from transfer.stats import failure_reason
 
 log = logging.getLogger("kvferry.vllm")
 
-_POLL_S = 0.05  # the driver's longest sleep between polls (time bounds are checked in poll())
+_WAKE_S = 0.05  # the driver's longest sleep (its stop flag and the lease deadlines)
 
 
 def _layer_order(name: str) -> tuple:
     """``model.layers.10.self_attn.attn`` after ``model.layers.9...``."""
     return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """What the connector knows of vLLM's KV cache beyond the tensors:
+    ``total_kv_heads`` (the model's; None: this rank's, right for TP 1),
+    ``kv_layout`` (``fused_rows`` on vLLM's CPU backend, ``fused_cells`` on
+    the GPU backends) and ``vllm_layout`` (vLLM's resolved KVCacheLayout
+    name, checked against the tensors' strides when given)."""
+
+    total_kv_heads: int | None = None
+    kv_layout: str = "fused_rows"
+    vllm_layout: str | None = None
 
 
 @dataclass
@@ -42,20 +73,26 @@ class _Room:
     pages: tuple[int, ...]
     pushed: bool = False
     aborted: bool = False  # by vLLM: its blocks are no one's load errors
+    expired: bool = False  # prefill: its lease ran out before a decode asked
 
 
 class KvferryWorker:
     """Sends (prefill) or receives (decode) rooms for one vLLM worker rank."""
 
-    def __init__(self, config: ConnectorConfig, *, role: Role, tp_rank: int, tp_size: int) -> None:
-        if tp_size != 1:
-            raise ValueError("kvferry's vLLM connector moves whole blocks of vLLM's CPU layout: tensor "
-                             f"parallel size must be 1 on both sides (got {tp_size})")
-        self.config, self.role, self.tp_rank = config, role, tp_rank
+    def __init__(self, config: ConnectorConfig, *, role: Role, tp_rank: int, tp_size: int,
+                 layout: CacheLayout | None = None) -> None:
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"kvferry vLLM worker: tp_rank {tp_rank} not in [0, {tp_size})")
+        self.config, self.role, self.tp_rank, self.tp_size = config, role, tp_rank, tp_size
+        self.layout = layout or CacheLayout()
         self.mgr = None
         self.server = None
         self._lock = threading.Lock()
         self._rooms: dict[str, _Room] = {}
+        self._by_handle: dict[int, _Room] = {}  # id(handle) of every listed room (it keeps the handle alive)
+        self._leases: list[tuple[float, str]] = []  # prefill: (deadline, req_id), a heap
+        self._stats = vllm_stats.empty()  # rooms ended since the last take_stats()
+        self.num_polled = 0  # room polls by this worker (tests: proportional to changes)
         self._done: set[str] = set()  # finished (either way), not yet reported
         self._finished_seen: set[str] = set()  # request ids vLLM called finished (sends may be reported)
         self._load_errors: set[int] = set()
@@ -66,31 +103,41 @@ class KvferryWorker:
     # --- vLLM's calls ------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict) -> None:
-        """Describe vLLM's per-layer caches as one fused K/V pool and build the manager."""
+        """Describe vLLM's per-layer caches as one fused K/V pool (this rank's
+        heads of ``layout.total_kv_heads``) and build the manager."""
         from transfer.manager import KVManager  # lazily: Mooncake and zmq load here only
 
         layers = [kv_caches[name] for name in sorted(kv_caches, key=_layer_order)]
-        pool = FusedKVPool(kv=layers).single_buffer()
+        lay = self.layout
+        pool = FusedKVPool(kv=layers, total_kv_heads=lay.total_kv_heads, kv_layout=lay.kv_layout,
+                           vllm_layout=lay.vllm_layout)
         c = self.config
         if c.serve_bootstrap and self.role is Role.PREFILL and self.tp_rank == 0:
             from bootstrap.server import BootstrapServer
             host, _, port = c.bootstrap_addr.rpartition(":")
             self.server = BootstrapServer(host, int(port)).start()
-        manager_kw = {"staging_bytes": 0, **c.manager}
         mconfig = ManagerConfig(role=self.role, bootstrap_addr=c.bootstrap_addr, node_id=c.node_id,
-                                host=c.host, tp_rank=self.tp_rank,
-                                engine=replace(EngineConfig(), protocol=c.protocol, hostname=c.host), **manager_kw)
+                                host=c.host, tp_rank=self.tp_rank, tp_size=self.tp_size,
+                                engine=replace(EngineConfig(), protocol=c.protocol, hostname=c.host),
+                                **c.manager_fields(prefill=self.role is Role.PREFILL))
         try:
-            self.mgr = KVManager(mconfig, [pool])
+            self.attach(KVManager(mconfig, [pool]))
         except BaseException:
             if self.server is not None:
                 self.server.close()
             raise
-        self._thread = threading.Thread(target=self._drive, name="kvferry-vllm", daemon=True)
+        log.info("kvferry %s worker (TP rank %d of %d): %d layers, %d blocks of %d bytes per layer, %s, "
+                 "bootstrap %s", self.role.value, self.tp_rank, self.tp_size, len(layers), layers[0].shape[0],
+                 layers[0][0].numel() * layers[0].element_size(), lay.vllm_layout or lay.kv_layout,
+                 c.bootstrap_addr)
+
+    def attach(self, mgr) -> None:
+        """Work through ``mgr`` (register_kv_caches builds it; a test may
+        give its own) and start the driver thread."""
+        self.mgr = mgr
+        self._thread = threading.Thread(target=self._drive, args=(mgr.progress,), name="kvferry-vllm",
+                                        daemon=True)
         self._thread.start()
-        log.info("kvferry %s worker: %d layers, %d blocks of %d bytes per layer, bootstrap %s",
-                 self.role.value, len(layers), layers[0].shape[0],
-                 layers[0][0].numel() * layers[0].element_size(), c.bootstrap_addr)
 
     def start(self, sends: list[SendSpec], recvs: list[RecvSpec], aborts: list[str] = ()) -> None:
         """Open this step's rooms, and abort the decode rooms of ``aborts``
@@ -107,6 +154,7 @@ class KvferryWorker:
         from transfer.receiver import KVReceiver
         from transfer.sender import KVSender
 
+        opened: list[_Room] = []
         for s in sends:
             try:
                 sender = KVSender(self.mgr, None, s.room)
@@ -115,9 +163,11 @@ class KvferryWorker:
                 log.warning("kvferry: request %s (room %d) not sent: %s", s.req_id, s.room, exc)
                 with self._lock:
                     self._done.add(s.req_id)
+                    vllm_stats.record_failure(self._stats, failure_reason(exc).value)
                 continue
+            opened.append(self._list(_Room(s.req_id, sender, s.pages)))
             with self._lock:
-                self._rooms[s.req_id] = _Room(s.req_id, sender, s.pages)
+                heapq.heappush(self._leases, (time.monotonic() + self.config.lease_s, s.req_id))
         for r in recvs:
             try:
                 receiver = KVReceiver(self.mgr, r.bootstrap_addr, r.room, prefill_node=r.node_id)
@@ -127,13 +177,13 @@ class KvferryWorker:
                 with self._lock:
                     self._done.add(r.req_id)
                     self._load_errors.update(r.pages)
+                    vllm_stats.record_failure(self._stats, failure_reason(exc).value)
                 continue
-            with self._lock:
-                self._rooms[r.req_id] = _Room(r.req_id, receiver, r.pages)
-        if sends:  # a decode request may have come first (concurrent protocol): push now
+            opened.append(self._list(_Room(r.req_id, receiver, r.pages)))
+        if opened:  # a decode request may have come first (concurrent protocol): push now
             try:
-                self._poll_all()
-            except Exception:  # never into vLLM's step; the driver polls again
+                self._poll(opened)
+            except Exception:  # never into vLLM's step; the manager's sweep and the driver go on
                 log.exception("kvferry: poll after opening rooms failed")
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
@@ -148,6 +198,15 @@ class KvferryWorker:
                 return done, set()
             done, self._done = self._done, set()
             return set(), done
+
+    def take_stats(self) -> dict | None:
+        """The rooms that ended since the last call (a
+        :mod:`~transfer.adapters.vllm_stats` payload), or None: none did."""
+        with self._lock:
+            if vllm_stats.is_empty(self._stats):
+                return None
+            data, self._stats = self._stats, vllm_stats.empty()
+            return data
 
     def load_errors(self) -> set[int]:
         with self._lock:
@@ -169,19 +228,54 @@ class KvferryWorker:
 
     # --- the driver ----------------------------------------------------------------
 
-    def _drive(self) -> None:
-        seen = -1
+    def _list(self, room: _Room) -> _Room:
+        with self._lock:
+            self._rooms[room.req_id] = room
+            self._by_handle[id(room.handle)] = room
+        return room
+
+    def _drive(self, mark: int) -> None:
+        """Wait for progress; poll the rooms that changed after ``mark`` (all
+        of them when the change log says the driver fell behind); end the
+        prefill rooms whose lease ran out."""
         while not self._stop.is_set():
             try:
-                seen = self.mgr.wait_for_progress(seen, _POLL_S)
-                self._poll_all()
+                self.mgr.wait_for_progress(mark, self._expire_leases())
+                mark, changed = self.mgr.changed_rooms(mark)
+                with self._lock:
+                    if changed is None:
+                        rooms = list(self._rooms.values())
+                    else:  # a listed handle is alive, so its id names no other object
+                        found = (self._by_handle.get(id(handle)) for handle, _ in changed)
+                        rooms = list({id(r): r for r in found if r is not None}.values())
+                self._poll(rooms)
             except Exception:  # the driver must outlive any one round
                 log.exception("kvferry: poll round failed")
-                self._stop.wait(_POLL_S)
+                self._stop.wait(_WAKE_S)
 
-    def _poll_all(self) -> None:
+    def _expire_leases(self) -> float:
+        """End the prefill rooms no decode asked for within the lease (still
+        Bootstrapping at their deadline); returns the seconds to wait for."""
+        now, expired = time.monotonic(), []
         with self._lock:
-            rooms = list(self._rooms.values())
+            while self._leases and self._leases[0][0] <= now:
+                _, req_id = heapq.heappop(self._leases)
+                room = self._rooms.get(req_id)
+                if room is not None and not room.pushed:
+                    expired.append(room)
+            wait = min(_WAKE_S, self._leases[0][0] - now) if self._leases else _WAKE_S
+        for room in expired:
+            if room.handle.poll() is KVPoll.Bootstrapping:
+                room.expired = True
+                room.handle.abort(f"lease expired: no decode asked for request {room.req_id} within "
+                                  f"{self.config.lease_s:g} s (kvferry_lease_s)")
+            else:  # a decode asked: push it now if no poll did (a change missed by a failed round)
+                self._poll([room])
+        return max(0.0, wait)
+
+    def _poll(self, rooms: list[_Room]) -> None:
+        """Poll ``rooms``: push a prefill room whose decode asked, report the ended ones."""
+        self.num_polled += len(rooms)
         for room in rooms:
             state = room.handle.poll()
             if self.role is Role.PREFILL and state is KVPoll.WaitingForInput:
@@ -192,10 +286,13 @@ class KvferryWorker:
                     state = room.handle.poll()
             if state not in (KVPoll.Success, KVPoll.Failed):
                 continue
+            stats = room.handle.stats()
             with self._lock:
                 if self._rooms.pop(room.req_id, None) is None:
                     continue  # the other poller reported it
+                del self._by_handle[id(room.handle)]
                 self._done.add(room.req_id)
+                vllm_stats.record_room(self._stats, stats, reason=vllm_stats.LEASE_EXPIRED if room.expired else None)
                 if state is KVPoll.Failed:
                     self.num_failed += 1
                     if self.role is Role.DECODE and not room.aborted:

@@ -29,7 +29,7 @@ import threading
 import numpy as np
 import torch
 
-from bootstrap.messages import PoolDescriptor, components_of
+from bootstrap.messages import PoolDescriptor
 from transfer.plan import PageSlice
 
 _WIDE = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
@@ -45,13 +45,17 @@ def _word(sl: PageSlice, *addrs: int) -> tuple[int, torch.dtype]:
 
 
 def _rows(t: torch.Tensor, num_pages: int, sl: PageSlice, width: int, dtype: torch.dtype) -> torch.Tensor:
-    """A pool tensor as [num_pages, rows, nbytes / width] words: the slice of each page."""
-    words = t.reshape(-1).view(torch.uint8).view(dtype).view(num_pages, sl.rows, sl.row_bytes // width)
+    """A pool tensor as [num_pages, rows, nbytes / width] words: the slice of each page.
+    A tensor whose pages are strided (cross-layer blocks) is viewed, never copied."""
+    if t.is_contiguous():
+        words = t.reshape(-1).view(torch.uint8).view(dtype).view(num_pages, sl.rows, sl.row_bytes // width)
+    else:  # [num_pages, ...]: each page contiguous, pages a stride apart
+        words = t.view(torch.uint8).view(num_pages, -1).view(dtype).view(num_pages, sl.rows, sl.row_bytes // width)
     return words[:, :, sl.start // width:(sl.start + sl.nbytes) // width]
 
 
 def staged_bytes(pool: PoolDescriptor, sl: PageSlice, num_pages: int) -> int:
-    return num_pages * sl.packed_bytes * pool.num_layers * len(components_of(pool.attention))
+    return num_pages * sl.packed_bytes * pool.num_layers * len(pool.components)
 
 
 class _PoolWords:
@@ -62,7 +66,7 @@ class _PoolWords:
 
     def __init__(self, tensors: dict, pool: PoolDescriptor, sl: PageSlice, width: int, dtype: torch.dtype) -> None:
         bufs = [tensors[(pool.role, layer, comp)] for layer in range(pool.num_layers)
-                for comp in components_of(pool.attention)]
+                for comp in pool.components]
         self.width, self.dtype = width, dtype
         self.rows = [_rows(t, pool.num_pages, sl, width, dtype) for t in bufs]
         self.arrays = [r.numpy() for r in self.rows] if bufs and bufs[0].device.type == "cpu" else None
@@ -75,7 +79,7 @@ def _pool_words(staging: torch.Tensor, offset: int, tensors: dict, pool: PoolDes
     addrs = cache.get(("addrs", pool.role)) if cache is not None else None
     if addrs is None:
         addrs = tuple(tensors[(pool.role, layer, comp)].data_ptr() for layer in range(pool.num_layers)
-                      for comp in components_of(pool.attention))
+                      for comp in pool.components)
         if cache is not None:
             cache[("addrs", pool.role)] = addrs
     width, dtype = _word(sl, staging.data_ptr() + offset, *addrs)

@@ -24,7 +24,7 @@ from typing import Mapping, Protocol
 
 import numpy as np
 
-from bootstrap.messages import PoolDescriptor, RankInfo, components_of
+from bootstrap.messages import PoolDescriptor, RankInfo
 from transfer.errors import KVFerryError, TransferError
 from transfer.messages import ChunkStaged, StageGrant, StageRequest
 from transfer.plan import PageSlice, TransferPlan, page_runs, page_slice
@@ -100,15 +100,15 @@ def _source_entries(part: StagedPart) -> tuple[np.ndarray, np.ndarray]:
     srcs, lengths = [], []
     for pool, sl in part.pools:
         addrs = {(b.layer, b.component): b.addr for b in pool.buffers}
-        whole = sl.rows == 1 and sl.nbytes == sl.row_bytes
+        whole = sl.rows == 1 and sl.nbytes == sl.row_bytes and pool.dense
         for layer in range(pool.num_layers):
-            for comp in components_of(pool.attention):
+            for comp in pool.components:
                 base = addrs[(layer, comp)]
                 if whole:
                     srcs.append(base + runs.src_starts * pool.page_bytes)
                     lengths.append(runs.lengths * sl.packed_bytes)
                 else:
-                    rows = pages[:, None] * pool.page_bytes + np.arange(sl.rows)[None, :] * sl.row_bytes
+                    rows = pages[:, None] * pool.page_stride + np.arange(sl.rows)[None, :] * sl.row_bytes
                     srcs.append(base + sl.start + rows.reshape(-1))
                     lengths.append(np.full(rows.size, sl.nbytes, dtype=np.int64))
     return np.concatenate(srcs), np.concatenate(lengths)

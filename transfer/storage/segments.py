@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from transfer.pools import MHAPool, MLAPool
+from transfer.pools import FusedKVPool, MHAPool, MLAPool, describe_pool, fused_tensors
 from transfer.storage.base import Segment
 from transfer.storage.keys import PoolFingerprint
 
@@ -34,6 +34,11 @@ def _layer_tensors(pool: MHAPool | MLAPool) -> list[list[Any]]:
         if not pool.latent:
             raise ValueError(f"{_role(pool)} pool: no latent tensors")
         return [[t] for t in pool.latent]
+    if isinstance(pool, FusedKVPool):  # each layer's blocks in physical order: [num_pages, ...]
+        if describe_pool(pool).page_stride_bytes:
+            raise ValueError(f"{_role(pool)} pool: the storage tier takes dense pages; vLLM's cross-layer "
+                             "blocks (page stride above the page's bytes) are not supported")
+        return [[t] for t in fused_tensors(pool).values()]
     raise TypeError(f"expected an MHAPool or MLAPool, got {type(pool).__name__}")
 
 
@@ -52,7 +57,7 @@ def _page_blocks(pool: MHAPool | MLAPool) -> tuple[list[int], int, int]:
             if tuple(t.shape) != tuple(first.shape) or t.dtype != first.dtype:
                 raise ValueError(f"{_role(pool)} pool layer {layer}: shape {tuple(t.shape)} {t.dtype} differs from "
                                  f"{tuple(first.shape)} {first.dtype}")
-            if not t.is_contiguous():
+            if not t.is_contiguous() and not isinstance(pool, FusedKVPool):  # fused: checked dense above
                 raise ValueError(f"{_role(pool)} pool layer {layer}: tensors must be contiguous")
             bases.append(t.data_ptr())
     return bases, page_bytes, num_pages
@@ -94,6 +99,12 @@ def pool_fingerprint(pool: MHAPool | MLAPool, *, model: str, tp_rank: int = 0, t
     """The key fingerprint of a pool on one TP rank. An MLA pool is the same
     on every rank, so its fingerprint ignores ``tp_rank``/``tp_size`` and its
     pages are shared across ranks; an MHA pool's names its head slice."""
+    if isinstance(pool, FusedKVPool):  # an MHA pool of one K+V buffer per layer; extra names the packing
+        d = describe_pool(pool)
+        return PoolFingerprint(model=model, role=_role(pool), attention="mha", page_layout=d.page_layout.value,
+                               dtype=d.dtype, page_size=d.page_size, num_layers=d.num_layers,
+                               num_kv_heads=d.num_kv_heads, head_dim=d.head_dim, tp_rank=tp_rank, tp_size=tp_size,
+                               extra=f"{d.kv_layout.value}{'|' + extra if extra else ''}")
     layers = _layer_tensors(pool)
     first = layers[0][0]
     if isinstance(pool, MHAPool):

@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 
 from bootstrap.messages import PoolRole
 from transfer.errors import StorageError
-from transfer.pools import MHAPool, MLAPool, aux_tensors
+from transfer.pools import MHAPool, MLAPool, aux_tensors, pool_tensors
 from transfer.storage import open_storage
 from transfer.storage.keys import chain_hashes, keys_from_chain
 from transfer.storage.segments import pages_segments, pool_fingerprint, pool_regions
@@ -47,7 +47,7 @@ def _devices(pools, aux) -> list[tuple[str, str]]:
     """(what, device) of every pool tensor's device and the aux tensor's."""
     out = {}
     for pool in pools:
-        tensors = list(pool.k) + list(pool.v) if isinstance(pool, MHAPool) else list(pool.latent)
+        tensors = list(pool_tensors([pool]).values())
         for t in tensors:
             out.setdefault((f"{pool.role.value} pool", _device_name(t.device)), None)
     for i, t in enumerate(aux):

@@ -8,7 +8,10 @@ from the connector. Faults: prefill killed while decode waits for a request's
 KV (decode recomputes a new prompt, per ``kv_load_failure_policy:
 recompute``, within the bound of kvferry's timeouts, and restores a prompt
 kvferry's storage tier holds from there, computing none of it), prefill
-restarted, decode restarted.
+restarted, decode restarted. The connector's stats (``vllm:kvferry_*`` on
+each server's ``/metrics``) are checked against what moved: bytes = prompt
+blocks x block bytes, exactly; the prefill lease (``kvferry_lease_s``) gives
+blocks no decode asked for back, counted as ``lease_expired``.
 
 Server starts are the cost here (about a minute per pair on two shared
 cores): one module-scoped set of servers, restarted only by the fault tests,
@@ -18,7 +21,9 @@ which run last.
 from __future__ import annotations
 
 import random
+import re
 import threading
+import urllib.request
 import time
 import uuid
 
@@ -33,6 +38,9 @@ MAX_TOKENS = 12
 LENGTHS = (100, 257, 640, 1000)
 KVFERRY = {"bootstrap_timeout_s": 15, "transfer_timeout_s": 30, "peer_timeout_s": 3, "model_name": "tiny-llama"}
 STORED = 512  # four full blocks of 128: all of it is written through to storage
+LEASE_S = 8.0  # prefill's lease; prefill's bootstrap_timeout_s (15) is longer, so the lease frees first
+BLOCK = 128  # vLLM's CPU block size
+BLOCK_BYTES = 4 * 4 * BLOCK * 2 * 32 * 2  # layers x KV heads x tokens x (K and V) x head dim x bf16
 
 
 def kv_config(role: str, bootstrap: str, store: str) -> dict:
@@ -40,11 +48,34 @@ def kv_config(role: str, bootstrap: str, store: str) -> dict:
              "kvferry": {**KVFERRY, "storage_url": f"file://{store}"}}
     if role == "kv_producer":
         extra["kvferry_serve_bootstrap"] = True
+        extra["kvferry_lease_s"] = LEASE_S
     config = {"kv_connector": "KvferryConnector", "kv_connector_module_path": "transfer.adapters.vllm",
               "kv_role": role, "kv_connector_extra_config": extra}
     if role == "kv_consumer":
         config["kv_load_failure_policy"] = "recompute"
     return config
+
+
+def metric(server: VLLMServer, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels``."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    total = 0.0
+    for m in re.finditer(r"^" + re.escape(name) + r"(?:\{([^}]*)\})? ([0-9.e+-]+)$", text, re.M):
+        found = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+        if all(found.get(k) == v for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def stats_of(server: VLLMServer) -> dict[str, float]:
+    """The connector's numbers on ``server``'s /metrics."""
+    out = {key: metric(server, "vllm:kvferry_" + key) for key in
+           ("xfer_time_seconds_count", "xfer_time_seconds_sum", "bytes_transferred_sum", "bytes_transferred_count",
+            "num_descriptors_sum", "failed_transfers_total")}
+    for path in ("direct", "staged", "storage"):
+        out[path] = metric(server, "vllm:kvferry_bytes_total", path=path)
+    return out
 
 
 def prompt_of(n: int, seed: int) -> list[int]:
@@ -139,6 +170,52 @@ def test_concurrent_protocol_with_a_router_transfer_id(cluster):
     assert after.get("local_compute", 0) - before.get("local_compute", 0) == 0
 
 
+def test_the_connector_stats_on_both_servers_count_what_moved(cluster):
+    """Each server's /metrics, fed by the connector's KVConnectorStats: per
+    request one room on each side, bytes = prompt blocks x block bytes
+    exactly, all of it staged (decode's write fence is on by default), no
+    failure."""
+    prefill, decode = cluster.servers["prefill"], cluster.servers["decode"]
+    lengths = (150, 700, 1000)
+    want_bytes = sum(-(-n // BLOCK) for n in lengths) * BLOCK_BYTES  # 2 + 6 + 8 blocks
+    before = {"prefill": stats_of(prefill), "decode": stats_of(decode)}
+    for i, n in enumerate(lengths):
+        got = pd_complete(prefill, decode, cluster.model, prompt_of(n, 70 + i), MAX_TOKENS)
+        assert got.tokens == cluster.reference(n, 70 + i)
+    for name, server in (("prefill", prefill), ("decode", decode)):
+        started = time.monotonic()
+        while True:  # a side reports a room at its engine's next step after the room ended
+            after = stats_of(server)
+            delta = {k: after[k] - before[name][k] for k in after}
+            if delta["xfer_time_seconds_count"] >= len(lengths) or time.monotonic() - started > 10:
+                break
+            time.sleep(0.2)
+        assert delta["xfer_time_seconds_count"] == delta["bytes_transferred_count"] == len(lengths), (name, delta)
+        assert delta["bytes_transferred_sum"] == want_bytes, (name, delta, want_bytes)
+        assert delta["staged"] == want_bytes and delta["direct"] == delta["storage"] == 0, (name, delta)
+        assert delta["num_descriptors_sum"] >= len(lengths), (name, delta)
+        assert delta["xfer_time_seconds_sum"] > 0 and delta["failed_transfers_total"] == 0, (name, delta)
+
+
+def test_the_lease_frees_blocks_no_decode_asked_for(cluster):
+    """Prefill keeps a finished request's blocks for LEASE_S (8 s), not for
+    its bootstrap_timeout_s (15 s): then the connector ends the room and
+    counts it as lease_expired."""
+    prefill = cluster.servers["prefill"]
+    expired = metric(prefill, "vllm:kvferry_failed_transfers_total", reason="lease_expired")
+    post(prefill.url, _body(cluster.model, prompt_of(600, 80), 1, {"do_remote_decode": True}), 120)
+    answered = time.monotonic()
+    assert prefill.gauge("vllm:kv_cache_usage_perc") > 0, "prefill freed the blocks before any decode took them"
+    while prefill.gauge("vllm:kv_cache_usage_perc") > 0:
+        assert time.monotonic() - answered < KVFERRY["bootstrap_timeout_s"] - 1, "the lease did not free the blocks"
+        time.sleep(0.25)
+    assert time.monotonic() - answered >= LEASE_S - 1, "blocks freed before the lease ran out"
+    started = time.monotonic()
+    while metric(prefill, "vllm:kvferry_failed_transfers_total", reason="lease_expired") < expired + 1:
+        assert time.monotonic() - started < 5, "the expired lease was not counted"
+        time.sleep(0.2)
+
+
 def test_the_comparison_catches_kv_of_another_prompt(cluster):
     """Decode given prompt B with prompt A's room gets A's KV: its tokens must
     then differ from B's reference (the equality above can fail)."""
@@ -159,6 +236,7 @@ def test_a_request_cancelled_on_decode_while_its_kv_is_coming_frees_its_blocks(c
     params = {"do_remote_prefill": True, "transfer_id": str(uuid.uuid4()),
               "kvferry_bootstrap_addr": cluster.bootstrap, "kvferry_node": "prefill0"}
     errors = []
+    aborted = metric(decode, "vllm:kvferry_failed_transfers_total", reason="aborted")
 
     def give_up():
         try:
@@ -176,6 +254,10 @@ def test_a_request_cancelled_on_decode_while_its_kv_is_coming_frees_its_blocks(c
     while decode.gauge("vllm:kv_cache_usage_perc") > 0:
         assert time.monotonic() - started < 12, "decode kept the cancelled request's blocks"
         time.sleep(0.5)
+    started = time.monotonic()
+    while metric(decode, "vllm:kvferry_failed_transfers_total", reason="aborted") < aborted + 1:
+        assert time.monotonic() - started < 5, "the aborted room was not counted"
+        time.sleep(0.2)
 
 
 def test_prefill_killed_while_decode_waits_then_restarted(cluster):
@@ -227,8 +309,8 @@ def test_prefill_killed_while_decode_waits_then_restarted(cluster):
 
 def test_decode_restarted(cluster):
     """Decode dies after prefill kept a request's blocks for it: prefill frees
-    them once no decode asked within bootstrap_timeout_s; the restarted
-    decode serves as before."""
+    them once no decode asked within the lease; the restarted decode serves
+    as before."""
     prefill = cluster.servers["prefill"]
     post(prefill.url, _body(cluster.model, prompt_of(900, 50), 1, {"do_remote_decode": True}), 120)
     held = prefill.gauge("vllm:kv_cache_usage_perc")
@@ -237,7 +319,7 @@ def test_decode_restarted(cluster):
     started = time.monotonic()
     decode = cluster.start("decode").wait_ready()
     while prefill.gauge("vllm:kv_cache_usage_perc") > 0:
-        assert time.monotonic() - started < KVFERRY["bootstrap_timeout_s"] + 30, "prefill never freed the blocks"
+        assert time.monotonic() - started < LEASE_S + 30, "prefill never freed the blocks"
         time.sleep(1)
     for i, n in enumerate((120, 800)):
         got = pd_complete(cluster.servers["prefill"], decode, cluster.model, prompt_of(n, 40 + i), MAX_TOKENS)

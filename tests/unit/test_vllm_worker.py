@@ -1,0 +1,138 @@
+"""The vLLM connector's worker half (transfer.adapters.vllm_worker) without
+vLLM: two KvferryWorkers on the loopback pair, driven the way vLLM's steps
+drive them (start, finished, take_stats). The driver polls only the rooms
+that changed; a room that never changes still ends at its time bound; the
+prefill lease gives an unasked room's blocks back; the step stats count
+exactly what moved."""
+
+import time
+
+import numpy as np
+import pytest
+
+from transfer.adapters import vllm_stats
+from transfer.adapters.vllm_params import ConnectorConfig, RecvSpec, SendSpec
+from transfer.adapters.vllm_worker import KvferryWorker
+from transfer.config import Role
+
+from ._rooms import HEAD_DIM, NUM_HEADS, NUM_LAYERS, PAGE_SIZE, cluster, random_pages  # noqa: F401
+
+PAGE_BYTES = PAGE_SIZE * NUM_HEADS * HEAD_DIM * 2 * NUM_LAYERS * 2  # bf16, K and V of every layer
+FENCED = dict(staging_bytes=1 << 20, stage_part_bytes=64 << 10)
+
+
+def worker(cluster, role: Role, lease_s: float = 30.0, **overrides) -> tuple[KvferryWorker, object]:
+    rank = cluster.rank(role, **overrides)
+    w = KvferryWorker(ConnectorConfig(bootstrap_addr=cluster.server.address, lease_s=lease_s), role=role,
+                      tp_rank=0, tp_size=1)
+    w.attach(rank.mgr)
+    cluster.stack.callback(w.close)
+    return w, rank
+
+
+def wait_finished(w: KvferryWorker, req_ids: set[str], timeout_s: float) -> float:
+    """Call finished() as vLLM's steps do until every id came back; returns the seconds it took."""
+    start, got = time.monotonic(), set()
+    while got != req_ids:
+        sending, recving = w.finished(req_ids)
+        got |= sending | recving
+        assert time.monotonic() - start < timeout_s, f"{req_ids - got} not finished within {timeout_s} s"
+        time.sleep(0.005)
+    return time.monotonic() - start
+
+
+def test_rooms_move_byte_exact_and_the_step_stats_count_them(cluster):
+    """Fenced decode (the connector's default): every byte staged; both
+    sides report bytes = pages x page bytes, exactly, per room."""
+    p, prefill = worker(cluster, Role.PREFILL)
+    d, decode = worker(cluster, Role.DECODE, **FENCED)
+    rng = np.random.default_rng(7)
+    sizes = (3, 9, 1)
+    srcs, dsts = [random_pages(rng, n) for n in sizes], []
+    free = list(rng.permutation(64))
+    for i, n in enumerate(sizes):
+        dsts.append(np.array([free.pop() for _ in range(n)]))
+        d.start([], [RecvSpec(req_id=f"d{i}", room=100 + i, bootstrap_addr=cluster.server.address,
+                              node_id="prefill", pages=tuple(int(x) for x in dsts[i]))])
+    p.start([SendSpec(req_id=f"p{i}", room=100 + i, pages=tuple(int(x) for x in srcs[i])) for i in range(3)], [])
+    wait_finished(d, {"d0", "d1", "d2"}, 10)
+    wait_finished(p, {"p0", "p1", "p2"}, 10)
+    assert d.load_errors() == set()
+    for src, dst in zip(srcs, dsts):
+        assert decode.page_bytes(dst) == prefill.page_bytes(src)
+    for w in (p, d):
+        data = w.take_stats()
+        assert sorted(data["bytes_transferred"]) == sorted(n * PAGE_BYTES for n in sizes)
+        assert data["bytes_by_path"] == {"staged": sum(sizes) * PAGE_BYTES}
+        assert len(data["transfer_duration"]) == 3 and all(s > 0 for s in data["transfer_duration"])
+        assert all(n >= 1 for n in data["num_descriptors"]) and data["failures"] == {}
+        assert w.take_stats() is None  # taken: the next step reports nothing
+
+
+def test_the_driver_polls_changed_rooms_and_the_lease_ends_unasked_ones(cluster):
+    """100 prefill rooms no decode asks for: after start() polled each once,
+    the driver does not poll them again while other rooms run; the lease
+    (0.6 s) then ends them all and reports their blocks free."""
+    p, _ = worker(cluster, Role.PREFILL, lease_s=0.6)
+    d, _ = worker(cluster, Role.DECODE)
+    idle = {f"idle{i}" for i in range(100)}
+    p.start([SendSpec(req_id=r, room=1000 + i, pages=(i % 64,)) for i, r in enumerate(sorted(idle))], [])
+    opened_at, base = time.monotonic(), p.num_polled
+    assert base == 100
+    for i in range(4):  # other rooms come and go meanwhile
+        d.start([], [RecvSpec(req_id=f"d{i}", room=i, bootstrap_addr=cluster.server.address, node_id="prefill",
+                              pages=(i,))])
+        p.start([SendSpec(req_id=f"p{i}", room=i, pages=(i,))], [])
+        wait_finished(d, {f"d{i}"}, 10)
+        wait_finished(p, {f"p{i}"}, 10)
+    # Each live room polled a handful of times, none of the idle ones (old loop: 100 per wake-up).
+    assert p.num_polled - base < 40, p.num_polled - base
+    assert p.finished(idle) == (set(), set())  # not before the lease
+    waited = wait_finished(p, idle, 10)
+    assert time.monotonic() - opened_at >= 0.6
+    assert waited < 5
+    data = p.take_stats()
+    assert data["failures"] == {vllm_stats.LEASE_EXPIRED: 100}, data["failures"]
+    assert p.num_pending() == 0
+
+
+def test_a_room_that_never_changes_still_ends_at_its_bound(cluster):
+    """Decode asks for a room prefill never opens: nothing changes until the
+    manager's sweep fails it (bootstrap and transfer bounds 1 s); the driver, which
+    polls only changed rooms, still reports it with its blocks as load errors."""
+    worker(cluster, Role.PREFILL)
+    d, _ = worker(cluster, Role.DECODE, bootstrap_timeout_s=1.0, transfer_timeout_s=1.0)
+    d.start([], [RecvSpec(req_id="lost", room=77, bootstrap_addr=cluster.server.address, node_id="prefill",
+                          pages=(5, 6))])
+    waited = wait_finished(d, {"lost"}, 10)
+    assert 0.9 <= waited < 5
+    assert d.load_errors() == {5, 6}
+    assert d.take_stats()["failures"] == {"timeout": 1}
+
+
+def test_step_payloads_merge_and_summarise():
+    a, b = vllm_stats.empty(), vllm_stats.empty()
+    assert vllm_stats.is_empty(a)
+    vllm_stats.record_failure(a, "timeout")
+    b["transfer_duration"] += [0.5, 1.5]
+    b["bytes_transferred"] += [2 << 20, 4 << 20]
+    b["num_descriptors"] += [4, 8]
+    b["bytes_by_path"]["direct"] = 6 << 20
+    b["failures"]["timeout"] = 2
+    merged = vllm_stats.merge(a, b)
+    assert merged["failures"] == {"timeout": 3} and merged["bytes_transferred"] == [2 << 20, 4 << 20]
+    s = vllm_stats.summary(merged)
+    assert s["Num successful transfers"] == 2 and s["Avg MB per transfer"] == 3.0
+    assert s["Throughput (MB/s)"] == 3.0 and s["Failed (timeout)"] == 3 and s["MB direct"] == 6.0
+
+
+@pytest.mark.parametrize("extra, lease", [({}, 30.0), ({"kvferry": {"bootstrap_timeout_s": 12}}, 12.0),
+                                          ({"kvferry_lease_s": 5, "kvferry": {"bootstrap_timeout_s": 12}}, 5.0)])
+def test_the_lease_option_and_prefill_bootstrap_bound(extra, lease):
+    c = ConnectorConfig.from_extra(extra, None)
+    assert c.lease_s == lease
+    assert c.manager_fields(prefill=True)["bootstrap_timeout_s"] >= lease + 1
+    assert c.manager_fields(prefill=True)["staging_bytes"] == 0
+    assert "staging_bytes" not in c.manager_fields(prefill=False)  # decode: staging, so the write fence
+    with pytest.raises(ValueError, match="kvferry_lease_s"):
+        ConnectorConfig.from_extra({"kvferry_lease_s": 0}, None)
