@@ -15,7 +15,7 @@ NIXL_VERSION ?= 1.5.1
 MOONCAKE_PKG ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo mooncake-transfer-engine || echo mooncake-transfer-engine-non-cuda)
 STAMP := $(VENV)/.kvferry-setup
 
-.PHONY: setup demo demo-load test test-layouts test-engines scale bench clean debian-libs
+.PHONY: setup demo demo-load test test-layouts test-scale test-engines scale bench clean debian-libs
 
 setup: $(STAMP)
 
@@ -59,6 +59,11 @@ test: setup
 # processes and Mooncake, byte-exact (about 20 s; kept out of `make test`'s budget).
 test-layouts: setup
 	timeout 600 $(PY) -m pytest -q -p no:cacheprovider tests/layouts
+
+# The scale test's small version (tests/scale, left out of `make test` for its
+# budget): about 30 s on two cores. CI runs it after `make test`.
+test-scale: setup
+	timeout 600 $(PY) -m pytest -q -p no:cacheprovider tests/scale
 
 # Thousands of rooms and 20 ranks in real processes, every byte checked; CPU,
 # memory, threads and descriptors per role (JSON in scale.json). See docs/scale.md.

@@ -188,6 +188,9 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["agent"]:
         return agent.main(argv[1:])
+    if argv[:1] == ["metrics-cost"]:
+        from benchmarks import metrics_cost
+        return metrics_cost.main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description="kvferry benchmark (see the module docstring); "
                                              "'python -m benchmarks agent --help' for the decode node's agent")
     ap.add_argument("--quick", action="store_true", help="a short and a long prompt subset, under 2 minutes")

@@ -16,7 +16,7 @@ descriptors, also per quarter of the run (from the first room that ended to
 the end of the arrivals), and exits 1 when a room that nobody aborted did not
 succeed, a byte differs, or threads, descriptors, memory or CPU per room
 grew from the second quarter to the last (the first opens connections).
-``--quick`` runs a small version of both (about 30 s), for ``make test``.
+``--quick`` runs a small version of both (about 30 s), for ``make test-scale``.
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def summarise(spec: ScaleSpec, results: list[dict], wall_s: float, num_procs: in
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="the small version (make test)")
+    ap.add_argument("--quick", action="store_true", help="the small version (make test-scale)")
     ap.add_argument("--only", choices=sorted(PHASES), help="run one phase")
     ap.add_argument("--json", help="write the report here")
     ap.add_argument("--timeout-s", type=float, default=480.0, help="per phase")

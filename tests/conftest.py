@@ -5,3 +5,7 @@ installed: `make test-engines` builds each engine's own virtual environment
 import importlib.util
 
 collect_ignore = [f"engines/{engine}" for engine in ("sglang", "vllm") if importlib.util.find_spec(engine) is None]
+
+# The quick scale test (tests/scale) runs under `make test-scale` (CI runs it after
+# `make test`), not in the default run: about a minute of two busy cores.
+collect_ignore.append("scale")

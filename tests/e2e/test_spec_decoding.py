@@ -2,9 +2,12 @@
 send and DP attention: separate prefill and decode processes, the real
 Mooncake engine over TCP loopback, random data and pages, byte-exact."""
 
+import itertools
+from dataclasses import replace
+
 import pytest
 
-from harness.launch import run_pd
+from harness.launch import BootstrapProcess, run_pd
 from harness.workload import PoolSpec, Spec
 
 from tests.e2e.conftest import assert_all_succeeded
@@ -27,6 +30,26 @@ MIXES = {
 TP_PAIRS = [(1, 1), (2, 1), (1, 2), (4, 2), (2, 4), (8, 2)]
 
 
+_server: BootstrapProcess | None = None
+_node_ids = itertools.count()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shared_server():
+    """One bootstrap server process for the module's runs (each run had its own)."""
+    global _server
+    with BootstrapProcess() as server:
+        _server = server
+        yield
+    _server = None
+
+
+def _run_pd(spec: Spec, **kw):
+    """``run_pd`` against the module's bootstrap server, under a prefill node
+    name of the run's own: runs never see each other's ranks."""
+    return run_pd(replace(spec, node_id=f"prefill-{next(_node_ids)}"), bootstrap=_server.address, **kw)
+
+
 def small_spec(pools, prefill_tp, decode_tp, **kw) -> Spec:
     base = dict(bootstrap="", prefill_pools=pools, decode_pools=pools, prefill_tp=prefill_tp, decode_tp=decode_tp,
                 num_rooms=3, concurrency=3, min_tokens=40, max_tokens=300, chunk_pages=4, prefill_pages=64,
@@ -39,7 +62,7 @@ def small_spec(pools, prefill_tp, decode_tp, **kw) -> Spec:
 @pytest.mark.parametrize("mix", list(MIXES))
 def test_mix_by_tp_pair_byte_exact(mix, prefill_tp, decode_tp):
     spec = small_spec(MIXES[mix], prefill_tp, decode_tp)
-    runs = run_pd(spec, timeout_s=120, rank_processes=False)
+    runs = _run_pd(spec, timeout_s=120, rank_processes=False)
     assert_all_succeeded(runs, 3)
     assert sorted(r.tp_rank for r in runs if r.role == "prefill") == list(range(prefill_tp))
     assert sorted(r.tp_rank for r in runs if r.role == "decode") == list(range(decode_tp))
@@ -51,13 +74,13 @@ def test_gqa_fewer_kv_heads_than_tp_ranks(prefill_tp, decode_tp, layout):
     target = PoolSpec(role="target", num_layers=2, total_heads=2, head_dim=64, page_layout=layout)
     draft = PoolSpec(role="draft", num_layers=1, total_heads=1, head_dim=32, page_layout=layout)
     spec = small_spec((target, draft), prefill_tp, decode_tp)
-    runs = run_pd(spec, timeout_s=120, rank_processes=False)
+    runs = _run_pd(spec, timeout_s=120, rank_processes=False)
     assert_all_succeeded(runs, 3)
 
 
 def test_one_process_per_rank_mla_target_mha_draft():
     spec = small_spec(MIXES["mla+mha"], 2, 4, num_rooms=4)
-    runs = run_pd(spec, timeout_s=120, rank_processes=True)
+    runs = _run_pd(spec, timeout_s=120, rank_processes=True)
     assert_all_succeeded(runs, 4)
     assert len({id(r.log) for r in runs}) == 6  # six rank processes
 
@@ -66,14 +89,14 @@ def test_ranks_that_send_nothing_still_end_in_success():
     # MLA target, MHA draft, prefill TP 4 to decode TP 2: one prefill rank per
     # decode rank sends the latent cache, every prefill rank sends its draft
     # heads; an MLA-only pool leaves two prefill ranks with nothing to send.
-    runs = run_pd(small_spec((MLA_TARGET,), 4, 2), timeout_s=120, rank_processes=False)
+    runs = _run_pd(small_spec((MLA_TARGET,), 4, 2), timeout_s=120, rank_processes=False)
     assert_all_succeeded(runs, 3)
     prefill = {r.tp_rank: r.result for r in runs if r.role == "prefill"}
     idle = [rank for rank, res in prefill.items() if res["descriptors"] == 0]
     assert idle == [2, 3], {rank: res["descriptors"] for rank, res in prefill.items()}
     assert all(res["success"] == 3 for res in prefill.values())
 
-    runs = run_pd(small_spec(MIXES["mla+mha"], 4, 2), timeout_s=120, rank_processes=False)
+    runs = _run_pd(small_spec(MIXES["mla+mha"], 4, 2), timeout_s=120, rank_processes=False)
     assert_all_succeeded(runs, 3)
     sent = {r.tp_rank: r.result["bytes"] for r in runs if r.role == "prefill"}
     # ranks 0 and 1 send latent + draft heads, ranks 2 and 3 only their draft heads
@@ -86,7 +109,7 @@ def test_decode_waits_for_every_expected_part(mix):
     # checks every byte the moment it reports Success, so an early Success
     # (before rank 1's part landed) would show as a mismatch.
     spec = small_spec(MIXES[mix], 2, 1, slow_prefill_rank=1, slow_delay_s=1.5, min_tokens=200)
-    runs = run_pd(spec, timeout_s=120, rank_processes=False)
+    runs = _run_pd(spec, timeout_s=120, rank_processes=False)
     assert_all_succeeded(runs, 3)
     decode = next(r.result for r in runs if r.role == "decode")
     assert min(decode["latencies_ms"]) >= 1500, decode["latencies_ms"]
@@ -97,7 +120,7 @@ def test_dp_attention_routes_each_room_to_its_group(routing):
     # Two prefill DP groups of TP 2 behind one bootstrap server; each group's
     # pools hold different data, so the byte check proves the routing.
     spec = small_spec(MIXES["mla+mha"], 2, 1, prefill_dp=2, num_rooms=6, dp_routing=routing)
-    runs = run_pd(spec, timeout_s=120, rank_processes=False)
+    runs = _run_pd(spec, timeout_s=120, rank_processes=False)
     for r in runs:
         assert r.result is not None and r.result["failed"] == [] and r.result["mismatches"] == [], r.log[-2000:]
     prefill = [r.result for r in runs if r.role == "prefill"]
@@ -122,7 +145,7 @@ def _failures(runs):
 ])
 def test_handshake_errors_name_the_field_on_both_sides(field, prefill_pools, decode_pools, kw):
     spec = small_spec(prefill_pools, 2, 1, decode_pools=decode_pools, num_rooms=2, **kw)
-    failures = _failures(run_pd(spec, timeout_s=90, rank_processes=False))
+    failures = _failures(_run_pd(spec, timeout_s=90, rank_processes=False))
     assert set(failures) == {("prefill", 0), ("prefill", 1), ("decode", 0)}
     for who, whys in failures.items():
         assert len(whys) == 2, (who, whys)
@@ -131,7 +154,7 @@ def test_handshake_errors_name_the_field_on_both_sides(field, prefill_pools, dec
 
 def test_tp_ratio_that_does_not_divide_is_refused():
     pool = PoolSpec(role="target", num_layers=1, total_heads=6, head_dim=32)
-    failures = _failures(run_pd(small_spec((pool,), 3, 2, num_rooms=1), timeout_s=90, rank_processes=False))
+    failures = _failures(_run_pd(small_spec((pool,), 3, 2, num_rooms=1), timeout_s=90, rank_processes=False))
     for who, whys in failures.items():
         assert whys and all("incompatible tp_size" in w and "neither divides the other" in w for w in whys), \
             (who, whys)
@@ -139,5 +162,5 @@ def test_tp_ratio_that_does_not_divide_is_refused():
 
 def test_missing_draft_served_target_only_when_allowed():
     spec = small_spec((MLA_TARGET,), 2, 1, decode_pools=MIXES["mla+mha"], allow_missing_draft=True)
-    runs = run_pd(spec, timeout_s=90, rank_processes=False)
+    runs = _run_pd(spec, timeout_s=90, rank_processes=False)
     assert_all_succeeded(runs, 3)

@@ -93,12 +93,56 @@ ROOM_LAYER = ["transfer.rooms.context", "transfer.rooms.prefill_table", "transfe
               "transfer.transport.mooncake"]  # Mooncake is imported when a transport is built
 
 
+# One interpreter imports what every room-layer module needs and neither zmq
+# nor Mooncake loads (numpy, torch: seconds of imports), then forks a fresh child
+# per module; each child imports its module and reports sys.modules. Same
+# question as a fresh interpreter per module, without importing torch 19 times.
+_FORK_EACH = """
+import os, sys
+import numpy, torch
+print("PRELOADED", " ".join(m for m in sys.modules if m.split(".")[0] in ("zmq", "mooncake")), flush=True)
+for name in sys.argv[1:]:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            __import__(name)
+            text = "OK " + " ".join(sys.modules)
+        except BaseException as exc:
+            text = f"ERROR {type(exc).__name__}: {exc}"
+        with os.fdopen(w, "w") as f:
+            f.write(text)
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        text = f.read()
+    os.waitpid(pid, 0)
+    print("MODULE", name, text.replace("\\n", " "), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def room_layer_modules() -> dict[str, set[str]]:
+    out = subprocess.run([sys.executable, "-c", _FORK_EACH, *ROOM_LAYER], capture_output=True, text=True,
+                         check=True, timeout=120)
+    lines = out.stdout.splitlines()
+    assert lines[0].split() == ["PRELOADED"], lines[0]  # numpy and torch loaded neither
+    loaded = {}
+    for line in lines[1:]:
+        _, name, status, *rest = line.split()
+        assert status == "OK", line
+        loaded[name] = set(rest)
+    assert sorted(loaded) == sorted(ROOM_LAYER)
+    return loaded
+
+
 @pytest.mark.parametrize("module", ROOM_LAYER)
-def test_the_room_layer_loads_neither_zmq_nor_mooncake(module):
+def test_the_room_layer_loads_neither_zmq_nor_mooncake(module, room_layer_modules):
     """Rooms, staging and the loopback pair run without zmq or Mooncake: the
     engines come in only through the manager's seams. (The bootstrap client,
     zmq, reaches the rooms as a factory in their context.)"""
-    loaded = _modules_after(f"import {module}")
+    loaded = room_layer_modules[module]
     assert module in loaded
     assert not {m for m in loaded if m.split(".")[0] in ("zmq", "mooncake")}
 

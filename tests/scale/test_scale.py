@@ -3,7 +3,8 @@
 ranks in 2 processes feeding 2 decode ranks with random arrivals and aborts;
 real processes, real Mooncake over TCP loopback, every byte checked, and
 threads, descriptors and memory flat from the first quarter to the last.
-``make scale`` runs the full size."""
+``make test-scale`` runs this file (CI does, after ``make test``); ``make scale``
+runs the full size."""
 
 import json
 import subprocess
