@@ -1,0 +1,99 @@
+"""The NIXL transport in one process (two agents, UCX on loopback): a
+scattered plan lands byte-exact in one request, a write outside the peer's
+announced regions (or into memory it deregistered since) is refused before
+anything is posted, and close fails what is queued."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from transfer.config import EngineConfig
+from transfer.errors import ClosedError, TransferError
+from transfer.plan import TransferPlan
+from transfer.storage.nixl_probe import nixl_missing_reason
+
+pytestmark = pytest.mark.skipif(bool(nixl_missing_reason()), reason=nixl_missing_reason())
+
+PAGE = 4096
+
+
+@pytest.fixture(scope="module")
+def pair():
+    mp = pytest.MonkeyPatch()
+    mp.setenv("UCX_NET_DEVICES", "lo")  # UCX listens on loopback only
+    from transfer.transport.nixl import NixlTransport
+    a, b = NixlTransport(EngineConfig(backend="nixl")), NixlTransport(EngineConfig(backend="nixl"))
+    rng = np.random.default_rng(18)
+    src = rng.integers(0, 256, 256 * PAGE, dtype=np.uint8)
+    dst = np.zeros(256 * PAGE, dtype=np.uint8)
+    a.register([(src.ctypes.data, src.nbytes)])
+    b.register([(dst.ctypes.data, dst.nbytes)])
+    a.add_peer(b.session, b.metadata())
+    yield a, b, src, dst
+    a.close()
+    b.close()
+    mp.undo()
+
+
+def _run(transport, peer, plan) -> TransferError | None:
+    done, result = threading.Event(), []
+    transport.submit(peer, plan, lambda error: (result.append(error), done.set()))
+    assert done.wait(20), "no callback within 20 s"
+    assert len(result) == 1
+    return result[0]
+
+
+def _plan(src_base, src_pages, dst_base, dst_pages) -> TransferPlan:
+    s = (src_base + np.asarray(src_pages) * PAGE).astype(np.uint64)
+    d = (dst_base + np.asarray(dst_pages) * PAGE).astype(np.uint64)
+    return TransferPlan(s, d, np.full(len(s), PAGE, dtype=np.uint64))
+
+
+def test_scattered_pages_land_byte_exact_in_one_request(pair):
+    a, b, src, dst = pair
+    rng = np.random.default_rng(7)
+    src_pages, dst_pages = rng.permutation(256)[:100], rng.permutation(200)[:100]
+    before = (a.num_requests, a.num_bytes)
+    assert _run(a, b.session, _plan(src.ctypes.data, src_pages, dst.ctypes.data, dst_pages)) is None
+    for s, d in zip(src_pages, dst_pages):
+        assert np.array_equal(dst[d * PAGE:(d + 1) * PAGE], src[s * PAGE:(s + 1) * PAGE])
+    assert (a.num_requests - before[0], a.num_bytes - before[1]) == (1, 100 * PAGE)
+
+
+def test_a_write_outside_the_peers_regions_is_refused(pair):
+    a, b, src, dst = pair
+    plan = _plan(src.ctypes.data, [0, 1], dst.ctypes.data, [3, 256])  # page 256: one past the end
+    error = _run(a, b.session, plan)
+    assert isinstance(error, TransferError) and "descriptor 1" in str(error) and error.peer == b.session
+
+
+def test_an_unknown_peer_fails_the_plan(pair):
+    a, _, src, dst = pair
+    error = _run(a, "127.0.0.1:nobody", _plan(src.ctypes.data, [0], dst.ctypes.data, [0]))
+    assert isinstance(error, TransferError) and "no NIXL metadata" in str(error)
+
+
+def test_memory_the_peer_deregistered_is_refused_once_it_announced_it(pair):
+    a, b, src, dst = pair
+    b.unregister([(dst.ctypes.data, dst.nbytes)])
+    a.add_peer(b.session, b.metadata())
+    try:
+        dst[:PAGE] = 0
+        error = _run(a, b.session, _plan(src.ctypes.data, [5], dst.ctypes.data, [0]))
+        assert isinstance(error, TransferError) and "outside the memory" in str(error)
+        assert not dst[:PAGE].any()  # nothing landed
+    finally:
+        b.register([(dst.ctypes.data, dst.nbytes)])
+        a.add_peer(b.session, b.metadata())
+
+
+def test_submit_after_close_raises_and_close_is_idempotent():
+    from transfer.transport.nixl import NixlTransport
+    t = NixlTransport(EngineConfig(backend="nixl"))
+    t.close()
+    t.close()
+    with pytest.raises(ClosedError):
+        t.submit("127.0.0.1:x", TransferPlan.empty(), lambda e: None)
