@@ -15,7 +15,15 @@ Each workload runs these ways (rows of ``mode`` ``kvferry``, ``mooncake`` and
   pools of kvferry's geometry, one descriptor per run of pages adjacent on
   both sides, no staging buffer (see :mod:`benchmarks.raw_pages`);
 - ``limit``: a plain TCP stream of the same bytes to the decode side (TCP
-  only; on RDMA raw Mooncake is the limit), and a memcpy on this host.
+  only; on RDMA raw Mooncake is the limit), and a memcpy on this host;
+- ``nixl`` (``nixl-merged``, ``nixl-pages``): the same two raw baselines
+  through bare NIXL agents on UCX, and ``kvferry-nixl``: kvferry's ranks on
+  the NIXL transport (see :mod:`benchmarks.nixl_runs`), each once per
+  ``--ucx-tls`` value (default: UCX's own choice, then ``UCX_TLS=tcp``).
+
+Every row names its ``transport`` (and ``ucx_tls`` for NIXL). With the
+workloads of issue 18's targets in the run, the targets are evaluated and
+printed, and stored under ``targets`` in the JSON (:mod:`benchmarks.targets`).
 
 Two hosts: ``python -m benchmarks agent --host H --port P`` on the decode
 node, then ``python -m benchmarks --peer H:P --protocol rdma --hostname
@@ -35,32 +43,43 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
 from dataclasses import asdict, dataclass, replace
 
-from benchmarks import agent, storage
+from benchmarks import agent, storage, targets
 from benchmarks.hosts import LocalHost, Link, machine
+from benchmarks.nixl_runs import kvferry_nixl_missing, run_kvferry_nixl, run_nixl, run_nixl_pages
 from benchmarks.runs import run_kvferry, run_limits, run_mooncake, run_mooncake_pages
 from benchmarks.workloads import DRAFT, FULL, MODELS, PAGE_SIZE, QUICK, Workload
 
 __all__ = ["DRAFT", "FULL", "MODELS", "PAGE_SIZE", "QUICK", "Workload", "main", "print_table"]
 
 
+MODES = ("kvferry", "mooncake", "mooncake-merged", "mooncake-pages", "limit",
+         "nixl", "nixl-merged", "nixl-pages", "kvferry-nixl")
+
+
 def _ratios(row: dict, refs: dict[str, float]) -> str:
     out = []
     for baseline, gbps in refs.items():
-        if gbps:
+        if gbps and row["mode"] == "kvferry":
             paired = row.get(f"paired_ratio_{baseline.replace('-', '_')}")
             out.append(f"{row['gbps'] / gbps:.0%} of mooncake {baseline}"
                        + (f" (rounds paired: {paired:.0%})" if paired is not None and row.get("rounds", 1) > 1 else ""))
     return ", ".join(out)
 
 
+def _transport(row: dict) -> str:
+    tls = row.get("ucx_tls")
+    return row.get("transport", "") + (f" tls={tls}" if tls else "")
+
+
 def print_table(rows: list[dict]) -> None:
-    head = f"{'workload':<20} {'mode':<9} {'tokens':>6} {'conc':>4} {'GB/s':>6} {'p50 ms':>9} {'p99 ms':>9} " \
-           f"{'desc/req':>9} {'msgs/req':>8} {'CPU s/GB':>8}  note"
+    head = f"{'workload':<20} {'mode':<12} {'transport':<20} {'tokens':>6} {'conc':>4} {'GB/s':>6} {'p50 ms':>9} " \
+           f"{'p99 ms':>9} {'desc/req':>9} {'msgs/req':>8} {'CPU s/GB':>8}  note"
     print(head)
     print("-" * len(head))
     refs: dict[str, dict[str, float]] = {}
@@ -69,7 +88,7 @@ def print_table(rows: list[dict]) -> None:
             refs.setdefault(r["workload"], {})[r["baseline"]] = r["gbps"]
     for r in rows:
         note = r.get("baseline", "")
-        if r["mode"] == "kvferry":
+        if r["mode"] in ("kvferry", "kvferry-nixl"):
             note = _ratios(r, refs.get(r["workload"], {}))
         elif r.get("baseline") == "merged":
             note = f"merged, entries of {r['entry_bytes'] >> 10} KiB"
@@ -77,14 +96,16 @@ def print_table(rows: list[dict]) -> None:
             note = f"same pages, {r['pattern']} pattern"
         msgs = r.get("control_msgs_per_request", "")
         cpu = r.get("cpu_s_per_gb", "")
-        print(f"{r['workload']:<20} {r['mode']:<9} {r['tokens']:>6} {r['concurrency']:>4} {r['gbps']:>6.2f} "
+        print(f"{r['workload']:<20} {r['mode']:<12} {_transport(r):<20} {r['tokens']:>6} {r['concurrency']:>4} "
+              f"{r['gbps']:>6.2f} "
               f"{r['p50_ms']:>9.2f} {r['p99_ms']:>9.2f} {r['descriptors_per_request']:>9.0f} "
               f"{msgs!s:>8} {cpu!s:>8}  {note}", flush=True)
 
 
 def _median(runs: list[dict]) -> dict:
     median = sorted(runs, key=lambda r: r["gbps"])[len(runs) // 2]
-    return dict(median, rounds=len(runs), gbps_all=[r["gbps"] for r in runs])
+    return dict(median, rounds=len(runs), gbps_all=[r["gbps"] for r in runs],
+                load_1m_all=[r.get("load_1m") for r in runs])
 
 
 def _add_paired_ratios(row: dict, runs: dict[str, list[dict]]) -> None:
@@ -102,6 +123,9 @@ class Options:
     modes: frozenset[str]
     rounds: int
     quick: bool  # one entry size and one submit pattern for the raw baselines
+    ucx_tls: tuple[str, ...] = ("default", "tcp")  # the NIXL modes run once per value
+    nixl_progress_delay_us: int = 100
+    limits_each_round: bool = False  # the limits alternate with the modes too (median kept), not once at the end
 
 
 def run_workload(w: Workload, options: Options, decode, link: Link) -> list[dict]:
@@ -111,6 +135,7 @@ def run_workload(w: Workload, options: Options, decode, link: Link) -> list[dict
     entry_sizes = [4 << 20] if options.quick else [1 << 20, 4 << 20, 16 << 20]
     patterns = ["submit"] if options.quick else ["submit", "batch"]
     runs: dict[str, list[dict]] = {"kvferry": [], "merged": [], "same-pages": []}
+    nixl_entries = {tls: list(entry_sizes) for tls in options.ucx_tls}
     for _ in range(options.rounds):
         if "kvferry" in modes:
             runs["kvferry"].append(run_kvferry(w, decode, link))
@@ -122,12 +147,32 @@ def run_workload(w: Workload, options: Options, decode, link: Link) -> list[dict
             best = run_mooncake_pages(w, decode, link, patterns)
             patterns = [best["pattern"]]  # ... and the best pattern
             runs["same-pages"].append(best)
+        for tls in options.ucx_tls:
+            _nixl_round(w, options, decode, link, tls, nixl_entries, runs)
+        if "limit" in modes and options.limits_each_round:
+            for limit in run_limits(w, decode, link):
+                runs.setdefault(f"limit/{limit['baseline']}", []).append(limit)
     rows = [_median(mode_runs) for mode_runs in runs.values() if mode_runs]
     if runs["kvferry"]:
         _add_paired_ratios(rows[0], runs)
-    if "limit" in modes:
+    if "limit" in modes and not options.limits_each_round:
         rows.extend(run_limits(w, decode, link))
     return rows
+
+
+def _nixl_round(w: Workload, options: Options, decode, link: Link, tls: str, entries: dict, runs: dict) -> None:
+    """One round of the NIXL modes under one UCX transport selection."""
+    modes, delay = options.modes, options.nixl_progress_delay_us
+    if "kvferry-nixl" in modes and not kvferry_nixl_missing():
+        runs.setdefault(f"kvferry-nixl/{tls}", []).append(run_kvferry_nixl(w, decode, link, tls))
+    if w.device != "cpu" or link.protocol != "tcp":
+        return  # the raw NIXL baselines: host memory, this host's UCX choice
+    if modes & {"nixl", "nixl-merged"}:
+        best = run_nixl(w, decode, link, entries[tls], tls, delay)
+        entries[tls] = [best["entry_bytes"]]
+        runs.setdefault(f"nixl-merged/{tls}", []).append(best)
+    if modes & {"nixl", "nixl-pages"} and w.has_same_pages_baseline:
+        runs.setdefault(f"nixl-pages/{tls}", []).append(run_nixl_pages(w, decode, link, tls, delay))
 
 
 def _machines(link: Link, decode) -> dict:
@@ -153,7 +198,15 @@ def main(argv=None) -> int:
     ap.add_argument("--only", help="comma-separated workload names")
     ap.add_argument("--modes", default="kvferry,mooncake,limit",
                     help="comma-separated: kvferry, mooncake (both raw baselines), mooncake-merged, "
-                         "mooncake-pages, limit")
+                         "mooncake-pages, limit, nixl (both raw NIXL baselines), nixl-merged, nixl-pages, "
+                         "kvferry-nixl")
+    ap.add_argument("--ucx-tls", default="default,tcp",
+                    help="the NIXL modes run once per value: 'default' (UCX picks, same-host shortcuts "
+                         "included) or a UCX_TLS value such as 'tcp' (default %(default)s)")
+    ap.add_argument("--limits-each-round", action="store_true",
+                    help="measure the limits in every round too (median kept): the targets compare against them")
+    ap.add_argument("--nixl-progress-delay-us", type=int, default=100,
+                    help="raw NIXL: the UCX progress threads' poll delay (NIXL's Python API: 0, a busy spin)")
     ap.add_argument("--requests", type=int, help="override every workload's request count")
     ap.add_argument("--rounds", type=int, default=None,
                     help="run kvferry and raw Mooncake alternately this many times and keep each one's "
@@ -193,10 +246,16 @@ def main(argv=None) -> int:
             ap.error("--pool-device runs on this host only for now; leave out --peer")
         workloads = [replace(w, device=args.pool_device) for w in workloads]
     modes = frozenset(args.modes.split(","))
-    unknown = modes - {"kvferry", "mooncake", "mooncake-merged", "mooncake-pages", "limit"}
+    unknown = modes - set(MODES)
     if unknown:
         ap.error(f"unknown modes: {', '.join(sorted(unknown))}")
-    options = Options(modes=modes, rounds=args.rounds or (1 if args.quick else 3), quick=args.quick)
+    options = Options(modes=modes, rounds=args.rounds or (1 if args.quick else 3), quick=args.quick,
+                      ucx_tls=tuple(args.ucx_tls.split(",")), nixl_progress_delay_us=args.nixl_progress_delay_us,
+                      limits_each_round=args.limits_each_round)
+    missing = {"kvferry-nixl": kvferry_nixl_missing()} if "kvferry-nixl" in modes else {}
+    missing = {mode: why for mode, why in missing.items() if why}
+    for mode, why in missing.items():
+        print(f"{mode}: not run: {why}", flush=True)
     peer_host = args.peer.rpartition(":")[0] if args.peer else args.hostname
     link = Link(protocol=args.protocol, hostname=args.hostname, peer_hostname=args.peer_hostname or peer_host,
                 device=args.device, peer_device=args.device if args.peer_device is None else args.peer_device)
@@ -214,11 +273,25 @@ def main(argv=None) -> int:
     finally:
         decode.close()
     print_table(rows)
+    evaluated = targets.evaluate(rows) if {w.name for w in workloads} & set(targets.WORKLOADS) else []
+    if evaluated:
+        print()
+        targets.print_targets(evaluated)
+    for mode, why in missing.items():
+        print(f"{mode}: not run: {why}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": machines, "transport": link.protocol, "link": asdict(link), "rows": rows},
-                      f, indent=1)
+            json.dump({"machine": machines, "transport": link.protocol, "link": asdict(link), "rows": rows,
+                       "targets": evaluated, "missing": missing, "load_average": _load_average()}, f, indent=1)
     return 0
+
+
+def _load_average() -> list[float]:
+    """1, 5 and 15 minute load averages at the end of the run (the machine may be shared)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
 
 
 def _main_storage(args, ap: argparse.ArgumentParser) -> int:

@@ -8,8 +8,8 @@ receiver, the socket-stream receiver) runs on a *decode host*: this one
 objects with the same bounded waits, so every benchmark mode is written once.
 
 A decode host runs only the commands named in :data:`COMMANDS`, with the
-arguments given and extra environment variables named ``KVFERRY_*`` or
-``MC_*``.
+arguments given and extra environment variables named ``KVFERRY_*``,
+``MC_*`` or ``UCX_*``.
 """
 
 from __future__ import annotations
@@ -31,13 +31,16 @@ COMMANDS = {
     "workload-decode": ["-m", "harness.workload", "--role", "decode"],
     "mc-recv": ["-m", "benchmarks.raw", "mc-recv"],
     "sock-recv": ["-m", "benchmarks.raw", "sock-recv"],
+    "nixl-recv": ["-m", "benchmarks.raw", "nixl-recv"],
 }
 # Commands that only run on this (the prefill) host.
 LOCAL_COMMANDS = {
     "mc-send": ["-m", "benchmarks.raw", "mc-send"],
     "mc-pages": ["-m", "benchmarks.raw", "mc-pages"],
+    "nixl-send": ["-m", "benchmarks.raw", "nixl-send"],
+    "nixl-pages": ["-m", "benchmarks.raw", "nixl-pages"],
 }
-ENV_NAME = re.compile(r"^(KVFERRY|MC)_[A-Z0-9_]+$")
+ENV_NAME = re.compile(r"^(KVFERRY|MC|UCX)_[A-Z0-9_]+$")
 # Set per host from the Link, never forwarded from this host's environment.
 _PER_HOST = ("KVFERRY_HOST", "KVFERRY_HOSTNAME", "KVFERRY_DEVICE_NAME")
 
@@ -69,7 +72,7 @@ class Link:
 
 
 def forwarded_env() -> dict[str, str]:
-    """This host's ``KVFERRY_*`` and ``MC_*`` tuning variables, to apply on
+    """This host's ``KVFERRY_*``, ``MC_*`` and ``UCX_*`` tuning variables, to apply on
     the decode host too (the per-host addresses excepted)."""
     return {k: v for k, v in os.environ.items() if ENV_NAME.match(k) and k not in _PER_HOST}
 
@@ -83,7 +86,7 @@ def machine() -> dict:
     except OSError:
         pass
     versions = {}
-    for dist in ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine", "torch"):
+    for dist in ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine", "torch", "nixl-cu12"):
         try:
             versions[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:

@@ -26,6 +26,9 @@ outstanding bytes (kvferry's transport waits the same way); ``--pattern
 batch``: ``batch_transfer_async_write`` batches, two outstanding, waited on
 with ``get_batch_transfer_status``. Prints ``RAW_RESULT <json>``.
 
+``python -m benchmarks.raw nixl-recv|nixl-send|nixl-pages``: the same two
+baselines through bare NIXL agents (UCX); see :mod:`benchmarks.raw_nixl`.
+
 ``python -m benchmarks.raw sock-recv --bytes N [--host H]``: the link's
 limit, a plain TCP stream read into a buffer; prints ``SOCK_READY port``.
 
@@ -53,10 +56,15 @@ def mc_recv(args) -> int:
     buf, addr = pool_buffer(args.bytes, args.pool_device)
     register_region(engine, addr, args.bytes)
     print(f"RAW_READY {args.hostname}:{engine.get_rpc_port()} {addr}", flush=True)
-    # Until the benchmark closes our stdin, or at most --lifetime-s. A line
-    # "cpu TOKEN" asks for this process's CPU time (the engine's receiving
-    # threads), which the benchmark adds to the sender's.
-    deadline, pending = time.monotonic() + args.lifetime_s, b""
+    serve_cpu_queries(args.lifetime_s)
+    return 0
+
+
+def serve_cpu_queries(lifetime_s: float) -> None:
+    """A raw receiver's main loop: until the benchmark closes our stdin, or at
+    most ``lifetime_s``. A line "cpu TOKEN" asks for this process's CPU time
+    (the engine's receiving threads), which the benchmark adds to the sender's."""
+    deadline, pending = time.monotonic() + lifetime_s, b""
     while select.select([sys.stdin], [], [], max(0.0, deadline - time.monotonic()))[0]:
         data = os.read(sys.stdin.fileno(), 4096)  # unbuffered: select sees every line
         if not data:
@@ -65,7 +73,6 @@ def mc_recv(args) -> int:
         for words in (line.split() for line in lines):
             if len(words) == 2 and words[0] == b"cpu":
                 print(f"RAW_CPU {words[1].decode(errors='replace')} {time.process_time()}", flush=True)
-    return 0
 
 
 def mc_send(args) -> int:
@@ -137,7 +144,8 @@ def sock_recv(args) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="kvferry benchmark baselines")
-    ap.add_argument("mode", choices=["mc-recv", "mc-send", "mc-pages", "sock-recv"])
+    ap.add_argument("mode", choices=["mc-recv", "mc-send", "mc-pages", "sock-recv", "nixl-recv", "nixl-send",
+                                     "nixl-pages"])
     ap.add_argument("--bytes", type=int, default=0)
     ap.add_argument("--hostname", default="127.0.0.1", help="this engine's address, as the peer reaches it")
     ap.add_argument("--protocol", default="tcp")
@@ -162,8 +170,17 @@ def main(argv=None) -> int:
     pages.add_argument("--first-room", type=int, default=1000)
     pages.add_argument("--pattern", choices=["submit", "batch"], default="submit")
     pages.add_argument("--max-inflight", type=int, default=1024, help="descriptors outstanding at most")
+    nixl = ap.add_argument_group("nixl-recv, nixl-send, nixl-pages (see benchmarks.raw_nixl)")
+    nixl.add_argument("--meta", default="", help="nixl-send, nixl-pages: the receiver's agent metadata, hex")
+    nixl.add_argument("--progress-delay-us", type=int, default=100,
+                      help="the UCX progress threads' poll delay (NIXL's Python API uses 0: a busy spin)")
+    nixl.add_argument("--timeout-s", type=float, default=600.0, help="nixl-send, nixl-pages: give up after this")
     args = ap.parse_args(argv)
-    if args.mode == "mc-pages":
+    if args.mode.startswith("nixl-"):
+        from benchmarks import raw_nixl
+        code = {"nixl-recv": raw_nixl.nixl_recv, "nixl-send": raw_nixl.nixl_send,
+                "nixl-pages": raw_nixl.nixl_pages}[args.mode](args)
+    elif args.mode == "mc-pages":
         from benchmarks.raw_pages import mc_pages
         code = mc_pages(args)
     else:

@@ -8,6 +8,7 @@ addresses of ``link``. Every wait is bounded.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from dataclasses import replace
@@ -35,24 +36,30 @@ def row(w: Workload, mode: str, nbytes: int, seconds: float, latencies, descript
     return {"workload": w.name, "mode": mode, "tokens": w.tokens, "concurrency": w.concurrency,
             "bytes": int(nbytes), "gbps": round(nbytes / seconds / 1e9, 3) if seconds else 0.0,
             "p50_ms": _pct(latencies, 50), "p99_ms": _pct(latencies, 99),
-            "descriptors_per_request": round(descriptors, 1), **extra}
+            "descriptors_per_request": round(descriptors, 1),
+            "load_1m": round(os.getloadavg()[0], 2),  # the machine may be shared: a disturbed run shows here
+            **extra}
 
 
-def run_kvferry(w: Workload, decode, link: Link) -> dict:
+def run_kvferry(w: Workload, decode, link: Link, env: dict[str, str] | None = None, **labels) -> dict:
     """kvferry end to end: a bootstrap server and the prefill ranks here, the
-    decode ranks on ``decode``; one process per rank."""
+    decode ranks on ``decode``; one process per rank. ``env`` goes to every
+    rank (``KVFERRY_*`` config fields, ``UCX_*``); ``labels`` replace the
+    row's ``mode`` and ``transport`` (default: ``kvferry``, Mooncake)."""
+    env = env or {}
     spec = replace(w.spec(), protocol=link.protocol)
     runs = []
     with BootstrapProcess(host=link.hostname) as boot:
         spec = replace(spec, bootstrap=boot.address)
         deadline = time.monotonic() + KVFERRY_TIMEOUT_S
-        prefill = [start_ranks(spec, "prefill", ["--tp-rank", str(t), "--dp-rank", str(d)], env=link.rank_env(False))
+        prefill = [start_ranks(spec, "prefill", ["--tp-rank", str(t), "--dp-rank", str(d)],
+                               env={**link.rank_env(False), **env})
                    for d in range(spec.prefill_dp) for t in range(spec.prefill_tp)]
         decode_children: list[Child] = []
         try:
             for t in range(spec.decode_tp):
                 decode_children.append(decode.spawn("workload-decode", ["--tp-rank", str(t), "--spec", spec.to_json()],
-                                                    {**forwarded_env(), **link.rank_env(True)},
+                                                    {**forwarded_env(), **link.rank_env(True), **env},
                                                     lifetime_s=KVFERRY_TIMEOUT_S + 60))
             for child in decode_children:
                 rc, log = child.finish(deadline - time.monotonic())
@@ -74,8 +81,9 @@ def run_kvferry(w: Workload, decode, link: Link) -> dict:
     seconds = max(d["elapsed_s"] for d in dec)
     cpu = sum(r.result["cpu_s"] for r in runs)
     rooms = spec.num_rooms
-    return row(w, "kvferry", nbytes, seconds, [x for d in dec for x in d["latencies_ms"]],
-               sum(p["descriptors"] for p in pre) / rooms,
+    labels = {"mode": "kvferry", "transport": f"mooncake-{link.protocol}", **labels}
+    return row(w, labels.pop("mode"), nbytes, seconds, [x for d in dec for x in d["latencies_ms"]],
+               sum(p["descriptors"] for p in pre) / rooms, **labels,
                control_msgs_per_request=round(sum(r.result["control_msgs"] for r in runs) / rooms, 2),
                polls_per_request=round(sum(r.result.get("polls", 0) for r in runs) / rooms, 2),
                polls_if_all_per_request=round(sum(r.result.get("polls_if_all", 0) for r in runs) / rooms, 2),
@@ -106,9 +114,9 @@ def _raw_run(recv: Child, token: str, start_sender, measured_share: float) -> di
     return res
 
 
-def _raw_row(w: Workload, res: dict, **extra) -> dict:
+def _raw_row(w: Workload, res: dict, mode: str = "mooncake", **extra) -> dict:
     gb = res["bytes"] / 1e9
-    return row(w, "mooncake", res["bytes"], res["elapsed_s"], res["latencies_ms"], res["descriptors_per_request"],
+    return row(w, mode, res["bytes"], res["elapsed_s"], res["latencies_ms"], res["descriptors_per_request"],
                cpu_s_per_gb=round(res["cpu_s"] / gb, 3),
                receiver_cpu_s_per_gb=round(res["receiver_cpu_s"] / gb, 3), **extra)
 
@@ -133,7 +141,8 @@ def run_mooncake(w: Workload, decode, link: Link, entry_sizes: list[int]) -> dic
                 "--session", session, "--addr", addr, "--request-bytes", str(size), "--entry-bytes", str(entry),
                 "--requests", str(w.requests + 1), "--warmup", "1", "--concurrency", str(w.concurrency),
                 "--pool-device", w.device, *link.engine_args(False)]), w.requests / (w.requests + 1))
-            rows.append(_raw_row(w, res, baseline="merged", entry_bytes=entry))
+            rows.append(_raw_row(w, res, baseline="merged", entry_bytes=entry,
+                                 transport=f"mooncake-{link.protocol}"))
         return _best(rows)
     finally:
         recv.finish(30)
@@ -160,7 +169,8 @@ def run_mooncake_pages(w: Workload, decode, link: Link, patterns: list[str]) -> 
                 "--first-room", str(spec.first_room), "--requests", str(spec.num_rooms),
                 "--warmup", str(spec.warmup_rooms), "--concurrency", str(w.concurrency), "--pattern", pattern,
                 *link.engine_args(False)]), (spec.num_rooms - spec.warmup_rooms) / spec.num_rooms)
-            rows.append(_raw_row(w, res, baseline="same-pages", pattern=pattern))
+            rows.append(_raw_row(w, res, baseline="same-pages", pattern=pattern,
+                                 transport=f"mooncake-{link.protocol}"))
         return _best(rows)
     finally:
         recv.finish(30)
@@ -199,7 +209,7 @@ def _tcp_stream(w: Workload, decode, link: Link) -> dict:
             stream_s = time.monotonic() - t0
     finally:
         recv.finish(30)
-    return row(w, "limit", total, stream_s, latencies, 0, baseline="tcp-stream")
+    return row(w, "limit", total, stream_s, latencies, 0, baseline="tcp-stream", transport="tcp-socket")
 
 
 def _memcpy(w: Workload) -> dict:
@@ -210,7 +220,7 @@ def _memcpy(w: Workload) -> dict:
     for _ in range(reps):
         np.copyto(dst, src)
     copy_s = time.monotonic() - t0
-    return row(w, "limit", n * reps, copy_s, [copy_s / reps * 1e3], 0, baseline="memcpy")
+    return row(w, "limit", n * reps, copy_s, [copy_s / reps * 1e3], 0, baseline="memcpy", transport="memcpy")
 
 
 def _device_copy(w: Workload) -> dict:

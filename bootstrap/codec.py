@@ -29,6 +29,7 @@ the metadata ``omit_default`` (``bootstrap.descriptors.OMIT_DEFAULT``) is
 left out of the encoding while it holds that default, so a peer that
 predates it decodes every message that does not use it, and refuses one
 that does (``unexpected field``, naming it) instead of misreading it.
+``RankInfo.transport`` and ``PeerHello.transport_meta`` were added this way.
 """
 
 from __future__ import annotations

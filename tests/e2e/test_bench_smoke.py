@@ -141,6 +141,60 @@ def test_bench_same_pages_baseline_row(tmp_path):
     assert "same pages" in proc.stdout
 
 
+# --- raw NIXL ---------------------------------------------------------------------------------
+
+def test_nixl_same_pages_indices_copy_exactly_the_pages():
+    """The raw NIXL same-pages sender's prepared lists and per-request
+    indices, applied as copies between two arenas, move page src[i] of every
+    buffer onto page dst[i] and touch nothing else."""
+    from benchmarks.pages import ArenaLayout
+    from benchmarks.raw_nixl import page_descs, page_indices
+
+    buffers = (6, 6, 10)
+    src_layout, dst_layout = ArenaLayout(buffers, 9), ArenaLayout(buffers, 12)
+    rng = np.random.default_rng(11)
+    src_arena = rng.integers(0, 256, src_layout.arena_bytes, dtype=np.uint8)
+    dst_arena = np.zeros(dst_layout.arena_bytes, dtype=np.uint8)
+    src_pages, dst_pages = [3, 4, 0, 8], [7, 8, 2, 0]
+    local, remote = page_descs(src_layout, 0), page_descs(dst_layout, 0)
+    li, ri = page_indices(src_layout, dst_layout, src_pages, dst_pages)
+    assert len(li) == len(ri) == len(buffers) * len(src_pages)
+    for (a, n, dev), (b, m, _) in zip(local[li], remote[ri]):
+        assert n == m and dev == 0
+        dst_arena[b:b + n] = src_arena[a:a + n]
+    expected = np.zeros_like(dst_arena)
+    for i, page_bytes in enumerate(buffers):
+        so, do = src_layout.region_offsets[i], dst_layout.region_offsets[i]
+        for sp, dp in zip(src_pages, dst_pages):
+            expected[do + dp * page_bytes:do + (dp + 1) * page_bytes] = \
+                src_arena[so + sp * page_bytes:so + (sp + 1) * page_bytes]
+    assert np.array_equal(dst_arena, expected)
+
+
+def test_bench_raw_nixl_row_names_its_transport(tmp_path):
+    """Raw NIXL over UCX restricted to TCP: one row naming the transport and
+    UCX_TLS, the receiving process's CPU counted, and the targets evaluated
+    over what ran (no kvferry row here: not met, not failed)."""
+    from transfer.storage.nixl_probe import nixl_missing_reason
+
+    if why := nixl_missing_reason():
+        pytest.skip(why)
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--only", "mha-128", "--requests", "2",
+                           "--modes", "nixl-merged", "--ucx-tls", "tcp", "--json", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    [row] = data["rows"]
+    assert (row["mode"], row["baseline"], row["transport"], row["ucx_tls"]) == ("nixl", "merged", "nixl-ucx", "tcp")
+    assert row["bytes"] == 2 * 128 * 32 * 2 * 8 * 128 * 2
+    assert 0 < row["receiver_cpu_s_per_gb"] < row["cpu_s_per_gb"]
+    [target] = data["targets"]
+    assert target["workload"] == "mha-128" and target["kvferry"] is None and target["met"] is None
+    assert target["raw"] == "nixl (nixl-ucx UCX_TLS=tcp)"
+    assert "nixl-ucx tls=tcp" in proc.stdout and len(data["load_average"]) == 3
+
+
 # --- two hosts: the decode side through an agent ---------------------------------------------
 
 # Loopback as two hosts: the kernel sends from 127.0.0.1 whatever address a rank declares, so
