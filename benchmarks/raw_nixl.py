@@ -50,21 +50,12 @@ DEFAULT_PROGRESS_DELAY_US = 100
 
 def make_agent(name: str, progress_delay_us: int):
     """A NIXL agent with the UCX backend and a progress thread that waits
-    ``progress_delay_us`` between polls (the Python API offers no way to set
-    it, so its binding's constructor is wrapped for this one call)."""
+    ``progress_delay_us`` between polls (kvferry's transport builds its own the same way)."""
     from transfer.storage.nixl_probe import _import_nixl
+    from transfer.transport.nixl import new_agent
     api = _import_nixl()
-    bindings, real = api.nixlBind, api.nixlBind.nixlAgent
-
-    def with_delay(agent_name, config):
-        config.pthrDelay = progress_delay_us
-        return real(agent_name, config)
-
-    bindings.nixlAgent = with_delay
-    try:
-        return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"], enable_prog_thread=True))
-    finally:
-        bindings.nixlAgent = real
+    return new_agent(api, name, api.nixl_agent_config(backends=["UCX"], enable_prog_thread=True),
+                     progress_delay_us)
 
 
 def _register(agent, addr: int, nbytes: int) -> None:

@@ -80,8 +80,10 @@ class EngineConfig:
     NIXL: ``nixl_backend`` is the NIXL plugin (``UCX``, the default;
     ``LIBFABRIC``, ...), ``nixl_options`` its initialization parameters,
     passed through unchanged (a mapping, or ``"key=value,..."`` text from
-    ``KVFERRY_NIXL_OPTIONS``); ``progress_timeout_s`` and ``hostname`` apply
-    to it too. UCX itself reads ``UCX_*`` variables (``UCX_TLS``,
+    ``KVFERRY_NIXL_OPTIONS``); ``nixl_progress_delay_us`` is how long the
+    agent's progress thread sleeps between polls (NIXL's Python API leaves it
+    at 0, a thread that spins on a whole core); ``progress_timeout_s`` and
+    ``hostname`` apply to it too. UCX itself reads ``UCX_*`` variables (``UCX_TLS``,
     ``UCX_NET_DEVICES``), which kvferry leaves to the user.
 
     Mooncake: ``protocol`` is ``rdma`` on clusters, ``tcp`` where there is no RDMA NIC.
@@ -103,6 +105,7 @@ class EngineConfig:
     backend: str = "mooncake"
     nixl_backend: str = "UCX"
     nixl_options: tuple[tuple[str, str], ...] = ()
+    nixl_progress_delay_us: int = 100
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -110,6 +113,8 @@ class EngineConfig:
         if not self.nixl_backend:
             raise ValueError("EngineConfig.nixl_backend must name a NIXL plugin (UCX, LIBFABRIC, ...)")
         object.__setattr__(self, "nixl_options", _options(self.nixl_options))
+        if self.nixl_progress_delay_us < 0:
+            raise ValueError(f"EngineConfig.nixl_progress_delay_us must be >= 0, got {self.nixl_progress_delay_us}")
         if self.protocol not in ("rdma", "tcp"):
             raise ValueError(f"EngineConfig.protocol must be 'rdma' or 'tcp', got {self.protocol!r}")
         if self.log_level not in ("TRACE", "INFO", "WARNING", "ERROR", "OFF"):

@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from transfer.config import EngineConfig
-from transfer.errors import KVFerryError, TransferError
+from transfer.errors import TransferError
+from transfer.transport.nixl_api import import_api, new_agent
 from transfer.plan import TransferPlan
 from transfer.transport.base import DoneCallback
 from transfer.transport.nixl_peers import PeerRegions, decode_metadata, encode_metadata
@@ -83,14 +84,6 @@ class _Job:
         self.cancelled = True
 
 
-def _import_api():
-    from transfer.storage.nixl_probe import _import_nixl
-    try:
-        return _import_nixl()
-    except KVFerryError as exc:
-        raise TransferError(f"the NIXL transport needs NIXL: {exc}") from exc
-
-
 class NixlTransport:
     """Moves :class:`TransferPlan` entries into a peer's registered memory
     through NIXL. Thread-safe: ``submit`` from any thread; the agent runs in
@@ -99,7 +92,7 @@ class NixlTransport:
     kind = "nixl"
 
     def __init__(self, config: EngineConfig, *, memory: str = "DRAM", device_id: int = 0) -> None:
-        api = _import_api()
+        api = import_api()
         self.config = config
         self.memory, self.device_id = memory, device_id
         self.name = f"kvferry-{config.hostname}-{os.getpid()}-{next(_agent_ids)}"
@@ -110,7 +103,7 @@ class NixlTransport:
             agent_config = api.nixl_agent_config(
                 enable_prog_thread=True, enable_listen_thread=False, backends=[],
                 sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
-            self._agent = api.nixl_agent(self.name, agent_config)
+            self._agent = new_agent(api, self.name, agent_config, config.nixl_progress_delay_us)
             if self.backend not in self._agent.get_plugin_list():
                 raise TransferError(f"this NIXL build has no {self.backend} plugin "
                                     f"(it has {', '.join(self._agent.get_plugin_list())})")
