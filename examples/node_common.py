@@ -204,8 +204,12 @@ class Deadline:
 
 
 def print_result(result: dict) -> None:
-    """The one machine-readable line a node prints (the demo and tests parse it)."""
-    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    """The one machine-readable line a node prints (the demo and tests parse
+    it), in one write: the engine's C++ threads log to stderr, which the demo
+    merges into the same file, and an unbuffered ``print`` writes the line
+    and its newline separately."""
+    sys.stdout.write(RESULT_PREFIX + json.dumps(result) + "\n")
+    sys.stdout.flush()
 
 
 def exit_now(code: int) -> None:

@@ -17,6 +17,7 @@ import tempfile
 import time
 from dataclasses import dataclass, replace
 
+from harness.forkserver import spawn_module
 from harness.workload import Spec
 
 
@@ -103,9 +104,8 @@ def start_ranks(spec: Spec, role: str, args: list[str],
     """Start ``python -m harness.workload`` for ``role``; ``env`` adds to
     :func:`child_env` (``KVFERRY_HOST``, ... for another address)."""
     out = tempfile.TemporaryFile(mode="w+")
-    proc = subprocess.Popen([sys.executable, "-m", "harness.workload", "--role", role, *args,
-                             "--spec", spec.to_json()], stdout=out, stderr=subprocess.STDOUT, text=True,
-                            env={**child_env(), **(env or {})})
+    proc = spawn_module("harness.workload", ["--role", role, *args, "--spec", spec.to_json()],
+                        stdout=out, stderr=subprocess.STDOUT, text=True, env={**child_env(), **(env or {})})
     return proc, out
 
 

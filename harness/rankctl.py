@@ -57,6 +57,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from harness.lines import emit
 from transfer.config import Role, manager_config_from_env
 from transfer.manager import KVManager
 from transfer.receiver import KVReceiver
@@ -308,9 +309,8 @@ def main(argv=None) -> int:
                   **json.loads(args.config))
     mgr = KVManager(cfg, pools, aux=aux)
     rank = PrefillRank(spec, mgr, aux) if prefill else DecodeRank(spec, mgr, tensors, aux)
-    print("READY " + json.dumps({"session": mgr.rank.session, "endpoint": mgr.rank.control_endpoint,
-                                 "metrics_port": mgr.metrics.port if mgr.metrics is not None else 0,
-                                 **_stats(mgr)}), flush=True)
+    emit("READY", {"session": mgr.rank.session, "endpoint": mgr.rank.control_endpoint,
+                   "metrics_port": mgr.metrics.port if mgr.metrics is not None else 0, **_stats(mgr)})
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "exit":
@@ -321,7 +321,7 @@ def main(argv=None) -> int:
         except Exception as exc:
             reply = {"crash": f"{type(exc).__name__}: {exc}"}
         reply.update(_stats(mgr))
-        print("REPLY " + json.dumps(reply), flush=True)
+        emit("REPLY", reply)
     mgr.close()
     return 0
 

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from harness.lines import emit
 from transfer import KVManager, KVPoll, KVReceiver, KVSender, ManagerConfig, MHAPool, Role
 from transfer.config import EngineConfig
 
@@ -254,7 +255,7 @@ def main(argv=None) -> int:
             [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(2 * spec.num_layers)]
         pool = MHAPool(k=bufs[:spec.num_layers], v=bufs[spec.num_layers:], total_kv_heads=spec.num_heads)
         sides.append(Side(_manager(spec, role, i, [pool]), role, i, mine[i], bufs, Outcome(role.value, i)))
-    print("READY", flush=True)
+    emit("READY")
     line = sys.stdin.readline().split()
     start = float(line[1])
     while time.time() < start:
@@ -279,8 +280,8 @@ def main(argv=None) -> int:
     sampler.join()
     for s in sides:
         s.mgr.close()
-    print("RESULT " + json.dumps(dict(role=role.value, indices=indices, pid=os.getpid(),
-                                      outcomes=[asdict(s.out) for s in sides], samples=samples)), flush=True)
+    emit("RESULT", dict(role=role.value, indices=indices, pid=os.getpid(),
+                        outcomes=[asdict(s.out) for s in sides], samples=samples))
     return 0
 
 

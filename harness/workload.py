@@ -28,6 +28,7 @@ import torch
 
 from bootstrap.errors import BootstrapUnavailable
 from bootstrap.messages import PoolRole
+from harness.lines import emit
 from transfer import tp
 from transfer.config import Role, manager_config_from_env
 from transfer.hostmem import host_tensor
@@ -90,6 +91,7 @@ class Spec:
     aux_device: str = "cpu"  # where the aux tensor lives
     producer_sleep_cycles: int = 0  # CUDA: prefill writes each chunk late on a side stream (harness.producer)
     pass_ready: bool = True  # ...and passes its event to send() (False: the race the event prevents)
+    prefill_hold_s: float = 0.0  # prefill stays registered this long after its last room ended
 
     @staticmethod
     def from_json(text: str) -> "Spec":
@@ -352,6 +354,9 @@ def run_prefill(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
             mark, changed = mgr.changed_rooms(mark)  # None: fell behind, visit every room
             todo = set(live) if changed is None else {s.room for s, _ in changed} | sending
         res.elapsed_s, res.cpu_s = window.close()
+        # A prefill node that leaves unregisters: a decode rank that looks it up
+        # later learns only that it is gone, not why its rooms were refused.
+        time.sleep(spec.prefill_hold_s)
         res.descriptors = mgr.transport.num_descriptors
         res.bytes = mgr.transport.num_bytes
         res.transport = mgr.rank.transport
@@ -543,7 +548,7 @@ def main(argv=None) -> int:
         t.join()
     ok = True
     for (tp_rank, dp_rank), res in zip(ranks, results):
-        print("RESULT " + json.dumps(asdict(res)), flush=True)
+        emit("RESULT", asdict(res))
         expect = sum(dp_group(spec, r) == dp_rank for r in _rooms(spec)) if args.role == "prefill" else spec.num_rooms
         ok &= res.success == res.rooms == expect and not res.mismatches and not res.failed
     return 0 if ok else 1

@@ -8,10 +8,10 @@ import os
 import queue
 import signal
 import subprocess
-import sys
 import threading
 import time
 
+from harness.forkserver import spawn_module
 from harness.launch import child_env
 from harness.workload import PoolSpec, Spec
 
@@ -43,9 +43,8 @@ class Rank:
         self.role = role
         e = child_env()
         e.update(env or {})
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "harness.rankctl", "--role", role, "--spec", spec.to_json(),
-             "--config", json.dumps(config or {})],
+        self.proc = spawn_module(
+            "harness.rankctl", ["--role", role, "--spec", spec.to_json(), "--config", json.dumps(config or {})],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e)
         self._lines: queue.Queue[str | None] = queue.Queue()
         self.log: list[str] = []

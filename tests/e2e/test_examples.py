@@ -183,6 +183,9 @@ def two_hosts(monkeypatch):
     Their addresses are not loopback: the bootstrap server and the ranks run
     unauthenticated only with KVFERRY_INSECURE=1 (protected mode)."""
     monkeypatch.setenv("KVFERRY_INSECURE", "1")
+    # On NIXL, UCX takes the veth (the tests' default is loopback only); the
+    # namespaces hold nothing else.
+    monkeypatch.setenv("UCX_NET_DEVICES", "all")
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root (id -u is not 0)")
     if shutil.which("ip") is None:

@@ -150,25 +150,25 @@ def _good_requests_still_served(prefill, decode, client) -> None:
     assert_all_success(decode.reply(90), rooms)
 
 
-@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                 HealthCheck.data_too_large])
-@given(burst=st.lists(st.tuples(st.sampled_from(["bootstrap", "prefill", "decode"]), _frames),
-                      min_size=1, max_size=8))
-def test_fuzz_control_plane(live, burst):
+def test_fuzz_control_plane_then_everything_still_works(live):
+    """Hostile bursts at the bootstrap server and both ranks; good requests
+    answered throughout; afterwards everything still works, and the bad input
+    was counted, not fatal."""
     server, prefill, decode, targets, client = live
-    for name, frames in burst:
-        targets[name].send(frames)
-    _rounds["n"] += 1
-    if _rounds["n"] % 250 == 0:  # throughout, good requests are answered and rooms move byte-exact
-        _good_requests_still_served(prefill, decode, client)
 
+    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(burst=st.lists(st.tuples(st.sampled_from(["bootstrap", "prefill", "decode"]), _frames),
+                          min_size=1, max_size=8))
+    def fuzz(burst):
+        for name, frames in burst:
+            targets[name].send(frames)
+        _rounds["n"] += 1
+        if _rounds["n"] % 250 == 0:  # throughout, good requests are answered and rooms move byte-exact
+            _good_requests_still_served(prefill, decode, client)
 
-def test_after_the_fuzz(live):
-    """Runs after the fuzzing above (same module fixture): everything still
-    works, and the bad input was counted, not fatal."""
-    server, prefill, decode, targets, client = live
-    assert sum(t.sent for t in targets.values()) >= 3 * 1000, "the fuzz test did not run first"
+    fuzz()
+    assert sum(t.sent for t in targets.values()) >= 3 * 1000
     time.sleep(0.5)
     _good_requests_still_served(prefill, decode, client)
     p, d = prefill.stats(), decode.stats()

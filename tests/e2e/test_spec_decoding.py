@@ -154,7 +154,10 @@ def test_handshake_errors_name_the_field_on_both_sides(field, prefill_pools, dec
 
 def test_tp_ratio_that_does_not_divide_is_refused():
     pool = PoolSpec(role="target", num_layers=1, total_heads=6, head_dim=32)
-    failures = _failures(_run_pd(small_spec((pool,), 3, 2, num_rooms=1), timeout_s=90, rank_processes=False))
+    # Prefill's rooms end at the first refusal; it stays registered until
+    # every decode rank (slower to start on some transports) looked it up.
+    spec = small_spec((pool,), 3, 2, num_rooms=1, prefill_hold_s=5.0)
+    failures = _failures(_run_pd(spec, timeout_s=90, rank_processes=False))
     for who, whys in failures.items():
         assert whys and all("incompatible tp_size" in w and "neither divides the other" in w for w in whys), \
             (who, whys)

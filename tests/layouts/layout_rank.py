@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from harness.lines import emit
 from transfer import KVManager
 from transfer.config import EngineConfig, ManagerConfig, Role
 from transfer.pools import FusedKVPool
@@ -265,7 +266,7 @@ def main() -> None:
     parser.add_argument("--role", choices=("prefill", "decode"), required=True)
     args = parser.parse_args()
     run = run_prefill if args.role == "prefill" else run_decode
-    print("READY", flush=True)
+    emit("READY")
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -276,7 +277,7 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 - reported to the test
             result = {"failed": [f"{type(exc).__name__}: {exc}"], "trace": traceback.format_exc()[-3000:]}
         result.update(name=case.name, seconds=round(time.monotonic() - start, 3))
-        print("RESULT " + json.dumps(result), flush=True)
+        emit("RESULT", result)
 
 
 if __name__ == "__main__":
