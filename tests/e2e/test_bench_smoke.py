@@ -14,6 +14,17 @@ import pytest
 pytestmark = pytest.mark.e2e
 
 
+def _pages_copied(src_arena, src_layout, dst_layout, buffers, src_pages, dst_pages):
+    """A zero destination arena with page src[i] of every buffer copied onto page dst[i]."""
+    expected = np.zeros(dst_layout.arena_bytes, dtype=np.uint8)
+    for i, page_bytes in enumerate(buffers):
+        so, do = src_layout.region_offsets[i], dst_layout.region_offsets[i]
+        for sp, dp in zip(src_pages, dst_pages):
+            expected[do + dp * page_bytes:do + (dp + 1) * page_bytes] = \
+                src_arena[so + sp * page_bytes:so + (sp + 1) * page_bytes]
+    return expected
+
+
 def test_bench_runs_all_three_modes_and_writes_json(tmp_path):
     out = tmp_path / "bench.json"
     # --quick: one entry size for raw Mooncake (nothing here checks which is best); three rounds still.
@@ -117,13 +128,7 @@ def test_same_pages_descriptors_copy_exactly_the_pages():
     assert len(n) == 4 * len(buffers) and n.sum() == len(src_pages) * sum(buffers)
     for a, b, k in zip(s, d, n):
         dst_arena[b:b + k] = src_arena[a:a + k]
-    expected = np.zeros_like(dst_arena)
-    for i, page_bytes in enumerate(buffers):
-        so, do = src_layout.region_offsets[i], dst_layout.region_offsets[i]
-        for sp, dp in zip(src_pages, dst_pages):
-            expected[do + dp * page_bytes:do + (dp + 1) * page_bytes] = \
-                src_arena[so + sp * page_bytes:so + (sp + 1) * page_bytes]
-    assert np.array_equal(dst_arena, expected)
+    assert np.array_equal(dst_arena, _pages_copied(src_arena, src_layout, dst_layout, buffers, src_pages, dst_pages))
 
 
 def test_bench_same_pages_baseline_row(tmp_path):
@@ -162,13 +167,7 @@ def test_nixl_same_pages_indices_copy_exactly_the_pages():
     for (a, n, dev), (b, m, _) in zip(local[li], remote[ri]):
         assert n == m and dev == 0
         dst_arena[b:b + n] = src_arena[a:a + n]
-    expected = np.zeros_like(dst_arena)
-    for i, page_bytes in enumerate(buffers):
-        so, do = src_layout.region_offsets[i], dst_layout.region_offsets[i]
-        for sp, dp in zip(src_pages, dst_pages):
-            expected[do + dp * page_bytes:do + (dp + 1) * page_bytes] = \
-                src_arena[so + sp * page_bytes:so + (sp + 1) * page_bytes]
-    assert np.array_equal(dst_arena, expected)
+    assert np.array_equal(dst_arena, _pages_copied(src_arena, src_layout, dst_layout, buffers, src_pages, dst_pages))
 
 
 def test_bench_raw_nixl_row_names_its_transport(tmp_path):
