@@ -14,7 +14,7 @@ import os
 from benchmarks.hosts import LocalHost, Link, forwarded_env
 from benchmarks.pages import ArenaLayout, format_buffers
 from benchmarks.raw_nixl import DEFAULT_PROGRESS_DELAY_US
-from benchmarks.runs import READY_TIMEOUT_S, RAW_LIFETIME_S, _best, _raw_row, _raw_run, run_kvferry
+from benchmarks.runs import READY_TIMEOUT_S, RAW_LIFETIME_S, _raw_row, _raw_run, merged_sweep, run_kvferry
 from benchmarks.workloads import Workload
 
 # kvferry's NIXL transport is chosen by this one EngineConfig field (set in
@@ -67,16 +67,9 @@ def run_nixl(w: Workload, decode, link: Link, entry_sizes: list[int], tls: str,
     size = w.request_bytes()
     recv, addr, meta = _receiver(decode, size * w.concurrency, env, delay_us)
     try:
-        rows = []
-        for entry in entry_sizes:
-            entry = min(entry, size)
-            res = _raw_run(recv, f"nixl-merged-{entry}", lambda: _LOCAL.spawn("nixl-send", [
-                "--meta", meta, "--addr", addr, "--request-bytes", str(size), "--entry-bytes", str(entry),
-                "--requests", str(w.requests + 1), "--warmup", "1", "--concurrency", str(w.concurrency),
-                "--progress-delay-us", str(delay_us)], env), w.requests / (w.requests + 1))
-            rows.append(_raw_row(w, res, mode="nixl", baseline="merged", entry_bytes=entry, transport=TRANSPORT,
-                                 ucx_tls=label, progress_delay_us=delay_us))
-        return _best(rows)
+        return merged_sweep(w, recv, entry_sizes, "nixl-merged", lambda args: _LOCAL.spawn("nixl-send", [
+            "--meta", meta, "--addr", addr, *args, "--progress-delay-us", str(delay_us)], env),
+            mode="nixl", transport=TRANSPORT, ucx_tls=label, progress_delay_us=delay_us)
     finally:
         recv.finish(30)
 

@@ -125,6 +125,22 @@ def _best(rows: list[dict]) -> dict:
     return max(rows, key=lambda r: r["gbps"])
 
 
+def merged_sweep(w: Workload, recv: Child, entry_sizes: list[int], token: str, start_sender, **row_extra) -> dict:
+    """The ``merged`` baseline against a started raw receiver: for each entry
+    size, one sender run (``start_sender(args)``, ``args`` the flags every raw
+    sender takes: request and entry bytes, requests with one warm-up,
+    concurrency) of ``w.requests`` measured requests; the fastest row."""
+    size = w.request_bytes()
+    rows = []
+    for entry in entry_sizes:
+        entry = min(entry, size)
+        args = ["--request-bytes", str(size), "--entry-bytes", str(entry), "--requests", str(w.requests + 1),
+                "--warmup", "1", "--concurrency", str(w.concurrency)]
+        res = _raw_run(recv, f"{token}-{entry}", lambda: start_sender(args), w.requests / (w.requests + 1))
+        rows.append(_raw_row(w, res, baseline="merged", entry_bytes=entry, **row_extra))
+    return _best(rows)
+
+
 def run_mooncake(w: Workload, decode, link: Link, entry_sizes: list[int]) -> dict:
     """Raw Mooncake, ``baseline="merged"``: each request's bytes from one
     contiguous buffer into another, as entries of each size given; the best kept."""
@@ -134,16 +150,9 @@ def run_mooncake(w: Workload, decode, link: Link, entry_sizes: list[int]) -> dic
                         forwarded_env(), lifetime_s=RAW_LIFETIME_S)
     try:
         session, addr = recv.wait_line("RAW_READY ", READY_TIMEOUT_S).split()
-        rows = []
-        for entry in entry_sizes:
-            entry = min(entry, size)
-            res = _raw_run(recv, f"merged-{entry}", lambda: _LOCAL.spawn("mc-send", [
-                "--session", session, "--addr", addr, "--request-bytes", str(size), "--entry-bytes", str(entry),
-                "--requests", str(w.requests + 1), "--warmup", "1", "--concurrency", str(w.concurrency),
-                "--pool-device", w.device, *link.engine_args(False)]), w.requests / (w.requests + 1))
-            rows.append(_raw_row(w, res, baseline="merged", entry_bytes=entry,
-                                 transport=f"mooncake-{link.protocol}"))
-        return _best(rows)
+        return merged_sweep(w, recv, entry_sizes, "merged", lambda args: _LOCAL.spawn("mc-send", [
+            "--session", session, "--addr", addr, *args, "--pool-device", w.device, *link.engine_args(False)]),
+            transport=f"mooncake-{link.protocol}")
     finally:
         recv.finish(30)
 

@@ -89,6 +89,23 @@ def prompt_of(n: int, seed: int) -> list[int]:
     return [rng.randrange(4, VOCAB) for _ in range(n)]
 
 
+def _each_on_a_thread(run, names) -> tuple[dict, list[threading.Thread]]:
+    """Start ``run(name)`` for every name on a thread of its own; ``replies[name]``
+    becomes its result, or the exception it raised (the caller asserts on it)."""
+    replies: dict = {}
+
+    def one(name):
+        try:
+            replies[name] = run(name)
+        except Exception as exc:  # reported by the caller
+            replies[name] = exc
+
+    threads = [threading.Thread(target=one, args=(name,)) for name in names]
+    for t in threads:
+        t.start()
+    return replies, threads
+
+
 class Cluster:
     """The three servers; prefill and decode can be restarted."""
 
@@ -244,22 +261,16 @@ def test_the_comparison_catches_one_corrupted_page(cluster):
     n, seeds = 600, {"corrupted": 71, "clean-a": 72, "clean-b": 73}
     want = {name: cluster.reference(n, seed) for name, seed in seeds.items()}
     marks_before = decode.log_tail(10_000_000).count("kvferry-test: corrupted block")
-    replies: dict = {}
 
     def run(name):
-        try:
-            first = post(prefill.url, _body(cluster.model, prompt_of(n, seeds[name]), 1, {"do_remote_decode": True}))
-            params = dict(first["kv_transfer_params"])
-            if name == "corrupted":
-                params[CORRUPT] = {"block": 2, "layer": 1, "seed": 5}
-            replies[name] = post(decode.url, _body(cluster.model, prompt_of(n, seeds[name]), MAX_TOKENS, params))
-        except Exception as exc:  # reported below
-            replies[name] = exc
+        first = post(prefill.url, _body(cluster.model, prompt_of(n, seeds[name]), 1, {"do_remote_decode": True}))
+        params = dict(first["kv_transfer_params"])
+        if name == "corrupted":
+            params[CORRUPT] = {"block": 2, "layer": 1, "seed": 5}
+        return post(decode.url, _body(cluster.model, prompt_of(n, seeds[name]), MAX_TOKENS, params))
 
     before = decode.metrics()
-    threads = [threading.Thread(target=run, args=(name,)) for name in seeds]
-    for t in threads:
-        t.start()
+    replies, threads = _each_on_a_thread(run, seeds)
     for t in threads:
         t.join(120)
     assert not any(t.is_alive() for t in threads), "a request did not answer within 120 s"
@@ -319,20 +330,14 @@ def test_prefill_killed_while_decode_waits_then_restarted(cluster):
                                                                                                         stored_seed)
     want = {"fresh": cluster.reference(fresh_n, fresh_seed), "stored": cluster.reference(STORED, stored_seed)}
     prompts = {"fresh": prompt_of(fresh_n, fresh_seed), "stored": stored}
-    replies: dict = {}
 
     def run_decode(name):
         params = {"do_remote_prefill": True, "transfer_id": str(uuid.uuid4()),
                   "kvferry_bootstrap_addr": cluster.bootstrap, "kvferry_node": "prefill0"}
-        try:
-            replies[name] = post(decode.url, _body(cluster.model, prompts[name], MAX_TOKENS, params), 120)
-        except Exception as exc:  # reported below
-            replies[name] = exc
+        return post(decode.url, _body(cluster.model, prompts[name], MAX_TOKENS, params), 120)
 
     before = decode.metrics()
-    threads = [threading.Thread(target=run_decode, args=(name,)) for name in prompts]
-    for t in threads:
-        t.start()
+    replies, threads = _each_on_a_thread(run_decode, prompts)
     time.sleep(3)  # decode looked prefill up and asked for the rooms; prefill never sends them
     prefill.kill()
     started = time.monotonic()
