@@ -6,7 +6,11 @@ One run, the same prompts for every connector (``make bench-vllm``):
 - ``kvferry`` (sequential proxy protocol: prefill ``max_tokens=1``, then decode
   with prefill's ``kv_transfer_params``) and ``kvferry-concurrent`` (the router
   gives both a ``transfer_id`` at once);
-- ``nixl``: NixlConnector, ``kv_buffer_device: cpu``, sequential protocol;
+- ``nixl``: NixlConnector, ``kv_buffer_device: cpu``, sequential protocol,
+  as vLLM configures it; ``nixl-tuned``: the same corrected for one core per
+  server: its agents' progress thread sleeps between polls instead of
+  spinning (``benchmarks/vllm_site``) and UCX runs one worker thread
+  (``num_threads: 1``, vLLM's default 4);
 - ``mooncake``: MooncakeConnector, ``mooncake_protocol: tcp``, concurrent
   protocol (``transfer_id``), with ``benchmarks/vllm_site`` on its servers'
   PYTHONPATH (no accelerator).
@@ -35,6 +39,9 @@ import uuid
 from harness.vllm import VOCAB, ServerSpec, VLLMServer, _body, build_tiny_model, free_port, post
 
 SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_site")
+#: nixl-tuned: the NIXL agent's progress thread sleeps this long between polls
+#: (vLLM's NIXL agents spin it, delay 0), and one UCX worker thread (vLLM's default 4)
+NIXL_TUNED_DELAY_US, NIXL_TUNED_THREADS = 100, 1
 MARK, END = "<!-- bench-vllm -->", "<!-- /bench-vllm -->"
 
 
@@ -70,10 +77,14 @@ def kv_configs(name: str, ports: dict) -> tuple[dict, dict, dict, dict]:
         base = {"kv_connector": "KvferryConnector", "kv_connector_module_path": "transfer.adapters.vllm"}
         return ({**base, "kv_role": "kv_producer", "kv_connector_extra_config": {**extra, "kvferry_serve_bootstrap": True}},
                 {**base, "kv_role": "kv_consumer", "kv_connector_extra_config": extra}, {}, {})
-    if name == "nixl":
+    if name in ("nixl", "nixl-tuned"):
         base = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
-        return (base, dict(base), {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(ports["nixl_p"])},
-                {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(ports["nixl_d"])})
+        tuned = {}
+        if name == "nixl-tuned":  # corrected for a core per server (see the module's docstring)
+            base["kv_connector_extra_config"] = {"num_threads": NIXL_TUNED_THREADS}
+            tuned = {"PYTHONPATH": SITE, "KVFERRY_BENCH_NIXL_PROGRESS_DELAY_US": str(NIXL_TUNED_DELAY_US)}
+        return (base, dict(base), {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(ports["nixl_p"]), **tuned},
+                {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(ports["nixl_d"]), **tuned})
     if name == "mooncake":
         extra = {"mooncake_protocol": "tcp"}
         env = {"PYTHONPATH": SITE}
@@ -90,7 +101,7 @@ def one_request(name: str, servers: dict, model: str, prompt: list[int], max_tok
         tokens, ttft, last = stream(servers["single"].url, _body(model, prompt, max_tokens, None), t0)
         return {"tokens": tokens, "ttft_s": ttft, "total_s": last}
     p, d = servers["prefill"], servers["decode"]
-    if name in ("kvferry", "nixl"):  # sequential: prefill answers with decode's params
+    if name in ("kvferry", "nixl", "nixl-tuned"):  # sequential: prefill answers with decode's params
         first = post(p.url, _body(model, prompt, 1, {"do_remote_decode": True}))
         params = first["kv_transfer_params"]
     else:  # concurrent: the router's transfer_id, sent to both at once
@@ -143,27 +154,73 @@ def percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
+KVFERRY = ("kvferry", "kvferry-concurrent")
+VLLM_OWN = ("nixl", "nixl-tuned", "mooncake")
+
+
 def summarize(run: dict, reference: list[list[int]], prompts: list[list[int]]) -> dict:
     ttft = [r["ttft_s"] for r in run["results"]]
     equal = sum(r["tokens"] == ref for r, ref in zip(run["results"], reference))
-    return {"connector": run["connector"], "requests": len(ttft), "ttft_p50_s": statistics.median(ttft),
+    return {"connector": run["connector"], "round": run.get("round", 1), "load_1m": run.get("load_1m", []),
+            "requests": len(ttft), "ttft_p50_s": statistics.median(ttft),
             "ttft_p99_s": percentile(ttft, 0.99), "total_s": sum(r["total_s"] for r in run["results"]),
             "tokens_equal": equal, "prompt_tokens": sum(map(len, prompts)),
             "prompt_tokens_received": run["external_tokens"], "prompt_tokens_computed": run["local_tokens"]}
 
 
+def medians(rows: list[dict]) -> list[dict]:
+    """Per connector, in first-run order: the median over its rounds of the
+    rounds' TTFT p50 and p99, and whether every round's tokens were equal."""
+    out: dict[str, dict] = {}
+    for r in rows:
+        m = out.setdefault(r["connector"], {"connector": r["connector"], "p50": [], "p99": [], "all_equal": True})
+        m["p50"].append(r["ttft_p50_s"])
+        m["p99"].append(r["ttft_p99_s"])
+        m["all_equal"] &= r["tokens_equal"] == r["requests"]
+    return [{"connector": m["connector"], "rounds": len(m["p50"]), "ttft_p50_s": statistics.median(m["p50"]),
+             "ttft_p99_s": statistics.median(m["p99"]), "tokens_equal_every_round": m["all_equal"]}
+            for m in out.values()]
+
+
+def target(summary: list[dict]) -> dict | None:
+    """Issue 15's target: kvferry's TTFT p50 (its faster protocol) at or below
+    the best of vLLM's own connectors (median over rounds); None when either
+    side did not run."""
+    ours = [m for m in summary if m["connector"] in KVFERRY]
+    theirs = [m for m in summary if m["connector"] in VLLM_OWN]
+    if not ours or not theirs:
+        return None
+    a, b = min(ours, key=lambda m: m["ttft_p50_s"]), min(theirs, key=lambda m: m["ttft_p50_s"])
+    return {"kvferry": a["connector"], "kvferry_p50_s": a["ttft_p50_s"], "best_vllm": b["connector"],
+            "best_vllm_p50_s": b["ttft_p50_s"], "met": a["ttft_p50_s"] <= b["ttft_p50_s"]}
+
+
 def table(rows: list[dict]) -> str:
-    head = ("| connector | requests | TTFT p50 (s) | TTFT p99 (s) | total (s) | tokens equal | "
-            "prompt tokens received / computed on decode |\n|---|---|---|---|---|---|---|\n")
+    head = ("| connector | round | load (1 min) | requests | TTFT p50 (s) | TTFT p99 (s) | total (s) | tokens equal | "
+            "prompt tokens received / computed on decode |\n|---|---|---|---|---|---|---|---|---|\n")
     return head + "".join(
-        f"| {r['connector']} | {r['requests']} | {r['ttft_p50_s']:.3f} | {r['ttft_p99_s']:.3f} | {r['total_s']:.2f} "
+        f"| {r['connector']} | {r.get('round', 1)} | {'-'.join(f'{x:.1f}' for x in r.get('load_1m', []))} "
+        f"| {r['requests']} | {r['ttft_p50_s']:.3f} | {r['ttft_p99_s']:.3f} | {r['total_s']:.2f} "
         f"| {r['tokens_equal']}/{r['requests']} | {r['prompt_tokens_received']} / {r['prompt_tokens_computed']} "
         f"of {r['prompt_tokens']} |\n" for r in rows)
 
 
+def summary_table(summary: list[dict], verdict: dict | None) -> str:
+    text = ("| connector | rounds | TTFT p50 (s), median of rounds | TTFT p99 (s), median of rounds "
+            "| tokens equal every round |\n|---|---|---|---|---|\n")
+    text += "".join(f"| {m['connector']} | {m['rounds']} | {m['ttft_p50_s']:.3f} | {m['ttft_p99_s']:.3f} "
+                    f"| {'yes' if m['tokens_equal_every_round'] else 'NO'} |\n" for m in summary)
+    if verdict:
+        text += (f"\nTarget (kvferry's TTFT p50 at or below the best of vLLM's own connectors): "
+                 f"{verdict['kvferry']} {verdict['kvferry_p50_s']:.3f} s against {verdict['best_vllm']} "
+                 f"{verdict['best_vllm_p50_s']:.3f} s: {'met' if verdict['met'] else 'NOT MET'}.\n")
+    return text
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.vllm")
-    ap.add_argument("--connectors", default="single,kvferry,kvferry-concurrent,nixl,mooncake")
+    ap.add_argument("--connectors", default="single,kvferry,kvferry-concurrent,nixl,nixl-tuned,mooncake")
+    ap.add_argument("--rounds", type=int, default=1, help="run the connector list this many times, in turn")
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
@@ -175,20 +232,28 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvferry-bench-vllm-") as tmp:
         model = build_tiny_model(os.path.join(tmp, "model"))
         runs = []
-        for name in args.connectors.split(","):
-            print(f"bench-vllm: {name} ...", flush=True)
-            try:
-                runs.append(run_connector(name, model, prompts, args.max_tokens, tmp))
-            except Exception as exc:  # one connector's failure is a result, not the end of the run
-                print(f"bench-vllm: {name} failed: {exc}", flush=True)
-                runs.append({"connector": name, "error": str(exc)[:2000]})
+        for rnd in range(1, args.rounds + 1):
+            for name in args.connectors.split(","):
+                print(f"bench-vllm: round {rnd}: {name} ...", flush=True)
+                load = os.getloadavg()[0]
+                try:
+                    run = run_connector(name, model, prompts, args.max_tokens, tmp)
+                except Exception as exc:  # one connector's failure is a result, not the end of the run
+                    print(f"bench-vllm: {name} failed: {exc}", flush=True)
+                    run = {"connector": name, "error": str(exc)[:2000]}
+                run.update({"round": rnd, "load_1m": [round(load, 1), round(os.getloadavg()[0], 1)]})
+                runs.append(run)
     ref = next((r for r in runs if r["connector"] == "single" and "error" not in r), None)
     reference = [r["tokens"] for r in ref["results"]] if ref else [None] * len(prompts)
     rows = [summarize(r, reference, prompts) for r in runs if "error" not in r]
+    summary = medians(rows)
+    verdict = target(summary)
     with open(args.out, "w") as f:
-        json.dump({"prompts": [len(p) for p in prompts], "max_tokens": args.max_tokens, "rows": rows,
-                   "errors": {r["connector"]: r["error"] for r in runs if "error" in r}, "runs": runs}, f, indent=1)
-    text = table(rows)
+        json.dump({"prompts": [len(p) for p in prompts], "max_tokens": args.max_tokens, "rounds": args.rounds,
+                   "cores": os.cpu_count(), "summary": summary, "target": verdict, "rows": rows,
+                   "errors": [{"connector": r["connector"], "round": r["round"], "error": r["error"]}
+                              for r in runs if "error" in r], "runs": runs}, f, indent=1)
+    text = table(rows) + "\n" + summary_table(summary, verdict)
     print(text)
     if args.doc:
         with open(args.doc) as f:
