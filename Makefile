@@ -54,8 +54,9 @@ demo-load: setup
 
 # Two workers (pytest-xdist), each test's rank processes forked from a warm
 # interpreter (harness/forkserver.py): about 6 minutes on two cores.
+PYTEST_WORKERS := -n 2 --dist worksteal
 test: setup
-	$(PY) -m pytest -q -n 2 --dist worksteal --ignore=tests/layouts
+	$(PY) -m pytest -q $(PYTEST_WORKERS) --ignore=tests/layouts
 
 # vLLM's KV layouts (CPU, NHD, HND, cross-layer) and TP 2 <-> 1 through real
 # processes and Mooncake, byte-exact (about 20 s; kept out of `make test`'s budget).

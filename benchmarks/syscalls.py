@@ -46,6 +46,11 @@ _UNFINISHED = re.compile(r"^(?:\[pid\s+)?(\d+)\]?\s*[\d:.]+ <\.\.\. (\w+) resume
 BIG_CALL = 64 << 10  # a socket call of at least this many bytes marks the data phase
 
 
+def _on_tcp(text: str) -> bool:
+    """Whether a call's arguments (strace ``-yy``) name a TCP socket."""
+    return "TCP:[" in text or "TCPv6:[" in text
+
+
 @dataclass
 class Side:
     role: str
@@ -88,16 +93,16 @@ def _parse(path: str, role: str) -> tuple[Side, float, float]:
                 tid, h, mi, s, name, rest = m.groups()
                 t = int(h) * 3600 + int(mi) * 60 + float(s)
                 if rest.endswith("<unfinished ...>"):
-                    pending[tid] = (t, name, "TCP" in rest or "TCPv6" in rest)
+                    pending[tid] = (t, name, _on_tcp(rest))
                     continue
                 r = _RESULT.search(rest.rsplit(")", 1)[-1] if ")" in rest else rest)
-                events.append((t, tid, name, ("TCP:[" in rest or "TCPv6:[" in rest), int(r.group(1)) if r else 0))
+                events.append((t, tid, name, _on_tcp(rest), int(r.group(1)) if r else 0))
                 continue
             m = _UNFINISHED.match(line)
             if m and m.group(1) in pending:
                 t, name, sock = pending.pop(m.group(1))
                 r = _RESULT.search(m.group(3))
-                events.append((t, m.group(1), name, sock or "TCP:[" in m.group(3), int(r.group(1)) if r else 0))
+                events.append((t, m.group(1), name, sock or _on_tcp(m.group(3)), int(r.group(1)) if r else 0))
     big = [e[0] for e in events if e[3] and e[2] in SEND | RECV and e[4] >= BIG_CALL]
     side = Side(role)
     if not big:
@@ -159,7 +164,10 @@ def run_mode(mode: str, workload: str, requests: int, window_s: float, delay_s: 
             "top_calls_per_gb": {k: per_gb(v) for k, v in side.calls.most_common(8)},
         }
         os.unlink(path)
-    rows = json.load(open(out_json)).get("rows", []) if os.path.exists(out_json) else []
+    rows = []
+    if os.path.exists(out_json):
+        with open(out_json) as f:
+            rows = json.load(f).get("rows", [])
     return {"mode": mode, "workload": workload, "processes": {r: p for r, p in found.items()}, "sides": sides,
             "untraced_rows": [{k: r.get(k) for k in ("mode", "transport", "ucx_tls", "baseline", "gbps")}
                               for r in rows]}

@@ -43,6 +43,10 @@ SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_site")
 #: (vLLM's NIXL agents spin it, delay 0), and one UCX worker thread (vLLM's default 4)
 NIXL_TUNED_DELAY_US, NIXL_TUNED_THREADS = 100, 1
 MARK, END = "<!-- bench-vllm -->", "<!-- /bench-vllm -->"
+KVFERRY = ("kvferry", "kvferry-concurrent")
+VLLM_OWN = ("nixl", "nixl-tuned", "mooncake")
+#: connectors driven by the sequential proxy protocol (the others: concurrent)
+SEQUENTIAL = ("kvferry", "nixl", "nixl-tuned")
 
 
 def stream(url: str, body: dict, t0: float, timeout_s: float = 120.0) -> tuple[list[int], float, float]:
@@ -101,7 +105,7 @@ def one_request(name: str, servers: dict, model: str, prompt: list[int], max_tok
         tokens, ttft, last = stream(servers["single"].url, _body(model, prompt, max_tokens, None), t0)
         return {"tokens": tokens, "ttft_s": ttft, "total_s": last}
     p, d = servers["prefill"], servers["decode"]
-    if name in ("kvferry", "nixl", "nixl-tuned"):  # sequential: prefill answers with decode's params
+    if name in SEQUENTIAL:  # prefill answers with decode's params
         first = post(p.url, _body(model, prompt, 1, {"do_remote_decode": True}))
         params = first["kv_transfer_params"]
     else:  # concurrent: the router's transfer_id, sent to both at once
@@ -154,8 +158,6 @@ def percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
-KVFERRY = ("kvferry", "kvferry-concurrent")
-VLLM_OWN = ("nixl", "nixl-tuned", "mooncake")
 
 
 def summarize(run: dict, reference: list[list[int]], prompts: list[list[int]]) -> dict:

@@ -4,8 +4,8 @@ A rank process spends about 3 CPU-s importing torch on the 2-core
 development VM, more than most end-to-end tests spend moving bytes; the
 suites start hundreds of them. With ``KVFERRY_FORKSERVER=1`` (set by
 ``tests/conftest.py``) :func:`spawn_module` asks a fork server, one per
-calling process, started on first use, that imported torch and numpy once
-and nothing else: it forks, and the child runs the module exactly as
+calling process, started on first use, that imported torch, numpy and
+msgpack once and nothing else: it forks, and the child runs the module exactly as
 ``python -m`` would (``sys.argv``, ``sys.path[0]``, environment, working
 directory, standard streams, ``atexit`` handlers, exit status). The child is
 a separate process like any other; nothing of kvferry, Mooncake, NIXL or zmq
@@ -157,7 +157,10 @@ def spawn_module(module: str, args: list[str], *, env: dict[str, str], cwd: str 
     """``subprocess.Popen([python, "-m", module, *args], ...)``, by fork from
     the warm server where :func:`enabled`. ``stdin``/``stdout`` take
     ``subprocess.PIPE``, a file object or None; ``stderr`` also
-    ``subprocess.STDOUT``."""
+    ``subprocess.STDOUT`` (not ``PIPE``: a forked child's handle has no
+    ``stderr``)."""
+    if stderr == subprocess.PIPE:
+        raise ValueError("spawn_module: stderr=PIPE is not supported; use subprocess.STDOUT or a file")
     server = _get_server(env) if enabled() else None
     if server is None:
         return subprocess.Popen([sys.executable, "-m", module, *args], env=env, cwd=cwd, stdin=stdin,

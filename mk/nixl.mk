@@ -5,4 +5,4 @@
 .PHONY: test-nixl
 
 test-nixl: setup
-	KVFERRY_TEST_TRANSPORT=nixl $(PY) -m pytest -q -n 2 --dist worksteal tests/e2e
+	KVFERRY_TEST_TRANSPORT=nixl $(PY) -m pytest -q $(PYTEST_WORKERS) tests/e2e

@@ -72,3 +72,8 @@ def test_without_the_variable_it_is_plain_exec(tmp_path, monkeypatch):
                                    cwd=str(tmp_path), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     assert isinstance(proc, subprocess.Popen) and proc.wait(60) == 0
     assert sys.executable in proc.args
+
+
+def test_stderr_pipe_is_refused_by_name():
+    with pytest.raises(ValueError, match="stderr=PIPE"):
+        forkserver.spawn_module("tests.unit._forkchild", [], env=dict(os.environ), stderr=subprocess.PIPE)
