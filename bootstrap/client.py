@@ -149,12 +149,13 @@ class BootstrapClient:
         msg = Unregister(node_id=rank.node_id, dp_rank=rank.dp_rank, tp_rank=rank.tp_rank, session=rank.session)
         return self._expect(self.request(msg, timeout_s=timeout_s), Unregistered)
 
-    def lookup(self, node_id: str, dp_rank: int, *, strict: bool = False) -> LookupReply:
-        """The DP group's ranks (``ready``) or the progress (not ready). An
+    def lookup(self, node_id: str, dp_rank: int, *, strict: bool = False, partial: bool = False) -> LookupReply:
+        """The DP group's ranks (``ready``) or the progress (not ready; with
+        ``partial``, the ranks registered so far and those that left). An
         unknown node (see :class:`LookupReply`) is a not-ready reply with
         ``unknown_node`` set, or, with ``strict``, raises
         :class:`UnknownNodeError` naming the known nodes."""
-        reply = self._expect(self.request(Lookup(node_id=node_id, dp_rank=dp_rank)), LookupReply)
+        reply = self._expect(self.request(Lookup(node_id=node_id, dp_rank=dp_rank, partial=partial)), LookupReply)
         if strict and reply.unknown_node:
             known = ", ".join(map(repr, reply.known_nodes)) or "none"
             if len(reply.known_nodes) == MAX_KNOWN_NODES:

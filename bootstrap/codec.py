@@ -29,7 +29,10 @@ the metadata ``omit_default`` (``bootstrap.descriptors.OMIT_DEFAULT``) is
 left out of the encoding while it holds that default, so a peer that
 predates it decodes every message that does not use it, and refuses one
 that does (``unexpected field``, naming it) instead of misreading it.
-``RankInfo.transport`` and ``PeerHello.transport_meta`` were added this way.
+``RankInfo.transport`` and ``PeerHello.transport_meta`` were added this way
+(in version 4), and ``Lookup.partial`` with ``LookupReply.departed`` (in 5).
+Version 5: ``PeerPong.acks`` (a pong now acknowledges the requests taken
+since the last one; a version-4 peer would seem to lose every request).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ import msgpack
 
 from bootstrap.errors import AuthError, ProtocolError
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 #: Largest encoded message accepted, in bytes. Control messages carry page
 #: lists and buffer descriptors, never KV bytes.

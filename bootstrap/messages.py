@@ -97,10 +97,14 @@ class Registered:
 @message("lookup")
 @dataclass(frozen=True)
 class Lookup:
-    """Ask for the ranks of DP group ``dp_rank`` of prefill node ``node_id``."""
+    """Ask for the ranks of DP group ``dp_rank`` of prefill node ``node_id``.
+    ``partial``: a not-ready reply also lists the ranks registered so far and
+    the ranks that left (a decode rank needs only the prefill ranks its
+    routes name, not the whole group)."""
 
     node_id: str
     dp_rank: int
+    partial: bool = field(default=False, metadata=OMIT_DEFAULT)
 
     def __post_init__(self) -> None:
         _check_name(self.node_id, "node_id")
@@ -111,8 +115,12 @@ class Lookup:
 @dataclass(frozen=True)
 class LookupReply:
     """``ready`` once all ``tp_size`` ranks of the group registered; until then
-    ``ranks`` is empty and ``num_registered`` tells the progress (a not-ready
-    reply is not an error). ``dp_size`` is 0 while nothing of the node is known.
+    ``num_registered`` tells the progress (a not-ready reply is not an error)
+    and ``ranks`` is empty, or, for a ``partial`` lookup, holds the ranks
+    registered so far (ordered by TP rank), with ``departed`` the TP ranks
+    that were registered and left (unregistered, or silent past the rank TTL)
+    and have not registered again. ``dp_size`` is 0 while nothing of the
+    node is known.
 
     ``unknown_node``: no rank of the node is registered although the server
     has been up for its node grace time (every live rank re-registers within
@@ -128,10 +136,13 @@ class LookupReply:
     ranks: tuple[RankInfo, ...]
     unknown_node: bool = False
     known_nodes: tuple[str, ...] = ()
+    departed: tuple[int, ...] = field(default=(), metadata=OMIT_DEFAULT)
 
     def __post_init__(self) -> None:
         _require(len(self.known_nodes) <= MAX_KNOWN_NODES, f"known_nodes holds more than {MAX_KNOWN_NODES} ids")
         _require(not (self.unknown_node and self.ready), "an unknown node cannot be ready")
+        _require(not self.ready or len(self.ranks) == self.tp_size, "a ready reply lists every rank of the group")
+        _require(not (self.ready and self.departed), "a ready reply has no departed ranks")
 
 
 @message("unregister")

@@ -33,6 +33,7 @@ class _Group:
     tp_size: int
     ranks: dict[int, RankInfo] = field(default_factory=dict)
     seen: dict[int, float] = field(default_factory=dict)  # tp rank -> when last registered
+    departed: set[int] = field(default_factory=set)  # tp ranks that left and did not come back
 
 
 @dataclass
@@ -105,6 +106,7 @@ class Registry:
             for dp, group in list(node.groups.items()):
                 for tp_rank in [r for r, t in group.seen.items() if now - t > self.ttl_s]:
                     del group.ranks[tp_rank], group.seen[tp_rank]
+                    group.departed.add(tp_rank)
                     self.num_expired += 1
                     self._num_ranks -= 1
                     self._changed(node_id)
@@ -142,6 +144,7 @@ class Registry:
             self._num_ranks += rank.tp_rank not in group.ranks
         group.ranks[rank.tp_rank] = rank
         group.seen[rank.tp_rank] = now
+        group.departed.discard(rank.tp_rank)
         return Registered(
             node_id=rank.node_id,
             dp_rank=rank.dp_rank,
@@ -157,6 +160,7 @@ class Registry:
         removed = rank is not None and rank.session == session
         if removed:
             del group.ranks[tp_rank], group.seen[tp_rank]
+            group.departed.add(tp_rank)
             self._changed(node_id)
             self._num_ranks -= 1
             if not group.ranks:
@@ -172,10 +176,12 @@ class Registry:
         return (node_id not in self._nodes and self.node_grace_s is not None
                 and now - self.started_at >= self.node_grace_s)
 
-    def lookup(self, node_id: str, dp_rank: int, now: float = 0.0) -> LookupReply:
+    def lookup(self, node_id: str, dp_rank: int, now: float = 0.0, *, partial: bool = False) -> LookupReply:
         """The group's ranks ordered by TP rank once all registered; a
-        not-ready reply (empty ``ranks``) before that, also for a node not
-        registered yet; an ``unknown_node`` reply (see :meth:`is_unknown`)."""
+        not-ready reply before that (with ``partial``: the ranks registered so
+        far and those that left, else none), also for a node not registered
+        yet; an ``unknown_node`` reply (see :meth:`is_unknown`). A group whose
+        last rank left is gone, departures and all: its node is then unknown."""
         self.expire_if_due(now)
         node = self._nodes.get(node_id)
         group = node.groups.get(dp_rank) if node else None
@@ -189,8 +195,10 @@ class Registry:
                 unknown_node=unknown, known_nodes=self.known_nodes() if unknown else (),
             )
         ready = len(group.ranks) == group.tp_size
-        ranks = tuple(group.ranks[r] for r in range(group.tp_size)) if ready else ()
+        listed = ready or partial
         return LookupReply(
             node_id=node_id, dp_rank=dp_rank, ready=ready, dp_size=node.dp_size,
-            tp_size=group.tp_size, num_registered=len(group.ranks), ranks=ranks,
+            tp_size=group.tp_size, num_registered=len(group.ranks),
+            ranks=tuple(group.ranks[r] for r in sorted(group.ranks)) if listed else (),
+            departed=tuple(sorted(group.departed)) if partial and not ready else (),
         )

@@ -125,8 +125,9 @@ class BootstrapServer:
         self._serving = False
         self._thread: threading.Thread | None = None
         self._decoded: dict[bytes, object] = {}
-        # Encoded ready lookup replies by (node, dp), valid for one version of the node.
-        self._replies: dict[tuple[str, int], tuple[int, bytes]] = {}
+        # Encoded lookup replies that list ranks, by (node, dp, partial): (version
+        # of the node they are valid for, the lookup's result, payload).
+        self._replies: dict[tuple[str, int, bool], tuple[int, str, bytes]] = {}
         self._handlers = {Register: self._register, Unregister: self._unregister, Lookup: self._lookup,
                           Status: self._status, Ping: self._ping}
 
@@ -185,11 +186,13 @@ class BootstrapServer:
             data = codec.seal(reply, self._key)
         else:
             data = codec.encode(reply, None if isinstance(reply, ErrorReply) and reply.code == "auth" else self._key)
+        # Counted before the reply leaves: a client that has its reply finds
+        # the request in the metrics.
+        self.metrics.on_request(kind, time.perf_counter() - started, self.registry.num_ranks)
         try:
             self._sock.send_multipart([*head, data], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             log.warning("bootstrap: reply dropped: %s", exc)
-        self.metrics.on_request(kind, time.perf_counter() - started, self.registry.num_ranks)
 
     def _answer(self, payload: bytes) -> tuple[str, object]:
         """(the request's kind, or "invalid"; the reply)."""
@@ -252,26 +255,28 @@ class BootstrapServer:
         return reply
 
     def _lookup(self, request: Lookup, now: float):
-        """A ready reply (8 ranks of 61 layers: ~27 KB, ~1.5 ms to encode) is
-        encoded once per version of its node and sent as bytes after that."""
-        key = (request.node_id, request.dp_rank)
+        """A reply that lists ranks (ready: 8 ranks of 61 layers, ~27 KB,
+        ~1.5 ms to encode; or partial) is encoded once per version of its
+        node and sent as bytes after that."""
+        key = (request.node_id, request.dp_rank, request.partial)
         self.registry.expire_if_due(now)
         cached = self._replies.get(key)
         if cached is not None and cached[0] == self.registry.node_version(request.node_id):
-            self.metrics.on_lookup("ready")
-            return cached[1]
+            self.metrics.on_lookup(cached[1])
+            return cached[2]
         try:
-            reply = self.registry.lookup(request.node_id, request.dp_rank, now)
+            reply = self.registry.lookup(request.node_id, request.dp_rank, now, partial=request.partial)
         except RegistryConflict:
             self.metrics.on_lookup("refused")
             raise
-        self.metrics.on_lookup("ready" if reply.ready else "unknown_node" if reply.unknown_node else "not_ready")
-        if not reply.ready:
+        result = "ready" if reply.ready else "unknown_node" if reply.unknown_node else "not_ready"
+        self.metrics.on_lookup(result)
+        if not reply.ranks:  # nothing costly to encode (and an unknown node's reply changes with the clock)
             return reply
         if len(self._replies) >= _CACHE_ENTRIES:
             self._replies.clear()
         payload = codec.encode(reply)
-        self._replies[key] = (self.registry.node_version(request.node_id), payload)
+        self._replies[key] = (self.registry.node_version(request.node_id), result, payload)
         return payload
 
     def _status(self, request: Status, now: float):

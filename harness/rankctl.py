@@ -2,7 +2,8 @@
 
 ``python -m harness.rankctl --role prefill|decode --spec JSON [--config JSON]``
 builds one rank's pools from the spec (the content of :mod:`harness.workload`,
-so decode can check every byte), creates its KVManager, prints ``READY
+so decode can check every byte; its TP rank's heads, with ``tp_rank`` and
+``tp_size`` in the config), creates its KVManager, prints ``READY
 {...}`` and then answers one JSON command per stdin line with one ``REPLY
 {...}`` line:
 
@@ -200,8 +201,9 @@ class DecodeRank:
         rng = np.random.default_rng([spec.seed, 7])
         self.free = [int(x) for x in rng.permutation(spec.decode_pages)]
         prefill_roles = {p.role for p in spec.prefill_pools}
+        tp_rank, tp_size = mgr.config.tp_rank, mgr.config.tp_size
         self.expected = {p.role: {c: [rank_slice(global_buffer(spec, p, l, c, spec.prefill_pages, prefill_side(0)),
-                                                 p, 0, 1) for l in range(p.num_layers)]
+                                                 p, tp_rank, tp_size) for l in range(p.num_layers)]
                                   for c in _components(p)}
                          for p in spec.decode_pools if p.role in prefill_roles}
 
@@ -298,15 +300,16 @@ def main(argv=None) -> int:
     spec = Spec.from_json(args.spec)
     role = Role(args.role)
     prefill = role is Role.PREFILL
-    pools, tensors = build_pools(spec, spec.prefill_pools if prefill else spec.decode_pools, 0, 1,
-                                 spec.prefill_pages if prefill else spec.decode_pages,
-                                 prefill_side(0) if prefill else "decode")
-    aux = aux_buffers(spec)  # one region unless spec.aux_regions names several
     base = manager_config_from_env(role)
     cfg = replace(base, bootstrap_addr=spec.bootstrap, node_id=spec.node_id,
                   engine=replace(base.engine, protocol=spec.protocol),
                   bootstrap_timeout_s=spec.timeout_s, transfer_timeout_s=spec.timeout_s,
                   **json.loads(args.config))
+    # the config's TP rank holds its slice of the heads (every rank of an MLA pool: all of it)
+    pools, tensors = build_pools(spec, spec.prefill_pools if prefill else spec.decode_pools, cfg.tp_rank,
+                                 cfg.tp_size, spec.prefill_pages if prefill else spec.decode_pages,
+                                 prefill_side(0) if prefill else "decode")
+    aux = aux_buffers(spec)  # one region unless spec.aux_regions names several
     mgr = KVManager(cfg, pools, aux=aux)
     rank = PrefillRank(spec, mgr, aux) if prefill else DecodeRank(spec, mgr, tensors, aux)
     emit("READY", {"session": mgr.rank.session, "endpoint": mgr.rank.control_endpoint,

@@ -276,15 +276,18 @@ def _manager(spec: Spec, role: Role, rank: int, dp_rank: int, pools, aux) -> KVM
 
 def wait_for_node(mgr: KVManager, spec: Spec) -> None:
     """Wait (at most ``spec.timeout_s``) until every DP group of the prefill
-    node is registered: decode and prefill processes start together here,
-    and a lookup of a node not registered yet fails rooms at once once the
-    bootstrap server is past its node grace time."""
+    node has a rank registered: decode and prefill processes start together
+    here, and a lookup of a node not registered yet fails rooms at once once
+    the bootstrap server is past its node grace time. Not until a group is
+    whole: its ranks that serve other decode ranks may finish their rooms
+    and leave before this rank looks (decode needs only the ranks its
+    routes name, and waits for those itself)."""
     deadline = time.monotonic() + spec.timeout_s
     with mgr.bootstrap_client(spec.bootstrap) as client:
         for dp in range(spec.prefill_dp):
             while True:
                 try:
-                    if client.lookup(spec.node_id, dp).ready:
+                    if client.lookup(spec.node_id, dp, partial=True).ranks:
                         break
                 except BootstrapUnavailable:
                     pass

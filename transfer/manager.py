@@ -133,6 +133,7 @@ class KVManager(ManagerThreads, ManagerStatsView):
         self._stop = threading.Event()
         self.liveness = Liveness(config.heartbeat_interval_s, config.peer_timeout_s)
         self._ping_seq = 0
+        self._pinged_at: dict[int, float] = {}  # ping seq -> when it was sent (the latest few)
         self.transport: Transport = transport if transport is not None else build_transport(config.engine,
                                                                                                 device_type)
         try:
@@ -255,20 +256,20 @@ class KVManager(ManagerThreads, ManagerStatsView):
             with self._lock:
                 endpoint = self.rooms.endpoint_of(msg.session)
                 self.liveness.heard(msg.session, time.monotonic())
+                acks = self.rooms.take_acks(msg.session) if endpoint is not None else ()
             if endpoint is not None:
                 try:
-                    self.channel.send(endpoint, PeerPong(session=self.rank.session, seq=msg.seq))
+                    self.channel.send(endpoint, PeerPong(session=self.rank.session, seq=msg.seq, acks=acks))
                 except KVFerryError as exc:  # closing, or the peer's queue is full
                     log.debug("%s: pong to %s not sent: %s", self.where, endpoint, exc)
             return
         if isinstance(msg, PeerPong):
-            self.liveness_heard(msg.session)
+            with self._lock:
+                self.liveness.heard(msg.session, time.monotonic())
+                pinged_at = self._pinged_at.get(msg.seq)
+            self.rooms.on_pong(msg.session, msg.acks, pinged_at)
             return
         self.rooms.on_message(msg, origin)
-
-    def liveness_heard(self, session: str) -> None:
-        with self._lock:
-            self.liveness.heard(session, time.monotonic())
 
     def _changed(self, room=None, state=None) -> None:
         """``room`` (a sender or receiver; None: some room) changed to

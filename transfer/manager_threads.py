@@ -22,6 +22,9 @@ log = logging.getLogger("kvferry.manager")
 # restarted has a new session); until then at every one.
 _LEARN_EVERY = 10
 
+# Pings whose send time is kept for their pongs (rounds of heartbeat_interval_s / 2).
+_PINGS_REMEMBERED = 64
+
 #: How often the liveness thread polls every live room, so that timeouts
 #: become state changes (and reach ``changed_rooms``) without a scheduler poll.
 _SWEEP_INTERVAL_S = 0.5
@@ -117,6 +120,9 @@ class ManagerThreads:
                     self._totals.num_peers_lost += len(lost)
                     self._ping_seq += 1
                     seq = self._ping_seq
+                    # Taken before the pings go out: a request sent before ``now`` went before this ping.
+                    self._pinged_at[seq] = now
+                    self._pinged_at.pop(seq - _PINGS_REMEMBERED, None)
                 ping = PeerPing(session=self.rank.session, endpoint=self.rank.control_endpoint, seq=seq)
                 for _, endpoint in to_ping:
                     try:

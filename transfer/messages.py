@@ -9,7 +9,8 @@ bootstrap messages. Flow for one room::
     TransferRequest (per room) ------->  waits for all expected requests, then sends
                                <-------  RoomStatus (success or failure, per prefill rank)
     RoomAbort (either side)    <------>  the room fails on the other side too
-    PeerPing / PeerPong        <------>  liveness, while rooms are live (either side)
+    PeerPing / PeerPong        <------>  liveness, while rooms are live (either side); prefill's
+                                         pongs acknowledge the requests it took since the last
                                <-------  PeerBye (prefill closing: forget links through it)
 
 A prefill rank whose room failed (for any reason, an abort from decode
@@ -166,10 +167,19 @@ class PeerPing:
 @message("peer_pong")
 @dataclass(frozen=True)
 class PeerPong:
-    """The answer to a PeerPing; ``session`` is the answering rank's."""
+    """The answer to a PeerPing; ``session`` is the answering rank's.
+
+    ``acks``: the request ids of the TransferRequests from the pinging rank
+    that this (prefill) rank took since its last pong to it: taken into a
+    room, kept for a sender not created yet, or answered with a RoomStatus.
+    A rank handles a peer's messages in the order that peer sent them, so a
+    request sent before a ping is either acknowledged by that ping's pong (or
+    an earlier one) or lost: decode fails its room at once instead of
+    waiting out ``transfer_timeout_s``."""
 
     session: str
     seq: int
+    acks: tuple[int, ...] = ()
 
 
 @message("peer_bye")

@@ -338,6 +338,25 @@ class KVReceiver(ReceiverRestore):
                     dst_pages=pages, dst_aux_index=self._aux_index if p == link.aux_rank else -1,
                     assignments=assignments, num_requests=link.num_requests[p], skip_pages=self._skip,
                     prefix_pages=self._prefix))
+                self._table.request_sent(self, p, link.ranks[p].session)
         except KVFerryError as exc:
             self.fail(exc)
+
+    def request_lost(self, tp_rank: int) -> None:
+        """Prefill rank ``tp_rank`` answered a liveness ping sent after this
+        room's request without ever taking the request (see
+        :mod:`transfer.rooms.request_acks`): it writes nothing for the room."""
+        with self._ctx.lock:
+            if self._phases.phase in ENDING:
+                if tp_rank in self._draining:
+                    self._draining.discard(tp_rank)
+                    if not self._draining:
+                        self._finish_fail(self._failure)
+                return
+            if self._phases.phase is not P.TRANSFERRING or tp_rank not in self._awaiting:
+                return
+            self.fail(tag_reason(PeerError(
+                f"{self.where}: prefill rank {tp_rank} of {self._link.name} never took this room's request: it "
+                "answered a liveness ping sent after it, without it (lost on the way, or dropped by prefill)"),
+                FailureReason.REQUEST_LOST), stopped={tp_rank})
 

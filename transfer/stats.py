@@ -36,7 +36,8 @@ PATHS = ("direct", "staged", "storage")
 
 
 class FailureReason(str, enum.Enum):
-    PEER_LOST = "peer_lost"            # the peer went silent (liveness)
+    PEER_LOST = "peer_lost"            # the peer went silent (liveness), or left
+    REQUEST_LOST = "request_lost"      # a prefill rank acknowledged later messages, not the room's request
     TIMEOUT = "timeout"                # a bootstrap, transfer or storage time bound passed
     REFUSED = "refused"                # the peer refused or failed the room (also a refused lookup)
     ABORTED = "aborted"                # a scheduler aborted it, on either side

@@ -18,9 +18,9 @@ def bootstrap_server():
 def assert_all_succeeded(runs, num_rooms):
     """Every rank ran every room to Success, and decode found every byte right."""
     for run in runs:
-        assert run.result is not None, f"{run.role} {run.tp_rank} printed no result:\n{run.log[-3000:]}"
+        assert run.result is not None, f"{run.role} {run.tp_rank} printed no result:\n{_tails(runs)}"
         r = run.result
-        assert r["failed"] == [], f"{run.role} {run.tp_rank} failed rooms: {r['failed'][:3]}\n{run.log[-2000:]}"
+        assert r["failed"] == [], f"{run.role} {run.tp_rank} failed rooms: {r['failed'][:3]}\n{_tails(runs)}"
         assert r["mismatches"] == [], f"{run.role} {run.tp_rank}: {r['mismatches'][:5]}"
         assert r["rooms"] == r["success"] == num_rooms
         assert run.returncode == 0, run.log[-2000:]
@@ -29,6 +29,13 @@ def assert_all_succeeded(runs, num_rooms):
     expected = e2e_transport()
     assert all(r.result.get("transport") == expected for r in runs), \
         f"ranks ran on {[r.result.get('transport') for r in runs]}, not {expected}"
+
+
+def _tails(runs, num_chars: int = 2500) -> str:
+    """The end of every process's output (each side's view of a failure:
+    a room stuck on one side is explained by the other)."""
+    logs = {id(run.log): (run.role, run.log) for run in runs}
+    return "\n".join(f"--- {role} process:\n{log[-num_chars:]}" for role, log in logs.values())
 
 
 def e2e_transport() -> str:

@@ -56,6 +56,23 @@ def test_lookup_not_ready_until_every_rank_registered(bootstrap_server):
         assert full.ranks[1] == _rank(1)
 
 
+def test_partial_lookups_follow_every_change_of_the_group(bootstrap_server):
+    # Replies that list ranks are encoded once per version of their node: a
+    # cached one must never outlive a registration or a departure.
+    with BootstrapClient(bootstrap_server.address, timeout_s=5) as client:
+        client.register(_rank(1))
+        for _ in range(2):
+            half = client.lookup("p0", 0, partial=True)
+            assert not half.ready and [r.tp_rank for r in half.ranks] == [1] and half.departed == ()
+        client.register(_rank(0))
+        assert client.lookup("p0", 0, partial=True).ready
+        assert client.unregister(_rank(0)).removed
+        for _ in range(2):
+            left = client.lookup("p0", 0, partial=True)
+            assert not left.ready and [r.tp_rank for r in left.ranks] == [1] and left.departed == (0,)
+        assert client.lookup("p0", 0).ranks == ()  # a plain lookup lists no partial group
+
+
 @pytest.mark.parametrize("payload,expect", [
     (b"\xc1\xff not msgpack", "not a msgpack message"),
     (msgpack.packb([1, 2, 3]), "envelope must be a map"),

@@ -351,3 +351,41 @@ def test_wrong_bootstrap_address_and_unknown_node_fail_at_once():
         finally:
             for r in ranks:
                 r.close()
+
+
+def _tp2(cluster):
+    """Prefill TP 2 and decode TP 2 over 8 KV heads, one process each: decode
+    rank d needs prefill rank d only."""
+    prefill = [cluster.rank("prefill", config={"tp_rank": r, "tp_size": 2}) for r in range(2)]
+    decode = [cluster.rank("decode", config={"tp_rank": r, "tp_size": 2}) for r in range(2)]
+    return prefill, decode
+
+
+def test_a_decode_rank_is_served_after_the_prefill_ranks_it_does_not_need_left(cluster):
+    """Issue 25, made deterministic: the prefill rank that serves decode rank
+    0 finishes its rooms and closes (it unregisters) before decode rank 1
+    first looks the node up. Decode rank 1 needs only prefill rank 1, which
+    is there: its room must not wait for the group to be whole again."""
+    (p0, p1), (d0, d1) = _tp2(cluster)
+    p, d = _both(p0, d0, [1])
+    assert_all_success(p, [1])
+    assert_all_success(d, [1])
+    p0.close()
+    asked = time.time()
+    p, d = _both(p1, d1, [1], timeout_s=20)
+    assert_all_success(p, [1])
+    assert_all_success(d, [1])
+    took = d["results"]["1"]["ended_at"] - asked
+    assert took < 5.0, f"decode rank 1's room took {took:.2f} s"
+
+
+def test_a_room_needing_a_prefill_rank_that_left_fails_at_once(cluster):
+    (p0, p1), (d0, d1) = _tp2(cluster)
+    p, d = _both(p1, d1, [1])
+    assert_all_success(d, [1])
+    p0.close()
+    asked = time.time()
+    d = d0.rooms([2], timeout_s=20)
+    failed = assert_failed_within(d, asked, 2.0, {"PeerError"})
+    assert failed == [2] and "prefill ranks [0]" in d["results"]["2"]["error"] and \
+        "left" in d["results"]["2"]["error"], d

@@ -18,7 +18,7 @@ def _modules_after(code: str) -> set[str]:
 PURE = ["transfer.config", "transfer.errors", "transfer.layout", "transfer.messages", "transfer.plan",
         "transfer.state", "transfer.tp", "bootstrap.codec", "bootstrap.messages", "bootstrap.registry",
         "transfer.rooms.decode_phases", "transfer.transport.base", "transfer.control.base", "transfer.changes",
-        "transfer.stats", "transfer.ready", "bootstrap.descriptors"]
+        "transfer.stats", "transfer.ready", "bootstrap.descriptors", "transfer.rooms.request_acks"]
 
 
 @pytest.mark.parametrize("module", PURE)

@@ -230,3 +230,36 @@ def test_num_ranks_always_counts_the_entries(ops):
             reg.expire(now)
         entries = reg.entries(now)  # expires first
         assert reg.num_ranks == len(entries)
+
+
+def test_partial_lookup_lists_the_ranks_registered_so_far():
+    reg = Registry()
+    for r in (3, 1):
+        reg.register(make_rank(tp_rank=r, tp_size=4))
+    assert reg.lookup("prefill-0", 0).ranks == ()  # a plain lookup waits for the whole group
+    reply = reg.lookup("prefill-0", 0, partial=True)
+    assert not reply.ready and reply.num_registered == 2 and reply.tp_size == 4
+    assert [r.tp_rank for r in reply.ranks] == [1, 3] and reply.departed == ()
+
+
+def test_a_rank_that_leaves_is_departed_until_it_registers_again():
+    reg = Registry(ttl_s=10.0)
+    for r in range(4):
+        reg.register(make_rank(tp_rank=r, tp_size=4), now=0.0)
+    assert reg.lookup("prefill-0", 0, 0.0, partial=True).departed == ()  # ready: nobody left
+    assert reg.unregister("prefill-0", 0, 2, make_rank(tp_rank=2, tp_size=4).session).removed
+    for r in (0, 1, 3):  # rank 3 is not heard of again: it expires
+        reg.register(make_rank(tp_rank=r, tp_size=4), now=5.0 if r != 3 else 0.0)
+    reply = reg.lookup("prefill-0", 0, 12.0, partial=True)
+    assert not reply.ready and [r.tp_rank for r in reply.ranks] == [0, 1] and reply.departed == (2, 3)
+    assert reg.lookup("prefill-0", 0, 12.0).departed == ()  # only partial lookups are told
+    reg.register(make_rank(tp_rank=2, tp_size=4, session="restarted:1"), now=12.0)
+    assert reg.lookup("prefill-0", 0, 12.0, partial=True).departed == (3,)
+
+
+def test_a_group_whose_last_rank_left_is_gone_departures_and_all():
+    reg = Registry(node_grace_s=0.0)
+    reg.register(make_rank(tp_rank=0, tp_size=2))
+    reg.unregister("prefill-0", 0, 0, make_rank(tp_rank=0, tp_size=2).session)
+    reply = reg.lookup("prefill-0", 0, 1.0, partial=True)
+    assert reply.unknown_node and reply.ranks == () and reply.departed == ()

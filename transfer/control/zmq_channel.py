@@ -25,6 +25,9 @@ from transfer.errors import AuthError, ClosedError, ProtocolError, TransferError
 
 log = logging.getLogger("kvferry.channel")
 
+# How long messages queued to a peer whose socket is evicted (over max_peers) may still take to leave.
+_EVICT_LINGER_MS = 2000
+
 
 class ZmqChannel:
     """``send`` is thread-safe and never blocks; ``close`` stops the receiver."""
@@ -72,7 +75,9 @@ class ZmqChannel:
                 self._dealers.move_to_end(endpoint)
             else:
                 if len(self._dealers) >= self._max_peers:
-                    self._dealers.popitem(last=False)[1].close(0)
+                    # What is still queued to the evicted peer gets a while to leave (a live
+                    # peer's messages are not dropped for being the least recently used).
+                    self._dealers.popitem(last=False)[1].close(_EVICT_LINGER_MS)
                 sock = self._ctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SNDHWM, self._send_queue_msgs)

@@ -10,6 +10,8 @@
   routing, liveness peers);
 - :mod:`~transfer.rooms.links`: links to prefill DP groups and their
   resolution (bootstrap lookup, handshake);
+- :mod:`~transfer.rooms.request_acks`: the requests each prefill rank has
+  not acknowledged yet, and the rule that finds the lost ones (pure);
 - :mod:`~transfer.rooms.decode_phases`: a decode room's phases, a table over
   an Enum (prefetch, drain, restore included);
 - :mod:`~transfer.rooms.room_storage`: a decode room's prefetch and restore.

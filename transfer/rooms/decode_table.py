@@ -17,6 +17,7 @@ from transfer.rooms.context import RoomContext
 from transfer.rooms.decode_phases import DecodePhase
 from transfer.rooms.links import Link, LinkResolver, LinkState
 from transfer.rooms.peer_check import same_host
+from transfer.rooms.request_acks import UnackedRequests
 from transfer.staging.decode_flow import DecodeStaging
 
 log = logging.getLogger("kvferry.receiver")
@@ -51,6 +52,10 @@ class Receiver(Protocol):
 
     def fail(self, error: BaseException, *, drain: bool = True) -> None: ...
 
+    def request_lost(self, tp_rank: int) -> None:
+        """Prefill rank ``tp_rank`` never took the room's request (see
+        :mod:`transfer.rooms.request_acks`)."""
+
 
 class DecodeRooms:
     def __init__(self, ctx: RoomContext) -> None:
@@ -65,6 +70,10 @@ class DecodeRooms:
         self._pending_aborts: list[tuple[float, str, str, int | None, RoomAbort]] = []
         #: PeerBye messages whose origin did not match their session's host
         self.num_refused_byes = 0
+        #: requests sent and not yet acknowledged by their prefill rank
+        self.unacked: UnackedRequests[Receiver] = UnackedRequests()
+        #: requests found lost (a later ping answered without their acknowledgement)
+        self.num_lost_requests = 0
 
     # --- used by receivers (under ctx.lock) ------------------------------------------
 
@@ -76,12 +85,22 @@ class DecodeRooms:
         still granted go to quarantine (fenced: are freed, or poisoned when
         its writers were lost)."""
         self.receivers.pop((receiver.room, receiver.request_id), None)
+        link = receiver.link
+        if link is not None:
+            for p in link.routes:
+                if p in link.ranks:
+                    self.unacked.forget(link.ranks[p].session, receiver.request_id)
         if self.staging is not None:
             self.staging.release_room(receiver.room, receiver.request_id, receiver.writers_lost)
 
     def link(self, addr: str, node: str, dp_rank: int | None, room: int) -> Link | None:
         """The link for a room; None while the node's DP size is unknown."""
         return self.links.link(addr, node, dp_rank, room)
+
+    def request_sent(self, receiver: Receiver, tp_rank: int, session: str) -> None:
+        """``receiver``'s request went to prefill rank ``tp_rank`` (called
+        once it is queued): it awaits that rank's acknowledgement."""
+        self.unacked.sent(session, receiver.request_id, receiver, tp_rank, time.monotonic())
 
     def forget(self, link: Link) -> None:
         self.links.forget(link)
@@ -91,7 +110,7 @@ class DecodeRooms:
         handshake kept the room from sending a request to; returns the ranks
         that could not be told."""
         untold = set()
-        for p in link.routes or {r.tp_rank: () for r in link.ranks}:
+        for p in link.routes or link.ranks:
             try:
                 self.ctx.channel.send(link.ranks[p].control_endpoint, abort)
             except KVFerryError as exc:
@@ -130,6 +149,20 @@ class DecodeRooms:
     def endpoint_of(self, session: str) -> str | None:
         """The control endpoint of a prefill rank of a known link."""
         return self.links.endpoint_of(session)
+
+    def take_acks(self, session: str) -> tuple[int, ...]:
+        """A decode rank takes no requests: its pongs acknowledge none."""
+        return ()
+
+    def on_pong(self, session: str, acks, pinged_at: float | None) -> None:
+        """Prefill rank ``session`` answered a ping sent at ``pinged_at``
+        (None: not known), acknowledging the requests ``acks``: the rooms of
+        requests sent before that ping and never acknowledged fail now."""
+        with self.ctx.lock:
+            lost = self.unacked.pong(session, acks, pinged_at)
+            self.num_lost_requests += len(lost)
+        for receiver, tp_rank in lost:
+            receiver.request_lost(tp_rank)
 
     def live_peers(self, now: float) -> dict[str, str]:
         """Session -> control endpoint of the prefill ranks to watch (called

@@ -14,10 +14,11 @@ from typing import Callable
 from bootstrap.messages import AttentionKind, PoolRole, RankInfo
 from transfer import tp
 from transfer.errors import (BootstrapError, BootstrapRefused, BootstrapUnavailable, IncompatibleLayoutError,
-                             IncompatibleTransportError, KVFerryError, ProtocolError, UnknownNodeError)
+                             IncompatibleTransportError, KVFerryError, PeerError, ProtocolError, UnknownNodeError)
 from transfer.layout import check_compatible
 from transfer.messages import PeerHello, PeerHelloReply, PoolAssignment
 from transfer.rooms.context import LookupClient, RoomContext
+from transfer.stats import FailureReason, tag_reason
 
 log = logging.getLogger("kvferry.receiver")
 
@@ -46,7 +47,7 @@ class Link:
         self.state = LinkState.RESOLVING
         self.error: KVFerryError | None = None
         self.progress = "lookup not answered yet"
-        self.ranks: tuple[RankInfo, ...] = ()
+        self.ranks: dict[int, RankInfo] = {}  # TP rank -> what the server lists (maybe not every rank)
         self.routes: dict[int, tuple[PoolAssignment, ...]] = {}
         self.num_requests: dict[int, int] = {}
         self.aux_rank = -1
@@ -143,7 +144,7 @@ class LinkResolver:
     def endpoint_of(self, session: str) -> str | None:
         """The control endpoint of a prefill rank of a known link."""
         for link in self.links.values():
-            for r in link.ranks:
+            for r in link.ranks.values():
                 if r.session == session:
                     return r.control_endpoint
         return None
@@ -161,14 +162,14 @@ class LinkResolver:
     def forget_session(self, session: str) -> None:
         """A prefill rank went silent: forget every link through it (the next
         room looks the node up afresh)."""
-        for link in [l for l in self.links.values() if any(r.session == session for r in l.ranks)]:
+        for link in [l for l in self.links.values() if any(r.session == session for r in l.ranks.values())]:
             self.forget(link)
         self._hellos.pop(session, None)
 
     def forget(self, link: Link) -> None:
         if self.links.get(link.key) is link:
             del self.links[link.key]
-        for r in link.ranks:
+        for r in link.ranks.values():
             hello = self._hellos.get(r.session)
             if hello is not None and not hello.ok:
                 del self._hellos[r.session]
@@ -256,8 +257,9 @@ class LinkResolver:
             self.forget(link)
 
     def _lookup(self, addr: str, node: str, dp_rank: int):
-        """A strict lookup (an unknown node raises UnknownNodeError)."""
-        reply = self._client(addr).lookup(node, dp_rank, strict=True)
+        """A strict, partial lookup (an unknown node raises UnknownNodeError;
+        a group not complete yet lists the ranks registered so far)."""
+        reply = self._client(addr).lookup(node, dp_rank, strict=True, partial=True)
         self._reached.add(addr)
         return reply
 
@@ -269,7 +271,7 @@ class LinkResolver:
 
     def _step(self, link: Link) -> None:
         addr, node, dp = link.key
-        if not link.ranks:
+        if not link.routes:
             try:
                 reply = self._lookup(addr, node, dp)
             except BootstrapUnavailable as exc:
@@ -279,10 +281,24 @@ class LinkResolver:
                 return
             except BootstrapError as exc:
                 raise _located(exc, f"{self.ctx.where}: looking up {link.name}") from exc
-            if not reply.ready:
+            if not reply.ranks:
                 link.progress = f"{reply.num_registered} of {reply.tp_size or '?'} prefill ranks registered"
                 return
-            self._route(link, reply.ranks)
+            # The ranks this rank's routes name are enough: the others may not
+            # be up yet, or may have left while this group serves other decode ranks.
+            self._route(link, {r.tp_rank: r for r in reply.ranks}, reply.tp_size)
+            missing = sorted(link.routes.keys() - link.ranks.keys())
+            if missing:
+                link.routes = {}
+                gone = [p for p in missing if p in reply.departed]
+                if gone:
+                    raise tag_reason(PeerError(
+                        f"{self.ctx.where}: prefill ranks {gone} of {link.name} left (unregistered, or silent past "
+                        "the bootstrap server's rank TTL) and did not register again; this rank's rooms need "
+                        "them"), FailureReason.PEER_LOST)
+                link.progress = (f"waiting for prefill ranks {missing} to register ({reply.num_registered} of "
+                                 f"{reply.tp_size} registered)")
+                return
         with self.ctx.lock:
             pending = []
             for p in link.routes:
@@ -300,7 +316,7 @@ class LinkResolver:
                         del self._hellos[session]
                         link.progress = (f"prefill rank {p} at {link.ranks[p].control_endpoint} did not answer "
                                          f"the handshake within {self.ctx.config.rpc_timeout_s:g} s; looking it up again")
-                        link.ranks, link.routes = (), {}
+                        link.ranks, link.routes = {}, {}
                         return
                     pending.append(p)
             if pending:
@@ -308,27 +324,29 @@ class LinkResolver:
             else:
                 link.state = LinkState.READY
 
-    def _route(self, link: Link, ranks: tuple[RankInfo, ...]) -> None:
+    def _route(self, link: Link, ranks: dict[int, RankInfo], prefill_tp: int) -> None:
+        """The routes of this rank's rooms to the group of ``prefill_tp``
+        ranks, of which ``ranks`` (TP rank -> info) registered so far."""
         local = self.ctx.rank
         link.ranks = ranks  # known before the check, so a failure can reach every rank
         hello = self.hello()
-        for r in ranks:
+        for r in ranks.values():
             try:
                 check_compatible(local, r, local_is_prefill=False,
                                  allow_missing_draft=self.ctx.config.allow_missing_draft)
             except IncompatibleLayoutError:
                 # Introduce this rank anyway: prefill finds the same field, and
                 # then takes this rank's abort of the rooms that await it.
-                for q in ranks:
+                for q in ranks.values():
                     try:
                         self.ctx.channel.send(q.control_endpoint, hello)
                     except KVFerryError as exc:
                         log.debug("hello to %s not sent: %s", q.control_endpoint, exc)
                 raise
-        prefill_tp, decode_tp = ranks[0].tp_size, local.tp_size
+        decode_tp, pools = local.tp_size, next(iter(ranks.values())).pools  # every rank holds the same pools
         shapes = tuple(
             tp.PoolShape(role=p.role, is_mla=p.attention is AttentionKind.MLA, total_heads=p.total_kv_heads)
-            for p in ranks[0].pools if local.pool(p.role) is not None)
+            for p in pools if local.pool(p.role) is not None)
         routes = tp.room_routes(local.tp_rank, prefill_tp, decode_tp, shapes)
         link.routes = {
             p: tuple(PoolAssignment(role=role, send=s is not None,

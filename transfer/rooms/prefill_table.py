@@ -38,6 +38,8 @@ _REMEMBER_FINISHED = 65536
 # yet (a decode rank may be early; a flood must not exhaust memory).
 _EARLY_ROOMS = 4096
 _EARLY_PER_ROOM = 64
+# Request ids kept per decode rank for its next pong.
+_MAX_ACKS = 65536
 
 
 class Sender(Protocol):
@@ -102,6 +104,8 @@ class PrefillRooms:
         self._refused: dict[int, tuple[float, str]] = {}
         self.num_dropped_early = 0
         self._finished: collections.OrderedDict[tuple[int, int], None] = collections.OrderedDict()
+        # decode session -> ids of its requests taken since the last pong to it (see PeerPong.acks)
+        self._acks: dict[str, list[int]] = {}
         # Also without local staging: a fenced decode rank takes every part in its staging.
         self.staging = PrefillStaging(ctx, self.peers)
 
@@ -128,6 +132,7 @@ class PrefillRooms:
                     log.info("%s: dropped a request for room %d from %s (not handshaken from %s at %s)",
                              self.ctx.where, msg.room, msg.decode_session, origin or "?", msg.decode_endpoint)
                     return
+                self._ack(msg)
                 if sender is None:
                     if not self._refuse(msg) and not self._early_duplicate(msg):
                         self._keep_early(msg)
@@ -223,20 +228,49 @@ class PrefillRooms:
     def _keep_early(self, msg) -> None:
         """Keep a message for a room whose sender does not exist yet, within
         bounds: at most ``_EARLY_ROOMS`` rooms (the oldest go first) of at
-        most ``_EARLY_PER_ROOM`` messages, each for ``bootstrap_timeout_s``."""
+        most ``_EARLY_PER_ROOM`` messages, each for ``bootstrap_timeout_s``.
+        A request dropped for these bounds is refused (its receiver fails at
+        once), never dropped silently."""
         now = time.monotonic()
         horizon = now - self.ctx.config.bootstrap_timeout_s
         if len(self._early) >= _EARLY_ROOMS:
             for room in [r for r, msgs in self._early.items() if msgs[-1][0] < horizon]:
-                del self._early[room]
+                self._drop_early(self._early.pop(room), "waited for its sender longer than the bootstrap timeout")
             while len(self._early) >= _EARLY_ROOMS:
-                del self._early[next(iter(self._early))]
-                self.num_dropped_early += 1
+                room = next(iter(self._early))
+                self._drop_early(self._early.pop(room), f"more than {_EARLY_ROOMS} rooms wait for their sender")
         kept = self._early.setdefault(msg.room, [])
         if len(kept) >= _EARLY_PER_ROOM:
-            self.num_dropped_early += 1
+            self._drop_early([(now, msg)], f"more than {_EARLY_PER_ROOM} messages wait for the room's sender")
             return
         kept.append((now, msg))
+
+    def _drop_early(self, kept: list[tuple[float, object]], why: str) -> None:
+        """Drop messages kept for a room whose sender does not exist: each
+        request among them is refused, so that its receiver learns of it."""
+        for _, msg in kept:
+            self.num_dropped_early += 1
+            if isinstance(msg, TransferRequest):
+                self._finished[(msg.room, msg.request_id)] = None
+                self._tell_failed(msg, f"{self.ctx.where}: dropped the request for room {msg.room} before the "
+                                       f"room's sender existed: {why}")
+
+    def _ack(self, req: TransferRequest) -> None:
+        """``req`` is taken (whatever then becomes of it): its id goes out in
+        the next pong to its decode rank (bounded: a peer that stopped pinging
+        has given up on what is older)."""
+        acks = self._acks.setdefault(req.decode_session, [])
+        acks.append(req.request_id)
+        if len(acks) > _MAX_ACKS:
+            del acks[:len(acks) - _MAX_ACKS]
+
+    def take_acks(self, session: str) -> tuple[int, ...]:
+        """The ids of the requests from decode rank ``session`` taken since
+        the last call (for its pong; under the lock)."""
+        return tuple(self._acks.pop(session, ()))
+
+    def on_pong(self, session: str, acks, pinged_at: float | None) -> None:
+        """A decode rank's pong: it acknowledges nothing (liveness only)."""
 
     def _on_hello(self, hello: PeerHello, origin: str) -> None:
         session = hello.rank.session
@@ -295,7 +329,10 @@ class PrefillRooms:
             self.senders[sender.room] = sender
             self._refused.pop(sender.room, None)
             horizon = time.monotonic() - self.ctx.config.bootstrap_timeout_s
-            return [m for t, m in self._early.pop(sender.room, []) if t >= horizon]
+            kept = self._early.pop(sender.room, [])
+            self._drop_early([(t, m) for t, m in kept if t < horizon],
+                             "it waited for its sender longer than the bootstrap timeout")
+            return [m for t, m in kept if t >= horizon]
 
     def detach(self, sender: Sender, request_ids) -> None:
         with self.ctx.lock:
