@@ -15,7 +15,7 @@ NIXL_VERSION ?= 1.5.1
 MOONCAKE_PKG ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo mooncake-transfer-engine || echo mooncake-transfer-engine-non-cuda)
 STAMP := $(VENV)/.kvferry-setup
 
-.PHONY: setup demo demo-load test test-layouts test-scale test-engines scale bench clean debian-libs
+.PHONY: setup demo demo-load lint test test-layouts test-scale test-engines scale bench clean debian-libs
 
 setup: $(STAMP)
 
@@ -55,8 +55,12 @@ demo-load: setup
 # Two workers (pytest-xdist), each test's rank processes forked from a warm
 # interpreter (harness/forkserver.py): about 6 minutes on two cores.
 PYTEST_WORKERS := -n 2 --dist worksteal
-test: setup
+test: setup lint
 	$(PY) -m pytest -q $(PYTEST_WORKERS) --ignore=tests/layouts
+
+# Unused imports and variables, redefinitions, undefined names ([tool.ruff] in pyproject.toml).
+lint: setup
+	$(PY) -m ruff check --no-cache .
 
 # vLLM's KV layouts (CPU, NHD, HND, cross-layer) and TP 2 <-> 1 through real
 # processes and Mooncake, byte-exact (about 20 s; kept out of `make test`'s budget).

@@ -13,7 +13,8 @@ import numpy as np
 
 from bootstrap import codec
 from bootstrap.messages import PoolRole
-from transfer.config import EngineConfig, apply_mooncake_env
+from transfer.config import EngineConfig
+from transfer.transport.mooncake.process import apply_mooncake_env
 from transfer.messages import PoolAssignment, TransferRequest
 
 

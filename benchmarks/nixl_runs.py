@@ -37,7 +37,7 @@ def kvferry_nixl_missing() -> str:
     from dataclasses import fields
 
     from transfer.config import EngineConfig
-    from transfer.storage.nixl_probe import nixl_missing_reason
+    from transfer.storage.nixl.probe import nixl_missing_reason
     if NIXL_TRANSPORT_FIELD not in {f.name for f in fields(EngineConfig)}:
         return f"this kvferry has no NIXL transport (EngineConfig has no {NIXL_TRANSPORT_FIELD!r} field)"
     return nixl_missing_reason()

@@ -51,9 +51,9 @@ DEFAULT_PROGRESS_DELAY_US = 100
 def make_agent(name: str, progress_delay_us: int):
     """A NIXL agent with the UCX backend and a progress thread that waits
     ``progress_delay_us`` between polls (kvferry's transport builds its own the same way)."""
-    from transfer.storage.nixl_probe import _import_nixl
-    from transfer.transport.nixl import new_agent
-    api = _import_nixl()
+    from transfer.storage.nixl.probe import import_nixl
+    from transfer.transport.nixl.api import new_agent
+    api = import_nixl()
     return new_agent(api, name, api.nixl_agent_config(backends=["UCX"], enable_prog_thread=True),
                      progress_delay_us)
 

@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 
-from transfer.hostmem import host_array
+from transfer.staging.hostmem import host_array
 
 
 def make_engine(hostname: str, protocol: str, device: str = ""):
@@ -56,5 +56,5 @@ def pool_buffer(nbytes: int, device: str = "cpu"):
 
 
 def prefaulted_buffer(nbytes: int) -> np.ndarray:
-    """Touched huge-page memory: the same kind kvferry's ranks use here (see transfer.hostmem)."""
+    """Touched huge-page memory: the same kind kvferry's ranks use here (see transfer.staging.hostmem)."""
     return host_array(nbytes, fill=0x5A)

@@ -18,7 +18,7 @@ import numpy as np
 from benchmarks.hosts import Child, LocalHost, Link, forwarded_env
 from benchmarks.pages import ArenaLayout, format_buffers
 from benchmarks.workloads import Workload
-from transfer.hostmem import host_array
+from transfer.staging.hostmem import host_array
 from harness.launch import BootstrapProcess, finish_ranks, results_of, start_ranks
 
 KVFERRY_TIMEOUT_S = 900.0

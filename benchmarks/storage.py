@@ -11,7 +11,7 @@ random bytes, registered with ``register_memory(pool_regions(pool))``:
 
 - **write-through**: pages of a source pool at random indices, stored under
   the keys of random prompts (:mod:`transfer.storage.keys`), as the tier
-  writes them: per batch of :data:`transfer.tier.BATCH_PAGES` pages an
+  writes them: per batch of :data:`transfer.storage.tier.BATCH_PAGES` pages an
   ``exists`` and a ``put`` of the rest;
 - **prefetch**: as the tier reads them: one ``exists`` over a prompt's keys,
   then a ``get_into`` per batch into random pages of a second pool. A sample
@@ -44,9 +44,9 @@ from transfer.pools import MHAPool
 from transfer.storage.base import open_storage
 from transfer.storage.keys import chain_hashes, keys_from_chain
 from harness.local_mooncake import LocalMooncake, mooncake_missing_reason
-from transfer.storage.nixl import nixl_missing_reason
+from transfer.storage.nixl.probe import nixl_missing_reason
 from transfer.storage.segments import page_bytes, pages_segments, pool_fingerprint, pool_regions
-from transfer.tier import BATCH_PAGES
+from transfer.storage.tier import BATCH_PAGES
 
 BACKENDS = ("file", "mooncake", "nixl")
 DEFAULT_PAGES = 384

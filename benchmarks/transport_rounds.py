@@ -14,7 +14,7 @@ import numpy as np
 
 from transfer.config import EngineConfig
 from transfer.plan import TransferPlan
-from transfer.transport.mooncake import MooncakeTransport
+from transfer.transport.mooncake.transport import MooncakeTransport
 
 
 def main(argv: list[str]) -> None:
@@ -39,7 +39,7 @@ def main(argv: list[str]) -> None:
         dst[:] = 0
         r0, c0, cpu0, t0 = a.num_rounds, a.num_status_checks, time.process_time(), time.monotonic()
         for j in range(num_jobs):
-            a.submit(b.session, plan(j), done.append)
+            a.submit(b.session, plan(j), done.append, None)
         deadline = time.monotonic() + 60
         while len(done) < num_jobs and time.monotonic() < deadline:
             time.sleep(0.001)

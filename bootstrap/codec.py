@@ -32,7 +32,9 @@ that does (``unexpected field``, naming it) instead of misreading it.
 ``RankInfo.transport`` and ``PeerHello.transport_meta`` were added this way
 (in version 4), and ``Lookup.partial`` with ``LookupReply.departed`` (in 5).
 Version 5: ``PeerPong.acks`` (a pong now acknowledges the requests taken
-since the last one; a version-4 peer would seem to lose every request).
+since the last one; a version-4 peer would seem to lose every request); the
+status reply's rank and pool views carry every descriptor field but the
+withheld ones (:mod:`bootstrap.status`).
 """
 
 from __future__ import annotations

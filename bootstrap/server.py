@@ -23,7 +23,7 @@ from bootstrap.messages import ErrorReply, Lookup, Ping, Pong, Register, Unregis
 from bootstrap.metrics import NoMetrics, PrometheusMetrics, require_prometheus
 from bootstrap.protect import check_protected
 from bootstrap.registry import Registry, RegistryConflict
-from bootstrap.status import MAX_STATUS_RANKS, PoolSummary, RankStatus, Status, StatusReply
+from bootstrap.status import MAX_STATUS_RANKS, RankStatus, Status, StatusReply
 
 log = logging.getLogger("kvferry.bootstrap")
 
@@ -281,11 +281,7 @@ class BootstrapServer:
 
     def _status(self, request: Status, now: float):
         entries = self.registry.entries(now)
-        ranks = tuple(
-            RankStatus(node_id=r.node_id, dp_rank=r.dp_rank, dp_size=r.dp_size, tp_rank=r.tp_rank, tp_size=r.tp_size,
-                       session=r.session, control_endpoint=r.control_endpoint, age_s=round(age, 3),
-                       pools=tuple(PoolSummary.of(p) for p in r.pools))
-            for r, age in entries[:MAX_STATUS_RANKS])
+        ranks = tuple(RankStatus.of(r, age_s=round(age, 3)) for r, age in entries[:MAX_STATUS_RANKS])
         return StatusReply(uptime_s=round(now - self.started_at, 3), rank_ttl_s=self.config.rank_ttl_s,
                            node_grace_s=self.config.node_grace_s, num_requests=self.num_requests,
                            num_errors=self.num_errors, num_unauthenticated=self.num_unauthenticated,

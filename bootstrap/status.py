@@ -2,26 +2,77 @@
 asks for and prints.
 
 :class:`Status` -> :class:`StatusReply`: every registered rank with its
-pools' layouts (no buffer addresses) and the age of its last registration,
-and the server's settings and counters. Pure: importing this module registers
-the two messages with the codec (the server and the client import it).
+pools' layouts (no addresses) and the age of its last registration, and the
+server's settings and counters. Pure: importing this module registers the
+two messages with the codec (the server and the client import it).
+
+**Derived from the descriptors.** :class:`RankStatus` and :class:`PoolSummary`
+hold the fields of :class:`~bootstrap.messages.RankInfo` and
+:class:`~bootstrap.descriptors.PoolDescriptor`, read off those dataclasses
+when this module is imported (same names, types and defaults), less the ones
+:data:`WITHHELD` names; ``of`` copies the values by name. So a field added to
+a descriptor is in the status too, unless it is added to :data:`WITHHELD`.
+
+**Wire.** A view field with a default is left out of the encoding while it
+holds it (``omit_default``, see :mod:`bootstrap.codec`): a descriptor field
+added with a default adds nothing to the status of a rank that holds the
+default, and its value reaches the status reply where it differs (a client
+of an older protocol then refuses that reply, naming the field). A field
+added without a default, a protocol version bump, changes the reply too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import typing
 from dataclasses import asdict, dataclass
 
 from bootstrap.codec import message, struct
-from bootstrap.messages import AttentionKind, PageLayout, PoolDescriptor, PoolRole
+from bootstrap.descriptors import OMIT_DEFAULT
+from bootstrap.messages import AttentionKind, KVLayout, PoolDescriptor, RankInfo
 
 #: At most this many ranks are listed in a status reply (the rest are counted).
 MAX_STATUS_RANKS = 4096
+
+#: The descriptor fields the status view leaves out: addresses (the buffers of
+#: a pool, a rank's aux and staging regions) and ``itemsize`` (the dtype says
+#: it). ``RankInfo.pools`` is not left out but summarised (:class:`PoolSummary`).
+WITHHELD: dict[type, frozenset[str]] = {
+    PoolDescriptor: frozenset({"buffers", "itemsize"}),
+    RankInfo: frozenset({"aux", "staging"}),
+}
 
 
 def _require(cond: bool, what: str) -> None:
     if not cond:
         raise ValueError(what)
+
+
+def _fields_of(descriptor: type, *, declared: tuple[str, ...] = ()):
+    """A frozen, keyword-only dataclass with ``descriptor``'s fields less
+    :data:`WITHHELD` and ``declared`` (which the view declares itself), for a
+    view to inherit; its ``_copied(value)`` gives those fields of a
+    descriptor, by name."""
+    hints = typing.get_type_hints(descriptor)
+    specs = []
+    for f in dataclasses.fields(descriptor):
+        if f.name in WITHHELD[descriptor] or f.name in declared:
+            continue
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            specs.append((f.name, hints[f.name]))
+        else:
+            specs.append((f.name, hints[f.name], dataclasses.field(
+                default=f.default, default_factory=f.default_factory, metadata=OMIT_DEFAULT)))
+    names = tuple(spec[0] for spec in specs)
+
+    def _copied(cls, value) -> dict:
+        return {name: getattr(value, name) for name in names}
+
+    base = dataclasses.make_dataclass(f"{descriptor.__name__}Fields", specs, frozen=True, kw_only=True,
+                                      namespace={"_copied": classmethod(_copied)})
+    base.__module__ = __name__
+    return base
 
 
 @message("status")
@@ -31,42 +82,31 @@ class Status:
 
 
 @struct
-@dataclass(frozen=True)
-class PoolSummary:
-    """A pool's layout without its buffer addresses."""
-
-    role: PoolRole
-    attention: AttentionKind
-    dtype: str
-    page_size: int
-    num_pages: int
-    num_layers: int
-    num_kv_heads: int
-    total_kv_heads: int
-    head_dim: int
-    page_layout: PageLayout
+@dataclass(frozen=True, kw_only=True)
+class PoolSummary(_fields_of(PoolDescriptor)):
+    """A pool's layout: the fields of its :class:`PoolDescriptor` but the
+    :data:`WITHHELD` ones (no buffer addresses)."""
 
     @classmethod
-    def of(cls, pool: PoolDescriptor) -> "PoolSummary":
-        return cls(role=pool.role, attention=pool.attention, dtype=pool.dtype, page_size=pool.page_size,
-                   num_pages=pool.num_pages, num_layers=pool.num_layers, num_kv_heads=pool.num_kv_heads,
-                   total_kv_heads=pool.total_kv_heads, head_dim=pool.head_dim, page_layout=pool.page_layout)
+    def of(cls, pool: PoolDescriptor) -> PoolSummary:
+        """The summary of ``pool``."""
+        return cls(**cls._copied(pool))
 
 
 @struct
-@dataclass(frozen=True)
-class RankStatus:
-    """One registered rank; ``age_s``: seconds since it last registered."""
+@dataclass(frozen=True, kw_only=True)
+class RankStatus(_fields_of(RankInfo, declared=("pools",))):
+    """One registered rank: the fields of its :class:`RankInfo` but the
+    :data:`WITHHELD` ones, with ``pools`` summarised; ``age_s``: seconds
+    since it last registered."""
 
-    node_id: str
-    dp_rank: int
-    dp_size: int
-    tp_rank: int
-    tp_size: int
-    session: str
-    control_endpoint: str
     age_s: float
     pools: tuple[PoolSummary, ...]
+
+    @classmethod
+    def of(cls, rank: RankInfo, age_s: float) -> RankStatus:
+        """The status of ``rank``, last registered ``age_s`` seconds ago."""
+        return cls(**cls._copied(rank), age_s=age_s, pools=tuple(PoolSummary.of(p) for p in rank.pools))
 
 
 @message("status_reply")
@@ -106,8 +146,9 @@ def status_json(reply: StatusReply, address: str) -> str:
 
 def _pool_text(pool: PoolSummary) -> str:
     heads = f"{pool.num_kv_heads}/{pool.total_kv_heads} heads" if pool.attention is AttentionKind.MHA else "latent"
+    kv = "" if pool.kv_layout is KVLayout.SPLIT else f" {pool.kv_layout.value}"
     return (f"{pool.role.value} {pool.attention.value} {pool.dtype} page {pool.page_size} x {pool.num_pages} pages "
-            f"{pool.num_layers} layers {heads} x {pool.head_dim} {pool.page_layout.value}")
+            f"{pool.num_layers} layers {heads} x {pool.head_dim} {pool.page_layout.value}{kv}")
 
 
 def status_table(reply: StatusReply, address: str) -> str:

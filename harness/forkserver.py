@@ -165,7 +165,7 @@ def spawn_module(module: str, args: list[str], *, env: dict[str, str], cwd: str 
     if server is None:
         return subprocess.Popen([sys.executable, "-m", module, *args], env=env, cwd=cwd, stdin=stdin,
                                 stdout=stdout, stderr=stderr, text=text)
-    ours, theirs, close_after = [], [], []  # our pipe ends; the child's fds 0, 1, 2; fds to close once sent
+    ours, close_after = [], []  # our pipe ends; fds to close once sent
 
     def child_end(spec, fallback: int, write: bool) -> int:
         if spec is None:

@@ -61,8 +61,8 @@ import torch
 from harness.lines import emit
 from transfer.config import Role, manager_config_from_env
 from transfer.manager import KVManager
-from transfer.receiver import KVReceiver
-from transfer.sender import KVSender
+from transfer.rooms.receiver import KVReceiver
+from transfer.rooms.sender import KVSender
 from transfer.state import KVPoll
 from harness.workload import (Spec, _allocate, _components, aux_buffers, aux_row, build_pools, global_buffer,
                               prefill_side, rank_slice, read_aux, room_plan, write_aux)

@@ -31,11 +31,11 @@ from bootstrap.messages import PoolRole
 from harness.lines import emit
 from transfer import tp
 from transfer.config import Role, manager_config_from_env
-from transfer.hostmem import host_tensor
+from transfer.staging.hostmem import host_tensor
 from transfer.manager import KVManager
 from transfer.pools import MHAPool, MLAPool
-from transfer.receiver import KVReceiver
-from transfer.sender import KVSender
+from transfer.rooms.receiver import KVReceiver
+from transfer.rooms.sender import KVSender
 from transfer.state import KVPoll
 
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
@@ -123,7 +123,7 @@ def global_buffer(spec: Spec, pool: PoolSpec, layer: int, comp: str, num_pages: 
     dtype = _TORCH_DTYPES[pool.dtype]
     shape = (num_pages, spec.page_size, heads, pool.head_dim)
     nbytes = int(np.prod(shape)) * torch.tensor([], dtype=dtype).element_size()
-    # Huge-page host memory, touched, like the raw baselines' buffers (see transfer.hostmem).
+    # Huge-page host memory, touched, like the raw baselines' buffers (see transfer.staging.hostmem).
     buf = host_tensor(nbytes, fill=0x5A if spec.fill == "constant" else None)
     if spec.fill != "constant":  # the copy touches every page
         buf.numpy()[:] = np.frombuffer(_rng(spec.seed, seed_side, pool.role, layer, comp).bytes(nbytes), dtype=np.uint8)

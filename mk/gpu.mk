@@ -68,6 +68,6 @@ $(GPU_STAMP): pyproject.toml Makefile mk/gpu.mk | debian-libs
 	$(GPU_PY) -c "import torch; assert torch.version.cuda, 'torch ' + torch.__version__ + ' is a CPU build'; \
 		assert torch.cuda.is_available(), 'torch ' + torch.__version__ + ' (CUDA ' + torch.version.cuda + ') sees no GPU: driver CUDA $(GPU_CUDA)'; \
 		print('torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name(0))"
-	$(GPU_PY) -c "import mooncake.engine, zmq, msgpack; from transfer.transport.mooncake import check_engine_build; check_engine_build('cuda')"
+	$(GPU_PY) -c "import mooncake.engine, zmq, msgpack; from transfer.transport.mooncake.process import check_engine_build; check_engine_build('cuda')"
 	@touch $(GPU_STAMP)
 endif

@@ -22,8 +22,8 @@ _EXPORTS = {
         "StorageTimeoutError", "StorageUnavailableError", "TransferError", "UnknownNodeError")},
     "KVManager": "transfer.manager",
     "MHAPool": "transfer.pools", "MLAPool": "transfer.pools",
-    "KVReceiver": "transfer.receiver",
-    "KVSender": "transfer.sender",
+    "KVReceiver": "transfer.rooms.receiver",
+    "KVSender": "transfer.rooms.sender",
     "KVPoll": "transfer.state",
     "FailureReason": "transfer.stats", "ManagerStats": "transfer.stats", "RoomStats": "transfer.stats",
 }

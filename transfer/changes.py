@@ -1,8 +1,8 @@
 """Which rooms changed: a bounded log of room state changes. Pure.
 
 The rule: every change of a room's state appends one entry ``(room, state)``
-(``room`` is the room's :class:`~transfer.sender.KVSender` or
-:class:`~transfer.receiver.KVReceiver`) and advances ``progress`` by one.
+(``room`` is the room's :class:`~transfer.rooms.sender.KVSender` or
+:class:`~transfer.rooms.receiver.KVReceiver`) and advances ``progress`` by one.
 A consumer keeps its own mark (a ``progress`` value it has seen) and asks
 ``since(mark)`` for what changed after it; any number of consumers may read
 the one log, each at its own pace, and none of them removes anything.

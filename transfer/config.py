@@ -1,36 +1,15 @@
 """Configuration: frozen, keyword-only dataclasses, validated with ValueError.
 
-This is the only module of kvferry that reads ``os.environ``; every variable
-has the prefix ``KVFERRY_`` (see :func:`manager_config_from_env`).
+This is the only module of kvferry that reads its own settings from
+``os.environ``; every variable has the prefix ``KVFERRY_`` (see
+:func:`manager_config_from_env`).
 
 Mooncake's own settings. The Mooncake engine reads its tuning from ``MC_*``
-environment variables when an engine is built (the Store: when
-``mooncake.store`` is imported); it has no per-engine API for them, so they
-are process-wide, and shared with every other Mooncake user in the process
-(a serving engine's own, for one). :func:`apply_mooncake_env` runs right
-before kvferry builds an engine and only fills in variables that are not set:
-a value the user exported always wins, also one set to the engine's default.
-It fills in, from :class:`EngineConfig` (:meth:`EngineConfig.mooncake_env`):
-
-- always: ``MC_LOG_LEVEL`` (``log_level``; ``OFF`` sets ``ERROR``, see
-  below) and ``MC_TRANSFER_TIMEOUT``
-  (``max(5, progress_timeout_s)``: how long a blocking transfer call waits);
-- for ``protocol="tcp"`` only: ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` and
-  ``MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER`` (65535, their maximum; kvferry
-  caps its own in-flight descriptors per peer below them),
-  ``MC_TCP_ADMISSION_TIMEOUT_MS`` (60000) and ``MC_TCP_PROGRESS_TIMEOUT_SEC``
-  (``progress_timeout_s``).
-
-A user who sets one of these lower than kvferry's value keeps it; kvferry
-then still keeps at most ``max_inflight_per_peer`` descriptors outstanding per
-peer, which must stay below the user's queue caps.
-
-Engine logs. Even at ``ERROR`` the engine prints a few lines at start-up on
-every process (``Local segment descriptor not found``, which is normal).
-With ``log_level="OFF"`` (the default) kvferry discards the engine's
-standard error while the engine initializes, unless ``MC_LOG_LEVEL`` was set
-by someone else than kvferry (:func:`quiet_engine_start`); any other level
-(``KVFERRY_LOG_LEVEL=ERROR``, ...) shows the engine's logs.
+environment variables; kvferry fills in the ones an engine needs from
+:class:`EngineConfig` (:meth:`EngineConfig.mooncake_env`) right before it
+builds one, never changing a value the user set: see
+:mod:`transfer.transport.mooncake.process`, which also keeps the engine's
+start-up logs quiet with ``log_level="OFF"`` (the default).
 """
 
 from __future__ import annotations
@@ -209,7 +188,7 @@ class ManagerConfig:
     (docs/reliability.md).
 
     Observability: ``metrics_port`` (0: off) serves Prometheus ``/metrics``
-    on ``host`` (needs prometheus-client; see :mod:`transfer.metrics`).
+    on ``host`` (needs prometheus-client; see :mod:`transfer.rank.metrics`).
     ``log_level`` (empty: leave it) sets the ``kvferry`` logger hierarchy's
     level when the manager starts (``DEBUG`` shows each room's life; ``TRACE``
     counts as ``DEBUG``). From the environment: ``KVFERRY_METRICS_PORT``,
@@ -351,27 +330,3 @@ def manager_config_from_env(role: Role, **overrides) -> ManagerConfig:
     engine = replace(base.engine, **engine_kw)
     manager_kw.update(overrides)
     return replace(base, engine=manager_kw.pop("engine", engine), **manager_kw)
-
-
-def apply_mooncake_env(engine: EngineConfig) -> dict[str, str]:
-    """Fill in the ``MC_*`` variables ``engine`` needs that are not set yet
-    (process-wide: Mooncake reads them from the environment when an engine is
-    built). A variable already set, by the user or earlier, is never changed.
-    Returns the variables this call set."""
-    added = {}
-    for key, value in engine.mooncake_env().items():
-        if key not in os.environ:
-            os.environ[key] = added[key] = value
-    _SET_HERE.update(added)
-    return added
-
-
-# The MC_* variables kvferry set in this process (so not the user's).
-_SET_HERE: dict[str, str] = {}
-
-
-def quiet_engine_start(engine: EngineConfig) -> bool:
-    """Whether to discard the engine's start-up logs: ``log_level`` is
-    ``OFF`` and ``MC_LOG_LEVEL`` is unset or was set by kvferry."""
-    value = os.environ.get("MC_LOG_LEVEL")
-    return engine.log_level == "OFF" and (value is None or _SET_HERE.get("MC_LOG_LEVEL") == value)

@@ -1,41 +1,35 @@
-"""KVManager: one per rank and role. Wiring: it builds (or is given) the
-transport and the control channel, the staging memory and the storage tier,
-hands the room layer a :class:`~transfer.rooms.context.RoomContext`, and runs
-the liveness and registration threads."""
+"""KVManager: one per rank and role. Wiring only: it builds (or is given) the
+transport and the control channel, its staging memory
+(:mod:`transfer.staging.build`) and storage tier, hands the room layer a
+:class:`~transfer.rooms.context.RoomContext`, and runs the rank's
+registration and peer watch (:mod:`transfer.rank`)."""
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import NamedTuple, Sequence
 
-import torch
-
 from bootstrap.client import BootstrapClient
-from bootstrap.messages import RankInfo, StagingDescriptor
+from bootstrap.messages import RankInfo
 from transfer.changes import ChangeLog
-from transfer.config import ManagerConfig, Role, apply_log_level, staging_bytes_for
+from transfer.config import ManagerConfig, Role, apply_log_level
 from transfer.control.base import ChannelFactory, ControlChannel
 from transfer.control.zmq_channel import zmq_channel
-from transfer.errors import BootstrapError, BootstrapUnavailable, ClosedError, KVFerryError
-from transfer.hostmem import host_tensor
-from transfer.liveness import Liveness
-from transfer.manager_stats import ManagerStatsView
-from transfer.manager_threads import _LEARN_EVERY, _SWEEP_INTERVAL_S, ManagerThreads  # noqa: F401
+from transfer.errors import ClosedError, KVFerryError
 from transfer.messages import PeerBye, PeerPing, PeerPong
-from transfer.pools import (MHAPool, MLAPool, RawAuxRegion, aux_tensors, describe_aux, describe_pool, pool_tensors,
-                            pools_device, registration_regions)
+from transfer.pools import (MHAPool, MLAPool, RawAuxRegion, aux_tensors, describe_aux, describe_pool, pools_device,
+                            registration_regions)
+from transfer.rank.registration import Registration
+from transfer.rank.watch import PeerWatch
 from transfer.rooms.context import RoomContext
 from transfer.rooms.decode_table import DecodeRooms
 from transfer.rooms.prefill_table import PrefillRooms
-from transfer.staging.area import StagingArea, StagingMemory
-from transfer.staging.arenas import StagingArenas, arena_layout, span_tensor
+from transfer.staging.build import build_staging
 from transfer.stats import ManagerStats, RankTotals
 from transfer.storage.tier import StorageTier
 from transfer.transport.base import Transport
-from transfer.transport.factory import build_transport, transport_kind
-from transfer.transport.mooncake import MooncakeTransport, check_engine_build  # noqa: F401  (tests patch it here)
+from transfer.transport.factory import build_transport
 
 log = logging.getLogger("kvferry.manager")
 
@@ -47,7 +41,7 @@ class PrefillTopology(NamedTuple):
     tp_size: int
 
 
-class KVManager(ManagerThreads, ManagerStatsView):
+class KVManager:
     """One rank's transfer endpoint, prefill or decode (``config.role``).
 
     Construction registers the pools' memory with the Mooncake engine (a
@@ -63,11 +57,11 @@ class KVManager(ManagerThreads, ManagerStatsView):
     sent as one descriptor per request.
 
     Threads: the control receiver, the transport worker, the decode
-    resolver, and ``kvferry-liveness`` (pings peers of live rooms and fails
-    the rooms of a silent one; see :mod:`transfer.liveness`); on prefill also
-    ``kvferry-register``, which re-registers every
-    ``config.register_interval_s`` so that a restarted bootstrap server is
-    re-populated and a dead rank drops out of it.
+    resolver, and ``kvferry-liveness`` (:mod:`transfer.rank.watch`: pings
+    peers of live rooms and fails the rooms of a silent one); on prefill also
+    ``kvferry-register`` (:mod:`transfer.rank.registration`), which
+    re-registers every ``config.register_interval_s`` so that a restarted
+    bootstrap server is re-populated and a dead rank drops out of it.
 
     ``close()`` stops the threads, unregisters a prefill rank from the
     bootstrap server, fails every live room with ClosedError and tells the
@@ -77,14 +71,14 @@ class KVManager(ManagerThreads, ManagerStatsView):
 
     Seams (for tests, or another engine): ``transport`` is a
     :class:`~transfer.transport.base.Transport` not yet registered (default:
-    a :class:`~transfer.transport.mooncake.MooncakeTransport` of
+    the one :func:`~transfer.transport.factory.build_transport` builds for
     ``config.engine``); ``channel_factory(host, handler, secret)`` builds the
     :class:`~transfer.control.base.ControlChannel` (default: zmq). The
     manager registers the transport's memory and closes both.
 
     Observability: :meth:`stats` (totals since start, any time); with
     ``config.metrics_port`` it serves them as Prometheus ``/metrics`` (see
-    :mod:`transfer.metrics`); ``config.log_level`` sets the ``kvferry``
+    :mod:`transfer.rank.metrics`); ``config.log_level`` sets the ``kvferry``
     loggers' level.
     """
 
@@ -95,73 +89,45 @@ class KVManager(ManagerThreads, ManagerStatsView):
         apply_log_level(config.log_level)
         self._totals = RankTotals(config.role.value)
         self.metrics = None
+        self._closed = False
         # The engine holds raw pointers into these tensors: keep them alive as
         # long as the manager, whatever the caller does with its references.
         #: the aux regions as tensors (empty: none)
         self.aux = aux = aux_tensors(aux)
         self._tensors = (tuple(pools), aux)
-        descriptors = tuple(describe_pool(p) for p in pools)
-        aux_desc = tuple(describe_aux(t) for t in aux)
-        #: the staging tensor (uint8; None without staging; a fenced decode rank's: the span of its arenas,
-        #: mostly unbacked virtual memory: fault it in with touch_staging(), never by filling it)
-        self.staging, staging_desc, staging_mem = None, None, None
-        device_type = pools_device(pools)
-        if transport is None and device_type != "cpu" and config.engine.backend == "mooncake":
-            check_engine_build(device_type)  # before any allocation: the non-CUDA wheel cannot read HBM
-        staging_bytes = staging_bytes_for(config, device_type)
-        #: whether peers write only into staging arenas (see ManagerConfig, write fence)
-        self.fenced = bool(config.write_fence and staging_bytes and config.role is Role.DECODE)
-        arena_bytes = num_arenas = 0
-        if staging_bytes:
-            buffers = pool_tensors(pools)  # (role, layer, component) -> tensor, for gather and scatter
-            device = next(iter(buffers.values())).device
-            if self.fenced:
-                arena_bytes, num_arenas = arena_layout(staging_bytes, config.stage_part_bytes)
-                self.staging = span_tensor(arena_bytes, num_arenas, device)
-            elif device.type == "cpu":  # huge pages: the engine's kernel copies run faster (see hostmem);
-                # untouched: its pages fault in as parts first use them, not all at start-up.
-                self.staging = host_tensor(staging_bytes, fill=None)
-            else:
-                self.staging = torch.zeros(staging_bytes, dtype=torch.uint8, device=device)
-            staging_desc = StagingDescriptor(addr=self.staging.data_ptr(), nbytes=self.staging.numel(),
-                                             arena_bytes=arena_bytes)
         self._lock = threading.RLock()
         self._progress = threading.Condition(self._lock)
         self._changes = ChangeLog()
-        self._next_sweep = 0.0
-        self._closed = False
-        self._stop = threading.Event()
-        self.liveness = Liveness(config.heartbeat_interval_s, config.peer_timeout_s)
-        self._ping_seq = 0
-        self._pinged_at: dict[int, float] = {}  # ping seq -> when it was sent (the latest few)
-        self.transport: Transport = transport if transport is not None else build_transport(config.engine,
-                                                                                                device_type)
+        self.rooms: PrefillRooms | DecodeRooms | None = None
+        # Built before any allocation: the non-CUDA Mooncake wheel cannot move device memory.
+        self.transport: Transport = transport if transport is not None else \
+            build_transport(config.engine, pools_device(pools))
         try:
-            if self.fenced:  # nothing of the pools is writable by peers: only the arenas (registered by them)
-                area = StagingArenas(self.staging, arena_bytes, num_arenas, self._register_arena,
-                                     self._unregister_arena)
-                staging_mem = StagingMemory(self.staging, area, buffers)
-            else:
+            staging = build_staging(config, pools, pools_device(pools), self._register_arena,
+                                    self._unregister_arena)
+            if staging is None or not staging.fenced:  # fenced: only the arenas, registered as they open
                 regions = registration_regions(pools, aux)  # views of one allocation: registered once
-                if staging_desc is not None:
-                    regions.append((staging_desc.addr, staging_desc.nbytes))
-                    staging_mem = StagingMemory(self.staging, StagingArea(staging_bytes), buffers)
+                if staging is not None:
+                    regions.append((staging.tensor.data_ptr(), staging.tensor.numel()))
                 self.transport.register(regions)
             factory = channel_factory if channel_factory is not None else zmq_channel
             self.channel: ControlChannel = factory(config.host, self._on_message, config.secret or None)
         except BaseException:
             self.transport.close()
             raise
-        describe = getattr(self.transport, "describe", None)
-        line = describe() if describe is not None else type(self.transport).__name__
-        log.log(logging.WARNING if "falls back" in line else logging.INFO, "%s: transport %s; control %s",
-                self.where, line, self.channel.endpoint)
+        #: the staging tensor (uint8; None without staging; a fenced decode rank's: the span of its arenas,
+        #: mostly unbacked virtual memory: fault it in with touch_staging(), never by filling it)
+        self.staging = staging.tensor if staging is not None else None
+        #: whether peers write only into staging arenas (see ManagerConfig, write fence)
+        self.fenced = staging is not None and staging.fenced
+        log.log(logging.WARNING if "falls back" in self.transport.describe() else logging.INFO,
+                "%s: transport %s; control %s", self.where, self.transport.describe(), self.channel.endpoint)
         self.rank = RankInfo(
             node_id=config.node_id, dp_rank=config.dp_rank, dp_size=config.dp_size,
             tp_rank=config.tp_rank, tp_size=config.tp_size, session=self.transport.session,
-            control_endpoint=self.channel.endpoint, pools=descriptors, aux=aux_desc, staging=staging_desc,
-            fenced=self.fenced, transport=transport_kind(self.transport),
-        )
+            control_endpoint=self.channel.endpoint, pools=tuple(describe_pool(p) for p in pools),
+            aux=tuple(describe_aux(t) for t in aux), staging=staging.descriptor if staging is not None else None,
+            fenced=self.fenced, transport=self.transport.kind)
         self.storage = None
         if config.storage_url:
             try:
@@ -173,30 +139,31 @@ class KVManager(ManagerThreads, ManagerStatsView):
         #: what the room layer gets of this manager
         self.context = RoomContext(
             config=config, where=self.where, rank=self.rank, lock=self._lock, changed=self._changed,
-            transport=self.transport, channel=self.channel, staging=staging_mem, storage=self.storage,
+            transport=self.transport, channel=self.channel, staging=staging, storage=self.storage,
             bootstrap_client=self.bootstrap_client, stats=self._totals, aux=aux)
         #: the room table (prefill or decode)
         self.rooms = PrefillRooms(self.context) if config.role is Role.PREFILL else DecodeRooms(self.context)
-        self._threads = [threading.Thread(target=self._watch, name="kvferry-liveness", daemon=True)]
-        self._registered = False
+        self.watch = PeerWatch(config, self.rank.session, self.channel.endpoint, rooms=self.rooms,
+                               channel=self.channel, lock=self._lock, totals=self._totals, where=self.where)
+        self.registration = None
         if config.role is Role.PREFILL:
+            self.registration = Registration(config, self.rank, self.bootstrap_client, self._learned_sessions,
+                                             self.where)
             try:
-                self._register()
-                self._registered = True
+                self.registration.register()
             except BaseException:
                 self.close()
                 raise
-            self._threads.append(threading.Thread(target=self._keep_registered, name="kvferry-register",
-                                                  daemon=True))
         if config.metrics_port:
             try:
-                from transfer.metrics import serve_metrics
+                from transfer.rank.metrics import serve_metrics
                 self.metrics = serve_metrics(self)
             except BaseException:
                 self.close()
                 raise
-        for t in self._threads:
-            t.start()
+        self.watch.start()
+        if self.registration is not None:
+            self.registration.start()
 
     def _register_arena(self, regions: list[tuple[int, int]]) -> None:
         self.transport.register(regions)
@@ -210,10 +177,14 @@ class KVManager(ManagerThreads, ManagerStatsView):
         """A fenced decode rank's registered memory changed (an arena was
         replaced; called under the lock): a transport whose peers hold its
         metadata (NIXL) tells them at once, before any grant names the new
-        arena (see PeerHello)."""
-        rooms = getattr(self, "rooms", None)
-        if rooms is not None and hasattr(self.transport, "metadata"):
-            rooms.links.announce()
+        arena (see PeerHello). Not while the manager is being built."""
+        if self.rooms is not None and self.transport.peer_metadata is not None:
+            self.rooms.links.announce()
+
+    def _learned_sessions(self, sessions: frozenset[str]) -> None:
+        """The transfer sessions of this node's prefill ranks (no decode peer may declare one)."""
+        with self._lock:
+            self.rooms.prefill_sessions = self.rooms.prefill_sessions | sessions
 
     @property
     def where(self) -> str:
@@ -244,32 +215,16 @@ class KVManager(ManagerThreads, ManagerStatsView):
     def touch_staging(self) -> None:
         """Fault in the staging memory in use (benchmarks: as a warmed-up
         server has it); of a fenced decode rank's span only the live arenas."""
-        mem = self.context.staging
-        if mem is not None:
-            touch = getattr(mem.area, "touch", None)
-            touch() if touch is not None else mem.tensor.fill_(0)
+        if self.context.staging is not None:
+            self.context.staging.touch()
 
     def _on_message(self, msg, origin: str = "") -> None:
         if isinstance(msg, PeerPing):
-            # Answer known peers only, at the endpoint we know them by: a ping
-            # cannot make this rank connect anywhere else.
-            with self._lock:
-                endpoint = self.rooms.endpoint_of(msg.session)
-                self.liveness.heard(msg.session, time.monotonic())
-                acks = self.rooms.take_acks(msg.session) if endpoint is not None else ()
-            if endpoint is not None:
-                try:
-                    self.channel.send(endpoint, PeerPong(session=self.rank.session, seq=msg.seq, acks=acks))
-                except KVFerryError as exc:  # closing, or the peer's queue is full
-                    log.debug("%s: pong to %s not sent: %s", self.where, endpoint, exc)
-            return
-        if isinstance(msg, PeerPong):
-            with self._lock:
-                self.liveness.heard(msg.session, time.monotonic())
-                pinged_at = self._pinged_at.get(msg.seq)
-            self.rooms.on_pong(msg.session, msg.acks, pinged_at)
-            return
-        self.rooms.on_message(msg, origin)
+            self.watch.on_ping(msg)
+        elif isinstance(msg, PeerPong):
+            self.watch.on_pong(msg)
+        else:
+            self.rooms.on_message(msg, origin)
 
     def _changed(self, room=None, state=None) -> None:
         """``room`` (a sender or receiver; None: some room) changed to
@@ -292,9 +247,10 @@ class KVManager(ManagerThreads, ManagerStatsView):
         O(changes returned); never blocks beyond the manager's lock. Each
         scheduler loop keeps its own mark; nothing is consumed.
 
-        Every state change is in the log, timeouts included: the manager's
-        liveness thread polls live rooms every ``_SWEEP_INTERVAL_S``, so a
-        scheduler that polls only changed rooms still sees them fail."""
+        Every state change is in the log, timeouts included: the rank's
+        peer watch polls live rooms every
+        :data:`~transfer.rank.watch.SWEEP_INTERVAL_S`, so a scheduler that
+        polls only changed rooms still sees them fail."""
         with self._lock:
             return self._changes.since(since)
 
@@ -311,26 +267,39 @@ class KVManager(ManagerThreads, ManagerStatsView):
         if self._closed:
             raise ClosedError(f"{self.where}: manager is closed")
 
+    def stats(self) -> ManagerStats:
+        """This rank's totals since it started (a frozen copy; any time, from
+        any thread): rooms by final state and failure reason, bytes and
+        descriptors by pool and path, live rooms, peers, control messages,
+        staging and storage (see :class:`~transfer.stats.ManagerStats`)."""
+        ch, staging = self.channel, self.context.staging
+        storage = self.storage.stats_fields() if self.storage is not None else {}
+        with self._lock:
+            return self._totals.snapshot(
+                live_rooms=self.rooms.num_live, peers_live=self.watch.num_watched,
+                control_received=ch.num_received, control_malformed=ch.num_malformed,
+                control_unauthenticated=ch.num_unauthenticated,
+                staging_capacity_bytes=staging.area.nbytes if staging is not None else 0,
+                staging_bytes_in_use=staging.area.nbytes - staging.area.free_bytes if staging is not None else 0,
+                **storage)
+
     def close(self) -> None:
-        """Stop threads, unregister (prefill), fail live rooms and tell their
-        peers, then close the transport (its outstanding writes fail, and
-        their rooms' peers are told) and last the channel. Idempotent."""
+        """Stop the threads, unregister (prefill), fail live rooms and tell
+        their peers, then close the transport (its outstanding writes fail,
+        and their rooms' peers are told) and last the channel. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        self._stop.set()
-        for t in getattr(self, "_threads", ()):
-            if t.is_alive():
-                t.join(self.config.rpc_timeout_s + 1)
-        rooms = getattr(self, "rooms", None)
-        prefill = isinstance(rooms, PrefillRooms)
-        if getattr(self, "_registered", False):  # leave at once, not at the rank TTL
-            self._unregister()
+        watch, registration, rooms = getattr(self, "watch", None), getattr(self, "registration", None), self.rooms
+        if watch is not None:
+            watch.close()
+        if registration is not None:  # leave at once, not at the rank TTL
+            registration.close()
         if rooms is not None:
             rooms.close(ClosedError(f"{self.where}: manager closed"))
         self.transport.close()  # failed writes' callbacks send their rooms' notices on the open channel
-        if prefill:
+        if isinstance(rooms, PrefillRooms):
             with self._lock:
                 peers = [p.control_endpoint for p in rooms.peers.values()]
             for endpoint in peers:

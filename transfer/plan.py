@@ -195,6 +195,12 @@ def page_slice(pool: PoolDescriptor, head_offset: int, num_heads: int) -> PageSl
     return PageSlice(pool.page_size, pool.token_bytes, head_offset * head_bytes, num_heads * head_bytes)
 
 
+def staged_bytes(pool: PoolDescriptor, sl: PageSlice, num_pages: int) -> int:
+    """Bytes of ``num_pages`` pages of ``pool`` packed for staging (each
+    buffer's slice ``sl`` of each page, buffer by buffer)."""
+    return num_pages * sl.packed_bytes * pool.num_layers * len(pool.components)
+
+
 def plan_aux(src: AuxDescriptor, dst: AuxDescriptor, src_slot: int, dst_slot: int) -> TransferPlan:
     """Plan moving one metadata row."""
     if src.slot_bytes != dst.slot_bytes:

@@ -10,7 +10,7 @@ machine does to them:
   (``pthrDelay``) at 0, so that thread spins on a core; on a machine with a
   core per server that core is the engine's own. The agent is created with
   the delay given instead (kvferry's NIXL transport uses 100 us,
-  ``transfer/transport/nixl_api.py``).
+  ``transfer/transport/nixl/api.py``).
 """
 
 import os

@@ -59,7 +59,7 @@ def test_bench_storage_mode_writes_rows_for_each_backend(tmp_path):
     """``--storage``: write-through and prefetch rows for every backend that
     runs here (the others skipped with a reason), and the limit rows."""
     from benchmarks.storage import mooncake_missing_reason
-    from transfer.storage.nixl import nixl_missing_reason
+    from transfer.storage.nixl.probe import nixl_missing_reason
 
     out = tmp_path / "storage.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "--storage", "--storage-pages", "4",
@@ -174,7 +174,7 @@ def test_bench_raw_nixl_row_names_its_transport(tmp_path):
     """Raw NIXL over UCX restricted to TCP: one row naming the transport and
     UCX_TLS, the receiving process's CPU counted, and the targets evaluated
     over what ran (no kvferry row here: not met, not failed)."""
-    from transfer.storage.nixl_probe import nixl_missing_reason
+    from transfer.storage.nixl.probe import nixl_missing_reason
 
     if why := nixl_missing_reason():
         pytest.skip(why)

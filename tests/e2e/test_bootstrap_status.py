@@ -56,6 +56,9 @@ def test_status_lists_registered_ranks_with_pools_and_age(bootstrap_server):
     assert (draft["role"], draft["attention"], draft["dtype"], draft["page_size"], draft["page_layout"]) == (
         "draft", "mha", "bfloat16", 16, "hnd")
     assert draft["num_kv_heads"] == 2 and draft["total_kv_heads"] == 4
+    # the view is the descriptors' fields, less addresses (bootstrap.status.WITHHELD)
+    assert ranks[0]["transport"] == "mooncake" and target["kv_layout"] == "split"
+    assert not {"aux", "staging"} & set(ranks[0]) and not {"buffers", "itemsize"} & set(target)
 
     table = _status("--addr", bootstrap_server.address)
     assert table.returncode == 0, table.stderr

@@ -58,10 +58,24 @@ def _both(prefill, decode, rooms, *, p_opts=None, d_opts=None, **opts):
     return prefill.reply(), decode.reply()
 
 
+def _served(prefill, decode, rooms):
+    """``rooms`` on both sides at once, every one a Success, byte-exact."""
+    p, d = _both(prefill, decode, rooms)
+    assert_all_success(p, rooms)
+    assert_all_success(d, rooms)
+
+
 def _warm(prefill, decode):
-    p, d = _both(prefill, decode, [1, 2])
-    assert_all_success(p, [1, 2])
-    assert_all_success(d, [1, 2])
+    _served(prefill, decode, [1, 2])
+
+
+def _kill_into_rooms(victim, survivor, kill_after_s: float) -> None:
+    """Kill ``victim`` ``kill_after_s`` into the rooms both sides run: the
+    survivor's rooms not finished by then fail within the bound."""
+    time.sleep(kill_after_s)
+    killed_at = victim.kill()
+    failed = assert_failed_within(survivor.reply(), killed_at, BOUND_S, DEAD_PEER_ERRORS)
+    assert failed, "the kill landed after every room finished"
 
 
 @pytest.mark.parametrize("kill_after_s", [0.0, 0.8], ids=["at-request", "mid-transfer"])
@@ -72,16 +86,11 @@ def test_prefill_killed(cluster, kill_after_s):
     rooms = [10, 11, 12, 13]
     prefill.send(op="rooms", rooms=rooms, timeout_s=60, chunk_delay_s=0.3)
     decode.send(op="rooms", rooms=rooms, timeout_s=60)
-    time.sleep(kill_after_s)
-    killed_at = prefill.kill()
-    failed = assert_failed_within(decode.reply(), killed_at, BOUND_S, DEAD_PEER_ERRORS)
-    assert failed, "the kill landed after every room finished"
+    _kill_into_rooms(prefill, decode, kill_after_s)
 
     # A new prefill process under the same node id: decode uses it without a restart.
     prefill2 = cluster.rank("prefill")
-    p, d = _both(prefill2, decode, [20, 21, 22])
-    assert_all_success(p, [20, 21, 22])
-    assert_all_success(d, [20, 21, 22])
+    _served(prefill2, decode, [20, 21, 22])
     assert decode.stats()["threads"] == threads
 
 
@@ -93,9 +102,7 @@ def test_prefill_killed_while_idle(cluster):
     prefill.kill()
     time.sleep(FAST["peer_timeout_s"] + 1.0)
     prefill2 = cluster.rank("prefill")
-    p, d = _both(prefill2, decode, [30, 31, 32])
-    assert_all_success(p, [30, 31, 32])
-    assert_all_success(d, [30, 31, 32])
+    _served(prefill2, decode, [30, 31, 32])
 
 
 @pytest.mark.parametrize("kill_after_s", [0.0, 0.8], ids=["at-request", "mid-transfer"])
@@ -110,15 +117,10 @@ def test_decode_killed(cluster, kill_after_s):
         assert time.monotonic() < deadline, "decode's requests never reached prefill"
         time.sleep(0.05)
     prefill.send(op="rooms", rooms=rooms, timeout_s=60, chunk_delay_s=0.3)
-    time.sleep(kill_after_s)
-    killed_at = decode.kill()
-    failed = assert_failed_within(prefill.reply(), killed_at, BOUND_S, DEAD_PEER_ERRORS)
-    assert failed, "the kill landed after every room finished"
+    _kill_into_rooms(decode, prefill, kill_after_s)
 
     decode2 = cluster.rank("decode")
-    p, d = _both(prefill, decode2, [20, 21, 22])
-    assert_all_success(p, [20, 21, 22])
-    assert_all_success(d, [20, 21, 22])
+    _served(prefill, decode2, [20, 21, 22])
     assert prefill.stats()["threads"] == threads
 
 
@@ -140,12 +142,8 @@ def test_bootstrap_killed_and_restarted(cluster):
     cluster.server.close()
     cluster.server = BootstrapProcess(port=port)
     decode2 = cluster.rank("decode")  # must look the node up on the new server
-    p, d = _both(prefill, decode2, [20, 21])
-    assert_all_success(p, [20, 21])
-    assert_all_success(d, [20, 21])
-    p, d = _both(prefill, decode, [22, 23])  # and the old decode rank goes on
-    assert_all_success(p, [22, 23])
-    assert_all_success(d, [22, 23])
+    _served(prefill, decode2, [20, 21])
+    _served(prefill, decode, [22, 23])  # and the old decode rank goes on
 
 
 def test_prefill_hangs(cluster):
@@ -162,9 +160,7 @@ def test_prefill_hangs(cluster):
     prefill.kill(signal.SIGCONT)
     p = prefill.reply()
     assert {r["state"] for r in p["results"].values()} <= {"Success", "Failed"}
-    p, d = _both(prefill, decode, [20, 21])
-    assert_all_success(p, [20, 21])
-    assert_all_success(d, [20, 21])
+    _served(prefill, decode, [20, 21])
 
 
 def test_decode_hangs(cluster):
@@ -182,9 +178,7 @@ def test_decode_hangs(cluster):
     assert {r["state"] for r in d["results"].values()} <= {"Success", "Failed"}
     for r in d["results"].values():
         assert r.get("mismatches", []) == []
-    p, d = _both(prefill, decode, [20, 21])
-    assert_all_success(p, [20, 21])
-    assert_all_success(d, [20, 21])
+    _served(prefill, decode, [20, 21])
 
 
 _ONE_REQUEST = ("NIXL posts a plan as one request, which UCX on one host completes inside the post: "
@@ -219,9 +213,7 @@ def test_abort_from_decode(placement):
             assert (got["state"], sent["state"]) in {("Failed", "Failed"), ("Failed", "Success"),
                                                      ("Success", "Success")}, (got, sent)
             assert got["mismatches"] == [] and got.get("late_write") is not True
-            p, d = _both(prefill, decode, [22, 23])
-            assert_all_success(p, [22, 23])
-            assert_all_success(d, [22, 23])
+            _served(prefill, decode, [22, 23])
         finally:
             prefill.close()
             decode.close()
@@ -239,9 +231,7 @@ def test_abort_from_prefill(cluster):
         assert d["results"][str(room)]["error_type"] == "PeerError"
         assert "aborted by the test's prefill scheduler" in d["results"][str(room)]["error"]
     assert d["results"]["12"]["state"] == "Success" and d["results"]["12"]["mismatches"] == []
-    p, d = _both(prefill, decode, [20, 21])
-    assert_all_success(p, [20, 21])
-    assert_all_success(d, [20, 21])
+    _served(prefill, decode, [20, 21])
 
 
 @pytest.mark.parametrize("fence", [True, pytest.param(False, marks=only_on("mooncake", _ONE_REQUEST))],
@@ -273,9 +263,7 @@ def test_late_write_of_a_stopped_prefill_never_reaches_reused_pages(fence):
                 assert d["arenas_retired"] >= 1, "no staging arena was retired: was a write in flight?"
             else:
                 assert got["late_write"] is True, "no late write without the fence: the test proves nothing"
-            p, d = _both(prefill, decode, [20, 21])
-            assert_all_success(p, [20, 21])
-            assert_all_success(d, [20, 21])
+            _served(prefill, decode, [20, 21])
         finally:
             prefill.close()
             decode.close()
@@ -367,9 +355,7 @@ def test_a_decode_rank_is_served_after_the_prefill_ranks_it_does_not_need_left(c
     first looks the node up. Decode rank 1 needs only prefill rank 1, which
     is there: its room must not wait for the group to be whole again."""
     (p0, p1), (d0, d1) = _tp2(cluster)
-    p, d = _both(p0, d0, [1])
-    assert_all_success(p, [1])
-    assert_all_success(d, [1])
+    _served(p0, d0, [1])
     p0.close()
     asked = time.time()
     p, d = _both(p1, d1, [1], timeout_s=20)

@@ -8,7 +8,7 @@ import pytest
 
 from harness.launch import BootstrapProcess, collect, results_of, run_pd, start_ranks
 from harness.workload import PoolSpec, Spec
-from transfer.storage.nixl_probe import nixl_missing_reason
+from transfer.storage.nixl.probe import nixl_missing_reason
 
 from tests.e2e.conftest import assert_all_succeeded, e2e_transport
 

@@ -13,7 +13,7 @@ import pytest
 
 from tests.storage._mooncake import MooncakeCluster
 from harness.launch import BootstrapProcess
-from transfer.storage.nixl import nixl_missing_reason
+from transfer.storage.nixl.probe import nixl_missing_reason
 
 from .ranks import FAST, Rank, assert_all_success, fault_spec
 

@@ -34,7 +34,7 @@ def no_cuda_reason() -> str | None:
 def no_cuda_engine_reason() -> str | None:
     """Why the Mooncake engine here cannot move CUDA memory (None: it can)."""
     from transfer.errors import TransferError
-    from transfer.transport.mooncake import check_engine_build
+    from transfer.transport.mooncake.process import check_engine_build
     try:
         check_engine_build("cuda")
     except TransferError as exc:

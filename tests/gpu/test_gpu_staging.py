@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from transfer.plan import page_slice
+from transfer.plan import page_slice, staged_bytes
 from transfer.pools import MHAPool, MLAPool, describe_pool, pool_tensors
 from transfer.staging import copies
-from transfer.staging.copies import gather, scatter, staged_bytes
+from transfer.staging.copies import gather, scatter
 
 
 def _mha(pages, heads, layout, seed, device):

@@ -12,7 +12,7 @@ import torch
 from bootstrap.messages import PoolRole
 from transfer import KVManager, ManagerConfig, MHAPool, Role
 from transfer.errors import StorageError
-from transfer.storage.nixl import gds_unavailable_reason, nixl_missing_reason
+from transfer.storage.nixl.probe import gds_unavailable_reason, nixl_missing_reason
 from transfer.storage.tier import StorageTier
 from transfer.transport.loopback import LoopbackFabric
 

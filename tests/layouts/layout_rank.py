@@ -31,8 +31,8 @@ from harness.lines import emit
 from transfer import KVManager
 from transfer.config import EngineConfig, ManagerConfig, Role
 from transfer.pools import FusedKVPool
-from transfer.receiver import KVReceiver
-from transfer.sender import KVSender
+from transfer.rooms.receiver import KVReceiver
+from transfer.rooms.sender import KVSender
 from transfer.state import KVPoll
 
 

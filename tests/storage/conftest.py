@@ -17,7 +17,7 @@ import uuid
 import pytest
 
 from transfer.storage.base import open_storage
-from transfer.storage.nixl import nixl_missing_reason
+from transfer.storage.nixl.probe import nixl_missing_reason
 
 from ._mooncake import MooncakeCluster
 

@@ -20,7 +20,8 @@ import pytest
 from transfer.errors import StorageTimeoutError, StorageUnavailableError
 from transfer.pools import MHAPool
 from transfer.storage.base import open_storage
-from transfer.storage.nixl import NixlStore, gds_unavailable_reason, nixl_missing_reason
+from transfer.storage.nixl.probe import gds_unavailable_reason, nixl_missing_reason
+from transfer.storage.nixl.store import NixlStore
 from transfer.storage.segments import pages_segments, pool_regions
 
 from .test_conformance import page_bytes_of, random_mha

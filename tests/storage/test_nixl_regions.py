@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transfer.storage.nixl import RegionSet, file_descriptors, merge_regions, plan_registration
+from transfer.storage.nixl.files import file_descriptors
+from transfer.storage.nixl.regions import RegionSet, merge_regions, plan_registration
 
 regions = st.lists(st.tuples(st.integers(1, 2000), st.integers(1, 300)), max_size=12)
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from transfer import KVPoll, KVReceiver, KVSender, Role
 from transfer.changes import ChangeLog
 
-from ._rooms import assert_landed, cluster, random_pages, run_room, wait_until  # noqa: F401
+from ._rooms import assert_landed, random_pages, run_room, wait_until
 
 
 class Room:

@@ -8,8 +8,8 @@ import os
 import pytest
 
 from bootstrap.errors import InsecureBindError
-from transfer.config import (ENV_PREFIX, EngineConfig, ManagerConfig, Role, apply_mooncake_env,
-                             manager_config_from_env)
+from transfer.config import ENV_PREFIX, EngineConfig, ManagerConfig, Role, manager_config_from_env
+from transfer.transport.mooncake.process import apply_mooncake_env
 
 
 def test_engine_defaults_valid():

@@ -19,22 +19,22 @@ import pytest
 import torch
 
 from ._fakecuda import FakeCudaTensor, fake_cuda
-from ._rooms import Role, assert_landed, cluster, random_pages, run_room  # noqa: F401
+from ._rooms import Role, assert_landed, random_pages, run_room
 from bootstrap.server import BootstrapServer
 from transfer import KVManager, ManagerConfig, MHAPool, MLAPool
 from transfer.config import DEFAULT_STAGING_BYTES, default_staging_bytes, manager_config_from_env
 from transfer.errors import StorageError, TransferError
-from transfer.plan import page_slice
+from transfer.plan import page_slice, staged_bytes
 from transfer.pools import describe_pool, host_page_ids, memory_regions, pool_tensors, registration_regions
 from transfer.staging import copies
-from transfer.staging.copies import gather, scatter, staged_bytes
+from transfer.staging.copies import gather, scatter
 from transfer.storage.base import StorageBackend
 from transfer.storage.file import FileStore
-from transfer.storage.mooncake_store import MooncakeStore
-from transfer.storage.nixl import NixlStore
-from transfer.storage.nixl_config import NixlStoreConfig
+from transfer.storage.mooncake.store import MooncakeStore
+from transfer.storage.nixl.config import NixlStoreConfig
+from transfer.storage.nixl.store import NixlStore
 from transfer.storage.tier import StorageTier
-from transfer.transport import mooncake as mooncake_transport
+from transfer.transport.mooncake import process as mooncake_process
 from transfer.transport.loopback import LoopbackFabric
 
 SHAPE = (16, 4, 2, 8)
@@ -139,20 +139,21 @@ def test_a_manager_with_cuda_pools_and_a_file_store_is_refused_at_construction(t
     (["mooncake-transfer-engine"], True), (["mooncake-transfer-engine-cuda13"], True), ([], True)])
 def test_only_a_cuda_build_of_mooncake_takes_cuda_pools(builds, ok):
     if ok:
-        mooncake_transport.check_engine_build("cuda", builds)
+        mooncake_process.check_engine_build("cuda", builds)
     else:
         with pytest.raises(TransferError, match="cannot read or write device memory: install "
                                                 "mooncake-transfer-engine"):
-            mooncake_transport.check_engine_build("cuda", builds)
-    mooncake_transport.check_engine_build("cpu", ["mooncake-transfer-engine-non-cuda"])
+            mooncake_process.check_engine_build("cuda", builds)
+    mooncake_process.check_engine_build("cpu", ["mooncake-transfer-engine-non-cuda"])
 
 
 def test_a_manager_refuses_the_non_cuda_wheel_before_building_an_engine(monkeypatch):
-    monkeypatch.setattr(mooncake_transport, "installed_builds", lambda: ["mooncake-transfer-engine-non-cuda"])
+    monkeypatch.setattr(mooncake_process, "installed_builds", lambda: ["mooncake-transfer-engine-non-cuda"])
 
     def no_engine(*a, **kw):
         pytest.fail("an engine was built for CUDA pools with the non-CUDA wheel")
-    monkeypatch.setattr("transfer.manager.MooncakeTransport", no_engine)
+    # Where the manager builds it through (build_transport imports it from there when called).
+    monkeypatch.setattr("transfer.transport.mooncake.transport.MooncakeTransport", no_engine)
     monkeypatch.setattr(torch, "zeros", _device_zeros(None))
     with pytest.raises(TransferError, match="mooncake-transfer-engine-non-cuda"):
         KVManager(_config(), [_cuda_pool()])
@@ -160,12 +161,12 @@ def test_a_manager_refuses_the_non_cuda_wheel_before_building_an_engine(monkeypa
 
 def test_this_machines_wheel_is_known():
     """The venv's own wheel is recognised (the refusal above is not vacuous here)."""
-    builds = mooncake_transport.installed_builds()
+    builds = mooncake_process.installed_builds()
     assert builds, "mooncake is installed from a wheel in the test venv"
-    cuda = any(b in mooncake_transport.CUDA_BUILDS for b in builds)
+    cuda = any(b in mooncake_process.CUDA_BUILDS for b in builds)
     if not cuda:
         with pytest.raises(TransferError):
-            mooncake_transport.check_engine_build("cuda")
+            mooncake_process.check_engine_build("cuda")
 
 
 # --- staging size by device ------------------------------------------------------------

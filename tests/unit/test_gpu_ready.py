@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from ._fakecuda import FakeEvent, SyncOnlyEvent
-from ._rooms import Role, assert_landed, cluster, random_pages, terminal, wait_until  # noqa: F401
+from ._rooms import Role, assert_landed, random_pages, terminal, wait_until
 from transfer import KVPoll, KVReceiver, KVSender
-from transfer.errors import KVTimeoutError, TransferError
+from transfer.errors import TransferError
 from transfer.ready import ReadyGate, check_event
-from transfer.transport.mooncake import MooncakeTransport, _Job
+from transfer.config import EngineConfig
+from transfer.transport.mooncake.transport import MooncakeTransport, _Job
 
 STAGED = dict(staging_bytes=1 << 20, stage_part_bytes=4096, stage_below_bytes=1 << 20)
 
@@ -173,52 +174,44 @@ class _Engine:
 
 
 def _transport(engine) -> MooncakeTransport:
+    """A MooncakeTransport around a fake engine, without its worker thread:
+    the test steps its side of the loop (admit, step) itself."""
+    import collections
     t = MooncakeTransport.__new__(MooncakeTransport)
-    t._engine, t._inflight_bytes, t.num_descriptors, t.num_bytes = engine, 0, 0, 0
-    t.num_status_checks = t.num_rounds = 0
+    t._engine, t._inflight_bytes, t.num_descriptors, t.num_bytes, t.num_status_checks = engine, 0, 0, 0, 0
+    t.config = EngineConfig(protocol="tcp", max_inflight_per_peer=64)
+    t._by_peer = collections.defaultdict(collections.deque)
+    t._inflight = collections.defaultdict(int)
+    t._outstanding = collections.defaultdict(collections.deque)
     return t
 
 
 def test_the_mooncake_worker_submits_a_gated_job_only_once_its_event_completed():
-    import collections
     engine, results = _Engine(), []
     t = _transport(engine)
     event = FakeEvent()
     gated = _Job("peer", [0x1000, 0x2000], [0x9000, 0xA000], [8, 8], results.append,
                  ready=ReadyGate(event, 10.0, "room 1"))
     after = _Job("peer", [0x3000], [0xB000], [8], results.append)  # another room's job to the same peer
-    by_peer = collections.defaultdict(collections.deque, {"peer": collections.deque([gated, after])})
-    inflight, outstanding = collections.defaultdict(int), collections.defaultdict(collections.deque)
-    t._submit_round(by_peer, inflight, outstanding, 64)
+    t.admit(gated)
+    t.admit(after)
+    assert t.step() == (0, True)  # the gated job is still held
     assert engine.writes == [0x3000] and event.num_queries >= 1  # the late event holds back its job only
-    t._check_round(outstanding, inflight)
-    t._submit_round(by_peer, inflight, outstanding, 64)
+    assert results == [None]
+    t.step()
     assert engine.writes == [0x3000] and results == [None]
     event.complete()
-    t._submit_round(by_peer, inflight, outstanding, 64)
-    assert engine.writes == [0x3000, 0x1000, 0x2000]
-    t._check_round(outstanding, inflight)
-    assert results == [None, None] and not by_peer["peer"]
+    assert t.step() == (0, False)
+    assert engine.writes == [0x3000, 0x1000, 0x2000] and results == [None, None]
 
 
 def test_the_mooncake_worker_fails_a_job_whose_event_is_late():
-    import collections
     engine, results = _Engine(), []
     t = _transport(engine)
     job = _Job("peer", [0x1000], [0x9000], [8], results.append, ready=ReadyGate(FakeEvent(), 0.0, "room 2"))
     time.sleep(0.01)
-    by_peer = collections.defaultdict(collections.deque, {"peer": collections.deque([job])})
-    t._submit_round(by_peer, collections.defaultdict(int), collections.defaultdict(collections.deque), 64)
+    t.admit(job)
+    t.step()
     assert engine.writes == []
     assert len(results) == 1 and isinstance(results[0], TransferError)
     assert "did not complete within 0 s" in str(results[0])
-
-
-def test_a_gate_raises_kvtimeouterror_past_its_deadline_and_not_before():
-    event = FakeEvent()
-    gate = ReadyGate(event, 0.2, "room 3")
-    assert gate.done() is False
-    with pytest.raises(KVTimeoutError, match="room 3"):
-        gate.wait()
-    event.complete()
-    assert ReadyGate(event, 0.0, "room 4").done() is True

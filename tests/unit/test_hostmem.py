@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from transfer.hostmem import HUGE_PAGE, host_array, host_tensor, is_huge_backed, smaps_kib
+from transfer.staging.hostmem import HUGE_PAGE, host_array, host_tensor, is_huge_backed, smaps_kib
 
 
 def _thp_mode() -> str:

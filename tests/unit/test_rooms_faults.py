@@ -10,7 +10,7 @@ import pytest
 from transfer import KVPoll, KVReceiver, KVSender, PeerError, StorageMissError
 from transfer.rooms.decode_phases import DecodePhase
 
-from ._rooms import Role, assert_landed, cluster, random_pages, run_room, wait_until  # noqa: F401
+from ._rooms import Role, assert_landed, random_pages, run_room, wait_until
 
 
 def _transferring(prefill, decode, room, src, dst):

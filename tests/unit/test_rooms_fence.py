@@ -15,7 +15,7 @@ import torch
 from transfer import KVPoll, KVReceiver, KVSender
 from transfer.staging.arenas import StagingArenas, span_tensor
 
-from ._rooms import NUM_PAGES, Role, assert_landed, cluster, random_pages, run_room, wait_until  # noqa: F401
+from ._rooms import NUM_PAGES, Role, assert_landed, random_pages, run_room, wait_until
 
 STAGED = dict(staging_bytes=1 << 20, stage_part_bytes=64 << 10, stage_below_bytes=16 << 10)
 SENTINEL = 0xA5
@@ -53,8 +53,8 @@ def _held_room(cluster, prefill, decode, room, src, dst):
     submitted = threading.Event()
     submit = prefill.mgr.transport.submit
 
-    def spy(peer, plan, callback):
-        handle = submit(peer, plan, callback)
+    def spy(peer, plan, callback, ready):
+        handle = submit(peer, plan, callback, ready)
         if plan.num_descriptors:
             submitted.set()
         return handle

@@ -17,7 +17,7 @@ from transfer.messages import TransferRequest
 from transfer.rooms import prefill_table
 from transfer.stats import FailureReason, failure_reason
 
-from ._rooms import FAST, assert_landed, cluster, random_pages, run_room, terminal, wait_until  # noqa: F401
+from ._rooms import FAST, assert_landed, random_pages, run_room, terminal, wait_until
 
 # Well under peer_timeout_s (3 s) and transfer_timeout_s (10 s): only the
 # acknowledgement rule can end these rooms this soon.

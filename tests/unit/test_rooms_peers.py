@@ -15,7 +15,7 @@ from transfer import (BootstrapRefused, ClosedError, KVFerryError, KVPoll, KVRec
                       PeerError, RequestError)
 from transfer.messages import PeerHello, PeerHelloReply, RoomAbort, TransferRequest
 
-from ._rooms import NUM_PAGES, Role, assert_landed, cluster, random_pages, run_room, wait_until  # noqa: F401
+from ._rooms import NUM_PAGES, Role, assert_landed, random_pages, run_room, wait_until
 
 
 class _Listener:

@@ -11,7 +11,7 @@ import torch
 
 from transfer import BootstrapUnavailable, IncompatibleLayoutError, KVPoll, KVReceiver, KVSender, StateError
 
-from ._rooms import AUX_SLOTS, Role, assert_landed, cluster, random_pages, run_room, wait_until  # noqa: F401
+from ._rooms import AUX_SLOTS, Role, assert_landed, random_pages, run_room, wait_until
 
 SENTINEL = 0x5A
 

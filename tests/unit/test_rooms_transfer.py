@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from ._rooms import Role, assert_landed, cluster, random_pages, run_room, wait_until  # noqa: F401
+from ._rooms import Role, assert_landed, random_pages, run_room, wait_until
 from transfer import IncompatibleLayoutError, KVPoll, KVReceiver, KVSender, PeerError
 from transfer.rooms.decode_phases import DecodePhase
 

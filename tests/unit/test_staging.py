@@ -7,7 +7,9 @@ import torch
 
 from transfer.plan import page_slice
 from transfer.pools import MHAPool, MLAPool, describe_pool, pool_tensors
-from transfer.staging import StagingArea, gather, scatter, staged_bytes
+from transfer.plan import staged_bytes
+from transfer.staging.area import StagingArea
+from transfer.staging.copies import gather, scatter
 
 
 def test_staging_area_first_fit_free_and_merge():

@@ -17,7 +17,6 @@ from transfer.errors import (AuthError, ClosedError, IncompatibleLayoutError, KV
 from transfer.stats import FailureReason, RankTotals, failure_reason, tag_reason
 
 from ._rooms import AUX_BYTES, HEAD_DIM, NUM_HEADS, NUM_LAYERS, PAGE_SIZE, random_pages, run_room, wait_until
-from ._rooms import cluster  # noqa: F401
 
 PAGE_BYTES = PAGE_SIZE * NUM_HEADS * HEAD_DIM * 2 * NUM_LAYERS * 2  # bf16, K and V of every layer
 # Unfenced: the aux row is a direct write, counted as such (a fenced decode

@@ -1,13 +1,19 @@
-"""bootstrap.status: the server's status reply as a table and as JSON."""
+"""bootstrap.status: the server's status reply, derived from the
+descriptors, as a table and as JSON."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import typing
 
+import msgpack
 import pytest
 
 import bootstrap.messages as bm
-from bootstrap.status import MAX_STATUS_RANKS, PoolSummary, RankStatus, StatusReply, status_json, status_table
+from bootstrap import codec
+from bootstrap.status import (MAX_STATUS_RANKS, WITHHELD, PoolSummary, RankStatus, StatusReply, status_json,
+                              status_table)
 
 from ._fixtures import make_pool, make_rank
 
@@ -17,9 +23,7 @@ def _reply(num_omitted: int = 0) -> StatusReply:
                     dtype="float8_e4m3fn", itemsize=1, page_size=64)
     gqa = make_pool(role=bm.PoolRole.DRAFT, num_kv_heads=2, total_kv_heads=8, base=0x6000_0000_0000)
     rank = make_rank(pools=(mla, gqa))
-    status = RankStatus(node_id=rank.node_id, dp_rank=0, dp_size=1, tp_rank=0, tp_size=1, session=rank.session,
-                        control_endpoint=rank.control_endpoint, age_s=1.25,
-                        pools=tuple(PoolSummary.of(p) for p in rank.pools))
+    status = RankStatus.of(rank, age_s=1.25)
     return StatusReply(uptime_s=30.0, rank_ttl_s=15.0, node_grace_s=4.0, num_requests=7, num_errors=1,
                        num_unauthenticated=0, num_expired=3, ranks=(status,), num_omitted=num_omitted)
 
@@ -54,3 +58,58 @@ def test_reply_is_bounded():
     r = _reply()
     with pytest.raises(ValueError, match="more than"):
         StatusReply(**{**r.__dict__, "ranks": r.ranks * (MAX_STATUS_RANKS + 1)})
+
+
+def _fused_pool() -> bm.PoolDescriptor:
+    return bm.PoolDescriptor(role=bm.PoolRole.TARGET, attention=bm.AttentionKind.MHA, dtype="bfloat16", itemsize=2,
+                             page_size=16, num_pages=4, num_layers=1, num_kv_heads=2, total_kv_heads=2, head_dim=8,
+                             page_layout=bm.PageLayout.HND, kv_layout=bm.KVLayout.FUSED_CELLS,
+                             buffers=(bm.BufferRef(layer=0, component=bm.Component.KV, addr=1 << 30, nbytes=4096),))
+
+
+@pytest.mark.parametrize("view, descriptor, own", [(PoolSummary, bm.PoolDescriptor, set()),
+                                                   (RankStatus, bm.RankInfo, {"age_s"})])
+def test_a_view_holds_every_field_of_its_descriptor_but_the_withheld(view, descriptor, own):
+    view_fields = {f.name: f for f in dataclasses.fields(view)}
+    source_fields = {f.name: f for f in dataclasses.fields(descriptor)}
+    assert set(view_fields) == set(source_fields) - WITHHELD[descriptor] | own
+    view_types, source_types = typing.get_type_hints(view), typing.get_type_hints(descriptor)
+    for name in set(view_fields) & set(source_fields) - {"pools"}:  # pools: summarised
+        assert view_types[name] == source_types[name], name
+        assert view_fields[name].default == source_fields[name].default, name
+
+
+def test_of_copies_every_field_by_name():
+    rank = make_rank(pools=(make_pool(), make_pool(role=bm.PoolRole.DRAFT, base=0x6000_0000_0000)))
+    status = RankStatus.of(rank, age_s=2.0)
+    for name in {f.name for f in dataclasses.fields(RankStatus)} - {"age_s", "pools"}:
+        assert getattr(status, name) == getattr(rank, name), name
+    for summary, pool in zip(status.pools, rank.pools, strict=True):
+        for f in dataclasses.fields(PoolSummary):
+            assert getattr(summary, f.name) == getattr(pool, f.name), f.name
+
+
+def test_the_encoded_reply_keeps_the_fields_of_protocol_version_5():
+    """A rank and pool with default values encode the fields the status had
+    before the view was derived: a descriptor field added with
+    ``omit_default`` adds nothing; one added otherwise fails here, and needs
+    a protocol version bump (bootstrap/codec.py) along with this list."""
+    body = msgpack.unpackb(codec.encode(_reply()))["body"]
+    (rank,) = body["ranks"]
+    assert set(rank) == {"node_id", "dp_rank", "dp_size", "tp_rank", "tp_size", "session", "control_endpoint",
+                         "age_s", "pools"}
+    assert {frozenset(p) for p in rank["pools"]} == {frozenset({
+        "role", "attention", "dtype", "page_size", "num_pages", "num_layers", "num_kv_heads", "total_kv_heads",
+        "head_dim", "page_layout"})}
+    assert codec.decode(codec.encode(_reply())) == _reply()
+
+
+def test_fields_off_their_defaults_reach_the_status():
+    rank = dataclasses.replace(make_rank(pools=(_fused_pool(),)), transport="nixl")
+    reply = dataclasses.replace(_reply(), ranks=(RankStatus.of(rank, age_s=0.5),))
+    (encoded,) = msgpack.unpackb(codec.encode(reply))["body"]["ranks"]
+    assert encoded["transport"] == "nixl" and encoded["pools"][0]["kv_layout"] == "fused_cells"
+    assert codec.decode(codec.encode(reply)) == reply
+    doc = json.loads(status_json(reply, "h:1"))
+    assert doc["ranks"][0]["transport"] == "nixl" and doc["ranks"][0]["fenced"] is False
+    assert "2/2 heads x 8 hnd fused_cells" in status_table(reply, "h:1").splitlines()[2]

@@ -5,7 +5,7 @@ worker pieces every transport shares. Pure: no engine is started."""
 
 from __future__ import annotations
 
-import queue
+import time
 import threading
 from dataclasses import replace
 
@@ -19,8 +19,8 @@ from bootstrap.errors import ProtocolError
 from transfer.config import EngineConfig, Role, manager_config_from_env
 from transfer.errors import ClosedError, IncompatibleLayoutError, IncompatibleTransportError, TransferError
 from transfer.layout import check_compatible
-from transfer.transport.nixl_peers import decode_metadata, encode_metadata
-from transfer.transport.worker import TransportWorker, gate_state, run_callback
+from transfer.transport.nixl.peers import decode_metadata, encode_metadata
+from transfer.transport.worker import PollingWorker, gate_state, run_callback
 
 from ._fixtures import mha_rank
 
@@ -146,19 +146,53 @@ def test_a_raising_callback_is_logged_and_the_worker_goes_on(caplog):
     assert calls == [None] and "a completion callback raised" in caplog.text
 
 
-def test_close_fails_the_jobs_left_in_the_queue_and_refuses_new_ones():
-    started, release, failed = threading.Event(), threading.Event(), []
+class _BusySide:
+    """An engine side whose first step blocks until released."""
 
-    def run(jobs: queue.SimpleQueue):
-        started.set()
-        release.wait(5)  # busy: never takes the jobs queued behind
-    worker = TransportWorker(run, failed.append)
-    started.wait(5)
+    def __init__(self) -> None:
+        self.stepping, self.release = threading.Event(), threading.Event()
+        self.held, self.failed = [], []
+
+    def admit(self, job) -> None:
+        self.held.append(job)
+
+    def step(self):
+        self.stepping.set()
+        self.release.wait(5)
+        return 0, bool(self.held)
+
+    def fail(self, job) -> None:
+        self.failed.append(job)
+
+    def fail_all(self) -> None:
+        self.failed.extend(self.held)
+        self.held = []
+
+
+def test_close_fails_the_jobs_left_in_the_queue_and_refuses_new_ones():
+    side = _BusySide()
+    worker = PollingWorker(side)
+    side.stepping.wait(5)  # the loop is busy: it takes none of the jobs queued behind
     worker.put("a")
     worker.put("b")
-    release.set()
-    assert worker.close(5.0) is True
-    assert failed == ["a", "b"]
+    assert worker.close(0.2) is True  # the step runs past the bound
+    assert side.failed == ["a", "b"]
     with pytest.raises(ClosedError):
         worker.put("c")
+    side.release.set()
+    worker._thread.join(5)
+    assert not worker._thread.is_alive() and side.failed == ["a", "b"]  # each job failed once
     assert worker.close(5.0) is False  # idempotent
+
+
+def test_the_loop_admits_steps_and_fails_what_it_holds_at_close():
+    side = _BusySide()
+    side.release.set()
+    worker = PollingWorker(side)
+    worker.put("a")
+    deadline = time.monotonic() + 5
+    while side.held != ["a"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert side.held == ["a"] and worker.num_rounds >= 1
+    assert worker.close(5.0) is True
+    assert side.failed == ["a"]

@@ -13,7 +13,7 @@ import pytest
 from transfer.config import EngineConfig
 from transfer.errors import ClosedError, TransferError
 from transfer.plan import TransferPlan
-from transfer.storage.nixl_probe import nixl_missing_reason
+from transfer.storage.nixl.probe import nixl_missing_reason
 
 pytestmark = pytest.mark.skipif(bool(nixl_missing_reason()), reason=nixl_missing_reason())
 
@@ -24,7 +24,7 @@ PAGE = 4096
 def pair():
     mp = pytest.MonkeyPatch()
     mp.setenv("UCX_NET_DEVICES", "lo")  # UCX listens on loopback only
-    from transfer.transport.nixl import NixlTransport
+    from transfer.transport.nixl.transport import NixlTransport
     a, b = NixlTransport(EngineConfig(backend="nixl")), NixlTransport(EngineConfig(backend="nixl"))
     rng = np.random.default_rng(18)
     src = rng.integers(0, 256, 256 * PAGE, dtype=np.uint8)
@@ -40,7 +40,7 @@ def pair():
 
 def _run(transport, peer, plan) -> TransferError | None:
     done, result = threading.Event(), []
-    transport.submit(peer, plan, lambda error: (result.append(error), done.set()))
+    transport.submit(peer, plan, lambda error: (result.append(error), done.set()), None)
     assert done.wait(20), "no callback within 20 s"
     assert len(result) == 1
     return result[0]
@@ -91,9 +91,9 @@ def test_memory_the_peer_deregistered_is_refused_once_it_announced_it(pair):
 
 
 def test_submit_after_close_raises_and_close_is_idempotent():
-    from transfer.transport.nixl import NixlTransport
+    from transfer.transport.nixl.transport import NixlTransport
     t = NixlTransport(EngineConfig(backend="nixl"))
     t.close()
     t.close()
     with pytest.raises(ClosedError):
-        t.submit("127.0.0.1:x", TransferPlan.empty(), lambda e: None)
+        t.submit("127.0.0.1:x", TransferPlan.empty(), lambda e: None, None)

@@ -15,7 +15,7 @@ from transfer.adapters.vllm_params import ConnectorConfig, RecvSpec, SendSpec
 from transfer.adapters.vllm_worker import KvferryWorker
 from transfer.config import Role
 
-from ._rooms import HEAD_DIM, NUM_HEADS, NUM_LAYERS, PAGE_SIZE, cluster, random_pages  # noqa: F401
+from ._rooms import HEAD_DIM, NUM_HEADS, NUM_LAYERS, PAGE_SIZE, random_pages
 
 PAGE_BYTES = PAGE_SIZE * NUM_HEADS * HEAD_DIM * 2 * NUM_LAYERS * 2  # bf16, K and V of every layer
 FENCED = dict(staging_bytes=1 << 20, stage_part_bytes=64 << 10)

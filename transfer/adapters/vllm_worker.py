@@ -154,8 +154,8 @@ class KvferryWorker:
                     room.aborted = True
             if room is not None:
                 room.handle.abort("the request finished on decode before its KV arrived")
-        from transfer.receiver import KVReceiver
-        from transfer.sender import KVSender
+        from transfer.rooms.receiver import KVReceiver
+        from transfer.rooms.sender import KVSender
 
         opened: list[_Room] = []
         for s in sends:

@@ -165,7 +165,3 @@ def _log_drop(count: int, fmt: str, *args) -> None:
 def zmq_channel(host: str, handler: Handler, secret: str | None) -> ZmqChannel:
     """The :data:`~transfer.control.base.ChannelFactory` of zmq channels."""
     return ZmqChannel(host, handler, secret=secret)
-
-
-#: The name this class had in ``transfer.channel``.
-ControlChannel = ZmqChannel

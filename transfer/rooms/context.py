@@ -66,3 +66,19 @@ class RoomContext:
     bootstrap_client: Callable[[str], LookupClient]
     stats: RankTotals = field(default_factory=lambda: RankTotals(""))
     aux: tuple = ()
+
+
+class RoomHost(Protocol):
+    """What a room is created with: its rank's
+    :class:`~transfer.manager.KVManager` (a sender needs a prefill one, a
+    receiver a decode one)."""
+
+    config: ManagerConfig
+    context: RoomContext
+    rooms: object  # the rank's room table: prefill_table.PrefillRooms or decode_table.DecodeRooms
+
+    @property
+    def where(self) -> str: ...
+
+    def check_open(self) -> None:
+        """ClosedError once the manager is closed."""

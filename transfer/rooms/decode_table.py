@@ -1,8 +1,8 @@
 """Decode side: the rank's room table. It holds the live receivers
-(:class:`~transfer.receiver.KVReceiver`) by (room, request id), routes the
+(:class:`~transfer.rooms.receiver.KVReceiver`) by (room, request id), routes the
 control messages that arrive to them, to the link resolver
 (:mod:`transfer.rooms.links`) and to the staged flow
-(:mod:`transfer.staging.decode_flow`), and reports which prefill ranks to
+(:mod:`transfer.rooms.staged_decode`), and reports which prefill ranks to
 watch for liveness."""
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from transfer.rooms.decode_phases import DecodePhase
 from transfer.rooms.links import Link, LinkResolver, LinkState
 from transfer.rooms.peer_check import same_host
 from transfer.rooms.request_acks import UnackedRequests
-from transfer.staging.decode_flow import DecodeStaging
+from transfer.rooms.staged_decode import DecodeStaging
 
 log = logging.getLogger("kvferry.receiver")
 
 
 class Receiver(Protocol):
-    """What the table needs of a room's receiver (a :class:`~transfer.receiver.KVReceiver`)."""
+    """What the table needs of a room's receiver (a :class:`~transfer.rooms.receiver.KVReceiver`)."""
 
     room: int
     request_id: int
@@ -46,7 +46,6 @@ class Receiver(Protocol):
 
     def on_message(self, msg) -> None: ...
 
-    def scatter_part(self, msg: ChunkStaged, offset: int) -> None: ...
 
     def peer_lost(self, session: str, silent_s: float) -> None: ...
 
@@ -146,6 +145,11 @@ class DecodeRooms:
 
     # --- used by the manager ------------------------------------------------------------
 
+    @property
+    def num_live(self) -> int:
+        """Rooms with a receiver that has not ended."""
+        return len(self.receivers)
+
     def endpoint_of(self, session: str) -> str | None:
         """The control endpoint of a prefill rank of a known link."""
         return self.links.endpoint_of(session)
@@ -206,8 +210,6 @@ class DecodeRooms:
                 self.staging.on_request(msg)
                 return
             if isinstance(msg, ChunkStaged) and self.staging is not None:
-                # Under the lock on purpose: a room cannot turn Failed (and its
-                # pages be reused by the scheduler) halfway through a scatter.
                 self.staging.on_staged(msg, self.receivers.get((msg.room, msg.request_id)))
                 return
         log.debug("%s: ignored a %s message", self.ctx.where, msg.KIND)

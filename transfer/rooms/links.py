@@ -185,9 +185,9 @@ class LinkResolver:
 
     def hello(self) -> PeerHello:
         """This rank's hello, with its transport's current metadata (NIXL)."""
-        metadata = getattr(self.ctx.transport, "metadata", None)
+        exchange = self.ctx.transport.peer_metadata
         return PeerHello(rank=self.ctx.rank, allow_missing_draft=self.ctx.config.allow_missing_draft,
-                         transport_meta=metadata() if metadata is not None else b"")
+                         transport_meta=exchange.metadata() if exchange is not None else b"")
 
     def announce(self) -> None:
         """This rank's registered memory changed (called under ctx.lock):

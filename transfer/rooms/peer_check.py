@@ -21,7 +21,7 @@ land only inside memory that process registered with its engine (Mooncake's
 TCP transport checks every write against the target's registered buffers
 on the target side, and the loopback transport does the same; NIXL's
 writer checks against the regions the peer announced, see
-:mod:`transfer.transport.nixl_peers`), and within
+:mod:`transfer.transport.nixl.peers`), and within
 the pools the peer declared (:func:`transfer.plan.check_transfer`).
 Authentication (``KVFERRY_SECRET``) is what keeps strangers out altogether.
 """

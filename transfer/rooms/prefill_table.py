@@ -1,5 +1,5 @@
 """Prefill side: the rank's room table, which routes control messages to its
-live senders (:class:`~transfer.sender.KVSender`), keeps requests that arrive
+live senders (:class:`~transfer.rooms.sender.KVSender`), keeps requests that arrive
 before their sender exists, refuses late requests for rooms that already
 failed, and answers decode ranks' handshakes (who may be a peer:
 :mod:`transfer.rooms.peer_check`).
@@ -28,7 +28,7 @@ from transfer.layout import check_compatible
 from transfer.messages import PeerHello, PeerHelloReply, RoomAbort, RoomStatus, StageGrant, Status, TransferRequest
 from transfer.rooms.context import RoomContext
 from transfer.rooms.peer_check import identity_problem
-from transfer.staging.prefill_flow import PrefillStaging
+from transfer.rooms.staged_prefill import PrefillStaging
 from transfer.stats import FailureReason, tag_reason
 
 log = logging.getLogger("kvferry.sender")
@@ -43,7 +43,7 @@ _MAX_ACKS = 65536
 
 
 class Sender(Protocol):
-    """What the table needs of a room's sender (a :class:`~transfer.sender.KVSender`)."""
+    """What the table needs of a room's sender (a :class:`~transfer.rooms.sender.KVSender`)."""
 
     room: int
 
@@ -310,11 +310,11 @@ class PrefillRooms:
     def _load_transport_meta(self, hello: PeerHello) -> PeerHelloReply | None:
         """Give the decode peer's transport metadata (NIXL) to this rank's
         transport; None when it took it, or none was needed, else the refusal."""
-        add_peer = getattr(self.ctx.transport, "add_peer", None)
-        if add_peer is None:
+        exchange = self.ctx.transport.peer_metadata
+        if exchange is None:
             return None
         try:
-            add_peer(hello.rank.session, hello.transport_meta)
+            exchange.add_peer(hello.rank.session, hello.transport_meta)
         except KVFerryError as exc:
             log.error("%s: refused decode rank %s: %s", self.ctx.where, hello.rank.session, exc)
             return PeerHelloReply(session=self.ctx.rank.session, ok=False, field="transport",
@@ -342,6 +342,11 @@ class PrefillRooms:
                 self._finished[(sender.room, rid)] = None
             while len(self._finished) > _REMEMBER_FINISHED:
                 self._finished.popitem(last=False)
+
+    @property
+    def num_live(self) -> int:
+        """Rooms with a sender that has not ended."""
+        return len(self.senders)
 
     @property
     def num_early_rooms(self) -> int:

@@ -45,7 +45,7 @@ class RoomCounts:
     # --- prefill ------------------------------------------------------------------------
 
     def part_landed(self, part) -> None:
-        """A staged part (:class:`~transfer.staging.prefill_flow.StagedPart`) was written."""
+        """A staged part (:class:`~transfer.rooms.staged_prefill.StagedPart`) was written."""
         for i, (pool, sl) in enumerate(part.pools):
             self.land(pool.role.value, "staged", staged_bytes(pool, sl, len(part.src_pages)), int(i == 0))
         self.counter.add_part()

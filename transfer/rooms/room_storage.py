@@ -1,5 +1,6 @@
 """One decode room's use of the storage tier: prefetching its leading pages
-before the request goes out, and restoring it after a failed transfer."""
+before the request goes out, and restoring it after a failed transfer. The
+room calls it under its lock; the tier calls back on its own thread."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ class RoomStorage:
                              f"{tier.page_size}, not the {pages.size} given")
         self.tier, self.tokens, self.pages, self.aux_index = tier, tokens, pages, aux_index
         self.num_full_pages = len(tier.chains(tokens))
+        self._prefetch: Job | None = None  # loading the leading pages before the request goes out
+        self._restore: Job | None = None  # loading the pages of a failed room
 
     def items(self, start: int) -> dict:
         """Per pool of this rank: (keys, destination pages) of the full pages
@@ -34,28 +37,43 @@ class RoomStorage:
         pages = self.pages[start:len(chains)].tolist()
         return {role: (self.tier.keys(role, chains[start:]), pages) for role in self.tier.pools}
 
-    def prefetch(self, done, start: int = 0) -> Job:
+    @property
+    def prefetching(self) -> bool:
+        """Whether a prefetch runs (started and not settled yet)."""
+        return self._prefetch is not None
+
+    def prefetch(self, done, start: int = 0) -> None:
         """Load the pages storage has from request position ``start`` on, up
         to the first missing one (``done(job)`` on the tier's thread)."""
-        return self.tier.read(self.items(start), None, done)
+        self._prefetch = self.tier.read(self.items(start), None, done)
 
-    @staticmethod
-    def settled(job: Job, waited_s: float, config) -> int | None:
-        """How many leading pages a prefetch loaded, once it settled; None
-        while it runs. Per ``config.storage_prefetch``: ``best_effort`` stops
-        it at once, ``timeout`` after ``storage_prefetch_timeout_s`` (the batch
-        being loaded ends first), ``wait_complete`` waits."""
+    def cancel_prefetch(self) -> None:
+        if self._prefetch is not None:
+            self._prefetch.cancel()
+
+    def prefetched(self, waited_s: float, config) -> int | None:
+        """How many leading pages the prefetch loaded, once it settled (it is
+        then done with); None while it runs. Per ``config.storage_prefetch``:
+        ``best_effort`` stops it at once, ``timeout`` after
+        ``storage_prefetch_timeout_s`` (the batch being loaded ends first),
+        ``wait_complete`` waits."""
+        job = self._prefetch
         if not job.finished:
             policy = config.storage_prefetch
             if policy == "best_effort" or (policy == "timeout" and waited_s > config.storage_prefetch_timeout_s):
                 job.cancel()
             return None
+        self._prefetch = None
         return min(job.pages.values(), default=0) if job.error is None else 0
 
-    def restore(self, start: int, done) -> Job:
+    def restore(self, start: int, done) -> None:
         """Load the full pages from ``start`` on, and the aux row."""
         aux = (self.tier.aux_key(self.tokens), self.aux_index) if self.aux_index >= 0 else None
-        return self.tier.read(self.items(start), aux, done)
+        self._restore = self.tier.read(self.items(start), aux, done)
+
+    def is_restore(self, job: Job) -> bool:
+        """Whether ``job`` is the restore's (not the prefetch's)."""
+        return job is self._restore
 
     def shortfall(self, job: Job, start: int, *, allow_missing_draft: bool, where: str) -> tuple[list[str], bool]:
         """What a restore from ``start`` left missing (empty: the room is

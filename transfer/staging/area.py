@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bootstrap.messages import StagingDescriptor
+
 
 class StagingArea:
     """First-fit allocator over ``nbytes`` of staging memory, 4 KiB aligned.
@@ -51,15 +53,38 @@ class StagingArea:
         with self._lock:
             return sum(n for _, n in self._free)
 
+    @property
+    def max_region_bytes(self) -> int:
+        """The largest region ``alloc`` can ever give."""
+        return self.nbytes
+
 
 @dataclass
 class StagingMemory:
     """``tensor``: the registered staging buffer (uint8, on the pools'
-    device); ``area``: its allocator (a fenced decode rank's: a
-    :class:`~transfer.staging.arenas.StagingArenas` over the span); ``buffers``: (role, layer, component)
-    -> pool tensor; ``word_views``: the copies' cache of views of them."""
+    device); ``area``: its allocator; ``fenced``: a fenced decode rank's
+    (the write fence: peers write only here, into arenas; ``area`` is then
+    a :class:`~transfer.staging.arenas.StagingArenas` over the span);
+    ``buffers``: (role, layer, component) -> pool tensor; ``word_views``:
+    the copies' cache of views of them. Built by
+    :func:`transfer.staging.build.build_staging`."""
 
     tensor: torch.Tensor
-    area: StagingArea  # or a StagingArenas (same alloc / free / free_bytes / nbytes)
+    area: StagingArea  # or a StagingArenas (same alloc / free / free_bytes / nbytes / max_region_bytes)
     buffers: dict
+    fenced: bool = False
     word_views: dict = field(default_factory=dict)
+
+    @property
+    def descriptor(self) -> StagingDescriptor:
+        """What peers learn of it (fenced: its arenas' size too)."""
+        return StagingDescriptor(addr=self.tensor.data_ptr(), nbytes=self.tensor.numel(),
+                                 arena_bytes=self.area.max_region_bytes if self.fenced else 0)
+
+    def touch(self) -> None:
+        """Fault in the memory in use (benchmarks: as a warmed-up server has
+        it); of a fenced span only the live arenas, never the whole span."""
+        if self.fenced:
+            self.area.touch()
+        else:
+            self.tensor.fill_(0)

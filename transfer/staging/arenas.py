@@ -96,6 +96,11 @@ class StagingArenas:
     def free_bytes(self) -> int:
         return sum(a.area.free_bytes for a in self.arenas if not a.retired)
 
+    @property
+    def max_region_bytes(self) -> int:
+        """The largest region ``alloc`` can give: one arena."""
+        return self.arena_bytes
+
     def touch(self) -> None:
         """Fault in the live arenas (what a warmed-up server has); never the whole span."""
         for a in self.arenas:

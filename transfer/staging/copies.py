@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from bootstrap.messages import PoolDescriptor
-from transfer.plan import PageSlice
+from transfer.plan import PageSlice, staged_bytes
 
 _WIDE = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
@@ -52,10 +52,6 @@ def _rows(t: torch.Tensor, num_pages: int, sl: PageSlice, width: int, dtype: tor
     else:  # [num_pages, ...]: each page contiguous, pages a stride apart
         words = t.view(torch.uint8).view(num_pages, -1).view(dtype).view(num_pages, sl.rows, sl.row_bytes // width)
     return words[:, :, sl.start // width:(sl.start + sl.nbytes) // width]
-
-
-def staged_bytes(pool: PoolDescriptor, sl: PageSlice, num_pages: int) -> int:
-    return num_pages * sl.packed_bytes * pool.num_layers * len(pool.components)
 
 
 class _PoolWords:

@@ -2,9 +2,11 @@
 
 - :mod:`~transfer.storage.keys` (pure): :class:`PoolFingerprint`, :func:`page_keys`;
 - :mod:`~transfer.storage.base`: the :class:`StorageBackend` interface and
-  :func:`open_storage`, which picks a backend by URL (``file://``, ``mooncake://``);
+  :func:`open_storage`, which picks a backend by URL (``file://``,
+  ``mooncake://``, ``nixl://``);
 - :mod:`~transfer.storage.segments`: a pool's pages as ``(address, nbytes)`` segments;
-- backends: :mod:`~transfer.storage.file`, :mod:`~transfer.storage.mooncake_store`.
+- backends: :mod:`~transfer.storage.file` (a module), the packages
+  :mod:`~transfer.storage.mooncake` and :mod:`~transfer.storage.nixl`.
 
 Names are imported lazily: importing ``transfer.storage.keys`` loads neither
 torch nor Mooncake.

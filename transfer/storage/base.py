@@ -214,8 +214,8 @@ Opener = Callable[[StorageURL, Mapping[str, Any]], StorageBackend]
 # returns an open backend. Modules are imported on first use.
 _SCHEMES: dict[str, str] = {
     "file": "transfer.storage.file:open_file_store",
-    "mooncake": "transfer.storage.mooncake_store:open_mooncake_store",
-    "nixl": "transfer.storage.nixl:open_nixl_store",
+    "mooncake": "transfer.storage.mooncake.store:open_mooncake_store",
+    "nixl": "transfer.storage.nixl.store:open_nixl_store",
 }
 
 

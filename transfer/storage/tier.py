@@ -128,6 +128,14 @@ class StorageTier:
         """Whether the rank has aux regions (their rows can be stored)."""
         return bool(self._aux)
 
+    def stats_fields(self) -> dict:
+        """The tier's counters as :class:`~transfer.stats.ManagerStats` fields."""
+        return dict(storage_pages={("read", "hit"): self.num_pages_read, ("read", "miss"): self.num_pages_missed,
+                                   ("write", "written"): self.num_pages_written,
+                                   ("write", "present"): self.num_pages_present,
+                                   ("write", "failed"): self.num_pages_failed},
+                    storage_bytes={"read": self.num_bytes_read, "write": self.num_bytes_written})
+
     @staticmethod
     def _row_bytes(t) -> int:
         return t[0].numel() * t.element_size()

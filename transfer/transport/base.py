@@ -17,14 +17,13 @@ The contract every implementation keeps:
   TCP transport validates a write request once, at its start): callers must
   never reuse such memory for anything read. Raises TransferError when the
   engine refuses.
-- ``submit(peer, plan, callback, ready=None)`` returns at once, from any
+- ``submit(peer, plan, callback, ready)`` returns at once, from any
   thread. An empty plan calls ``callback(None)`` before returning and returns
   None; otherwise it returns a :class:`TransferHandle`. ``ready`` (a
   :class:`~transfer.ready.ReadyGate`, or None): no byte of the plan is read
   before ``ready.done()``; the worker polls it, never the caller's thread,
-  and a gate past its deadline fails the plan with a TransferError. Callers
-  pass ``ready`` only when they have one (older transports lack it). After ``close()`` it raises
-  :class:`~transfer.errors.ClosedError`.
+  and a gate past its deadline fails the plan with a TransferError. After
+  ``close()`` it raises :class:`~transfer.errors.ClosedError`.
 - ``callback(error)`` runs exactly once per non-empty plan, on the
   transport's worker thread, after every descriptor it submitted finished
   or failed (so the source memory may be reused when it runs): ``None`` on
@@ -38,7 +37,16 @@ The contract every implementation keeps:
   TransferError), stops the worker within a bounded time and unregisters
   memory. Idempotent.
 - ``session`` names this transport to peers (what they pass as ``peer``);
-  ``num_bytes`` and ``num_descriptors`` count what completed successfully.
+  ``kind`` names its engine (``mooncake``, ``nixl``: what
+  ``RankInfo.transport`` says, and both sides of a room must agree on);
+  ``describe()`` says in words what is in use (one log line per manager; a
+  line that says "falls back" is logged as a warning); ``num_bytes`` and
+  ``num_descriptors`` count what completed successfully.
+- ``peer_metadata``: None for an engine whose peers handshake on their own
+  (Mooncake); otherwise a :class:`PeerMetadata`, the exchange kvferry's
+  handshake carries for it (NIXL).
+
+Every transport passes the conformance suite ``tests/transport/test_conformance.py``.
 """
 
 from __future__ import annotations
@@ -56,16 +64,35 @@ class TransferHandle(Protocol):
         """Submit no more of this plan's descriptors."""
 
 
+class PeerMetadata(Protocol):
+    """What a transport needs carried between peers before one can write into
+    the other: a decode rank's :meth:`metadata` travels in its handshake
+    (``PeerHello.transport_meta``) and is given to the prefill rank's
+    :meth:`add_peer`; again whenever the decode rank's registered memory
+    changed (a fenced rank's arenas), before any grant names new memory."""
+
+    def metadata(self) -> bytes:
+        """This transport's metadata now (its registered memory included)."""
+
+    def add_peer(self, session: str, blob: bytes) -> None:
+        """Take a peer's :meth:`metadata` (again, when it changed); returns at
+        once, from the control thread. ProtocolError for a malformed blob;
+        a plan to ``session`` fails until a good one was taken."""
+
+
 class Transport(Protocol):
+    kind: str
     session: str
     num_bytes: int
     num_descriptors: int
+    peer_metadata: PeerMetadata | None
+
+    def describe(self) -> str: ...
 
     def register(self, regions: list[tuple[int, int]]) -> None: ...
 
     def unregister(self, regions: list[tuple[int, int]]) -> None: ...
 
-    def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback,
-               ready=None) -> TransferHandle | None: ...
+    def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback, ready) -> TransferHandle | None: ...
 
     def close(self) -> None: ...

@@ -17,14 +17,9 @@ def build_transport(engine: EngineConfig, device_type: str = "cpu") -> Transport
         if device_type != "cpu":
             raise TransferError(f"the NIXL transport moves host memory only so far; the pools are {device_type} "
                                 "memory (use EngineConfig(backend='mooncake'))")
-        from transfer.transport.nixl import NixlTransport
+        from transfer.transport.nixl.transport import NixlTransport
         return NixlTransport(engine)
-    from transfer.transport.mooncake import MooncakeTransport, check_engine_build
+    from transfer.transport.mooncake.process import check_engine_build
+    from transfer.transport.mooncake.transport import MooncakeTransport
     check_engine_build(device_type)  # the non-CUDA wheel cannot read HBM
     return MooncakeTransport(engine)
-
-
-def transport_kind(transport: Transport) -> str:
-    """The engine a transport belongs to, as ``RankInfo.transport`` names it
-    (a transport without a ``kind`` counts as Mooncake's)."""
-    return getattr(transport, "kind", "mooncake")

@@ -36,7 +36,7 @@ from transfer.control.loopback import LoopbackChannel, origin_of
 from transfer.errors import KVFerryError, TransferError
 from transfer.plan import TransferPlan
 from transfer.transport.base import DoneCallback
-from transfer.transport.worker import TransportWorker, closed_error, gate_state, run_callback
+from transfer.transport.worker import PollingWorker, closed_error, gate_state, run_callback
 
 log = logging.getLogger("kvferry.transport")
 
@@ -59,14 +59,21 @@ def _inside(regions: list[tuple[int, int]], addr: int, nbytes: int) -> bool:
 
 
 class LoopbackTransport:
+    kind = "loopback"
+    peer_metadata = None
+
     def __init__(self, fabric: "LoopbackFabric", session: str) -> None:
         self.session = session
         self._fabric = fabric
         self.regions: list[tuple[int, int]] = []
         self.num_bytes = 0
         self.num_descriptors = 0
-        self._worker = TransportWorker(self._run, lambda job: run_callback(job.callback, closed_error(job.peer)))
+        self._held: list[_Job] = []  # the worker's: jobs whose ready gate is not done
+        self._worker = PollingWorker(self)
         self._closed = self._worker.closed
+
+    def describe(self) -> str:
+        return f"loopback memmove (session {self.session})"
 
     def register(self, regions: list[tuple[int, int]]) -> None:
         self.regions.extend((int(a), int(n)) for a, n in regions)
@@ -76,7 +83,7 @@ class LoopbackTransport:
         gone = {int(a) for a, _ in regions}
         self.regions = [r for r in self.regions if r[0] not in gone]
 
-    def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback, ready=None) -> _Job | None:
+    def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback, ready) -> _Job | None:
         self._worker.check_open()
         if plan.num_descriptors == 0:
             callback(None)
@@ -89,13 +96,32 @@ class LoopbackTransport:
         self._worker.put(job)
         return job
 
-    def _run(self, jobs) -> None:
-        while (job := jobs.get()) is not None:
-            if job.ready is not None and not self._closed.is_set() and gate_state(job.ready, job.peer)[0]:
-                jobs.put(job)  # later jobs go ahead: a late event holds back its own job only
-                time.sleep(0.001)
-                continue
-            run_callback(job.callback, self._copy(job))
+    # --- the worker's side (transfer.transport.worker.EngineSide) -------------------
+
+    def admit(self, job: _Job) -> None:
+        self._held.append(job)
+
+    def step(self) -> tuple[int, bool]:
+        """Copy every job whose ready gate is done, in order (a late event
+        holds back its own job only)."""
+        held, self._held = self._held, []
+        for job in held:
+            waiting = not self._closed.is_set() and gate_state(job.ready, job.peer)[0]
+            if waiting and job.cancelled:  # never started: nothing to wait for
+                run_callback(job.callback, TransferError(f"transfer to {job.peer} cancelled", peer=job.peer))
+            elif waiting:
+                self._held.append(job)
+            else:
+                run_callback(job.callback, self._copy(job))
+        return 0, bool(self._held)
+
+    def fail(self, job: _Job) -> None:
+        run_callback(job.callback, closed_error(job.peer))
+
+    def fail_all(self) -> None:
+        held, self._held = self._held, []
+        for job in held:
+            self.fail(job)
 
     def _copy(self, job: _Job) -> TransferError | None:
         plan = job.plan

@@ -58,7 +58,6 @@ class Rank:
                                                      get_kv_transfer_buf_infos, get_pd_kv_layout,
                                                      setup_state_kv_args)
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
-        from sglang.srt.server_args import ServerArgs
 
         self.a = a
         self.backend = TransferBackend(a.backend)

@@ -28,7 +28,7 @@ from sglang.srt.disaggregation.base.conn import BaseKVReceiver
 from transfer.adapters.sglang.manager import PREFILL_NODE
 from transfer.adapters.sglang.sender import FailedOnAnotherRank, state_pools_refused
 from transfer.errors import KVFerryError, StateError, TransferError
-from transfer.receiver import KVReceiver
+from transfer.rooms.receiver import KVReceiver
 from transfer.state import KVPoll
 
 log = logging.getLogger("kvferry.sglang")

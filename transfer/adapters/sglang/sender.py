@@ -23,7 +23,7 @@ import numpy as np
 from sglang.srt.disaggregation.base.conn import BaseKVSender, KVTransferMetric
 
 from transfer.errors import KVFerryError, StateError, TransferError
-from transfer.sender import KVSender
+from transfer.rooms.sender import KVSender
 from transfer.state import KVPoll
 
 log = logging.getLogger("kvferry.sglang")

@@ -1,49 +1,38 @@
 """Finding NIXL and choosing its storage backend for the ``nixl://`` store:
 importing NIXL (the ``nixl`` meta package's API, else a wheel's), probing
 whether GPUDirect Storage can run here (driver, device, CUDA runtime, cuFile,
-the plugin) and saying why not, and the fallback to POSIX when it is allowed.
-Importing this module does not import NIXL."""
+the plugin) and saying why not, and the fallback to POSIX when it is allowed
+(:func:`choose_backend`, which :class:`~transfer.storage.nixl.agent.NixlAgent`
+calls). Importing this module does not import NIXL."""
 
 from __future__ import annotations
 
 import ctypes
-import importlib
 import itertools
 import logging
 import os
 
 from transfer.errors import StorageUnavailableError
-from transfer.storage.nixl_config import NixlStoreConfig
+from transfer.storage.nixl.config import NixlStoreConfig
+from transfer.transport.nixl.api import find_nixl
 
-__all__ = ["gds_unavailable_reason", "nixl_missing_reason"]
+__all__ = ["choose_backend", "gds_unavailable_reason", "import_nixl", "new_storage_agent", "nixl_missing_reason"]
 
 log = logging.getLogger("kvferry.storage.nixl")
 
-_NIXL_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
-_INSTALL_HINT = "pip install 'kvferry[nixl]' (torch first)"
-
-
-def _import_nixl():
-    """NIXL's Python API module (the ``nixl`` meta package's, else a wheel's);
-    StorageUnavailableError naming the install when none imports."""
-    broken = []
-    for name in _NIXL_MODULES:
-        try:
-            return importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name not in (name, name.partition(".")[0]):
-                broken.append(f"{name}: {exc}")
-        except ImportError as exc:
-            broken.append(f"{name}: {exc}")
-    if broken:
-        raise StorageUnavailableError(f"NIXL does not import ({'; '.join(broken)})")
-    raise StorageUnavailableError(f"NIXL is not installed; {_INSTALL_HINT}")
+def import_nixl():
+    """NIXL's Python API module (:func:`transfer.transport.nixl.api.find_nixl`);
+    StorageUnavailableError saying why when it does not import."""
+    try:
+        return find_nixl()
+    except ImportError as exc:
+        raise StorageUnavailableError(str(exc)) from exc
 
 
 def nixl_missing_reason() -> str:
     """Why NIXL cannot be imported here, or ``""`` when it can."""
     try:
-        _import_nixl()
+        import_nixl()
     except StorageUnavailableError as exc:
         return str(exc)
     return ""
@@ -77,7 +66,10 @@ def _loads(library: str) -> bool:
 _agent_names = itertools.count()
 
 
-def _new_agent(api):
+def new_storage_agent(api):
+    """A fresh NIXL agent of ``api`` (:func:`import_nixl`) for storage: no
+    backends yet, no progress or listener thread, a name unique in this
+    process. Raises whatever NIXL raises."""
     config = api.nixl_agent_config(backends=[], enable_prog_thread=False, enable_listen_thread=False)
     return api.nixl_agent(f"kvferry-storage-{os.getpid()}-{next(_agent_names)}", config)
 
@@ -100,14 +92,16 @@ def _start_backend(agent, backend: str, memory: str) -> str:
 def gds_unavailable_reason(backend: str = "GDS", memory: str = "DRAM") -> str:
     """Why NIXL's ``backend`` (GDS or GDS_MT) cannot run here, or ``""``."""
     try:
-        api = _import_nixl()
+        api = import_nixl()
     except StorageUnavailableError as exc:
         return str(exc)
-    return _start_backend(_new_agent(api), backend, memory)
+    return _start_backend(new_storage_agent(api), backend, memory)
 
 
-def _choose_backend(agent, config: NixlStoreConfig, url: str) -> str:
-    """Start the configured backend, or POSIX when allowed; returns its name."""
+def choose_backend(agent, config: NixlStoreConfig, url: str) -> str:
+    """Start ``config.backend`` in ``agent``, or POSIX when GDS cannot run and
+    ``allow_fallback`` is set (logging why); returns the name of the backend
+    started. StorageUnavailableError naming why when neither can serve."""
     why = _start_backend(agent, config.backend, config.memory)
     if not why:
         return config.backend

@@ -6,8 +6,9 @@ any NIXL network plugin by ``EngineConfig.nixl_backend``, with
 One agent per transport, no listener thread (it binds every interface and
 answers anyone): a decode rank's agent metadata and registered regions
 travel in kvferry's handshake (:meth:`NixlTransport.metadata`, loaded by the
-prefill side with :meth:`NixlTransport.add_peer`; see
-:mod:`transfer.transport.nixl_peers`). A plan becomes one NIXL transfer
+prefill side with :meth:`NixlTransport.add_peer`: the transport is its own
+:class:`~transfer.transport.base.PeerMetadata`; see
+:mod:`transfer.transport.nixl.peers`). A plan becomes one NIXL transfer
 request with the plan's descriptor lists (split only past
 ``_MAX_DESCS_PER_REQUEST``), posted and polled on the worker thread; NIXL
 and UCX handle many small descriptors in one request, so nothing is split
@@ -34,7 +35,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -43,17 +43,15 @@ import numpy as np
 
 from transfer.config import EngineConfig
 from transfer.errors import TransferError
-from transfer.transport.nixl_api import import_api, new_agent
 from transfer.plan import TransferPlan
 from transfer.transport.base import DoneCallback
-from transfer.transport.nixl_peers import PeerRegions, decode_metadata, encode_metadata
-from transfer.transport.worker import TransportWorker, closed_error, gate_state, run_callback
+from transfer.transport.nixl.api import import_api, new_agent
+from transfer.transport.nixl.peers import PeerRegions, decode_metadata, encode_metadata
+from transfer.transport.worker import PollingWorker, closed_error, gate_state, run_callback
 
 log = logging.getLogger("kvferry.transport")
 
 _MAX_DESCS_PER_REQUEST = 1 << 16
-_ASSUMED_BYTES_PER_S = 2e9
-_MIN_SLEEP_S, _MAX_SLEEP_S = 20e-6, 1e-3
 _agent_ids = itertools.count()
 
 
@@ -62,9 +60,6 @@ class _Peer:
     agent: str
     regions: PeerRegions
     error: TransferError | None = None  # NIXL refused its metadata
-
-
-_WAKE = object()  # queued by add_peer: the worker loads the new metadata at once
 
 
 @dataclass
@@ -90,6 +85,11 @@ class NixlTransport:
     NIXL's strict thread-safe mode."""
 
     kind = "nixl"
+
+    @property
+    def peer_metadata(self) -> "NixlTransport":
+        """This transport is its own metadata exchange (:meth:`metadata`, :meth:`add_peer`)."""
+        return self
 
     def __init__(self, config: EngineConfig, *, memory: str = "DRAM", device_id: int = 0) -> None:
         api = import_api()
@@ -122,7 +122,9 @@ class NixlTransport:
         #: NIXL transfer requests posted so far
         self.num_requests = 0
         self._inflight_bytes = 0
-        self._worker = TransportWorker(self._run, self._fail)
+        self._waiting: list[_Job] = []  # the worker's: not posted yet (a ready gate not done)
+        self._posted: list[_Job] = []  # the worker's: requests running
+        self._worker = PollingWorker(self)
 
     def describe(self) -> str:
         """The transport in use, in words (for one log line)."""
@@ -175,7 +177,7 @@ class NixlTransport:
         agent_md, regions = decode_metadata(blob)
         with self._lock:
             self._pending[session] = (agent_md, regions)
-        self._worker.jobs.put(_WAKE)
+        self._worker.wake()
 
     def _load_pending(self) -> None:
         """Load the metadata ``add_peer`` took (worker thread)."""
@@ -194,7 +196,7 @@ class NixlTransport:
 
     # --- transfers --------------------------------------------------------------
 
-    def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback, ready=None) -> _Job | None:
+    def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback, ready) -> _Job | None:
         """Queue ``plan`` for writing into ``peer`` (a session whose
         metadata :meth:`add_peer` loaded); returns at once. See
         :mod:`transfer.transport.base`."""
@@ -206,36 +208,28 @@ class NixlTransport:
         self._worker.put(job)
         return job
 
-    def _run(self, jobs: queue.SimpleQueue) -> None:
-        waiting: list[_Job] = []
-        posted: list[_Job] = []
-        while True:
-            try:
-                job = jobs.get(timeout=0.05) if not waiting and not posted else jobs.get_nowait()
-                while True:
-                    if job is None:
-                        for j in waiting + posted:
-                            self._fail(j)
-                        return
-                    if job is not _WAKE:
-                        waiting.append(job)
-                    job = jobs.get_nowait()
-            except queue.Empty:
-                pass
-            if self._pending:
-                self._load_pending()
-            still = []
-            for job in waiting:
-                if not job.cancelled and gate_state(job.ready, job.peer)[0]:
-                    still.append(job)  # a late event holds back its own job only
-                elif self._post(job):
-                    posted.append(job)
-            waiting = still
-            posted = [job for job in posted if not self._check(job)]
-            if posted:
-                time.sleep(min(_MAX_SLEEP_S, max(_MIN_SLEEP_S, self._inflight_bytes / _ASSUMED_BYTES_PER_S / 4)))
-            elif waiting:
-                time.sleep(_MIN_SLEEP_S)
+    # --- the worker's side (transfer.transport.worker.EngineSide) -------------------
+
+    def admit(self, job: _Job) -> None:
+        self._waiting.append(job)
+
+    def step(self) -> tuple[int, bool]:
+        if self._pending:
+            self._load_pending()
+        still = []
+        for job in self._waiting:
+            if not job.cancelled and gate_state(job.ready, job.peer)[0]:
+                still.append(job)  # a late event holds back its own job only
+            elif self._post(job):
+                self._posted.append(job)
+        self._waiting = still
+        self._posted = [job for job in self._posted if not self._check(job)]
+        return (self._inflight_bytes if self._posted else 0), bool(self._waiting or self._posted)
+
+    def fail_all(self) -> None:
+        jobs, self._waiting, self._posted = self._waiting + self._posted, [], []
+        for job in jobs:
+            self.fail(job)
 
     def _post(self, job: _Job) -> bool:
         """Post the job's requests; True while they run, False when the job
@@ -323,9 +317,7 @@ class NixlTransport:
         run_callback(job.callback, error)
         return True
 
-    def _fail(self, job: _Job) -> None:
-        if job is _WAKE:
-            return
+    def fail(self, job: _Job) -> None:
         for handle in job.handles:
             self._release(handle)
         job.handles = []

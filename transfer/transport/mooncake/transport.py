@@ -37,16 +37,15 @@ from __future__ import annotations
 
 import collections
 import logging
-import queue
-import time
 from dataclasses import dataclass, field
 
-from transfer.config import EngineConfig, apply_mooncake_env, quiet_engine_start
+from transfer.config import EngineConfig
 from transfer.errors import TransferError
 from transfer.plan import TransferPlan, split_entries
 from transfer.transport.base import DoneCallback
-from transfer.transport.worker import TransportWorker, closed_error, gate_state, run_callback
-from transfer.transport.mooncake_process import keep_forever, rdma_devices, stderr_discarded
+from transfer.transport.mooncake.process import (apply_mooncake_env, keep_forever, quiet_engine_start, rdma_devices,
+                                                 stderr_discarded)
+from transfer.transport.worker import PollingWorker, closed_error, gate_state, run_callback
 
 log = logging.getLogger("kvferry.transport")
 
@@ -58,40 +57,6 @@ log = logging.getLogger("kvferry.transport")
 # many x peers) calls, however many descriptors are in flight. A descriptor
 # that finishes early behind a slow one is seen when the slow one finishes.
 _PENDING_WINDOW = 4
-# While descriptors are outstanding the worker sleeps about a quarter of the
-# time the outstanding bytes need at this rate, within these bounds: short
-# waits keep small transfers fast, long ones leave the CPU to the engine.
-_ASSUMED_BYTES_PER_S = 2e9
-_MIN_SLEEP_S, _MAX_SLEEP_S = 20e-6, 1e-3
-
-
-# The wheels whose engine moves device memory (on TCP through a bounce
-# buffer, on RDMA by GPUDirect); ``mooncake-transfer-engine-non-cuda`` hands
-# device pointers to sockets and fails at the first transfer.
-CUDA_BUILDS = ("mooncake-transfer-engine", "mooncake-transfer-engine-cuda13", "mooncake-transfer-engine-efa",
-               "mooncake-transfer-engine-efa-cuda13")
-
-
-def installed_builds() -> list[str]:
-    """The distributions that installed the ``mooncake`` module (empty for a
-    build from source, or none)."""
-    import importlib.metadata
-    return sorted(importlib.metadata.packages_distributions().get("mooncake", []))
-
-
-def check_engine_build(device_type: str, builds: list[str] | None = None) -> None:
-    """Raise TransferError when the installed Mooncake wheel cannot move
-    memory of ``device_type`` (``cuda``: a CUDA build is needed). A build
-    from source (no wheel) is trusted. Imports no Mooncake."""
-    if device_type == "cpu":
-        return
-    builds = installed_builds() if builds is None else builds
-    if not builds or any(b in CUDA_BUILDS for b in builds):
-        return
-    raise TransferError(f"the pools are {device_type} memory, but the Mooncake engine installed is "
-                        f"{', '.join(builds)}, which cannot read or write device memory: install "
-                        f"mooncake-transfer-engine (CUDA 12) or mooncake-transfer-engine-cuda13 instead "
-                        f"(`make test-gpu` sets one up)")
 
 
 @dataclass
@@ -135,6 +100,9 @@ class MooncakeTransport:
     """Moves :class:`TransferPlan` entries from local memory into a peer's
     registered memory. Thread-safe: ``submit`` may be called from any thread."""
 
+    kind = "mooncake"
+    peer_metadata = None  # engines handshake on their own (P2P)
+
     def __init__(self, config: EngineConfig) -> None:
         apply_mooncake_env(config)
         try:
@@ -153,11 +121,21 @@ class MooncakeTransport:
         self._registered: list[int] = []
         self.num_descriptors = 0
         self.num_bytes = 0
-        #: engine status checks and worker rounds so far (what completion tracking costs)
+        #: engine status checks so far (what completion tracking costs)
         self.num_status_checks = 0
-        self.num_rounds = 0
         self._inflight_bytes = 0
-        self._worker = TransportWorker(self._run, self._fail)
+        # The worker's state (its thread only): jobs by peer not fully submitted, descriptors
+        # outstanding per peer, and per peer, oldest first, (engine id, job, bytes) of submitted ones.
+        self._by_peer: dict[str, collections.deque[_Job]] = collections.defaultdict(collections.deque)
+        self._inflight: dict[str, int] = collections.defaultdict(int)
+        self._outstanding: dict[str, collections.deque[tuple[int, _Job, int]]] = \
+            collections.defaultdict(collections.deque)
+        self._worker = PollingWorker(self)
+
+    @property
+    def num_rounds(self) -> int:
+        """Worker rounds so far (what completion tracking costs)."""
+        return self._worker.num_rounds
 
     def describe(self) -> str:
         """The transport actually in use, in words (for one log line)."""
@@ -194,7 +172,7 @@ class MooncakeTransport:
 
     # --- transfers --------------------------------------------------------------
 
-    def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback, ready=None) -> _Job | None:
+    def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback, ready) -> _Job | None:
         """Queue ``plan`` for writing into ``peer`` (a Mooncake session
         ``host:port``); returns at once, with a handle whose ``cancel()``
         stops what was not submitted yet (None for an empty plan, which
@@ -213,32 +191,27 @@ class MooncakeTransport:
         self._worker.put(job)
         return job
 
-    def _run(self, jobs: queue.SimpleQueue) -> None:
-        by_peer: dict[str, collections.deque[_Job]] = collections.defaultdict(collections.deque)
-        inflight: dict[str, int] = collections.defaultdict(int)
-        # Per peer, oldest first: (engine id, job, bytes) of submitted descriptors.
-        outstanding: dict[str, collections.deque[tuple[int, _Job, int]]] = collections.defaultdict(collections.deque)
-        cap = self.config.max_inflight_per_peer
-        while True:
-            # Admit new jobs; block only when there is nothing to do.
-            try:
-                job = jobs.get(timeout=0.05) if not outstanding and not by_peer else jobs.get_nowait()
-                while True:
-                    if job is None:
-                        self._fail_all(by_peer, outstanding)
-                        return
-                    by_peer[job.peer].append(job)
-                    job = jobs.get_nowait()
-            except queue.Empty:
-                pass
-            self._submit_round(by_peer, inflight, outstanding, cap)
-            self._check_round(outstanding, inflight)
-            self.num_rounds += 1
-            if outstanding:
-                pending = self._inflight_bytes / _ASSUMED_BYTES_PER_S / 4
-                time.sleep(min(_MAX_SLEEP_S, max(_MIN_SLEEP_S, pending)))
-            elif by_peer:  # only jobs whose ready event is not complete
-                time.sleep(_MIN_SLEEP_S)
+    # --- the worker's side (transfer.transport.worker.EngineSide) -------------------
+
+    def admit(self, job: _Job) -> None:
+        self._by_peer[job.peer].append(job)
+
+    def step(self) -> tuple[int, bool]:
+        self._submit_round(self._by_peer, self._inflight, self._outstanding, self.config.max_inflight_per_peer)
+        self._check_round(self._outstanding, self._inflight)
+        return (self._inflight_bytes if self._outstanding else 0), bool(self._outstanding or self._by_peer)
+
+    def fail_all(self) -> None:
+        jobs = {id(j): j for q in self._by_peer.values() for j in q}
+        jobs.update({id(j): j for ids in self._outstanding.values() for _, j, _ in ids})
+        for job in jobs.values():
+            self.fail(job)
+
+    @staticmethod
+    def fail(job: _Job) -> None:
+        if not job.done:
+            job.done = True
+            run_callback(job.callback, closed_error(job.peer))
 
     def _submit_round(self, by_peer, inflight, outstanding, cap) -> bool:
         progressed = False
@@ -320,18 +293,6 @@ class MooncakeTransport:
         if job.error is None:
             self.num_bytes += sum(job.lengths)
         run_callback(job.callback, job.error)
-
-    def _fail_all(self, by_peer, outstanding) -> None:
-        jobs = {id(j): j for q in by_peer.values() for j in q}
-        jobs.update({id(j): j for ids in outstanding.values() for _, j, _ in ids})
-        for job in jobs.values():
-            self._fail(job)
-
-    @staticmethod
-    def _fail(job: _Job) -> None:
-        if not job.done:
-            job.done = True
-            run_callback(job.callback, closed_error(job.peer))
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the worker (outstanding jobs fail) and unregister memory."""

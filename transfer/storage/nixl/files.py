@@ -1,5 +1,5 @@
 """The ``nixl://`` store's page files: their format and the file system calls
-around a NIXL transfer (:mod:`transfer.storage.nixl` moves the payloads).
+around a NIXL transfer (:mod:`~transfer.storage.nixl.store` moves the payloads).
 
 A file is a 4 KiB header block (magic, format version, flags, payload bytes,
 CRC-32 of the payload when flagged), then the payload: the key's segments
@@ -25,7 +25,7 @@ from typing import Sequence
 from transfer.errors import StorageError
 from transfer.storage.base import Segment
 from transfer.storage.keyfiles import TEMP_SUFFIX, KeyFiles
-from transfer.storage.nixl_config import NixlStoreConfig
+from transfer.storage.nixl.config import NixlStoreConfig
 
 __all__ = ["HEADER_BYTES", "PageEntry", "PageFiles", "file_descriptors"]
 
@@ -34,7 +34,8 @@ log = logging.getLogger("kvferry.storage.nixl")
 _MAGIC = b"KVFNIXL1"
 _FORMAT_VERSION = 1
 _HEADER = struct.Struct("<8sHHQI")  # magic, format version, flags, payload bytes, CRC-32
-HEADER_BYTES = 4096  # the payload's offset
+#: Bytes of a file's header block: the payload starts here.
+HEADER_BYTES = 4096
 _FLAG_CRC = 1
 _ALIGN = 4096
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
@@ -68,7 +69,11 @@ def os_error(url: str, what: str, exc: OSError) -> StorageError:
 
 @dataclass
 class PageEntry:
-    """One key of a batch: its file and where its bytes go."""
+    """One key of a batch: its file and where its bytes go. ``index``: the
+    key's place in the call's batch; ``total``: its payload bytes; ``fd``:
+    its open file (-1: none, a miss on a get); ``temp``: the temporary file
+    a put writes before the rename; ``crc``: the payload's checksum, when
+    one is written or checked; ``stat``: the file's, after a get opened it."""
 
     index: int
     key: str

@@ -1,35 +1,31 @@
-"""Prefill side: KVSender, one per request. The rank's room table is
-:mod:`transfer.rooms.prefill_table`."""
+"""Prefill side: KVSender, one per request. ``send()`` plans each chunk
+(:mod:`transfer.rooms.chunk_plan`), hands the direct jobs to the transport
+and the staged parts to the staged flow (:mod:`transfer.rooms.staged_prefill`),
+and the pages to the write-through (:mod:`transfer.rooms.write_through`).
+The rank's room table is :mod:`transfer.rooms.prefill_table`."""
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
-import numpy as np
-
-from bootstrap.messages import AttentionKind
 from transfer.config import Role
 from transfer.errors import KVFerryError, KVTimeoutError, PageIndexError, PeerError, RequestError, StateError
 from transfer.messages import RoomAbort, RoomStatus, Status, TransferRequest
-from transfer.plan import TransferPlan, check_transfer, page_runs, page_slice, plan_aux_regions, plan_pool
 from transfer.pools import host_page_ids
 from transfer.ready import gate_for
+from transfer.rooms.chunk_plan import Chunk, PartSpec, SendingRoom, plan_chunk
+from transfer.rooms.context import RoomHost
 from transfer.rooms.room_stats import RoomCounts
-from transfer.rooms.sender_plan import SenderPlan
+from transfer.rooms.write_through import WriteThrough
 from transfer.staging.copies import aux_row
-from transfer.staging.prefill_flow import mark_direct, part_bytes_for, plan_parts
 from transfer.state import KVPoll, RoomState
 from transfer.stats import FailureReason, RoomStats, tag_reason
-
-if TYPE_CHECKING:
-    from transfer.manager import KVManager
 
 log = logging.getLogger("kvferry.sender")
 
 
-class KVSender(SenderPlan):
+class KVSender:
     """Sends one request's KV from a prefill rank (one per room).
 
     Lifecycle: create it when the request is scheduled; ``poll()`` says
@@ -41,7 +37,7 @@ class KVSender(SenderPlan):
     ``failure_exception()`` raises why. Nothing here blocks.
     """
 
-    def __init__(self, mgr: KVManager, bootstrap_addr: str | None, bootstrap_room: int) -> None:
+    def __init__(self, mgr: RoomHost, bootstrap_addr: str | None, bootstrap_room: int) -> None:
         mgr.check_open()
         if mgr.config.role is not Role.PREFILL:
             raise StateError(f"{mgr.where}: a KVSender needs a prefill manager")
@@ -59,9 +55,7 @@ class KVSender(SenderPlan):
         self._next_part = 0
         self._jobs: list = []  # transport handles, cancelled if the room fails
         self._failure_note: str | None = None  # to send decode once nothing is in flight
-        self._chains: list[bytes] | None = None  # the prompt's page chain hashes (write-through)
-        self._aux_key: str | None = None
-        self._storage_pending = 0  # write-through jobs still reading this room's pages
+        self._write_through: WriteThrough | None = None  # with a storage tier and the prompt
         self._decode_told = False
         self._aborted = False  # by this side's scheduler
         self._counter = ctx.stats.room(self.room)
@@ -82,8 +76,8 @@ class KVSender(SenderPlan):
             self._num_pages, self._aux_index = int(num_pages), aux_index
             tier = self._ctx.storage
             if tier is not None and token_ids is not None and self._ctx.config.storage_write_through:
-                self._chains = tier.chains(token_ids)[:self._num_pages]
-                self._aux_key = tier.aux_key(token_ids)
+                self._write_through = WriteThrough(tier, self._ctx.rank, tier.chains(token_ids)[:self._num_pages],
+                                                   tier.aux_key(token_ids), self._state.where)
             self._check_sizes()
 
     def send(self, page_indices, last: bool = False, ready=None) -> None:
@@ -113,33 +107,36 @@ class KVSender(SenderPlan):
                                  + (" after the last chunk" if self._last_sent else ""))
             pages = host_page_ids(page_indices)
             gate = gate_for(ready, self._ctx.config.transfer_timeout_s, self._state.where)
+            room = SendingRoom(self._state.where, self._ctx.rank, tuple(self._requests), self._table.peers,
+                               self._num_pages, self._aux_index)
             try:
-                jobs, parts = self._plan_chunk(pages, last)
+                plan = plan_chunk(room, Chunk(pages, self._offset, last, self._next_part), self._ctx.config)
             except (ValueError, IndexError) as exc:  # the plan's checks: page ids, sizes
                 kind = PageIndexError if isinstance(exc, IndexError) else RequestError
                 self.fail(exc if isinstance(exc, KVFerryError) else kind(f"{self._state.where}: {exc}"))
                 return
+            first = self._offset
             self._offset += pages.size
+            self._next_part += len(plan.parts)
             self._last_sent = last
-            self._num_inflight += len(jobs) + len(parts)
+            self._num_inflight += len(plan.jobs) + len(plan.parts)
             if self._state.state is KVPoll.WaitingForInput:
                 self._state.move(KVPoll.Transferring)
-            if self._chains is not None:  # queued first: the room's success waits for it
-                self._write_through(pages, self._offset - pages.size, last, gate)
-            extra = {} if gate is None else {"ready": gate}  # injected transports may predate ``ready``
-            for session, plan, moved in jobs:
-                handle = self._ctx.transport.submit(session, plan,
-                                                    lambda error, m=moved: self.on_chunk_done(error, m), **extra)
+            if self._write_through is not None:  # queued first: the room's success waits for it
+                self._write_through.write(pages, first, self._aux_index if last else None, self._on_storage_done,
+                                          ready=gate)
+            for job in plan.jobs:
+                handle = self._ctx.transport.submit(job.session, job.plan,
+                                                    lambda error, m=job.moved: self.on_chunk_done(error, m),
+                                                    ready=gate)
                 if handle is not None:
                     self._jobs.append(handle)
-            for part in parts:
-                part.ready = gate
-            if parts:
-                self._table.staging.submit(parts, ready=gate)
+            if plan.parts:
+                self._table.staging.submit(self, plan.parts, ready=gate)
 
     def poll(self) -> KVPoll:
         with self._ctx.lock:
-            if self._state.state is KVPoll.Failed and self._storage_pending:
+            if self._state.state is KVPoll.Failed and self._writing_through:
                 return KVPoll.Transferring  # write-through still reads the pages: not free yet
             if self._state.state is KVPoll.Bootstrapping and \
                     time.monotonic() - self._created > self._ctx.config.bootstrap_timeout_s:
@@ -258,13 +255,13 @@ class KVSender(SenderPlan):
                 self.fail(exc)
                 return
             self._decode_told = True
-            if not self._storage_pending:  # else when the write-through is done
+            if not self._writing_through:  # else when the write-through is done
                 self._succeed()
 
-    def on_part_landed(self, part) -> None:
+    def on_part_landed(self, spec: PartSpec) -> None:
         """A staged part's write landed (before ``on_chunk_done``)."""
         with self._ctx.lock:
-            self._counts.part_landed(part)
+            self._counts.part_landed(spec)
 
     def fail(self, error: BaseException, *, notify: bool = True) -> None:
         """Fail the room, stop submitting its writes, and tell decode once
@@ -286,6 +283,20 @@ class KVSender(SenderPlan):
             self._tell_failure_when_drained()
 
     # --- internals --------------------------------------------------------------
+
+    @property
+    def _writing_through(self) -> bool:
+        """Whether write-through jobs still read this room's pages."""
+        return self._write_through is not None and self._write_through.num_pending > 0
+
+    def _on_storage_done(self, job) -> None:
+        """A write-through job ended (on the tier's thread)."""
+        with self._ctx.lock:
+            self._write_through.settle(job)
+            if self._state.state is KVPoll.Transferring and self._decode_told and not self._writing_through:
+                self._succeed()
+            elif self._state.terminal:
+                self._ctx.changed(self, self._state.state)  # poll() may now report it
 
     def _succeed(self) -> None:
         self._counts.ended(None, side="prefill", config=self._ctx.config)

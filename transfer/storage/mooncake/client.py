@@ -1,5 +1,6 @@
-"""The Mooncake Store client behind :class:`~transfer.storage.mooncake_store.MooncakeStore`,
-with every call bounded in time.
+"""The Mooncake Store client behind
+:class:`~transfer.storage.mooncake.store.MooncakeStore`, with every call
+bounded in time.
 
 The Store's calls are synchronous and have their own long timeouts: ``setup``
 against an absent master retries for about 90 s (20 x 4.5 s); with the master
@@ -64,7 +65,7 @@ def check_master(addr: str, timeout_s: float, url: str) -> None:
 class _StoreThread:
     """One daemon thread that runs every Store call, so that callers can stop
     waiting for one (the Store's calls release the GIL but cannot be
-    interrupted). Not thread-safe: :class:`MooncakeStore` serialises callers."""
+    interrupted). Not thread-safe: the store serialises its callers."""
 
     def __init__(self, url: str) -> None:
         self._url = url

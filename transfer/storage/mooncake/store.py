@@ -35,9 +35,10 @@ Batches are cut to at most ``max_entries_per_call`` buffers per call: the
 TCP transport rejects, and may wedge on, more than its per-peer queue holds
 (measured: 512 keys x 8 buffers failed after 60 s with the default queue
 caps, and the path to that holder stayed broken); kvferry also raises those
-caps before the Store's engine is built (:func:`transfer.config.apply_mooncake_env`).
+caps before the Store's engine is built
+(:func:`transfer.transport.mooncake.process.apply_mooncake_env`).
 
-Time bounds (:mod:`~transfer.storage.mooncake_client`): every Store call runs
+Time bounds (:mod:`~transfer.storage.mooncake.client`): every Store call runs
 on one worker thread that alone holds the client, and the caller waits at most
 ``call_timeout_s`` per API call (``setup_timeout_s``, ``close_timeout_s``),
 then raises :class:`~transfer.errors.StorageTimeoutError`; until the stuck call
@@ -55,62 +56,19 @@ import ctypes
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from transfer.config import EngineConfig, apply_mooncake_env
+from transfer.config import EngineConfig
 from transfer.errors import StorageClosedError, StorageError, StorageTimeoutError
 from transfer.storage.base import Segment, StorageBackend, StorageURL, check_batch, check_keys, config_from_options
-from transfer.storage.mooncake_client import StoreClient, check_master, code_name
-# the names this module held before the split, for older imports
-from transfer.storage.mooncake_client import _CODE_NAMES, _StoreThread, _is_unavailable  # noqa: F401
-from transfer.storage.mooncake_client import check_master as _check_master  # noqa: F401
-from transfer.storage.mooncake_client import code_name as _code_name  # noqa: F401
-from transfer.storage.mooncake_plan import bounce_batches, entry_chunks, pointers_and_sizes
-from transfer.storage.mooncake_plan import pointers_and_sizes as _pointers_and_sizes  # noqa: F401
+from transfer.storage.mooncake.client import StoreClient, check_master, code_name
+from transfer.storage.mooncake.config import MooncakeStoreConfig
+from transfer.storage.mooncake.plan import bounce_batches, entry_chunks, pointers_and_sizes
+from transfer.transport.mooncake.process import apply_mooncake_env
 
-__all__ = ["MooncakeStore", "MooncakeStoreConfig", "open_mooncake_store"]
+__all__ = ["MooncakeStore", "open_mooncake_store"]
 
 log = logging.getLogger("kvferry.storage.mooncake")
-
-
-@dataclass(frozen=True, kw_only=True)
-class MooncakeStoreConfig:
-    """One client of a Mooncake Store cluster.
-
-    ``master_addr`` is the master's ``host:port``. ``metadata_server`` is
-    ``P2PHANDSHAKE`` or the master's HTTP metadata URL. ``local_hostname`` is
-    the address other clients reach this one at. ``global_segment_size``:
-    bytes this client contributes to the pool (0: none); ``local_buffer_size``:
-    the Store's own buffer for its bytes API (unused by kvferry's calls but
-    required). ``bounce_bytes``: the host buffer that overwrites go through.
-    """
-
-    master_addr: str
-    metadata_server: str = "P2PHANDSHAKE"
-    protocol: str = "tcp"
-    device_name: str = ""
-    local_hostname: str = "127.0.0.1"
-    global_segment_size: int = 0
-    local_buffer_size: int = 16 << 20
-    replica_num: int = 1
-    max_entries_per_call: int = 1024
-    bounce_bytes: int = 64 << 20
-    call_timeout_s: float = 30.0
-    setup_timeout_s: float = 10.0
-    close_timeout_s: float = 10.0
-    log_level: str = "ERROR"
-
-    def __post_init__(self) -> None:
-        host, _, port = self.master_addr.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"MooncakeStoreConfig.master_addr must be host:port, got {self.master_addr!r}")
-        for name in ("replica_num", "max_entries_per_call", "bounce_bytes", "local_buffer_size",
-                     "call_timeout_s", "setup_timeout_s", "close_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"MooncakeStoreConfig.{name} must be > 0, got {getattr(self, name)!r}")
-        if self.global_segment_size < 0:
-            raise ValueError("MooncakeStoreConfig.global_segment_size must be >= 0")
 
 
 class MooncakeStore(StorageBackend):

@@ -59,11 +59,13 @@ class RegionSet:
         return found
 
     def add(self, region: Segment) -> None:
+        """Add ``region``; ValueError when it overlaps one already held."""
         if self.overlapping(*region):
             raise ValueError(f"region {region} overlaps a registered one")
         bisect.insort(self._regions, region)
 
     def remove(self, region: Segment) -> None:
+        """Remove ``region`` (exactly as added); ValueError when not held."""
         self._regions.remove(region)
 
 

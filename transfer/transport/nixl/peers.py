@@ -1,5 +1,5 @@
 """What a NIXL transport tells its peers, and what it keeps of theirs
-(:mod:`transfer.transport.nixl`). Pure: imports neither NIXL nor torch.
+(:mod:`transfer.transport.nixl.transport`). Pure: imports neither NIXL nor torch.
 
 A peer that writes needs the target agent's NIXL metadata (connection
 information and the keys of its registered memory). kvferry carries it in

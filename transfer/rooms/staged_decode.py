@@ -1,5 +1,5 @@
 """The staged path's message flow on decode (prefill's is
-:mod:`transfer.staging.prefill_flow`).
+:mod:`transfer.rooms.staged_prefill`).
 
 A StageRequest gets a region of the staging buffer (FIFO when it is full);
 ChunkStaged scatters the region into the request's pages and frees it.
@@ -8,7 +8,7 @@ decode has scattered every part before it reports Success.
 
 A region granted to a room that then fails is freed only after
 ``quarantine_s``: a write still in flight to it would otherwise land in a
-region handed to someone else. With the write fence (the area is a
+region handed to someone else. With the write fence (fenced staging: a
 :class:`~transfer.staging.arenas.StagingArenas`) there is no quarantine: a
 room whose prefill ranks confirmed they stopped writing frees its regions at
 once; one with a lost writer poisons them (their arena is retired).
@@ -19,18 +19,33 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 
-from transfer.errors import KVFerryError
-from transfer.messages import ChunkStaged, StageGrant, StageRequest
-from transfer.plan import page_slice
+from transfer.errors import KVFerryError, TransferError
+from transfer.messages import ChunkStaged, PoolAssignment, StageGrant, StageRequest
+from transfer.plan import page_slice, staged_bytes
 from transfer.rooms.context import RoomContext
-from transfer.staging.arenas import StagingArenas
-from transfer.staging.copies import page_tensor, scatter, staged_bytes, write_aux_row
+from transfer.staging.copies import page_tensor, scatter, write_aux_row
 
 log = logging.getLogger("kvferry.staging")
+
+
+class StagedReceiver(Protocol):
+    """What the flow needs of the room a part lands for (a
+    :class:`~transfer.rooms.receiver.KVReceiver`); called under ``ctx.lock``."""
+
+    @property
+    def where(self) -> str: ...
+
+    def staged_target(self, msg: ChunkStaged) -> tuple[np.ndarray, tuple[PoolAssignment, ...]] | None:
+        """The request's decode pages and what the part's rank sends; None
+        when the room takes no more parts."""
+
+    def part_scattered(self, msg: ChunkStaged) -> None: ...
+
+    def fail(self, error: BaseException) -> None: ...
 
 
 class DecodeStaging:
@@ -63,7 +78,7 @@ class DecodeStaging:
                 if not self.is_live(req.room, req.request_id):
                     self._queue.popleft()  # the room ended; its prefill learns from the abort
                     continue
-                if req.nbytes > getattr(area, "arena_bytes", area.nbytes):
+                if req.nbytes > area.max_region_bytes:
                     self._queue.popleft()  # would never fit, and hold up the queue
                     log.warning("staging request of %d bytes from %s refused: larger than a region can be",
                                 req.nbytes, req.prefill_endpoint)
@@ -79,27 +94,33 @@ class DecodeStaging:
                 except KVFerryError as exc:
                     log.warning("staging grant to %s not sent: %s", req.prefill_endpoint, exc)
 
-    def on_staged(self, msg: ChunkStaged, receiver) -> None:
+    def on_staged(self, msg: ChunkStaged, receiver: StagedReceiver | None) -> None:
         """Scatter a landed part into ``receiver``'s pages (None: the room is
-        gone; only free the region)."""
+        gone; only free the region). Under ``ctx.lock``, on purpose: a room
+        cannot turn Failed (and its pages be reused) halfway through."""
         key = (msg.room, msg.request_id, msg.prefill_tp_rank, msg.part)
         with self.ctx.lock:
             grant = self._granted.pop(key, None)
-        if grant is None or grant[1] != msg.nbytes:
-            return
-        try:
-            if receiver is not None:
-                receiver.scatter_part(msg, grant[0])
-        finally:
-            self.ctx.staging.area.free(*grant)
-            self.pump()
+            if grant is None or grant[1] != msg.nbytes:
+                return
+            try:
+                target = receiver.staged_target(msg) if receiver is not None else None
+                if target is not None:
+                    try:
+                        scatter_part(self.ctx, target[0], msg, grant[0], target[1])
+                    except Exception as exc:
+                        receiver.fail(TransferError(f"{receiver.where}: scattering staged part {msg.part}: {exc}"))
+                    else:
+                        receiver.part_scattered(msg)
+            finally:
+                self.ctx.staging.area.free(*grant)
+                self.pump()
 
     def release_room(self, room: int, request_id: int, writers_lost: bool = True) -> None:
         """A room ended: its outstanding regions go to quarantine; with the
         fence they are freed (``writers_lost`` False: every prefill rank
         confirmed it stopped writing) or poisoned."""
-        area = self.ctx.staging.area
-        fenced = isinstance(area, StagingArenas)
+        area, fenced = self.ctx.staging.area, self.ctx.staging.fenced
         with self.ctx.lock:
             for key in [k for k in self._granted if k[:2] == (room, request_id)]:
                 offset, nbytes = self._granted.pop(key)

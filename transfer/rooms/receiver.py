@@ -1,40 +1,40 @@
 """Decode side: KVReceiver, one per request. Its phases are the table of
-:mod:`transfer.rooms.decode_phases`; the rank's room table is
-:mod:`transfer.rooms.decode_table`."""
+:mod:`transfer.rooms.decode_phases`; a failing room's drain is
+:mod:`transfer.rooms.drain`, its use of the storage tier (prefetch, restore)
+:mod:`transfer.rooms.room_storage`; the rank's room table is
+:mod:`transfer.rooms.decode_table`, which also scatters staged parts
+(:mod:`transfer.rooms.staged_decode`)."""
 
 from __future__ import annotations
 
 import logging
 import random
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from bootstrap.messages import PoolRole
 from transfer.config import Role
 from transfer.errors import (KVFerryError, KVTimeoutError, PageIndexError, PeerError, ProtocolError, RequestError,
-                             StateError, StorageMissError, TransferError)
-from transfer.messages import RoomAbort, RoomStatus, Status, TransferRequest
+                             StateError, StorageMissError)
+from transfer.messages import ChunkStaged, PoolAssignment, RoomAbort, RoomStatus, Status, TransferRequest
 from transfer.pools import host_page_ids
+from transfer.rooms.context import RoomHost
 from transfer.rooms.decode_phases import ENDING, LIVE, DecodePhase, DecodePhases
+from transfer.rooms.drain import Drain
 from transfer.rooms.links import Link, LinkState
-from transfer.rooms.receiver_restore import ReceiverRestore
 from transfer.rooms.room_stats import RoomCounts
 from transfer.rooms.room_storage import RoomStorage
-from transfer.staging.decode_flow import scatter_part, take_aux_row
+from transfer.rooms.staged_decode import take_aux_row
 from transfer.state import KVPoll
 from transfer.stats import FailureReason, RoomStats, tag_reason
-
-if TYPE_CHECKING:
-    from transfer.manager import KVManager
 
 log = logging.getLogger("kvferry.receiver")
 
 P = DecodePhase
 
 
-class KVReceiver(ReceiverRestore):
+class KVReceiver:
     """Receives one request's KV on a decode rank (one per room).
 
     Create it when the request arrives with its bootstrap address and room;
@@ -58,7 +58,7 @@ class KVReceiver(ReceiverRestore):
     ``room % dp_size``.
     """
 
-    def __init__(self, mgr: KVManager, bootstrap_addr: str, bootstrap_room: int, *, prefill_node: str | None = None,
+    def __init__(self, mgr: RoomHost, bootstrap_addr: str, bootstrap_room: int, *, prefill_node: str | None = None,
                  prefill_dp_rank: int | None = None) -> None:
         mgr.check_open()
         if mgr.config.role is not Role.DECODE:
@@ -77,15 +77,10 @@ class KVReceiver(ReceiverRestore):
         self._pages: np.ndarray | None = None  # decode page ids, request order, and the aux slot: from init()
         self._aux_index, self._init_at = -1, 0.0
         self._awaiting: dict[int, set[PoolRole]] = {}  # TRANSFERRING: ranks not done yet, and their pools
-        self._failure: BaseException | None = None  # DRAINING, RESTORING: why the room failed
-        self._draining: set[int] = set()  # ranks that may still write
-        self._writers_lost = False  # a rank that may write was given up on without its word
-        self._drain_deadline = 0.0
+        self._drain = Drain()  # DRAINING: ranks that may still write; DRAINING, RESTORING: why it failed
         self._storage: RoomStorage | None = None  # with a storage tier and the prompt
-        self._prefetch = None  # storage job loading the leading pages before the request goes out
         self._prefix = 0  # leading pages the scheduler holds (init's skip_pages)
         self._skip = 0  # leading pages held or prefetched from storage: prefill does not send them
-        self._restore = None  # RESTORING: the storage job loading the pages from ``_skip`` on
         self._may_fall_back = False
         #: pages of this room restored from storage (prefetch and fallback)
         self.pages_from_storage = 0
@@ -128,7 +123,7 @@ class KVReceiver(ReceiverRestore):
                     self.fail(RequestError(f"{self.where}: {exc}"))
                     return
                 if ctx.config.storage_prefetch != "off":
-                    self._prefetch = self._storage.prefetch(self._storage_done, start=self._prefix)
+                    self._storage.prefetch(self._storage_done, start=self._prefix)
         self.poll()
 
     def poll(self) -> KVPoll:
@@ -136,17 +131,17 @@ class KVReceiver(ReceiverRestore):
         with ctx.lock:
             ph = self._phases
             now = time.monotonic()
-            if ph.phase is P.DRAINING and now > self._drain_deadline:
-                self._writers_lost = True
+            if ph.phase is P.DRAINING and self._drain.overdue(now):
                 log.info("%s: prefill ranks %s did not confirm they stopped writing within %g s",
-                         self.where, sorted(self._draining), ctx.config.peer_timeout_s)
-                self._finish_fail(self._failure)
+                         self.where, sorted(self._drain.ranks), ctx.config.peer_timeout_s)
+                self._finish_fail(self._drain.error)
             if ph.phase not in LIVE:
                 return ph.poll
             if ph.phase is P.BOOTSTRAPPING:
                 self._bootstrap(now)
             if ph.phase is P.WAITING_FOR_INPUT and self._pages is not None:
-                ph.move(P.PREFETCHING if self._prefetch is not None else P.TRANSFERRING)
+                ph.move(P.PREFETCHING if self._storage is not None and self._storage.prefetching
+                        else P.TRANSFERRING)
                 if ph.phase is P.TRANSFERRING:
                     self._send_requests()
             if ph.phase is P.PREFETCHING and self._prefetched(now):
@@ -176,10 +171,10 @@ class KVReceiver(ReceiverRestore):
     def ranks_writing(self) -> set[int]:
         """Prefill ranks that may still write into this room's pages."""
         if self._phases.phase in ENDING:
-            return set(self._draining)
+            return set(self._drain.ranks)
         return set(self._awaiting) if self._phases.phase is P.TRANSFERRING else set()
 
-    # --- room layer: called by the room table and the staging flow ---------------
+    # --- room layer: called by the room table ------------------------------------
 
     @property
     def where(self) -> str:
@@ -192,7 +187,7 @@ class KVReceiver(ReceiverRestore):
     @property
     def writers_lost(self) -> bool:
         """Whether a rank that may still write was given up on (see :mod:`transfer.staging.arenas`)."""
-        return self._writers_lost
+        return self._drain.writers_lost
 
     @property
     def link(self) -> Link | None:
@@ -207,9 +202,7 @@ class KVReceiver(ReceiverRestore):
         if ph.phase in ENDING:
             # Any terminal word from a rank means it writes no more.
             if isinstance(msg, RoomStatus):
-                self._draining.discard(msg.prefill_tp_rank)
-                if not self._draining:
-                    self._finish_fail(self._failure)
+                self._stopped_writing(msg.prefill_tp_rank)
             return
         if isinstance(msg, RoomAbort):
             self.fail(tag_reason(PeerError(f"{self.where}: prefill aborted the room: {msg.reason}"),
@@ -241,16 +234,16 @@ class KVReceiver(ReceiverRestore):
             ph.move(P.SUCCESS)
             self._table.remove(self)
 
-    def scatter_part(self, msg, offset: int) -> None:
-        """Unpack a staged part from prefill rank ``msg.prefill_tp_rank`` that
-        landed at ``offset`` of the staging memory (under ``ctx.lock``)."""
-        if self._phases.phase is not P.TRANSFERRING:
-            return
-        try:
-            scatter_part(self._ctx, self._pages, msg, offset, self._link.routes[msg.prefill_tp_rank])
-        except Exception as exc:
-            self.fail(TransferError(f"{self.where}: scattering staged part {msg.part}: {exc}"))
-            return
+    def staged_target(self, msg: ChunkStaged) -> tuple[np.ndarray, tuple[PoolAssignment, ...]] | None:
+        """Where a staged part from prefill rank ``msg.prefill_tp_rank`` goes:
+        the request's decode pages (request order) and what that rank sends;
+        None unless the room is transferring (under ``ctx.lock``)."""
+        if self._phases.phase is not P.TRANSFERRING or msg.prefill_tp_rank not in self._link.routes:
+            return None
+        return self._pages, self._link.routes[msg.prefill_tp_rank]
+
+    def part_scattered(self, msg: ChunkStaged) -> None:
+        """A staged part was scattered into the pages (under ``ctx.lock``)."""
         self._counts.staged(msg.prefill_tp_rank, self._link.routes[msg.prefill_tp_rank], msg.num_pages)
 
     def peer_lost(self, session: str, silent_s: float) -> None:
@@ -262,11 +255,10 @@ class KVReceiver(ReceiverRestore):
             lost = {p for p in self.ranks_writing() if link.ranks[p].session == session}
             if not lost:
                 return
-            self._writers_lost = True
+            self._drain.writers_lost = True
             if self._phases.phase in ENDING:  # a dead rank writes no more
-                self._draining -= lost
-                if not self._draining:
-                    self._finish_fail(self._failure)
+                for p in lost:
+                    self._stopped_writing(p, lost=True)
                 return
             p = min(lost)
             self.fail(tag_reason(PeerError(f"{self.where}: prefill rank {p} of {link.name} ({session}) silent for "
@@ -285,8 +277,8 @@ class KVReceiver(ReceiverRestore):
             if self._phases.phase not in LIVE:
                 return
             self._may_fall_back = fall_back and drain and ctx.config.storage_fallback and self._storage is not None
-            if self._prefetch is not None:
-                self._prefetch.cancel()
+            if self._storage is not None:
+                self._storage.cancel_prefetch()
             writing = self.ranks_writing() - set(stopped)
             link = self._link
             abort = RoomAbort(room=self.room, request_id=self.request_id, reason=str(error), session=ctx.rank.session)
@@ -294,12 +286,11 @@ class KVReceiver(ReceiverRestore):
                 writing -= self._table.abort_on_prefill(link, abort, self.where)
             elif notify and link is None:  # not looked up yet: told once it is (a failed lookup has nobody to tell)
                 self._table.abort_when_resolved(self.bootstrap_addr, self.prefill_node, self.prefill_dp_rank, abort)
-            self._writers_lost |= bool(writing) and not drain
+            self._drain.writers_lost |= bool(writing) and not drain
             if writing and drain:
                 log.debug("%s failing, waiting for prefill ranks %s to stop writing: %s", self.where,
                           sorted(writing), error)
-                self._failure, self._draining = error, writing
-                self._drain_deadline = time.monotonic() + ctx.config.peer_timeout_s
+                self._drain.start(error, writing, time.monotonic() + ctx.config.peer_timeout_s)
                 self._phases.move(P.DRAINING)
                 return
             self._finish_fail(error)
@@ -348,10 +339,7 @@ class KVReceiver(ReceiverRestore):
         :mod:`transfer.rooms.request_acks`): it writes nothing for the room."""
         with self._ctx.lock:
             if self._phases.phase in ENDING:
-                if tp_rank in self._draining:
-                    self._draining.discard(tp_rank)
-                    if not self._draining:
-                        self._finish_fail(self._failure)
+                self._stopped_writing(tp_rank)
                 return
             if self._phases.phase is not P.TRANSFERRING or tp_rank not in self._awaiting:
                 return
@@ -360,3 +348,68 @@ class KVReceiver(ReceiverRestore):
                 "answered a liveness ping sent after it, without it (lost on the way, or dropped by prefill)"),
                 FailureReason.REQUEST_LOST), stopped={tp_rank})
 
+    def _stopped_writing(self, tp_rank: int, *, lost: bool = False) -> None:
+        """A draining room's prefill rank writes no more (``lost``: it was
+        found dead, not told)."""
+        if tp_rank in self._drain.ranks and self._drain.stopped(tp_rank, lost=lost):
+            self._finish_fail(self._drain.error)
+
+    # --- the end: storage, restore, failure ----------------------------------------
+
+    def _storage_done(self, job) -> None:
+        """A storage job ended (on the tier's thread)."""
+        if self._storage.is_restore(job):
+            self._restore_done(job)
+        else:
+            self.poll()  # a settled prefetch lets the request go out now
+
+    def _prefetched(self, now: float) -> bool:
+        """Whether the prefetch settled (per the policy); records what it loaded."""
+        loaded = self._storage.prefetched(now - self._init_at, self._ctx.config)
+        if loaded is None:
+            return False
+        self.pages_from_storage = loaded
+        self._skip = self._prefix + loaded  # it ran from the held prefix on: the larger end
+        self._ctx.stats.prefetch_wait_seconds.observe(now - self._init_at)
+        self._counts.storage({role: loaded for role in self._ctx.storage.pools}, loaded, aux=False)
+        return True
+
+    def _finish_fail(self, error: BaseException) -> None:
+        """Nothing writes into the pages any more: restore them from storage,
+        or fail."""
+        if self._phases.phase not in LIVE | {P.DRAINING}:
+            return
+        if self._may_fall_back:
+            log.debug("%s: transfer failed (%s); restoring the room from storage", self.where, error)
+            self._drain.error = error
+            self._phases.move(P.RESTORING)
+            self._storage.restore(self._skip, self._storage_done)
+            return
+        self._really_fail(error)
+
+    def _restore_done(self, job) -> None:
+        with self._ctx.lock:
+            if self._phases.phase is not P.RESTORING:
+                return
+            error = self._drain.error
+            missing, self.draft_restored = self._storage.shortfall(
+                job, self._skip, allow_missing_draft=self._ctx.config.allow_missing_draft, where=self.where)
+            if missing:
+                self._really_fail(StorageMissError(f"{error}; restoring from storage failed: {'; '.join(missing)}"))
+                return
+            self.pages_from_storage = max(0, self._storage.num_full_pages - self._prefix)
+            self._counts.storage(job.pages, self._storage.num_full_pages - self._skip, aux=job.aux_ok)
+            self._counts.ended(None, side="decode", config=self._ctx.config)
+            log.warning("%s: restored from storage after: %s", self.where, error)
+            self._phases.move(P.SUCCESS)
+            self._table.remove(self)
+
+    def _really_fail(self, error: BaseException) -> None:
+        if not self._phases.fail(error):
+            return
+        self._table.remove(self)
+        link = self._link
+        peer = ",".join(sorted({link.ranks[p].session for p in link.routes if p in link.ranks})) \
+            if link is not None and link.ranks \
+            else f"{self.prefill_node}/dp{'?' if self.prefill_dp_rank is None else self.prefill_dp_rank}"
+        self._counts.ended(error, side="decode", config=self._ctx.config, peer=peer)

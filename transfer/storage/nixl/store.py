@@ -15,7 +15,7 @@ device, no cuFile, a NIXL build without the plugin) raises
 ``allow_fallback=1`` the store uses POSIX instead and logs a warning naming
 why (host memory only: a VRAM pool has no fallback).
 
-**Files** (:mod:`~transfer.storage.nixl_files`). A 4 KiB header block (magic, format version, flags, payload bytes,
+**Files** (:mod:`~transfer.storage.nixl.files`). A 4 KiB header block (magic, format version, flags, payload bytes,
 CRC-32 of the payload when flagged), then the payload, the key's segments
 concatenated, 4 KiB aligned as cuFile and ``direct_io=1`` (``O_DIRECT``; every
 segment then a multiple of 4 KiB, host segments 4 KiB aligned) want. The
@@ -35,10 +35,10 @@ is retried key by key, so a bad file costs only its key.
 the agent once; segments outside it are registered for one call. NIXL refuses
 a descriptor that is not inside one registered region and mis-resolves
 overlapping registrations, so the store keeps its registrations disjoint:
-overlapping ones are replaced by their union (:func:`plan_registration`, in
-:mod:`~transfer.storage.nixl_regions`; NIXL's agent is wrapped in
-:mod:`~transfer.storage.nixl_agent`, backend selection in
-:mod:`~transfer.storage.nixl_probe`).
+overlapping ones are replaced by their union
+(:func:`~transfer.storage.nixl.regions.plan_registration`; NIXL's agent is
+wrapped in :mod:`~transfer.storage.nixl.agent`, backend selection in
+:mod:`~transfer.storage.nixl.probe`).
 
 **Checks.** With ``checksum`` (default) and host memory, the header holds the
 payload's CRC-32, computed by the CPU from the pool; a mismatch on a get is a
@@ -77,20 +77,13 @@ from typing import Any, Mapping, Sequence
 from transfer.errors import StorageClosedError, StorageError, StorageTimeoutError, StorageUnavailableError
 from transfer.storage.base import Segment, StorageBackend, StorageURL, check_batch, check_keys, config_from_options
 from transfer.storage.keyfiles import KeyFiles
-from transfer.storage.nixl_agent import _Agent, _TransferStuck
-from transfer.storage.nixl_config import NixlStoreConfig
-from transfer.storage.nixl_files import HEADER_BYTES as _HEADER_BYTES
-from transfer.storage.nixl_files import PageEntry as _Entry
-from transfer.storage.nixl_files import PageFiles, file_descriptors, os_error
-# the names this module held before the split, for older imports
-from transfer.storage.nixl_files import (_ALIGN, _FLAG_CRC, _FORMAT_VERSION, _HEADER, _MAGIC,  # noqa: F401
-                                         _NO_SPACE, _crc, _views)
-from transfer.storage.nixl_probe import _import_nixl, gds_unavailable_reason, nixl_missing_reason
-from transfer.storage.nixl_regions import RegionSet, merge_regions, plan_registration
+from transfer.storage.nixl.agent import NixlAgent, TransferStuckError
+from transfer.storage.nixl.config import NixlStoreConfig
+from transfer.storage.nixl.files import HEADER_BYTES, PageEntry, PageFiles, file_descriptors, os_error
+from transfer.storage.nixl.probe import import_nixl
+from transfer.storage.nixl.regions import RegionSet, plan_registration
 
-__all__ = ["NixlStore", "NixlStoreConfig", "open_nixl_store", "file_descriptors",
-           # from the nixl_* modules, named here for the store's callers
-           "RegionSet", "gds_unavailable_reason", "merge_regions", "nixl_missing_reason", "plan_registration"]
+__all__ = ["NixlStore", "open_nixl_store"]
 
 log = logging.getLogger("kvferry.storage.nixl")
 
@@ -114,7 +107,7 @@ class NixlStore(StorageBackend):
             self._index.scan()
         except OSError as exc:
             raise StorageError(f"{self.url}: cannot open the store directory: {exc}", backend=self.url) from exc
-        self._agent = _Agent(_import_nixl(), config, self.url)
+        self._agent = NixlAgent(import_nixl(), config, self.url)
         self.backend = self._agent.backend  # the NIXL backend in use (POSIX after a fallback)
         self._files.remove(self._index.victims())
 
@@ -143,7 +136,7 @@ class NixlStore(StorageBackend):
         check_keys(keys)
         for count, key in enumerate(keys):
             try:
-                if os.stat(self._path(key)).st_size > _HEADER_BYTES:
+                if os.stat(self._path(key)).st_size > HEADER_BYTES:
                     continue
             except FileNotFoundError:
                 pass
@@ -159,10 +152,10 @@ class NixlStore(StorageBackend):
         results = [False] * len(keys)
         entries = []
         for i, (key, segs, total) in enumerate(zip(keys, segments, totals)):
-            if _HEADER_BYTES + total <= self.config.max_bytes:
-                entries.append(_Entry(i, key, segs, total))
+            if HEADER_BYTES + total <= self.config.max_bytes:
+                entries.append(PageEntry(i, key, segs, total))
             else:
-                log.debug("%s: %s (%d bytes) is larger than the cap", self.url, key, _HEADER_BYTES + total)
+                log.debug("%s: %s (%d bytes) is larger than the cap", self.url, key, HEADER_BYTES + total)
         with self._held("put"):
             try:
                 entries = [e for e in entries if self._files.create_temp(e)]
@@ -171,7 +164,7 @@ class NixlStore(StorageBackend):
                     results[entry.index] = self._files.publish(entry)
             finally:
                 self._files.close_files(entries, unlink_temps=True, keep_fds=bool(self._stopped))
-            victims = [v for e in entries if results[e.index] for v in self._index.touch(e.key, _HEADER_BYTES + e.total)]
+            victims = [v for e in entries if results[e.index] for v in self._index.touch(e.key, HEADER_BYTES + e.total)]
         self._files.remove(victims)
         return results
 
@@ -184,7 +177,7 @@ class NixlStore(StorageBackend):
             entries = []
             try:
                 for i, (key, segs, total) in enumerate(zip(keys, segments, totals)):
-                    entry = _Entry(i, key, segs, total)
+                    entry = PageEntry(i, key, segs, total)
                     entries.append(entry)
                     self._open_value(entry)
                 for entry in self._move("READ", [e for e in entries if e.fd >= 0]):
@@ -223,7 +216,7 @@ class NixlStore(StorageBackend):
 
     # -- transfers ----------------------------------------------------------
 
-    def _move(self, op: str, entries: list[_Entry]) -> list[_Entry]:
+    def _move(self, op: str, entries: list[PageEntry]) -> list[PageEntry]:
         """Move every entry's segments to (``WRITE``) or from (``READ``) its
         open file; returns the entries that moved. Registers what the call
         needs beyond the persistent registrations, and undoes that after."""
@@ -247,7 +240,7 @@ class NixlStore(StorageBackend):
                     log.warning("%s: a NIXL %s of %d keys failed; retrying key by key", self.url, op, len(chunk))
                     moved += [e for e in chunk if self._transfer(op, [e], deadline)]
             return moved
-        except _TransferStuck as exc:
+        except TransferStuckError as exc:
             self._stopped = str(exc)
             raise
         finally:
@@ -269,7 +262,7 @@ class NixlStore(StorageBackend):
             for region in lift:
                 self._registered.remove(region)
 
-    def _chunks(self, entries: list[_Entry]):
+    def _chunks(self, entries: list[PageEntry]):
         """Runs of entries with at most ``max_descs_per_xfer`` segments (at least one entry)."""
         chunk, count = [], 0
         for entry in entries:
@@ -281,7 +274,7 @@ class NixlStore(StorageBackend):
         if chunk:
             yield chunk
 
-    def _transfer(self, op: str, chunk: list[_Entry], deadline: float) -> bool:
+    def _transfer(self, op: str, chunk: list[PageEntry], deadline: float) -> bool:
         device = self._agent.device_id
         memory = [(addr, nbytes, device) for e in chunk for addr, nbytes in e.segments]
         files = [desc for e in chunk for desc in file_descriptors(e.fd, e.segments)]
@@ -291,7 +284,7 @@ class NixlStore(StorageBackend):
             log.warning("%s: NIXL could not %s %s", self.url, "write" if op == "WRITE" else "read", chunk[0].key)
         return False
 
-    def _open_value(self, entry: _Entry) -> None:
+    def _open_value(self, entry: PageEntry) -> None:
         """Open ``entry``'s file and check it (:meth:`PageFiles.open_value`)."""
         self._files.open_value(entry)
 

@@ -1,9 +1,8 @@
 """The ``nixl://`` store's NIXL agent: registration of memory and files and
 bounded transfers, with NIXL's exceptions translated into kvferry's
-(:mod:`transfer.storage.nixl` is the store built on it). Backend selection
-lives in :mod:`~transfer.storage.nixl_probe`, registration planning in
-:mod:`~transfer.storage.nixl_regions`; their names are re-exported here for
-older imports. Importing this module does not import NIXL."""
+(:mod:`~transfer.storage.nixl.store` is the store built on it; backend
+selection is :func:`~transfer.storage.nixl.probe.choose_backend`).
+Importing this module does not import NIXL."""
 
 from __future__ import annotations
 
@@ -15,34 +14,39 @@ import numpy as np
 
 from transfer.errors import StorageError, StorageTimeoutError, StorageUnavailableError
 from transfer.storage.base import Segment
-from transfer.storage.nixl_config import NixlStoreConfig
-# re-exported: these names were importable from this module before the split
-from transfer.storage.nixl_probe import (_INSTALL_HINT, _NIXL_MODULES, _choose_backend,  # noqa: F401
-                                         _cuda_missing_reason, _import_nixl, _loads, _new_agent, _start_backend,
-                                         gds_unavailable_reason, nixl_missing_reason)
-from transfer.storage.nixl_regions import RegionSet, merge_regions, plan_registration  # noqa: F401
+from transfer.storage.nixl.config import NixlStoreConfig
+from transfer.storage.nixl.probe import choose_backend, new_storage_agent
 
-__all__ = ["RegionSet", "gds_unavailable_reason", "merge_regions", "nixl_missing_reason", "plan_registration"]
+__all__ = ["NixlAgent", "TransferStuckError"]
 
 log = logging.getLogger("kvferry.storage.nixl")
 
 
-class _TransferStuck(StorageTimeoutError):
+class TransferStuckError(StorageTimeoutError):
     """A transfer ran past its deadline and NIXL could not cancel it: it may
-    still touch its memory and files, so the store stops."""
+    still touch its memory and files, so the store stops (it keeps the files
+    open and the registrations in place, and refuses later calls). Raised by
+    :meth:`NixlAgent.move`; the store's callers catch it as the
+    StorageTimeoutError it is (kvferry's exception tree does not name it)."""
 
 
-class _Agent:
+class NixlAgent:
     """The store's NIXL agent and its one backend: every NIXL call of the store
-    goes through here, and NIXL's exceptions become kvferry's."""
+    goes through here, and NIXL's exceptions become kvferry's. ``backend``:
+    the NIXL backend started (POSIX after a fallback); ``memory`` and
+    ``device_id``: what its memory descriptors name. Not thread-safe: the
+    store's lock serialises its callers.
+
+    ``api`` is NIXL's module (:func:`~transfer.storage.nixl.probe.import_nixl`);
+    StorageUnavailableError when no agent or backend can be started."""
 
     def __init__(self, api, config: NixlStoreConfig, url: str) -> None:
         self._url = url
         try:
-            self._agent = _new_agent(api)
+            self._agent = new_storage_agent(api)
         except Exception as exc:
             raise StorageUnavailableError(f"{url}: cannot create a NIXL agent: {exc}", backend=url) from exc
-        self.backend = _choose_backend(self._agent, config, url)
+        self.backend = choose_backend(self._agent, config, url)
         self.memory = config.memory
         self.device_id = config.device_id if config.memory == "VRAM" else 0  # NIXL's DRAM descriptors say 0
 
@@ -61,6 +65,7 @@ class _Agent:
                 raise StorageError(f"{self._url}: NIXL could not register {what}: {exc}", backend=self._url) from exc
 
     def deregister(self, regions: Sequence[Segment] = (), files: Sequence[int] = ()) -> None:
+        """Deregister memory regions, or files by fd (one kind per call)."""
         if regions or files:
             try:
                 self._agent.deregister_memory(self._reg_descs(regions, files), backends=[self.backend])
@@ -70,8 +75,8 @@ class _Agent:
     def move(self, op: str, memory: list, files: list, deadline: float) -> bool:
         """One NIXL transfer (``WRITE``: memory to files; ``READ``: back),
         polled until ``deadline``. True when done, False when NIXL failed it.
-        StorageTimeoutError past the deadline: the transfer was cancelled, or,
-        when ``stuck`` is set on the exception, could not be."""
+        StorageTimeoutError past the deadline when the transfer was cancelled;
+        :class:`TransferStuckError` when it could not be."""
         agent = self._agent
         try:
             handle = agent.initialize_xfer(op, agent.get_xfer_descs(np.array(memory, dtype=np.uint64), self.memory),
@@ -91,7 +96,7 @@ class _Agent:
             agent.release_xfer_handle(handle)
         except Exception as exc:
             if state == "PROC":
-                raise _TransferStuck(f"{self._url}: a NIXL {op} ran past its deadline and could not be cancelled "
+                raise TransferStuckError(f"{self._url}: a NIXL {op} ran past its deadline and could not be cancelled "
                                      f"({exc}); the store stops", backend=self._url) from exc
             log.warning("%s: NIXL could not release a finished %s: %s", self._url, op, exc)
         if state == "PROC":

@@ -1,0 +1,117 @@
+"""A rank's watch over its peers, on the ``kvferry-liveness`` thread: it pings
+the peers of live rooms, fails the rooms of a silent one
+(:mod:`transfer.liveness` decides who is silent), answers the peers' pings
+and takes their pongs (which acknowledge requests:
+:mod:`transfer.rooms.request_acks`), and polls the live rooms every
+:data:`SWEEP_INTERVAL_S` so that timeouts become state changes (and reach
+``KVManager.changed_rooms``) without a scheduler poll.
+
+It is handed the rank's room table, channel, lock and totals; the table
+answers ``live_peers``, ``endpoint_of``, ``take_acks``, ``on_pong``,
+``peer_lost`` and ``expire`` (see the prefill and decode tables).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from transfer.config import ManagerConfig
+from transfer.control.base import ControlChannel
+from transfer.errors import KVFerryError
+from transfer.liveness import Liveness
+from transfer.messages import PeerPing, PeerPong
+from transfer.stats import RankTotals
+
+log = logging.getLogger("kvferry.manager")
+
+#: How often the watch polls every live room.
+SWEEP_INTERVAL_S = 0.5
+# Pings whose send time is kept for their pongs (rounds of heartbeat_interval_s / 2).
+_PINGS_REMEMBERED = 64
+
+
+class PeerWatch:
+    """``session`` and ``endpoint`` are this rank's (what a ping says)."""
+
+    def __init__(self, config: ManagerConfig, session: str, endpoint: str, *, rooms, channel: ControlChannel,
+                 lock: threading.RLock, totals: RankTotals, where: str) -> None:
+        self.config, self.session, self.endpoint, self.where = config, session, endpoint, where
+        self.rooms, self.channel, self.lock, self.totals = rooms, channel, lock, totals
+        self.liveness = Liveness(config.heartbeat_interval_s, config.peer_timeout_s)
+        self._seq = 0
+        self._pinged_at: dict[int, float] = {}  # ping seq -> when it was sent (the latest few)
+        self._next_sweep = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvferry-liveness", daemon=True)
+
+    @property
+    def num_watched(self) -> int:
+        """Peers under watch now."""
+        with self.lock:
+            return self.liveness.num_watched
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(self.config.rpc_timeout_s + 1)
+
+    # --- the control thread: a peer's ping or pong ---------------------------------
+
+    def on_ping(self, msg: PeerPing) -> None:
+        """Answer known peers only, at the endpoint this rank knows them by:
+        a ping cannot make it connect anywhere else."""
+        with self.lock:
+            endpoint = self.rooms.endpoint_of(msg.session)
+            self.liveness.heard(msg.session, time.monotonic())
+            acks = self.rooms.take_acks(msg.session) if endpoint is not None else ()
+        if endpoint is not None:
+            try:
+                self.channel.send(endpoint, PeerPong(session=self.session, seq=msg.seq, acks=acks))
+            except KVFerryError as exc:  # closing, or the peer's queue is full
+                log.debug("%s: pong to %s not sent: %s", self.where, endpoint, exc)
+
+    def on_pong(self, msg: PeerPong) -> None:
+        with self.lock:
+            self.liveness.heard(msg.session, time.monotonic())
+            pinged_at = self._pinged_at.get(msg.seq)
+        self.rooms.on_pong(msg.session, msg.acks, pinged_at)
+
+    # --- the watch thread ------------------------------------------------------------
+
+    def _run(self) -> None:
+        tick = self.config.heartbeat_interval_s / 2
+        while not self._stop.wait(tick):
+            try:
+                self._round(time.monotonic())
+            except Exception:  # the watch must outlive any one round
+                log.exception("%s: liveness round failed", self.where)
+
+    def _round(self, now: float) -> None:
+        with self.lock:
+            watched = self.rooms.live_peers(now)
+            to_ping, lost = self.liveness.step(watched, now)
+            self.totals.num_peers_lost += len(lost)
+            self._seq += 1
+            seq = self._seq
+            # Taken before the pings go out: a request sent before ``now`` went before this ping.
+            self._pinged_at[seq] = now
+            self._pinged_at.pop(seq - _PINGS_REMEMBERED, None)
+        ping = PeerPing(session=self.session, endpoint=self.endpoint, seq=seq)
+        for _, endpoint in to_ping:
+            try:
+                self.channel.send(endpoint, ping)
+            except KVFerryError as exc:
+                log.debug("%s: ping to %s not sent: %s", self.where, endpoint, exc)
+        for session in lost:
+            log.warning("%s: peer %s silent for more than %g s: failing its rooms", self.where, session,
+                        self.config.peer_timeout_s)
+            self.rooms.peer_lost(session, self.config.peer_timeout_s)
+            self.channel.forget(watched[session])
+        if now >= self._next_sweep:  # timeouts fire here, not only when a scheduler polls
+            self._next_sweep = now + SWEEP_INTERVAL_S
+            self.rooms.expire()

@@ -1,0 +1,212 @@
+"""A prefill room's chunk, planned: what each decode rank gets of it, as
+direct descriptors or as staged parts. Pure: numpy and the plan only.
+
+For each decode request of the room a chunk becomes either
+
+- a direct job: one :class:`~transfer.plan.TransferPlan` of descriptors from
+  this rank's pools into the decode rank's pages (with the last chunk, its
+  aux row too), always one per request, empty or not: its completion is what
+  ends a room for a rank that sends nothing; or
+- staged parts (:class:`PartSpec`, at most a part's size each), when the
+  decode rank is fenced (nothing of its pools is writable), or when both
+  sides have staging and the direct descriptors would be small (scattered
+  pages, head slices): each part asks decode for a region of its staging,
+  and is written there in the packed layout, gathered into local staging
+  first, or straight from the pools when its pages lie in long runs
+  (``direct``).
+
+:func:`plan_chunk` raises :class:`~transfer.errors.RequestError` for pages
+beyond ``init()``'s count, and ``ValueError`` / ``IndexError`` from the
+plan's checks (page ids, sizes), before any byte moves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+
+from bootstrap.messages import PoolDescriptor, RankInfo
+from transfer.config import ManagerConfig
+from transfer.errors import RequestError
+from transfer.messages import TransferRequest
+from transfer.plan import (PageSlice, TransferPlan, check_transfer, page_runs, page_slice, plan_aux_regions, plan_pool,
+                           staged_bytes)
+
+
+@dataclass(frozen=True)
+class SendingRoom:
+    """What planning needs of a room: its rank (``local``), the decode
+    requests and the handshaken decode ranks by session, ``init()``'s page
+    count and aux slot (None: no aux row); ``where`` names it in errors."""
+
+    where: str
+    local: RankInfo
+    requests: tuple[TransferRequest, ...]
+    peers: Mapping[str, RankInfo]
+    num_pages: int
+    aux_index: int | None
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One ``send()``: prefill page ids from request position ``offset``;
+    staged parts are numbered from ``first_part`` (the room's next)."""
+
+    pages: np.ndarray
+    offset: int
+    last: bool
+    first_part: int
+
+
+@dataclass(frozen=True)
+class DirectJob:
+    """A decode rank's direct descriptors; ``moved``: (pool, path, bytes,
+    descriptors) for the room's stats once it lands."""
+
+    session: str
+    plan: TransferPlan
+    moved: tuple[tuple[str, str, int, int], ...]
+
+
+@dataclass(frozen=True)
+class PartSpec:
+    """Part ``part`` of a chunk for one decode request: ``src_pages`` (at
+    request position ``page_start``), packed pool by pool (each pool's page
+    slice, in the request's assignment order), ``nbytes`` in all; ``direct``:
+    written from the pools, not gathered."""
+
+    req: TransferRequest
+    part: int
+    src_pages: np.ndarray
+    page_start: int
+    pools: tuple[tuple[PoolDescriptor, PageSlice], ...]
+    nbytes: int
+    direct: bool
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    jobs: tuple[DirectJob, ...]
+    parts: tuple[PartSpec, ...]
+
+
+def plan_chunk(room: SendingRoom, chunk: Chunk, config: ManagerConfig) -> ChunkPlan:
+    """The chunk's direct jobs (one per request) and staged parts."""
+    end = chunk.offset + chunk.pages.size
+    if end > room.num_pages:
+        raise RequestError(f"{room.where}: {end} pages sent, more than the {room.num_pages} of init()")
+    if chunk.last and end != room.num_pages:
+        raise RequestError(f"{room.where}: last chunk ends at page {end} of {room.num_pages}")
+    local = room.local
+    jobs, parts = [], []
+    next_part = chunk.first_part
+    for req in room.requests:
+        peer = room.peers[req.decode_session]
+        skip = min(chunk.pages.size, max(0, req.skip_pages - chunk.offset))  # decode has these already
+        src = chunk.pages[skip:]
+        dst = np.frombuffer(req.dst_pages, dtype="<i4")[chunk.offset + skip:end]
+        sent = [a for a in req.assignments if a.send] if src.size else []
+        plans, roles = [], []
+        if sent and _staged(src, dst, sent, local, peer, config):
+            for a in sent:  # the same checks as the direct path, before any byte moves
+                check_transfer(local.pool(a.role), peer.pool(a.role), src, dst.astype(np.int64),
+                               src_head_offset=a.src_head_offset, dst_head_offset=a.dst_head_offset,
+                               num_heads=a.num_heads)
+            new = _parts(req, src, chunk.offset + skip, local, _part_bytes(local, peer, config), next_part, config)
+            next_part += len(new)
+            parts.extend(new)
+        else:
+            plans = [plan_pool(local.pool(a.role), peer.pool(a.role), src, dst, src_head_offset=a.src_head_offset,
+                               dst_head_offset=a.dst_head_offset, num_heads=a.num_heads) for a in sent]
+            roles = [a.role.value for a in sent]
+        if chunk.last and local.aux and room.aux_index is not None and req.dst_aux_index >= 0:
+            aux = plan_aux_regions(local.aux, peer.aux, room.aux_index, req.dst_aux_index)  # checks the slots
+            if not peer.fenced:  # a fenced rank gets the row in RoomStatus
+                plans.append(aux)
+                roles.append("aux")
+        moved = tuple((role, "direct", p.total_bytes, p.num_descriptors) for role, p in zip(roles, plans)
+                      if p.num_descriptors)
+        jobs.append(DirectJob(req.decode_session, TransferPlan.concat(plans), moved))
+    return ChunkPlan(tuple(jobs), tuple(parts))
+
+
+def _staged(pages, dst, sent, local: RankInfo, peer: RankInfo, config: ManagerConfig) -> bool:
+    """Whether the chunk goes to this decode rank through staging: always
+    when it is fenced, else when both sides have staging and the direct
+    descriptors would average less than ``stage_below_bytes``."""
+    if peer.fenced and pages.size:
+        return True
+    if local.staging is None or peer.staging is None or not pages.size:
+        return False
+    runs = page_runs(pages, dst).lengths.size
+    total = count = 0
+    for a in sent:
+        pool = local.pool(a.role)
+        sl, dl = page_slice(pool, a.src_head_offset, a.num_heads), \
+            page_slice(peer.pool(a.role), a.dst_head_offset, a.num_heads)
+        buffers = len(pool.buffers)
+        whole = sl.rows == dl.rows == 1 and sl.nbytes == sl.row_bytes and dl.nbytes == dl.row_bytes
+        total += pages.size * sl.packed_bytes * buffers
+        count += runs * buffers if whole else pages.size * sl.rows * buffers
+    return total / count < config.stage_below_bytes
+
+
+def _part_bytes(local: RankInfo, peer: RankInfo, config: ManagerConfig) -> int:
+    """A part's size: several fit in both staging buffers (a fenced peer's:
+    one arena's worth)."""
+    remote = peer.staging.arena_size if peer.fenced else peer.staging.nbytes // 2
+    here = local.staging.nbytes // 2 if local.staging is not None else remote
+    return max(1, min(config.stage_part_bytes, here, remote))
+
+
+def _parts(req: TransferRequest, pages: np.ndarray, page_start: int, local: RankInfo, part_bytes: int,
+           first_part: int, config: ManagerConfig) -> list[PartSpec]:
+    """A decode request's pages cut into parts of at most ``part_bytes``."""
+    pools = tuple((local.pool(a.role), page_slice(local.pool(a.role), a.src_head_offset, a.num_heads))
+                  for a in req.assignments if a.send)
+    per_page = sum(staged_bytes(p, sl, 1) for p, sl in pools)
+    if per_page == 0:
+        return []
+    step = max(1, part_bytes // per_page)
+    parts = []
+    for i, o in enumerate(range(0, len(pages), step)):
+        src = pages[o:o + step]
+        nbytes = per_page * len(src)
+        # Without local staging every part is written from the pools; with it,
+        # those whose runs are long enough that a gather would only slow them down.
+        direct = local.staging is None or \
+            nbytes / max(1, source_entries(src, pools)[1].size) >= config.stage_below_bytes
+        parts.append(PartSpec(req, first_part + i, src, page_start + o, pools, nbytes, direct))
+    return parts
+
+
+def source_entries(pages: np.ndarray, pools) -> tuple[np.ndarray, np.ndarray]:
+    """A part's packed layout as (source address, bytes) descriptors read
+    straight from the pools: one per (buffer, page run) for whole pages,
+    else one per (buffer, page, row) of the slice."""
+    pages = pages.astype(np.int64)
+    runs = page_runs(pages, pages)
+    srcs, lengths = [], []
+    for pool, sl in pools:
+        addrs = {(b.layer, b.component): b.addr for b in pool.buffers}
+        whole = sl.rows == 1 and sl.nbytes == sl.row_bytes and pool.dense
+        for layer in range(pool.num_layers):
+            for comp in pool.components:
+                base = addrs[(layer, comp)]
+                if whole:
+                    srcs.append(base + runs.src_starts * pool.page_bytes)
+                    lengths.append(runs.lengths * sl.packed_bytes)
+                else:
+                    rows = pages[:, None] * pool.page_stride + np.arange(sl.rows)[None, :] * sl.row_bytes
+                    srcs.append(base + sl.start + rows.reshape(-1))
+                    lengths.append(np.full(rows.size, sl.nbytes, dtype=np.int64))
+    return np.concatenate(srcs), np.concatenate(lengths)
+
+
+def source_plan(spec: PartSpec, dst_addr: int) -> TransferPlan:
+    """A direct part's descriptors into the region at ``dst_addr``."""
+    src, lengths = source_entries(spec.src_pages, spec.pools)
+    dst = dst_addr + np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    return TransferPlan(src.astype(np.uint64), dst.astype(np.uint64), lengths.astype(np.uint64))

@@ -1,0 +1,201 @@
+"""The staged path's message flow on prefill (decode's is
+:mod:`transfer.rooms.staged_decode`; the parts are planned by
+:mod:`transfer.rooms.chunk_plan`, the copies are :mod:`transfer.staging.copies`).
+
+Prefill, per part (a run of a chunk's pages for one decode rank)::
+
+    local staging region free  ->  StageRequest to decode
+    StageGrant                 ->  gather into local staging, write it to decode's region
+    write landed               ->  ChunkStaged to decode; the part counts as done
+
+A *direct* part (its source pages in long runs, or no local staging; see
+:class:`~transfer.rooms.chunk_plan.PartSpec`) needs no local region: on its grant its runs are
+written from the pool straight into decode's region, in the packed layout.
+
+A part's local region is freed when its write ended (or, for a room that
+failed, when no write reads it); a part of a failed room counts as done.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from dataclasses import dataclass
+from typing import Mapping, Protocol
+
+import numpy as np
+
+from bootstrap.messages import RankInfo
+from transfer.errors import KVFerryError, TransferError
+from transfer.messages import ChunkStaged, StageGrant, StageRequest
+from transfer.plan import TransferPlan
+from transfer.ready import ReadyWaiter
+from transfer.rooms.chunk_plan import PartSpec, source_plan
+from transfer.rooms.context import RoomContext
+from transfer.staging.copies import gather, page_tensor
+
+log = logging.getLogger("kvferry.staging")
+
+
+class StagedSender(Protocol):
+    """What the flow needs of a part's sender (a :class:`~transfer.rooms.sender.KVSender`)."""
+
+    room: int
+
+    @property
+    def terminal(self) -> bool: ...
+
+    @property
+    def where(self) -> str: ...
+
+    def on_chunk_done(self, error) -> None:
+        """One of the sender's submitted jobs or parts ended (``error`` None: landed)."""
+
+    def on_part_landed(self, spec: PartSpec) -> None:
+        """A part's write landed (for the room's stats; before ``on_chunk_done``)."""
+
+
+@dataclass
+class StagedPart:
+    """A planned part (``spec``) of ``sender``'s room on its way: its local
+    region once it has one (-1: none), and the producer's ``ready`` gate (a
+    :class:`~transfer.ready.ReadyGate`: gather only once it is done)."""
+
+    sender: StagedSender
+    spec: PartSpec
+    ready: object = None
+    local_offset: int = -1
+
+
+class PrefillStaging:
+    """Runs staged parts for a prefill rank's senders."""
+
+    def __init__(self, ctx: RoomContext, peers: Mapping[str, RankInfo]) -> None:
+        """``peers``: the handshaken decode ranks by session (the room
+        table's, read under ``ctx.lock``)."""
+        self.ctx = ctx
+        self.peers = peers
+        self._waiting: collections.deque[StagedPart] = collections.deque()
+        self._waiter = ReadyWaiter("kvferry-ready")
+        self._granting: dict[tuple[int, int, int], StagedPart] = {}
+
+    def submit(self, sender: StagedSender, specs, ready=None) -> None:
+        """Queue the planned parts of one of ``sender``'s chunks; with
+        ``ready`` (a :class:`~transfer.ready.ReadyGate` not done yet) only
+        once it is done, never blocking this thread (a part of a gate past
+        its deadline ends with the error). Each part ends with one
+        ``sender.on_chunk_done``."""
+        parts = [StagedPart(sender, spec, ready) for spec in specs]
+        if ready is not None and not ready.done():
+            self._waiter.when_ready(ready, lambda error: self._ready(parts, error))
+            return
+        self._queue(parts)
+
+    def _queue(self, parts: list[StagedPart]) -> None:
+        self._waiting.extend(parts)
+        self.pump()
+
+    def _ready(self, parts: list[StagedPart], error) -> None:
+        if error is None:
+            with self.ctx.lock:
+                self._queue(parts)
+            return
+        for part in parts:
+            part.sender.on_chunk_done(TransferError(f"{part.sender.where}: staging part {part.spec.part}: {error}"))
+
+    def pump(self) -> None:
+        """Give free local staging to waiting parts, in order, and ask decode."""
+        with self.ctx.lock:
+            while self._waiting:
+                part = self._waiting[0]
+                if part.sender.terminal:
+                    self._waiting.popleft()
+                    part.sender.on_chunk_done(None)  # counts as done for a failed room
+                    continue
+                spec = part.spec
+                offset = -1 if spec.direct else self.ctx.staging.area.alloc(spec.nbytes)
+                if offset is None:
+                    return
+                self._waiting.popleft()
+                part.local_offset = offset
+                req = spec.req
+                self._granting[(part.sender.room, req.request_id, spec.part)] = part
+                try:
+                    self.ctx.channel.send(req.decode_endpoint, StageRequest(
+                        room=part.sender.room, request_id=req.request_id, prefill_tp_rank=self.ctx.rank.tp_rank,
+                        prefill_endpoint=self.ctx.rank.control_endpoint, part=spec.part, nbytes=spec.nbytes))
+                except KVFerryError as exc:
+                    self._finish(part, exc)
+
+    def on_grant(self, grant: StageGrant) -> None:
+        with self.ctx.lock:
+            part = self._granting.pop((grant.room, grant.request_id, grant.part), None)
+        if part is None:
+            return
+        if part.sender.terminal:
+            self._finish(part, None)
+            return
+        spec = part.spec
+        try:
+            peer = self.peers[spec.req.decode_session]
+            arena = peer.staging.arena_size
+            if not 0 <= grant.offset <= peer.staging.nbytes - spec.nbytes or \
+                    grant.offset // arena != (grant.offset + spec.nbytes - 1) // arena:
+                raise IndexError(f"decode granted [{grant.offset}, +{spec.nbytes}) outside its staging buffer "
+                                 f"of {peer.staging.nbytes} bytes or across one of its {arena}-byte arenas")
+            if part.ready is not None:
+                part.ready.wait()  # done already: submit() queued the part only then
+            if spec.direct:
+                plan = source_plan(spec, peer.staging.addr + grant.offset)
+            else:
+                plan = self._gathered(part, peer.staging.addr + grant.offset)
+        except Exception as exc:
+            self._finish(part, TransferError(f"{part.sender.where}: staging part {spec.part}: {exc}"))
+            return
+        self.ctx.transport.submit(spec.req.decode_session, plan,
+                                  lambda err, p=part, off=grant.offset: self._landed(p, off, err), ready=None)
+
+    def _gathered(self, part: StagedPart, dst_addr: int) -> TransferPlan:
+        """Gather a part into its local region; the one descriptor that writes it."""
+        offset, spec = part.local_offset, part.spec
+        mem = self.ctx.staging
+        pages = page_tensor(spec.src_pages, mem.tensor.device)
+        for pool, sl in spec.pools:
+            offset += gather(mem.tensor, offset, mem.buffers, pool, sl, pages, mem.word_views)
+        return TransferPlan(np.asarray([self.ctx.rank.staging.addr + part.local_offset], dtype=np.uint64),
+                            np.asarray([dst_addr], dtype=np.uint64), np.asarray([spec.nbytes], dtype=np.uint64))
+
+    def release(self, sender) -> None:
+        """A sender failed: free the local regions of its parts still waiting
+        for a grant (no write reads them yet; parts being written free
+        theirs when the write ends), and drop its parts not started."""
+        with self.ctx.lock:
+            stale = [k for k, p in self._granting.items() if p.sender is sender]
+            for key in stale:
+                part = self._granting.pop(key)
+                self._finish(part, None)
+            waiting = [p for p in self._waiting if p.sender is sender]
+            for part in waiting:
+                self._waiting.remove(part)
+                sender.on_chunk_done(None)
+
+    def _landed(self, part: StagedPart, remote_offset: int, error) -> None:
+        spec = part.spec
+        if error is None:
+            part.sender.on_part_landed(spec)
+            try:
+                self.ctx.channel.send(spec.req.decode_endpoint, ChunkStaged(
+                    room=part.sender.room, request_id=spec.req.request_id, prefill_tp_rank=self.ctx.rank.tp_rank,
+                    part=spec.part, offset=remote_offset, nbytes=spec.nbytes, page_start=spec.page_start,
+                    num_pages=len(spec.src_pages)))
+            except KVFerryError as exc:
+                error = exc
+        self._finish(part, error)
+
+    def _finish(self, part: StagedPart, error, *, notify: bool = True) -> None:
+        if part.local_offset >= 0:
+            self.ctx.staging.area.free(part.local_offset, part.spec.nbytes)
+            part.local_offset = -1
+        if notify:
+            part.sender.on_chunk_done(error)
+        self.pump()
