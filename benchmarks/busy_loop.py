@@ -1,0 +1,135 @@
+"""What the busy-scheduler benchmark shares between its rank processes: the
+configuration, the pool geometry, each room's pages, and the scheduler loop
+it drives every system with (:class:`Scheduler`).
+
+A serving engine drives its transfer backend from a scheduler loop whose
+thread is busy in Python for most of each step (SGLang's scheduler, vLLM's
+model runner). The benchmark's loop runs one step every ``step_s``: idle, a
+sleep; busy, ``busy_share`` of the step pure-Python work (the rest a sleep);
+with ``extra_thread`` one more thread does pure-Python work all the time (a
+tokenizer, a metrics exporter). Each step then polls the live rooms once.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class BusyConfig:
+    """One cell of the benchmark: a workload run by one system in one
+    scheduler mode. Geometry: ``layers`` x K/V buffers of pages of
+    ``page_size`` tokens x ``heads`` x ``head_dim`` bf16 (32 KiB by default);
+    a request is ``pages`` random pages of every buffer."""
+
+    pages: int = 32
+    requests: int = 120
+    concurrency: int = 1
+    warmup: int = 2
+    layers: int = 8
+    heads: int = 8
+    head_dim: int = 128
+    page_size: int = 16
+    step_s: float = 0.010
+    busy_share: float = 0.0
+    extra_thread: bool = False
+    seed: int = 2027
+    bootstrap: str = ""  # kvferry: the bootstrap server's address
+    node_id: str = "busy-prefill"
+    endpoint: str = ""  # raw engines: decode's control endpoint
+    session: str = ""  # raw Mooncake: decode's engine session
+    addr: int = 0  # raw Mooncake: decode's pool address
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_size * self.heads * self.head_dim * 2
+
+    @property
+    def num_buffers(self) -> int:
+        return 2 * self.layers
+
+    @property
+    def request_bytes(self) -> int:
+        return self.pages * self.page_bytes * self.num_buffers
+
+    @property
+    def prefill_pages(self) -> int:
+        return max(4 * self.pages, 256)
+
+    @property
+    def decode_pages(self) -> int:
+        return (self.concurrency + 1) * self.pages + 8
+
+    @property
+    def num_rooms(self) -> int:
+        return self.warmup + self.requests
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @staticmethod
+    def from_json(text: str) -> "BusyConfig":
+        return BusyConfig(**json.loads(text))
+
+
+def src_pages(cfg: BusyConfig, room: int) -> np.ndarray:
+    """A room's prefill pages: random, the same on every side."""
+    return np.random.default_rng([cfg.seed, room]).permutation(cfg.prefill_pages)[:cfg.pages].astype(np.int64)
+
+
+class DecodePages:
+    """Decode's page allocator: random free pages per room."""
+
+    def __init__(self, cfg: BusyConfig) -> None:
+        self.free = [int(p) for p in np.random.default_rng([cfg.seed, 7]).permutation(cfg.decode_pages)]
+        self.pages = cfg.pages
+
+    def take(self) -> np.ndarray:
+        out, self.free = self.free[:self.pages], self.free[self.pages:]
+        return np.asarray(out, dtype=np.int64)
+
+    def give(self, pages) -> None:
+        self.free.extend(int(p) for p in pages)
+
+
+def _python_work(seconds: float) -> None:
+    until = time.perf_counter() + seconds
+    x = 0
+    while time.perf_counter() < until:
+        for i in range(100):
+            x += i * i
+
+
+class Scheduler:
+    """The loop's step (see the module docstring)."""
+
+    def __init__(self, cfg: BusyConfig) -> None:
+        self.cfg = cfg
+        self._stop = threading.Event()
+        if cfg.extra_thread:
+            threading.Thread(target=self._spin, name="busy-extra", daemon=True).start()
+
+    def _spin(self) -> None:
+        while not self._stop.is_set():
+            _python_work(0.001)
+
+    def step(self) -> None:
+        busy = self.cfg.busy_share * self.cfg.step_s
+        if busy:
+            _python_work(busy)
+        if self.cfg.step_s > busy:
+            time.sleep(self.cfg.step_s - busy)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def result_line(role: str, created: dict, done: dict, **extra) -> str:
+    """What a rank prints: per room its creation and end times (wall clock,
+    comparable between processes of one host)."""
+    return "BUSY_RESULT " + json.dumps({"role": role, "created": created, "done": done, **extra})

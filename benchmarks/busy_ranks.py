@@ -1,0 +1,321 @@
+"""The busy-scheduler benchmark's rank processes (see :mod:`benchmarks.busy`).
+
+``python -m benchmarks.busy_ranks ROLE --config JSON``, ROLE one of:
+
+- ``kvferry-prefill``, ``kvferry-decode``: one kvferry rank each (the
+  bootstrap server is the driver's); ``kvferry-both``: both managers and
+  one loop in one process, as ``examples/one_host.py`` runs them;
+- ``mc-prefill``, ``mc-decode``: raw Mooncake. Decode sends each request
+  (room, its pages) over a zmq pair; prefill, at its next step, writes the
+  pages with one ``batch_transfer_async_write``, waits for it at the step
+  after (``get_batch_transfer_status``) and answers ``done``;
+- ``nixl-prefill``, ``nixl-decode``: raw NIXL (UCX) the same way, one
+  prepared transfer per request, its state checked once per step.
+
+Every rank runs the scheduler loop of :mod:`benchmarks.busy_loop` and
+prints one ``BUSY_RESULT`` line: per room its creation and end times.
+Raw decode ranks print ``BUSY_READY <json>`` first (where prefill reaches
+them). Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+
+import numpy as np
+
+from benchmarks.busy_loop import BusyConfig, DecodePages, Scheduler, result_line, src_pages
+
+TIMEOUT_S = 600.0
+FIRST_ROOM = 1000
+
+
+# --- kvferry ---------------------------------------------------------------------------
+
+
+def _kvferry_manager(cfg: BusyConfig, prefill: bool):
+    import torch
+
+    from transfer.config import Role, manager_config_from_env
+    from transfer.manager import KVManager
+    from transfer.pools import MHAPool
+    from transfer.staging.hostmem import host_tensor
+
+    role = Role.PREFILL if prefill else Role.DECODE
+    base = manager_config_from_env(role)
+    config = replace(base, bootstrap_addr=cfg.bootstrap, node_id=cfg.node_id,
+                     engine=replace(base.engine, protocol="tcp"), bootstrap_timeout_s=120, transfer_timeout_s=120)
+    num_pages = cfg.prefill_pages if prefill else cfg.decode_pages
+    shape = (cfg.num_buffers, num_pages, cfg.page_size, cfg.heads, cfg.head_dim)
+    pool = host_tensor(int(np.prod(shape)) * 2, fill=0x5A if prefill else 0).view(torch.bfloat16).view(shape)
+    mhapool = MHAPool(k=[pool[2 * l] for l in range(cfg.layers)], v=[pool[2 * l + 1] for l in range(cfg.layers)],
+                      total_kv_heads=cfg.heads)
+    mgr = KVManager(config, [mhapool])
+    mgr.touch_staging()
+    return mgr
+
+
+class _KVPrefill:
+    def __init__(self, cfg: BusyConfig, mgr) -> None:
+        self.cfg, self.mgr = cfg, mgr
+        self.next, self.live, self.created, self.done, self.failed = 0, {}, {}, {}, []
+
+    def open(self) -> None:
+        from transfer.rooms.sender import KVSender
+        while self.next < self.cfg.num_rooms and len(self.live) < self.cfg.concurrency:
+            room = FIRST_ROOM + self.next
+            self.live[room] = [KVSender(self.mgr, self.cfg.bootstrap, room), False]
+            self.created[room] = time.time()
+            self.next += 1
+
+    def poll(self) -> None:
+        from transfer.state import KVPoll
+        for room, entry in list(self.live.items()):
+            sender, sent = entry
+            state = sender.poll()
+            if state is KVPoll.WaitingForInput and not sent:
+                pages = src_pages(self.cfg, room - FIRST_ROOM)
+                sender.init(len(pages))
+                sender.send(pages, last=True)
+                entry[1] = True
+                state = sender.poll()
+            if state in (KVPoll.Success, KVPoll.Failed):
+                self.done[room] = time.time()
+                if state is KVPoll.Failed:
+                    self.failed.append(room)
+                del self.live[room]
+
+    @property
+    def busy(self) -> bool:
+        return self.next < self.cfg.num_rooms or bool(self.live)
+
+
+class _KVDecode:
+    def __init__(self, cfg: BusyConfig, mgr) -> None:
+        self.cfg, self.mgr, self.alloc = cfg, mgr, DecodePages(cfg)
+        self.next, self.live, self.created, self.done, self.failed = 0, {}, {}, {}, []
+
+    def open(self) -> None:
+        from transfer.rooms.receiver import KVReceiver
+        while self.next < self.cfg.num_rooms and len(self.live) < self.cfg.concurrency:
+            room = FIRST_ROOM + self.next
+            self.created[room] = time.time()
+            receiver = KVReceiver(self.mgr, self.cfg.bootstrap, room, prefill_node=self.cfg.node_id)
+            dst = self.alloc.take()
+            receiver.init(dst)
+            self.live[room] = (receiver, dst)
+            self.next += 1
+
+    def poll(self) -> None:
+        from transfer.state import KVPoll
+        for room, (receiver, dst) in list(self.live.items()):
+            state = receiver.poll()
+            if state in (KVPoll.Success, KVPoll.Failed):
+                self.done[room] = time.time()
+                if state is KVPoll.Failed:
+                    self.failed.append(room)
+                self.alloc.give(dst)
+                del self.live[room]
+
+    @property
+    def busy(self) -> bool:
+        return self.next < self.cfg.num_rooms or bool(self.live)
+
+
+def _wait_for_node(mgr, cfg: BusyConfig) -> None:
+    from transfer.errors import BootstrapUnavailable
+    deadline = time.monotonic() + 120
+    with mgr.bootstrap_client(cfg.bootstrap) as client:
+        while True:
+            try:
+                if client.lookup(cfg.node_id, 0).ready:
+                    return
+            except BootstrapUnavailable:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit("the prefill node did not register")
+            time.sleep(0.05)
+
+
+def run_kvferry(cfg: BusyConfig, role: str) -> int:
+    sides = []
+    if role in ("kvferry-prefill", "kvferry-both"):
+        sides.append(("prefill", _KVPrefill(cfg, _kvferry_manager(cfg, True))))
+    if role in ("kvferry-decode", "kvferry-both"):
+        decode = _KVDecode(cfg, _kvferry_manager(cfg, False))
+        _wait_for_node(decode.mgr, cfg)
+        sides.append(("decode", decode))
+    sched = Scheduler(cfg)
+    cpu0, deadline = time.process_time(), time.monotonic() + TIMEOUT_S
+    while any(side.busy for _, side in sides) and time.monotonic() < deadline:
+        for _, side in sides:
+            side.open()
+        sched.step()
+        for _, side in sides:
+            side.poll()
+    sched.stop()
+    cpu = time.process_time() - cpu0
+    for name, side in sides:
+        print(result_line(name, side.created, side.done, failed=side.failed, cpu_s=cpu / len(sides),
+                          control_msgs=side.mgr.channel.num_received), flush=True)
+    for _, side in sides:
+        side.mgr.close()
+    return 0 if all(not side.failed and not side.live for _, side in sides) else 1
+
+
+# --- raw engines ----------------------------------------------------------------------
+
+
+def _arena(cfg: BusyConfig, num_pages: int, fill: int) -> np.ndarray:
+    from transfer.staging.hostmem import host_array
+    return host_array(cfg.num_buffers * num_pages * cfg.page_bytes, fill=fill)
+
+
+def _page_addrs(cfg: BusyConfig, base: int, num_pages: int, pages: np.ndarray) -> np.ndarray:
+    """The address of page ``pages[i]`` of every buffer, buffer-major."""
+    buffers = np.arange(cfg.num_buffers, dtype=np.int64)[:, None]
+    return (base + (buffers * num_pages + pages[None, :]) * cfg.page_bytes).ravel()
+
+
+def _pair(bind: bool, endpoint: str = ""):
+    import zmq
+    sock = zmq.Context.instance().socket(zmq.PAIR)
+    sock.setsockopt(zmq.LINGER, 0)
+    if bind:
+        port = sock.bind_to_random_port("tcp://127.0.0.1")
+        return sock, f"tcp://127.0.0.1:{port}"
+    sock.connect(endpoint)
+    return sock, endpoint
+
+
+def _messages(sock) -> list[dict]:
+    import zmq
+    out = []
+    while True:
+        try:
+            out.append(json.loads(sock.recv(zmq.NOBLOCK)))
+        except zmq.Again:
+            return out
+
+
+def run_raw_decode(cfg: BusyConfig, engine: str) -> int:
+    """Either raw engine's decode side: it only asks and waits for ``done``."""
+    arena = _arena(cfg, cfg.decode_pages, 0)
+    ready: dict = {}
+    if engine == "mc":
+        from benchmarks.rawengine import make_engine, register_region
+        eng = make_engine("127.0.0.1", "tcp")
+        register_region(eng, arena.ctypes.data, arena.nbytes)
+        ready = {"session": f"127.0.0.1:{eng.get_rpc_port()}", "addr": arena.ctypes.data}
+    else:
+        from benchmarks.raw_nixl import _register, make_agent
+        agent = make_agent(f"kvferry-busy-recv-{os.getpid()}", 100)
+        _register(agent, arena.ctypes.data, arena.nbytes)
+        ready = {"addr": arena.ctypes.data, "meta": agent.get_agent_metadata().hex()}
+    sock, endpoint = _pair(bind=True)
+    print("BUSY_READY " + json.dumps({"endpoint": endpoint, **ready}), flush=True)
+    if not sock.poll(120_000):
+        raise SystemExit("no prefill connected")
+    assert json.loads(sock.recv())["op"] == "hello"
+    alloc, sched = DecodePages(cfg), Scheduler(cfg)
+    created, done, live, nxt = {}, {}, {}, 0
+    deadline = time.monotonic() + TIMEOUT_S
+    while (nxt < cfg.num_rooms or live) and time.monotonic() < deadline:
+        while nxt < cfg.num_rooms and len(live) < cfg.concurrency:
+            room = FIRST_ROOM + nxt
+            created[room] = time.time()
+            live[room] = alloc.take()
+            sock.send(json.dumps({"op": "req", "room": room, "pages": live[room].tolist()}).encode())
+            nxt += 1
+        sched.step()
+        for msg in _messages(sock):
+            done[msg["room"]] = time.time()
+            alloc.give(live.pop(msg["room"]))
+    sched.stop()
+    print(result_line("decode", created, done, failed=[r for r in created if r not in done]), flush=True)
+    return 0 if len(done) == cfg.num_rooms else 1
+
+
+def run_raw_prefill(cfg: BusyConfig, engine: str, peer: dict) -> int:
+    arena = _arena(cfg, cfg.prefill_pages, 0x5A)
+    sizes = np.full(cfg.num_buffers * cfg.pages, cfg.page_bytes, dtype=np.int64)
+    if engine == "mc":
+        from benchmarks.rawengine import make_engine, register_region
+        eng = make_engine("127.0.0.1", "tcp")
+        register_region(eng, arena.ctypes.data, arena.nbytes)
+    else:
+        from benchmarks.raw_nixl import _descs, _register, make_agent
+        agent = make_agent(f"kvferry-busy-send-{os.getpid()}", 100)
+        _register(agent, arena.ctypes.data, arena.nbytes)
+        remote = agent.add_remote_agent(bytes.fromhex(peer["meta"]))
+    sock, _ = _pair(bind=False, endpoint=peer["endpoint"])
+    sock.send(json.dumps({"op": "hello"}).encode())
+    sched = Scheduler(cfg)
+    created, done, pending, waiting = {}, {}, [], []  # waiting: submitted in an earlier step
+    deadline = time.monotonic() + TIMEOUT_S
+    while len(done) < cfg.num_rooms and time.monotonic() < deadline:
+        sched.step()
+        if engine == "mc" and waiting:  # submitted a step ago: wait for them (the engine spins, GIL released)
+            if eng.get_batch_transfer_status([bid for _, bid in waiting]) != 0:
+                raise SystemExit("a raw Mooncake batch failed")
+            pending, waiting = pending + [room for room, _ in waiting], []
+        elif engine == "nixl":
+            for room, handle in list(waiting):
+                state = agent.check_xfer_state(handle)
+                if state == "DONE":
+                    agent.release_xfer_handle(handle)
+                    pending.append(room)
+                    waiting.remove((room, handle))
+                elif state != "PROC":
+                    raise SystemExit(f"a raw NIXL write failed ({state})")
+        for room in pending:
+            done[room] = time.time()
+            sock.send(json.dumps({"op": "done", "room": room}).encode())
+        pending = []
+        for msg in _messages(sock):
+            room = msg["room"]
+            created[room] = time.time()
+            src = _page_addrs(cfg, arena.ctypes.data, cfg.prefill_pages, src_pages(cfg, room - FIRST_ROOM))
+            dst = _page_addrs(cfg, peer["addr"], cfg.decode_pages, np.asarray(msg["pages"], dtype=np.int64))
+            if engine == "mc":
+                bid = eng.batch_transfer_async_write(peer["session"], src.tolist(), dst.tolist(), sizes.tolist())
+                if bid == 0:
+                    raise SystemExit("Mooncake refused a batch")
+                waiting.append((room, bid))
+            else:
+                handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(_descs(src, sizes), "DRAM"),
+                                               agent.get_xfer_descs(_descs(dst, sizes), "DRAM"), remote,
+                                               backends=["UCX"])
+                if agent.transfer(handle) == "ERR":
+                    raise SystemExit("NIXL refused a write")
+                waiting.append((room, handle))
+    sched.stop()
+    print(result_line("prefill", created, done, failed=[]), flush=True)
+    return 0 if len(done) == cfg.num_rooms else 1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("role", choices=["kvferry-prefill", "kvferry-decode", "kvferry-both", "mc-prefill", "mc-decode",
+                                     "nixl-prefill", "nixl-decode"])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--peer", default="{}", help="raw prefill: decode's BUSY_READY line")
+    args = ap.parse_args(argv)
+    cfg = BusyConfig.from_json(args.config)
+    if args.role.startswith("kvferry"):
+        return run_kvferry(cfg, args.role)
+    engine, _, side = args.role.partition("-")
+    if side == "decode":
+        return run_raw_decode(cfg, engine)
+    return run_raw_prefill(cfg, engine, json.loads(args.peer))
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # skip the engines' slow destructors
