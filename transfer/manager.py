@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import NamedTuple, Sequence
 
 from bootstrap.client import BootstrapClient
 from bootstrap.messages import RankInfo
 from transfer.changes import ChangeLog
 from transfer.config import ManagerConfig, Role, apply_log_level
-from transfer.control.base import ChannelFactory, ControlChannel
+from transfer.control.base import ChannelFactory, ChannelOptions, ControlChannel
 from transfer.control.zmq_channel import zmq_channel
 from transfer.errors import ClosedError, KVFerryError
 from transfer.messages import PeerBye, PeerPing, PeerPong
@@ -32,6 +33,9 @@ from transfer.transport.base import Transport
 from transfer.transport.factory import build_transport
 
 log = logging.getLogger("kvferry.manager")
+
+#: A scheduler polling many rooms in a row pumps once for them (see KVManager.pump).
+PUMP_INTERVAL_S = 200e-6
 
 
 class PrefillTopology(NamedTuple):
@@ -72,7 +76,7 @@ class KVManager:
     Seams (for tests, or another engine): ``transport`` is a
     :class:`~transfer.transport.base.Transport` not yet registered (default:
     the one :func:`~transfer.transport.factory.build_transport` builds for
-    ``config.engine``); ``channel_factory(host, handler, secret)`` builds the
+    ``config.engine``); ``channel_factory(options, handler)`` builds the
     :class:`~transfer.control.base.ControlChannel` (default: zmq). The
     manager registers the transport's memory and closes both.
 
@@ -98,6 +102,7 @@ class KVManager:
         self._lock = threading.RLock()
         self._progress = threading.Condition(self._lock)
         self._changes = ChangeLog()
+        self._pumped_at = 0.0
         self.rooms: PrefillRooms | DecodeRooms | None = None
         # Built before any allocation: the non-CUDA Mooncake wheel cannot move device memory.
         self.transport: Transport = transport if transport is not None else \
@@ -111,7 +116,9 @@ class KVManager:
                     regions.append((staging.tensor.data_ptr(), staging.tensor.numel()))
                 self.transport.register(regions)
             factory = channel_factory if channel_factory is not None else zmq_channel
-            self.channel: ControlChannel = factory(config.host, self._on_message, config.secret or None)
+            self.channel: ControlChannel = factory(ChannelOptions(
+                host=config.host, secret=config.secret or None, heartbeat_interval_s=config.heartbeat_interval_s,
+                peer_timeout_s=config.peer_timeout_s), self._on_message)
         except BaseException:
             self.transport.close()
             raise
@@ -140,7 +147,7 @@ class KVManager:
         self.context = RoomContext(
             config=config, where=self.where, rank=self.rank, lock=self._lock, changed=self._changed,
             transport=self.transport, channel=self.channel, staging=staging, storage=self.storage,
-            bootstrap_client=self.bootstrap_client, stats=self._totals, aux=aux)
+            bootstrap_client=self.bootstrap_client, stats=self._totals, aux=aux, pump=self.pump)
         #: the room table (prefill or decode)
         self.rooms = PrefillRooms(self.context) if config.role is Role.PREFILL else DecodeRooms(self.context)
         self.watch = PeerWatch(config, self.rank.session, self.channel.endpoint, rooms=self.rooms,
@@ -217,6 +224,18 @@ class KVManager:
         server has it); of a fenced decode rank's span only the live arenas."""
         if self.context.staging is not None:
             self.context.staging.touch()
+
+    def pump(self) -> None:
+        """Hand the control messages that arrived to the rooms, and move the
+        transfers along, now, on this thread (see
+        :class:`~transfer.rooms.context.RoomContext`); never blocks. Every
+        room's ``poll()`` calls it (at most once per :data:`PUMP_INTERVAL_S`)."""
+        now = time.monotonic()
+        if now - self._pumped_at < PUMP_INTERVAL_S or self._closed:
+            return
+        self._pumped_at = now
+        self.channel.drain()
+        self.transport.pump()
 
     def _on_message(self, msg, origin: str = "") -> None:
         if isinstance(msg, PeerPing):

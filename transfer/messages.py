@@ -90,7 +90,13 @@ class TransferRequest:
     prefetched from storage); prefill sends only the rest (the aux row
     always). ``prefix_pages`` (at most ``skip_pages``): of those, the ones
     the decode scheduler said it holds (``KVReceiver.init(skip_pages=)``),
-    which the prefill scheduler reads as ``KVSender.decode_prefix_pages``."""
+    which the prefill scheduler reads as ``KVSender.decode_prefix_pages``.
+
+    ``staging_offset`` (-1: none): a region of ``staging_nbytes`` of the
+    (fenced) decode rank's staging, granted with the request for everything
+    this prefill rank sends of the room, packed as staged parts are, from
+    request page ``skip_pages`` on: its parts go there without a
+    StageRequest each (none when the staging had no room for it)."""
 
     room: int
     request_id: int
@@ -103,6 +109,8 @@ class TransferRequest:
     num_requests: int
     skip_pages: int = 0
     prefix_pages: int = 0
+    staging_offset: int = -1
+    staging_nbytes: int = 0
 
     def __post_init__(self) -> None:
         if len(self.dst_pages) % 4:
@@ -113,6 +121,8 @@ class TransferRequest:
             raise ValueError("skip_pages must be within the request's pages")
         if not 0 <= self.prefix_pages <= self.skip_pages:
             raise ValueError("prefix_pages must be within skip_pages")
+        if self.staging_offset < -1 or self.staging_nbytes < 0 or (self.staging_offset >= 0) != (self.staging_nbytes > 0):
+            raise ValueError("a staging grant needs an offset >= 0 and nbytes > 0 (offset -1: none)")
 
 
 class Status(str, enum.Enum):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from bootstrap import codec
+from transfer.control.base import ChannelOptions
 from transfer.errors import ClosedError, TransferError
 from transfer.messages import PeerPing, RoomAbort
 from transfer.plan import TransferPlan
@@ -101,8 +102,8 @@ def _channels(fabric, secret=None, other_secret=None):
             events[name].set()
         return on
 
-    return fabric.channel("127.0.0.1", handler("a"), secret), \
-        fabric.channel("127.0.0.1", handler("b"), other_secret or secret), got, events
+    return fabric.channel(ChannelOptions(host="127.0.0.1", secret=secret), handler("a")), \
+        fabric.channel(ChannelOptions(host="127.0.0.1", secret=other_secret or secret), handler("b")), got, events
 
 
 def test_messages_arrive_in_order_through_the_codec():

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from bootstrap import codec
+from transfer.control.base import ChannelOptions
 from transfer import (BootstrapRefused, ClosedError, KVFerryError, KVPoll, KVReceiver, KVSender, PageIndexError,
                       PeerError, RequestError)
 from transfer.messages import PeerHello, PeerHelloReply, RoomAbort, TransferRequest
@@ -23,7 +24,7 @@ class _Listener:
 
     def __init__(self, fabric) -> None:
         self.got, self.event = [], threading.Event()
-        self.channel = fabric.channel("127.0.0.1", self._on)
+        self.channel = fabric.channel(ChannelOptions(host="127.0.0.1"), self._on)
 
     def _on(self, msg, origin) -> None:
         self.got.append(msg)

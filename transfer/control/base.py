@@ -23,21 +23,46 @@ The contract every implementation keeps:
   :class:`~transfer.errors.TransferError` when the queue to that peer is
   full; a peer that is not there is not an error (the message waits or is
   lost, as on a network).
-- ``forget(endpoint)`` drops what is queued for a peer taken for dead; a
-  later ``send`` reaches it afresh.
+- ``drain()`` hands every message that arrived to the handler now, on the
+  caller's thread, and returns how many (0 at once when another thread is
+  handling messages: they are being handled). It never blocks; handlers run
+  one at a time and in order whichever thread runs them. A scheduler whose
+  thread is busy makes progress this way without waiting for the channel's
+  thread to get the interpreter lock.
+- ``peer_up(endpoint)``: whether the connection to a peer this channel sends
+  to is alive as the transport itself sees it, with no Python thread of
+  either process involved (zmq: its ZMTP handshake succeeded and its
+  heartbeats are answered); None when it cannot tell (nothing sent there
+  yet). A peer whose process is alive but whose Python threads are starved
+  stays up; a killed one goes down at once, a stopped one within
+  ``peer_timeout_s / 2``.
 - ``close()`` stops the receiving thread within a bounded time. Idempotent.
 
 A :class:`KVManager <transfer.manager.KVManager>` builds its channel through a
-:data:`ChannelFactory`, ``factory(host, handler, secret)``, because the
-handler is the manager's own.
+:data:`ChannelFactory`, ``factory(options, handler)``, because the handler is
+the manager's own.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 #: ``handler(msg, origin)``; see the module docstring.
 Handler = Callable[[Any, str], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChannelOptions:
+    """``host``: the address peers reach this rank at (the channel binds
+    there); ``secret``: seals every message (None: off); the connection
+    heartbeats of ``peer_up``: every ``heartbeat_interval_s``, a peer
+    unanswered for ``peer_timeout_s / 2`` is down."""
+
+    host: str
+    secret: str | None = None
+    heartbeat_interval_s: float = 0.5
+    peer_timeout_s: float = 4.0
 
 
 class ControlChannel(Protocol):
@@ -48,12 +73,13 @@ class ControlChannel(Protocol):
 
     def send(self, endpoint: str, msg) -> None: ...
 
-    def forget(self, endpoint: str) -> None: ...
+    def drain(self) -> int: ...
+
+    def peer_up(self, endpoint: str) -> bool | None: ...
 
     def close(self) -> None: ...
 
 
-#: ``factory(host, handler, secret)``: a channel bound on ``host`` (the
-#: address peers reach this rank at) that hands messages to ``handler``;
-#: ``secret`` is None when messages are not sealed.
-ChannelFactory = Callable[[str, Handler, "str | None"], ControlChannel]
+#: ``factory(options, handler)``: a channel bound on ``options.host`` that
+#: hands messages to ``handler``.
+ChannelFactory = Callable[[ChannelOptions, Handler], ControlChannel]

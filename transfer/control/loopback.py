@@ -28,6 +28,9 @@ class Router(Protocol):
         """Deliver ``payload`` (``msg`` encoded) from ``src`` to the channel
         bound at ``dst`` (or not), with the origin :func:`origin_of` ``src``."""
 
+    def peer_up(self, src: str, dst: str) -> bool:
+        """Whether messages from ``src`` reach ``dst`` now (bound, not cut nor held)."""
+
     def unbind(self, endpoint: str) -> None: ...
 
 
@@ -41,12 +44,14 @@ class LoopbackChannel:
     """Bound at ``endpoint`` on ``router`` (the fabric that built it)."""
 
     def __init__(self, router: Router, endpoint: str, handler: Handler, secret: str | bytes | None = None) -> None:
+        """``secret`` seals every message (None: off)."""
         self.endpoint = endpoint
         self._router = router
         self._handler = handler
         self._key = codec.secret_key(secret)
         self._inbox: collections.deque[tuple[float, bytes, str]] = collections.deque()
         self._cond = threading.Condition()
+        self._handling = threading.Lock()  # one thread at a time takes messages off the inbox and handles them
         self._closed = False
         self.num_received = 0
         self.num_malformed = 0
@@ -60,8 +65,27 @@ class LoopbackChannel:
             raise ClosedError("control channel is closed")
         self._router.route(self.endpoint, endpoint, payload, msg)
 
-    def forget(self, endpoint: str) -> None:
-        """Nothing is queued on this side: messages wait at the destination."""
+    def peer_up(self, endpoint: str) -> bool:
+        return self._router.peer_up(self.endpoint, endpoint)
+
+    def drain(self) -> int:
+        """Handle every due message now, on this thread (0 when the delivery thread is handling)."""
+        if not self._handling.acquire(blocking=False):
+            return 0
+        try:
+            count = 0
+            while (item := self._take_due()) is not None:
+                self._handle(*item[1:])
+                count += 1
+            return count
+        finally:
+            self._handling.release()
+
+    def _take_due(self) -> tuple[float, bytes, str] | None:
+        with self._cond:
+            if self._inbox and self._inbox[0][0] <= time.monotonic() and not self._closed:
+                return self._inbox.popleft()
+            return None
 
     def deliver(self, payload: bytes, due: float = 0.0, origin: str = "") -> None:
         """Called by the fabric: queue ``payload`` (from ``origin``) for the
@@ -71,36 +95,41 @@ class LoopbackChannel:
                 self._inbox.append((due, payload, origin))
                 self._cond.notify()
 
-    def _next(self) -> tuple[float, bytes, str] | None:
+    def _wait_due(self) -> bool:
+        """Wait until a message is due; False once closed."""
         with self._cond:
             while not self._closed:
                 if self._inbox:
                     wait = self._inbox[0][0] - time.monotonic()
                     if wait <= 0:
-                        return self._inbox.popleft()
+                        return True
                     self._cond.wait(min(wait, 0.05))
                 else:
                     self._cond.wait(0.05)
-            return None
+            return False
 
     def _run(self) -> None:
-        while (item := self._next()) is not None:
-            _, payload, origin = item
-            self.num_received += 1
-            try:
-                msg = codec.decode(payload, self._key)
-            except AuthError as exc:
-                self.num_unauthenticated += 1
-                log.warning("control %s: dropped a message: %s", self.endpoint, exc)
-                continue
-            except ProtocolError as exc:
-                self.num_malformed += 1
-                log.warning("control %s: dropped a malformed message: %s", self.endpoint, exc)
-                continue
-            try:
-                self._handler(msg, origin)
-            except Exception:
-                log.exception("control %s: handling %s failed; the channel goes on", self.endpoint, msg.KIND)
+        while self._wait_due():
+            with self._handling:
+                if (item := self._take_due()) is not None:
+                    self._handle(*item[1:])
+
+    def _handle(self, payload: bytes, origin: str) -> None:
+        self.num_received += 1
+        try:
+            msg = codec.decode(payload, self._key)
+        except AuthError as exc:
+            self.num_unauthenticated += 1
+            log.warning("control %s: dropped a message: %s", self.endpoint, exc)
+            return
+        except ProtocolError as exc:
+            self.num_malformed += 1
+            log.warning("control %s: dropped a malformed message: %s", self.endpoint, exc)
+            return
+        try:
+            self._handler(msg, origin)
+        except Exception:
+            log.exception("control %s: handling %s failed; the channel goes on", self.endpoint, msg.KIND)
 
     def close(self, timeout_s: float = 2.0) -> None:
         with self._cond:

@@ -3,37 +3,61 @@ It keeps the contract of :mod:`transfer.control.base`.
 
 Each rank binds one ROUTER socket (its *control endpoint*) and reaches peers
 through one DEALER per peer endpoint. Messages are one-way and self-describing
-(they say who sent them), so replies are just messages the other way. One
-thread receives, decodes with the codec and hands each message to the
-handler; a malformed or unauthenticated message is counted and dropped, and
-an exception in the handler is logged: the thread never dies of input. With
-a shared secret every message is sealed and must verify (see
-:mod:`bootstrap.codec`).
+(they say who sent them), so replies are just messages the other way. A
+malformed or unauthenticated message is counted and dropped, and an
+exception in the handler is logged: no thread dies of input. With a shared
+secret every message is sealed and must verify (see :mod:`bootstrap.codec`).
+
+Receiving: whoever holds the receive lock reads the ROUTER until it is empty
+and hands each message to the handler, in order: the channel's own thread,
+woken by the socket's file descriptor (``ZMQ_FD``, polled by the OS with the
+interpreter lock released), or any caller of :meth:`ZmqChannel.drain` (a
+busy scheduler thread, which then needs no other thread to get the
+interpreter lock). Both read until ``EAGAIN``, as the edge-triggered
+``ZMQ_FD`` requires.
+
+Connections: every DEALER sends ZMTP heartbeats (answered by libzmq's own
+I/O thread, no Python involved) and is watched through a socket monitor, so
+:meth:`ZmqChannel.peer_up` tells a peer whose process is alive, however
+busy its Python threads, from one that was killed (down at once) or stopped
+(down once its heartbeats go unanswered).
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import os
+import select
 import threading
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from bootstrap import codec
-from transfer.control.base import Handler
+from transfer.control.base import ChannelOptions, Handler
 from transfer.errors import AuthError, ClosedError, ProtocolError, TransferError
 
 log = logging.getLogger("kvferry.channel")
 
 # How long messages queued to a peer whose socket is evicted (over max_peers) may still take to leave.
 _EVICT_LINGER_MS = 2000
+# Reconnection attempts to a peer back off up to this interval (each attempt wakes the receiving thread).
+_RECONNECT_MAX_MS = 2000
+# The receiving thread looks at its sockets at least this often (a safety net; it is woken by them).
+_IDLE_WAKE_MS = 1000
+_UP = zmq.EVENT_HANDSHAKE_SUCCEEDED
+_DOWN = (zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+         | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 class ZmqChannel:
-    """``send`` is thread-safe and never blocks; ``close`` stops the receiver."""
+    """``send`` is thread-safe and never blocks; ``drain`` never blocks;
+    ``close`` stops the receiver."""
 
-    def __init__(self, host: str, handler: Handler, *, port: int = 0, send_queue_msgs: int = 10000,
-                 secret: str | bytes | None = None, max_peers: int = 1024) -> None:
+    def __init__(self, options: ChannelOptions, handler: Handler, *, port: int = 0, send_queue_msgs: int = 10000,
+                 max_peers: int = 1024) -> None:
+        host = options.host
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -49,19 +73,32 @@ class ZmqChannel:
             raise OSError(f"control channel cannot bind tcp://{host}:{port}: {exc}") from exc
         self.endpoint = f"tcp://{host}:{port}"
         self._handler = handler
-        self._key = codec.secret_key(secret)
+        self._key = codec.secret_key(options.secret)
         self._send_queue_msgs = send_queue_msgs
+        self._heartbeat_ms = max(1, int(options.heartbeat_interval_s * 1000))
+        self._heartbeat_timeout_ms = max(self._heartbeat_ms + 1, int(options.peer_timeout_s * 500))
         # Least recently used first; beyond ``max_peers`` the oldest socket is
         # closed (a flood of introductions cannot exhaust file descriptors).
         self._dealers: collections.OrderedDict[str, zmq.Socket] = collections.OrderedDict()
         self._max_peers = max_peers
         self._send_lock = threading.Lock()
+        self._recv_lock = threading.Lock()
         self._closed = threading.Event()
+        # Monitors of new DEALERs, for the receiving thread (which owns every monitor and
+        # closes it when its DEALER closed: the monitor then reports EVENT_MONITOR_STOPPED).
+        self._monitors_new: list[tuple[str, zmq.Socket]] = []
+        self._monitor_of: dict[str, zmq.Socket] = {}  # endpoint -> its current DEALER's monitor
+        self._up: dict[str, bool] = {}  # endpoint -> connection alive (set by the receiving thread)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self.num_received = 0
         self.num_malformed = 0
         self.num_unauthenticated = 0
         self._thread = threading.Thread(target=self._run, name="kvferry-control", daemon=True)
         self._thread.start()
+
+    # --- sending -----------------------------------------------------------------------
 
     def send(self, endpoint: str, msg) -> None:
         """Queue ``msg`` for ``endpoint``. Raises ClosedError after close, and
@@ -77,61 +114,142 @@ class ZmqChannel:
                 if len(self._dealers) >= self._max_peers:
                     # What is still queued to the evicted peer gets a while to leave (a live
                     # peer's messages are not dropped for being the least recently used).
-                    self._dealers.popitem(last=False)[1].close(_EVICT_LINGER_MS)
-                sock = self._ctx.socket(zmq.DEALER)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.SNDHWM, self._send_queue_msgs)
-                sock.connect(endpoint)
-                self._dealers[endpoint] = sock
+                    self._drop(*self._dealers.popitem(last=False), linger_ms=_EVICT_LINGER_MS)
+                sock = self._dealers[endpoint] = self._dealer(endpoint)
             try:
                 sock.send(payload, zmq.NOBLOCK)
             except zmq.Again:
                 raise TransferError(f"control queue to {endpoint} is full ({self._send_queue_msgs} messages)",
                                     peer=endpoint) from None
 
-    def forget(self, endpoint: str) -> None:
-        """Drop the socket to a peer taken for dead (and its queued messages);
-        a later ``send`` reconnects."""
-        with self._send_lock:
-            sock = self._dealers.pop(endpoint, None)
-            if sock is not None:
-                sock.close(0)
+    def _dealer(self, endpoint: str) -> zmq.Socket:
+        """A DEALER to ``endpoint`` with heartbeats, its monitor handed to the receiving thread (under the send lock)."""
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, self._send_queue_msgs)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, self._heartbeat_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self._heartbeat_timeout_ms)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, self._heartbeat_timeout_ms)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, _RECONNECT_MAX_MS)  # a dead peer is retried ever less often
+        mon = self._monitor_of[endpoint] = sock.get_monitor_socket(_UP | _DOWN)
+        self._monitors_new.append((endpoint, mon))
+        sock.connect(endpoint)
+        self._wake()
+        return sock
 
-    def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
+    def _drop(self, endpoint: str, sock: zmq.Socket, *, linger_ms: int = 0) -> None:
+        """Close a DEALER (under the send lock); the receiving thread closes its monitor."""
+        sock.close(linger_ms)
+        self._monitor_of.pop(endpoint, None)
+        self._up.pop(endpoint, None)
+
+    def peer_up(self, endpoint: str) -> bool | None:
+        """Whether the connection to ``endpoint`` is alive (see the module docstring); None: not known."""
+        return self._up.get(endpoint)
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"w")
+        except (BlockingIOError, OSError):
+            pass  # a wake-up is pending already, or the channel is closing
+
+    # --- receiving ---------------------------------------------------------------------
+
+    def drain(self) -> int:
+        """Hand every message that arrived to the handler now, on this thread;
+        0 at once when another thread is doing so."""
+        if not self._recv_lock.acquire(blocking=False):
+            return 0
+        try:
+            return self._drain_locked()
+        finally:
+            self._recv_lock.release()
+
+    def _drain_locked(self) -> int:
+        count = 0
         while not self._closed.is_set():
             try:
-                if not poller.poll(50):
-                    continue
                 frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                continue
+                return count
             except zmq.ZMQError as exc:
                 if not self._closed.is_set():
                     log.error("control: receive failed: %s", exc)
-                continue
-            self.num_received += 1
+                return count
+            count += 1
+            self._handle(frames)
+        return count
+
+    def _handle(self, frames) -> None:
+        self.num_received += 1
+        try:
+            if len(frames) != 2:
+                raise ProtocolError(f"expected 1 payload frame, got {len(frames) - 1}")
+            origin = _origin(frames[1])
+            msg = codec.decode(frames[1].bytes, self._key)
+        except AuthError as exc:
+            self.num_unauthenticated += 1
+            _log_drop(self.num_unauthenticated, "control %s: dropped an unauthenticated message (%d so far): %s",
+                      self.endpoint, self.num_unauthenticated, exc)
+            return
+        except ProtocolError as exc:
+            self.num_malformed += 1
+            _log_drop(self.num_malformed, "control %s: dropped a malformed message (%d so far): %s",
+                      self.endpoint, self.num_malformed, exc)
+            return
+        try:
+            self._handler(msg, origin)
+        except Exception:
+            log.exception("control %s: handling %s failed; the channel goes on", self.endpoint, msg.KIND)
+
+    def _run(self) -> None:
+        poller = select.poll()
+        poller.register(self._router.getsockopt(zmq.FD), select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        monitors: dict[int, tuple[str, zmq.Socket]] = {}  # fd -> (endpoint, monitor)
+        signalled: set[int] = set()  # monitor fds to read (ZMQ_FD is edge-triggered: read until EAGAIN)
+        while not self._closed.is_set():
+            with self._recv_lock:
+                self._drain_locked()
+            with self._send_lock:
+                new, self._monitors_new = self._monitors_new, []
+            for endpoint, mon in new:
+                fd = mon.getsockopt(zmq.FD)
+                monitors[fd] = (endpoint, mon)
+                poller.register(fd, select.POLLIN)
+                signalled.add(fd)
+            for fd in signalled & monitors.keys():
+                endpoint, mon = monitors[fd]
+                if not self._read_monitor(endpoint, mon):
+                    poller.unregister(fd)
+                    del monitors[fd]
+                    mon.close(0)
             try:
-                if len(frames) != 2:
-                    raise ProtocolError(f"expected 1 payload frame, got {len(frames) - 1}")
-                origin = _origin(frames[1])
-                msg = codec.decode(frames[1].bytes, self._key)
-            except AuthError as exc:
-                self.num_unauthenticated += 1
-                _log_drop(self.num_unauthenticated, "control %s: dropped an unauthenticated message (%d so far): %s",
-                          self.endpoint, self.num_unauthenticated, exc)
-                continue
-            except ProtocolError as exc:
-                self.num_malformed += 1
-                _log_drop(self.num_malformed, "control %s: dropped a malformed message (%d so far): %s",
-                          self.endpoint, self.num_malformed, exc)
-                continue
-            try:
-                self._handler(msg, origin)
-            except Exception:
-                log.exception("control %s: handling %s failed; the channel goes on", self.endpoint, msg.KIND)
+                # The interpreter lock is released while it waits.
+                signalled = {fd for fd, _ in poller.poll(_IDLE_WAKE_MS)}
+                while os.read(self._wake_r, 4096):
+                    pass
+            except (BlockingIOError, InterruptedError):
+                pass
+        for _, mon in monitors.values():
+            mon.close(0)
         self._router.close(0)
+
+    def _read_monitor(self, endpoint: str, mon: zmq.Socket) -> bool:
+        """Take a monitor's events (until EAGAIN: its ``ZMQ_FD`` is
+        edge-triggered); False once its DEALER closed (the monitor stopped)."""
+        while True:
+            try:
+                event = parse_monitor_message(mon.recv_multipart(zmq.NOBLOCK))["event"]
+            except zmq.Again:
+                return True
+            except zmq.ZMQError:
+                return False
+            if event == zmq.EVENT_MONITOR_STOPPED:
+                return False
+            with self._send_lock:
+                if self._monitor_of.get(endpoint) is mon:  # not a closed DEALER's late event
+                    self._up[endpoint] = bool(event & _UP)
 
     def close(self, timeout_s: float = 2.0, linger_s: float = 0.1) -> None:
         """Stop receiving; messages still queued to peers get ``linger_s`` to
@@ -143,7 +261,10 @@ class ZmqChannel:
             for sock in self._dealers.values():
                 sock.close(int(linger_s * 1000))
             self._dealers.clear()
+        self._wake()
         self._thread.join(timeout_s)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
         self._ctx.term()
 
 
@@ -162,6 +283,6 @@ def _log_drop(count: int, fmt: str, *args) -> None:
     log.log(logging.WARNING if count & (count - 1) == 0 else logging.DEBUG, fmt, *args)
 
 
-def zmq_channel(host: str, handler: Handler, secret: str | None) -> ZmqChannel:
+def zmq_channel(options: ChannelOptions, handler: Handler) -> ZmqChannel:
     """The :data:`~transfer.control.base.ChannelFactory` of zmq channels."""
-    return ZmqChannel(host, handler, secret=secret)
+    return ZmqChannel(options, handler)

@@ -28,6 +28,8 @@ log = logging.getLogger("kvferry.manager")
 
 #: How often the watch polls every live room.
 SWEEP_INTERVAL_S = 0.5
+#: How often an idle watch (no live room, no peer) looks.
+IDLE_TICK_S = 1.0
 # Pings whose send time is kept for their pongs (rounds of heartbeat_interval_s / 2).
 _PINGS_REMEMBERED = 64
 
@@ -87,13 +89,25 @@ class PeerWatch:
         tick = self.config.heartbeat_interval_s / 2
         while not self._stop.wait(tick):
             try:
-                self._round(time.monotonic())
+                busy = self._round(time.monotonic())
             except Exception:  # the watch must outlive any one round
                 log.exception("%s: liveness round failed", self.where)
+                busy = True
+            # Nothing watched and no live room: look again in a while (a new room is watched from
+            # its first round on, within IDLE_TICK_S; its liveness bound counts from there).
+            tick = self.config.heartbeat_interval_s / 2 if busy else max(self.config.heartbeat_interval_s / 2,
+                                                                          IDLE_TICK_S)
 
-    def _round(self, now: float) -> None:
+    def _round(self, now: float) -> bool:
+        """One round; whether anything is watched or live."""
         with self.lock:
             watched = self.rooms.live_peers(now)
+            live = self.rooms.num_live
+            for session, endpoint in watched.items():
+                # Alive as the connection says (its heartbeats are answered by the peer's libzmq,
+                # not by its Python threads): a busy or starved process is not taken for dead.
+                if self.channel.peer_up(endpoint):
+                    self.liveness.heard(session, now)
             to_ping, lost = self.liveness.step(watched, now)
             self.totals.num_peers_lost += len(lost)
             self._seq += 1
@@ -110,8 +124,10 @@ class PeerWatch:
         for session in lost:
             log.warning("%s: peer %s silent for more than %g s: failing its rooms", self.where, session,
                         self.config.peer_timeout_s)
+            # Its socket stays: what its rooms' failure sends it (their aborts) reaches it if it
+            # was only stopped and comes back.
             self.rooms.peer_lost(session, self.config.peer_timeout_s)
-            self.channel.forget(watched[session])
         if now >= self._next_sweep:  # timeouts fire here, not only when a scheduler polls
             self._next_sweep = now + SWEEP_INTERVAL_S
             self.rooms.expire()
+        return bool(watched or live)

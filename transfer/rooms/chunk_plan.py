@@ -75,7 +75,9 @@ class PartSpec:
     """Part ``part`` of a chunk for one decode request: ``src_pages`` (at
     request position ``page_start``), packed pool by pool (each pool's page
     slice, in the request's assignment order), ``nbytes`` in all; ``direct``:
-    written from the pools, not gathered."""
+    written from the pools, not gathered; ``granted``: its offset in the
+    decode rank's staging when the request granted the room a region
+    (``TransferRequest.staging_offset``), -1 when it must ask."""
 
     req: TransferRequest
     part: int
@@ -84,6 +86,7 @@ class PartSpec:
     pools: tuple[tuple[PoolDescriptor, PageSlice], ...]
     nbytes: int
     direct: bool
+    granted: int = -1
 
 
 @dataclass(frozen=True)
@@ -178,8 +181,22 @@ def _parts(req: TransferRequest, pages: np.ndarray, page_start: int, local: Rank
         # those whose runs are long enough that a gather would only slow them down.
         direct = local.staging is None or \
             nbytes / max(1, source_entries(src, pools)[1].size) >= config.stage_below_bytes
-        parts.append(PartSpec(req, first_part + i, src, page_start + o, pools, nbytes, direct))
+        parts.append(PartSpec(req, first_part + i, src, page_start + o, pools, nbytes, direct,
+                              _granted(req, page_start + o, per_page, nbytes)))
     return parts
+
+
+def _granted(req: TransferRequest, page_start: int, per_page: int, nbytes: int) -> int:
+    """A part's offset in the region the request granted (-1: none). The
+    region holds the room's pages from ``skip_pages`` on, in order; raises
+    ValueError when the part does not fit in it."""
+    if req.staging_offset < 0:
+        return -1
+    start = (page_start - req.skip_pages) * per_page
+    if start < 0 or start + nbytes > req.staging_nbytes:
+        raise ValueError(f"a staged part of request pages [{page_start}, +{nbytes // per_page}) does not fit the "
+                         f"{req.staging_nbytes} bytes decode granted")
+    return req.staging_offset + start
 
 
 def source_entries(pages: np.ndarray, pools) -> tuple[np.ndarray, np.ndarray]:

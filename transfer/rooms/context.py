@@ -52,7 +52,11 @@ class RoomContext:
     server at ``addr`` (the caller closes it). ``stats``: the rank's running
     totals, which every room's counter adds into (under ``lock``). ``aux``:
     the rank's aux regions as tensors (empty without); with the write fence
-    a slot's rows travel in RoomStatus."""
+    a slot's rows travel in RoomStatus. ``pump()``: move the rank's control
+    messages and transfers along on the calling thread (never blocks; called
+    by the scheduler-facing ``poll()`` of every room, without the lock held),
+    so that a scheduler whose thread is busy in Python needs none of the
+    rank's own threads to get the interpreter lock for its rooms to advance."""
 
     config: ManagerConfig
     where: str
@@ -66,6 +70,7 @@ class RoomContext:
     bootstrap_client: Callable[[str], LookupClient]
     stats: RankTotals = field(default_factory=lambda: RankTotals(""))
     aux: tuple = ()
+    pump: Callable[[], None] = lambda: None
 
 
 class RoomHost(Protocol):

@@ -13,6 +13,7 @@ from typing import Protocol
 
 from transfer.errors import KVFerryError
 from transfer.messages import ChunkStaged, PeerBye, PeerHelloReply, RoomAbort, RoomStatus, StageRequest
+from transfer.plan import page_slice, staged_bytes
 from transfer.rooms.context import RoomContext
 from transfer.rooms.decode_phases import DecodePhase
 from transfer.rooms.links import Link, LinkResolver, LinkState
@@ -42,7 +43,7 @@ class Receiver(Protocol):
         """Whether the room ended without every prefill rank's word that it
         stopped writing (a lost, hung or untold rank)."""
 
-    def poll(self): ...
+    def update(self): ...
 
     def on_message(self, msg) -> None: ...
 
@@ -95,6 +96,21 @@ class DecodeRooms:
     def link(self, addr: str, node: str, dp_rank: int | None, room: int) -> Link | None:
         """The link for a room; None while the node's DP size is unknown."""
         return self.links.link(addr, node, dp_rank, room)
+
+    def pregrant(self, receiver: Receiver, tp_rank: int, assignments, num_pages: int) -> tuple[int, int]:
+        """(offset, nbytes) of a staging region for everything prefill rank
+        ``tp_rank`` sends of ``num_pages`` pages of ``receiver``'s room
+        (packed as staged parts are), granted with its request; (-1, 0) when
+        this rank is not fenced, the rank sends nothing, or staging has no room."""
+        if self.staging is None or not self.ctx.staging.fenced:
+            return -1, 0
+        per_page = 0
+        for a in assignments:
+            if a.send:
+                pool = self.ctx.rank.pool(a.role)
+                per_page += staged_bytes(pool, page_slice(pool, a.dst_head_offset, a.num_heads), 1)
+        offset = self.staging.pregrant(receiver.room, receiver.request_id, tp_rank, per_page * num_pages)
+        return (offset, per_page * num_pages) if offset >= 0 else (-1, 0)
 
     def request_sent(self, receiver: Receiver, tp_rank: int, session: str) -> None:
         """``receiver``'s request went to prefill rank ``tp_rank`` (called
@@ -191,6 +207,11 @@ class DecodeRooms:
 
     def on_message(self, msg, origin: str = "") -> None:
         """A control message from ``origin`` (see :mod:`transfer.control.base`)."""
+        if isinstance(msg, ChunkStaged) and self.staging is not None:
+            with self.ctx.lock:
+                receiver = self.receivers.get((msg.room, msg.request_id))
+            self.staging.on_staged(msg, receiver)  # its copy runs without the lock
+            return
         with self.ctx.lock:
             if isinstance(msg, PeerBye):
                 if origin and self.ctx.config.check_peer_host and not same_host(msg.session, origin):
@@ -209,9 +230,6 @@ class DecodeRooms:
             if isinstance(msg, StageRequest) and self.staging is not None:
                 self.staging.on_request(msg)
                 return
-            if isinstance(msg, ChunkStaged) and self.staging is not None:
-                self.staging.on_staged(msg, self.receivers.get((msg.room, msg.request_id)))
-                return
         log.debug("%s: ignored a %s message", self.ctx.where, msg.KIND)
 
     def expire(self) -> None:
@@ -220,7 +238,7 @@ class DecodeRooms:
         with self.ctx.lock:
             receivers = list(self.receivers.values())
         for r in receivers:
-            r.poll()
+            r.update()
 
     def close(self, error: BaseException) -> None:
         self.links.close()
@@ -237,10 +255,17 @@ class DecodeRooms:
         with self.ctx.lock:
             waiting = [r for r in self.receivers.values() if r.phase is DecodePhase.BOOTSTRAPPING]
         for r in waiting:
-            r.poll()
+            r.update()
 
-    def _tick(self) -> None:
+    def _tick(self) -> float | None:
+        """Pending aborts and quarantined staging regions; the seconds until
+        they want another tick (None: nothing pending)."""
+        due = None
         if self._pending_aborts:
             self._send_pending_aborts()
+            due = 0.0 if self._pending_aborts else None
         if self.staging is not None:
-            self.staging.pump()  # frees quarantined regions
+            quarantine = self.staging.pump()  # frees quarantined regions
+            if quarantine is not None:
+                due = quarantine if due is None else min(due, quarantine)
+        return due

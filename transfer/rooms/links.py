@@ -24,6 +24,8 @@ log = logging.getLogger("kvferry.receiver")
 
 # Pause between bootstrap lookups while a prefill node is not ready yet.
 _RETRY_S = 0.02
+# With nothing to resolve, the resolver looks at its links this often (it is woken when a room needs one).
+_IDLE_S = 1.0
 # How long a refused lookup fails new rooms before one is tried again.
 _REFUSAL_S = 1.0
 # A ready link used within this long is kept under liveness watch even with
@@ -94,10 +96,12 @@ class LinkResolver:
     failed link is forgotten, so the next room tries afresh: no peer is
     blacklisted for good. After each round in which something was being
     resolved it calls ``kick()`` (waiting receivers advance at once), and
-    after every round ``tick()`` (housekeeping of the owner), both without
-    the lock."""
+    after every round ``tick()`` (housekeeping of the owner, which returns
+    the seconds until it wants another, or None), both without the lock.
+    Idle, the thread sleeps: it wakes when a room asks for a link it does
+    not have, or when its owner's housekeeping is due."""
 
-    def __init__(self, ctx: RoomContext, kick: Callable[[], None], tick: Callable[[], None]) -> None:
+    def __init__(self, ctx: RoomContext, kick: Callable[[], None], tick: Callable[[], float | None]) -> None:
         self.ctx = ctx
         self._kick, self._tick = kick, tick
         self.links: dict[tuple[str, str, int], Link] = {}
@@ -208,8 +212,9 @@ class LinkResolver:
     # --- resolver thread --------------------------------------------------------------
 
     def _run(self) -> None:
+        wait = _IDLE_S
         while not self._closed:
-            self._wake.wait(0.05)
+            self._wake.wait(wait)
             self._wake.clear()
             with self.ctx.lock:
                 self._expire(time.monotonic() - self.ctx.config.bootstrap_timeout_s)
@@ -243,9 +248,10 @@ class LinkResolver:
                         link.error = ProtocolError(f"{link.name}: {type(exc).__name__}: {exc}")
             if dp_todo or todo:
                 self._kick()
-            self._tick()
-            if dp_todo or any(l.state is LinkState.RESOLVING for l in todo):
-                time.sleep(_RETRY_S)
+            due = self._tick()
+            # Idle, it sleeps until woken (a room wants a link) or its owner's next due work.
+            resolving = dp_todo or any(l.state is LinkState.RESOLVING for l in todo)
+            wait = _RETRY_S if resolving else min(_IDLE_S, _IDLE_S if due is None else max(due, _RETRY_S))
 
     def _expire(self, horizon: float) -> None:
         """Stop resolving what no receiver asked for since ``horizon``."""

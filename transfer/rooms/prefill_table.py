@@ -63,7 +63,7 @@ class Sender(Protocol):
 
     def fail(self, error: BaseException) -> None: ...
 
-    def poll(self): ...
+    def update(self): ...
 
 
 class PrefillRooms:
@@ -379,7 +379,7 @@ class PrefillRooms:
         with self.ctx.lock:
             senders = [s for s in self.senders.values() if not s.terminal]
         for s in senders:
-            s.poll()
+            s.update()
 
     def close(self, error: BaseException) -> None:
         with self.ctx.lock:

@@ -16,7 +16,7 @@ import numpy as np
 from bootstrap.messages import PoolRole
 from transfer.config import Role
 from transfer.errors import (KVFerryError, KVTimeoutError, PageIndexError, PeerError, ProtocolError, RequestError,
-                             StateError, StorageMissError)
+                             StateError, StorageMissError, TransferError)
 from transfer.messages import ChunkStaged, PoolAssignment, RoomAbort, RoomStatus, Status, TransferRequest
 from transfer.pools import host_page_ids
 from transfer.rooms.context import RoomHost
@@ -78,6 +78,7 @@ class KVReceiver:
         self._aux_index, self._init_at = -1, 0.0
         self._awaiting: dict[int, set[PoolRole]] = {}  # TRANSFERRING: ranks not done yet, and their pools
         self._drain = Drain()  # DRAINING: ranks that may still write; DRAINING, RESTORING: why it failed
+        self._scattering = 0  # staged parts being copied into the pages now (without the lock)
         self._storage: RoomStorage | None = None  # with a storage tier and the prompt
         self._prefix = 0  # leading pages the scheduler holds (init's skip_pages)
         self._skip = 0  # leading pages held or prefetched from storage: prefill does not send them
@@ -124,14 +125,22 @@ class KVReceiver:
                     return
                 if ctx.config.storage_prefetch != "off":
                     self._storage.prefetch(self._storage_done, start=self._prefix)
-        self.poll()
+        self.update()
 
     def poll(self) -> KVPoll:
+        """The room's state now. Also moves this rank's control messages and
+        transfers along on the caller's thread (see ``RoomContext.pump``)."""
+        self._ctx.pump()
+        return self.update()
+
+    def update(self) -> KVPoll:
+        """Advance the room to what it can be now (timeouts included) and
+        return its state (the room layer's poll: no pumping)."""
         ctx = self._ctx
         with ctx.lock:
             ph = self._phases
             now = time.monotonic()
-            if ph.phase is P.DRAINING and self._drain.overdue(now):
+            if ph.phase is P.DRAINING and not self._scattering and self._drain.overdue(now):
                 log.info("%s: prefill ranks %s did not confirm they stopped writing within %g s",
                          self.where, sorted(self._drain.ranks), ctx.config.peer_timeout_s)
                 self._finish_fail(self._drain.error)
@@ -234,17 +243,27 @@ class KVReceiver:
             ph.move(P.SUCCESS)
             self._table.remove(self)
 
-    def staged_target(self, msg: ChunkStaged) -> tuple[np.ndarray, tuple[PoolAssignment, ...]] | None:
+    def begin_scatter(self, msg: ChunkStaged) -> tuple[np.ndarray, tuple[PoolAssignment, ...]] | None:
         """Where a staged part from prefill rank ``msg.prefill_tp_rank`` goes:
         the request's decode pages (request order) and what that rank sends;
-        None unless the room is transferring (under ``ctx.lock``)."""
+        None unless the room is transferring. Until :meth:`end_scatter` the
+        room cannot end: a failure waits for the copy like a draining rank
+        (under ``ctx.lock``)."""
         if self._phases.phase is not P.TRANSFERRING or msg.prefill_tp_rank not in self._link.routes:
             return None
+        self._scattering += 1
         return self._pages, self._link.routes[msg.prefill_tp_rank]
 
-    def part_scattered(self, msg: ChunkStaged) -> None:
-        """A staged part was scattered into the pages (under ``ctx.lock``)."""
-        self._counts.staged(msg.prefill_tp_rank, self._link.routes[msg.prefill_tp_rank], msg.num_pages)
+    def end_scatter(self, msg: ChunkStaged, error: BaseException | None) -> None:
+        """A scatter :meth:`begin_scatter` allowed ended (under ``ctx.lock``)."""
+        self._scattering -= 1
+        if error is not None:
+            self.fail(TransferError(f"{self.where}: scattering staged part {msg.part}: {error}"))
+        elif self._phases.phase is P.TRANSFERRING:
+            self._counts.staged(msg.prefill_tp_rank, self._link.routes[msg.prefill_tp_rank], msg.num_pages)
+        if self._phases.phase is P.DRAINING and not self._scattering and \
+                (not self._drain.ranks or self._drain.overdue(time.monotonic())):
+            self._finish_fail(self._drain.error)
 
     def peer_lost(self, session: str, silent_s: float) -> None:
         """Prefill rank ``session`` went silent."""
@@ -287,7 +306,7 @@ class KVReceiver:
             elif notify and link is None:  # not looked up yet: told once it is (a failed lookup has nobody to tell)
                 self._table.abort_when_resolved(self.bootstrap_addr, self.prefill_node, self.prefill_dp_rank, abort)
             self._drain.writers_lost |= bool(writing) and not drain
-            if writing and drain:
+            if (writing or self._scattering) and drain:  # a scatter in progress: wait for it too
                 log.debug("%s failing, waiting for prefill ranks %s to stop writing: %s", self.where,
                           sorted(writing), error)
                 self._drain.start(error, writing, time.monotonic() + ctx.config.peer_timeout_s)
@@ -323,12 +342,13 @@ class KVReceiver:
             self._awaiting[p] = {a.role for a in assignments if a.send}
         try:
             for p, assignments in link.routes.items():
+                offset, nbytes = self._table.pregrant(self, p, assignments, len(self._pages) - self._skip)
                 self._ctx.channel.send(link.ranks[p].control_endpoint, TransferRequest(
                     room=self.room, request_id=self.request_id, decode_session=rank.session,
                     decode_endpoint=rank.control_endpoint, decode_tp_rank=rank.tp_rank,
                     dst_pages=pages, dst_aux_index=self._aux_index if p == link.aux_rank else -1,
                     assignments=assignments, num_requests=link.num_requests[p], skip_pages=self._skip,
-                    prefix_pages=self._prefix))
+                    prefix_pages=self._prefix, staging_offset=offset, staging_nbytes=nbytes))
                 self._table.request_sent(self, p, link.ranks[p].session)
         except KVFerryError as exc:
             self.fail(exc)
@@ -351,7 +371,7 @@ class KVReceiver:
     def _stopped_writing(self, tp_rank: int, *, lost: bool = False) -> None:
         """A draining room's prefill rank writes no more (``lost``: it was
         found dead, not told)."""
-        if tp_rank in self._drain.ranks and self._drain.stopped(tp_rank, lost=lost):
+        if tp_rank in self._drain.ranks and self._drain.stopped(tp_rank, lost=lost) and not self._scattering:
             self._finish_fail(self._drain.error)
 
     # --- the end: storage, restore, failure ----------------------------------------
@@ -361,7 +381,7 @@ class KVReceiver:
         if self._storage.is_restore(job):
             self._restore_done(job)
         else:
-            self.poll()  # a settled prefetch lets the request go out now
+            self.update()  # a settled prefetch lets the request go out now
 
     def _prefetched(self, now: float) -> bool:
         """Whether the prefetch settled (per the policy); records what it loaded."""

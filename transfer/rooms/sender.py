@@ -135,6 +135,14 @@ class KVSender:
                 self._table.staging.submit(self, plan.parts, ready=gate)
 
     def poll(self) -> KVPoll:
+        """The room's state now. Also moves this rank's control messages and
+        transfers along on the caller's thread (see ``RoomContext.pump``)."""
+        self._ctx.pump()
+        return self.update()
+
+    def update(self) -> KVPoll:
+        """Fire the room's timeouts and return its state (the room layer's
+        poll: no pumping)."""
         with self._ctx.lock:
             if self._state.state is KVPoll.Failed and self._writing_through:
                 return KVPoll.Transferring  # write-through still reads the pages: not free yet

@@ -2,7 +2,10 @@
 :mod:`transfer.rooms.staged_prefill`).
 
 A StageRequest gets a region of the staging buffer (FIFO when it is full);
-ChunkStaged scatters the region into the request's pages and frees it.
+ChunkStaged scatters the region into the request's pages and frees it. A
+fenced rank grants a room's whole region with its request instead, when it
+fits (:meth:`DecodeStaging.pregrant`): the room's parts land in it without
+asking, and it is freed when the room ends.
 ChunkStaged and the final RoomStatus travel on the same ordered channel, so
 decode has scattered every part before it reports Success.
 
@@ -23,7 +26,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from transfer.errors import KVFerryError, TransferError
+from transfer.errors import KVFerryError
 from transfer.messages import ChunkStaged, PoolAssignment, StageGrant, StageRequest
 from transfer.plan import page_slice, staged_bytes
 from transfer.rooms.context import RoomContext
@@ -39,13 +42,13 @@ class StagedReceiver(Protocol):
     @property
     def where(self) -> str: ...
 
-    def staged_target(self, msg: ChunkStaged) -> tuple[np.ndarray, tuple[PoolAssignment, ...]] | None:
-        """The request's decode pages and what the part's rank sends; None
-        when the room takes no more parts."""
+    def begin_scatter(self, msg: ChunkStaged) -> tuple[np.ndarray, tuple[PoolAssignment, ...]] | None:
+        """The request's decode pages and what the part's rank sends, once
+        the room counts a scatter in progress (it cannot end before
+        :meth:`end_scatter`); None when it takes no more parts."""
 
-    def part_scattered(self, msg: ChunkStaged) -> None: ...
-
-    def fail(self, error: BaseException) -> None: ...
+    def end_scatter(self, msg: ChunkStaged, error: BaseException | None) -> None:
+        """The scatter :meth:`begin_scatter` allowed ended (``error``: it failed)."""
 
 
 class DecodeStaging:
@@ -59,61 +62,94 @@ class DecodeStaging:
         self.quarantine_s = quarantine_s
         self._queue: collections.deque[StageRequest] = collections.deque()
         self._granted: dict[tuple[int, int, int, int], tuple[int, int]] = {}  # -> (offset, nbytes)
+        # (room, request id, prefill TP rank) -> (offset, nbytes): a room's region granted with its request
+        self._pregranted: dict[tuple[int, int, int], tuple[int, int]] = {}
         self._quarantine: list[tuple[float, int, int]] = []
+
+    def pregrant(self, room: int, request_id: int, tp_rank: int, nbytes: int) -> int:
+        """A region of ``nbytes`` for everything prefill rank ``tp_rank``
+        sends of a room, granted with its request: its offset, or -1 when
+        the staging has no room for it (or it is larger than a region can
+        be; its parts then ask one by one). Under ``ctx.lock``."""
+        area = self.ctx.staging.area
+        if not 0 < nbytes <= area.max_region_bytes or self._queue:  # waiting requests go first
+            return -1
+        offset = area.alloc(nbytes)
+        if offset is None:
+            return -1
+        self._pregranted[(room, request_id, tp_rank)] = (offset, nbytes)
+        return offset
 
     def on_request(self, req: StageRequest) -> None:
         with self.ctx.lock:
             self._queue.append(req)
         self.pump()
 
-    def pump(self) -> None:
+    def pump(self) -> float | None:
+        """Free the quarantined regions that are due and grant waiting
+        requests what fits; the seconds until the next quarantined region is
+        due (None: none is quarantined)."""
         now = time.monotonic()
         area = self.ctx.staging.area
         with self.ctx.lock:
             for item in [q for q in self._quarantine if q[0] <= now]:
                 self._quarantine.remove(item)
                 area.free(item[1], item[2])
-            while self._queue:
-                req = self._queue[0]
-                if not self.is_live(req.room, req.request_id):
-                    self._queue.popleft()  # the room ended; its prefill learns from the abort
-                    continue
-                if req.nbytes > area.max_region_bytes:
-                    self._queue.popleft()  # would never fit, and hold up the queue
-                    log.warning("staging request of %d bytes from %s refused: larger than a region can be",
-                                req.nbytes, req.prefill_endpoint)
-                    continue
-                offset = area.alloc(req.nbytes)
-                if offset is None:
-                    return
-                self._queue.popleft()
-                self._granted[(req.room, req.request_id, req.prefill_tp_rank, req.part)] = (offset, req.nbytes)
-                try:
-                    self.ctx.channel.send(req.prefill_endpoint, StageGrant(
-                        room=req.room, request_id=req.request_id, part=req.part, offset=offset))
-                except KVFerryError as exc:
-                    log.warning("staging grant to %s not sent: %s", req.prefill_endpoint, exc)
+            self._grant(area)
+            return min(q[0] for q in self._quarantine) - now if self._quarantine else None
+
+    def _grant(self, area) -> None:
+        """Grant the waiting requests in order, while regions fit (under the lock)."""
+        while self._queue:
+            req = self._queue[0]
+            if not self.is_live(req.room, req.request_id):
+                self._queue.popleft()  # the room ended; its prefill learns from the abort
+                continue
+            if req.nbytes > area.max_region_bytes:
+                self._queue.popleft()  # would never fit, and hold up the queue
+                log.warning("staging request of %d bytes from %s refused: larger than a region can be",
+                            req.nbytes, req.prefill_endpoint)
+                continue
+            offset = area.alloc(req.nbytes)
+            if offset is None:
+                return
+            self._queue.popleft()
+            self._granted[(req.room, req.request_id, req.prefill_tp_rank, req.part)] = (offset, req.nbytes)
+            try:
+                self.ctx.channel.send(req.prefill_endpoint, StageGrant(
+                    room=req.room, request_id=req.request_id, part=req.part, offset=offset))
+            except KVFerryError as exc:
+                log.warning("staging grant to %s not sent: %s", req.prefill_endpoint, exc)
 
     def on_staged(self, msg: ChunkStaged, receiver: StagedReceiver | None) -> None:
         """Scatter a landed part into ``receiver``'s pages (None: the room is
-        gone; only free the region). Under ``ctx.lock``, on purpose: a room
-        cannot turn Failed (and its pages be reused) halfway through."""
+        gone; only free the region). The copy runs without ``ctx.lock``
+        (other threads go on meanwhile); the room counts it in progress, so
+        it cannot turn Failed, and its pages be reused, halfway through."""
         key = (msg.room, msg.request_id, msg.prefill_tp_rank, msg.part)
         with self.ctx.lock:
             grant = self._granted.pop(key, None)
+            free = grant is not None  # a part's own region; a room's is freed when the room ends
+            if grant is None:
+                room = self._pregranted.get(key[:3])
+                if room is not None and room[0] <= msg.offset and msg.offset + msg.nbytes <= room[0] + room[1]:
+                    grant = (msg.offset, msg.nbytes)
             if grant is None or grant[1] != msg.nbytes:
                 return
-            try:
-                target = receiver.staged_target(msg) if receiver is not None else None
+            target = receiver.begin_scatter(msg) if receiver is not None else None
+        error = None
+        try:
+            if target is not None:
+                scatter_part(self.ctx, target[0], msg, grant[0], target[1])
+        except Exception as exc:
+            error = exc
+        finally:
+            with self.ctx.lock:
                 if target is not None:
-                    try:
-                        scatter_part(self.ctx, target[0], msg, grant[0], target[1])
-                    except Exception as exc:
-                        receiver.fail(TransferError(f"{receiver.where}: scattering staged part {msg.part}: {exc}"))
-                    else:
-                        receiver.part_scattered(msg)
-            finally:
-                self.ctx.staging.area.free(*grant)
+                    receiver.end_scatter(msg, error)
+                if free:
+                    self.ctx.staging.area.free(*grant)
+            if free:
                 self.pump()
 
     def release_room(self, room: int, request_id: int, writers_lost: bool = True) -> None:
@@ -122,8 +158,9 @@ class DecodeStaging:
         confirmed it stopped writing) or poisoned."""
         area, fenced = self.ctx.staging.area, self.ctx.staging.fenced
         with self.ctx.lock:
-            for key in [k for k in self._granted if k[:2] == (room, request_id)]:
-                offset, nbytes = self._granted.pop(key)
+            regions = [self._granted.pop(k) for k in [k for k in self._granted if k[:2] == (room, request_id)]]
+            regions += [self._pregranted.pop(k) for k in [k for k in self._pregranted if k[:2] == (room, request_id)]]
+            for offset, nbytes in regions:
                 if not fenced:
                     self._quarantine.append((time.monotonic() + self.quarantine_s, offset, nbytes))
                 elif writers_lost:

@@ -8,6 +8,11 @@ Prefill, per part (a run of a chunk's pages for one decode rank)::
     StageGrant                 ->  gather into local staging, write it to decode's region
     write landed               ->  ChunkStaged to decode; the part counts as done
 
+A part whose request came with a region of decode's staging for the whole
+room (``TransferRequest.staging_offset``, a fenced decode rank's, when its
+staging had room) skips the StageRequest and StageGrant: it is written to
+its place in that region as soon as it is queued.
+
 A *direct* part (its source pages in long runs, or no local staging; see
 :class:`~transfer.rooms.chunk_plan.PartSpec`) needs no local region: on its grant its runs are
 written from the pool straight into decode's region, in the packed layout.
@@ -104,7 +109,9 @@ class PrefillStaging:
             part.sender.on_chunk_done(TransferError(f"{part.sender.where}: staging part {part.spec.part}: {error}"))
 
     def pump(self) -> None:
-        """Give free local staging to waiting parts, in order, and ask decode."""
+        """Give free local staging to waiting parts, in order, and ask decode
+        for a region (or write at once into the one the request granted)."""
+        granted = []
         with self.ctx.lock:
             while self._waiting:
                 part = self._waiting[0]
@@ -115,10 +122,13 @@ class PrefillStaging:
                 spec = part.spec
                 offset = -1 if spec.direct else self.ctx.staging.area.alloc(spec.nbytes)
                 if offset is None:
-                    return
+                    break
                 self._waiting.popleft()
                 part.local_offset = offset
                 req = spec.req
+                if spec.granted >= 0:
+                    granted.append(part)
+                    continue
                 self._granting[(part.sender.room, req.request_id, spec.part)] = part
                 try:
                     self.ctx.channel.send(req.decode_endpoint, StageRequest(
@@ -126,12 +136,18 @@ class PrefillStaging:
                         prefill_endpoint=self.ctx.rank.control_endpoint, part=spec.part, nbytes=spec.nbytes))
                 except KVFerryError as exc:
                     self._finish(part, exc)
+        for part in granted:
+            self._write(part, part.spec.granted)
 
     def on_grant(self, grant: StageGrant) -> None:
         with self.ctx.lock:
             part = self._granting.pop((grant.room, grant.request_id, grant.part), None)
-        if part is None:
-            return
+        if part is not None:
+            self._write(part, grant.offset)
+
+    def _write(self, part: StagedPart, remote_offset: int) -> None:
+        """Gather the part (unless direct) and write it to ``remote_offset``
+        of its decode rank's staging."""
         if part.sender.terminal:
             self._finish(part, None)
             return
@@ -139,21 +155,21 @@ class PrefillStaging:
         try:
             peer = self.peers[spec.req.decode_session]
             arena = peer.staging.arena_size
-            if not 0 <= grant.offset <= peer.staging.nbytes - spec.nbytes or \
-                    grant.offset // arena != (grant.offset + spec.nbytes - 1) // arena:
-                raise IndexError(f"decode granted [{grant.offset}, +{spec.nbytes}) outside its staging buffer "
+            if not 0 <= remote_offset <= peer.staging.nbytes - spec.nbytes or \
+                    remote_offset // arena != (remote_offset + spec.nbytes - 1) // arena:
+                raise IndexError(f"decode granted [{remote_offset}, +{spec.nbytes}) outside its staging buffer "
                                  f"of {peer.staging.nbytes} bytes or across one of its {arena}-byte arenas")
             if part.ready is not None:
                 part.ready.wait()  # done already: submit() queued the part only then
             if spec.direct:
-                plan = source_plan(spec, peer.staging.addr + grant.offset)
+                plan = source_plan(spec, peer.staging.addr + remote_offset)
             else:
-                plan = self._gathered(part, peer.staging.addr + grant.offset)
+                plan = self._gathered(part, peer.staging.addr + remote_offset)
         except Exception as exc:
             self._finish(part, TransferError(f"{part.sender.where}: staging part {spec.part}: {exc}"))
             return
         self.ctx.transport.submit(spec.req.decode_session, plan,
-                                  lambda err, p=part, off=grant.offset: self._landed(p, off, err), ready=None)
+                                  lambda err, p=part, off=remote_offset: self._landed(p, off, err), ready=None)
 
     def _gathered(self, part: StagedPart, dst_addr: int) -> TransferPlan:
         """Gather a part into its local region; the one descriptor that writes it."""

@@ -58,14 +58,41 @@ class _PoolWords:
     """One pool's buffers as word views of one page slice each (packing
     order), with numpy twins on CPU. Built once per (pool, slice, word) and
     kept in the owner's cache: building views costs about half as much as
-    the copy of a staging part itself."""
+    the copy of a staging part itself.
+
+    ``every``: when the buffers lie in one allocation a fixed stride apart
+    (a pool allocated as one tensor, as vLLM's are), all of them as one view
+    [buffers, pages, rows, words], so that a part is gathered or scattered
+    in one native call. Each call gives up the interpreter lock and must
+    take it back: behind a busy thread that costs up to a switch interval
+    (5 ms) per call, per buffer when the buffers lie apart."""
 
     def __init__(self, tensors: dict, pool: PoolDescriptor, sl: PageSlice, width: int, dtype: torch.dtype) -> None:
         bufs = [tensors[(pool.role, layer, comp)] for layer in range(pool.num_layers)
                 for comp in pool.components]
         self.width, self.dtype = width, dtype
         self.rows = [_rows(t, pool.num_pages, sl, width, dtype) for t in bufs]
-        self.arrays = [r.numpy() for r in self.rows] if bufs and bufs[0].device.type == "cpu" else None
+        self.every = _one_view(self.rows, width)
+        cpu = bool(bufs) and bufs[0].device.type == "cpu"
+        self.arrays = [r.numpy() for r in self.rows] if cpu else None
+        self.every_array = self.every.numpy() if cpu and self.every is not None else None
+
+
+def _one_view(rows: list[torch.Tensor], width: int) -> torch.Tensor | None:
+    """``rows`` (equal views of one storage, each ``step`` bytes after the
+    last) as one view [len(rows), ...]; None when they are not so."""
+    if len(rows) < 2:
+        return None
+    first = rows[0]
+    step = rows[1].data_ptr() - first.data_ptr()
+    storage = first.untyped_storage().data_ptr()
+    if step <= 0 or step % width:
+        return None
+    for i, r in enumerate(rows):
+        if r.untyped_storage().data_ptr() != storage or r.data_ptr() - first.data_ptr() != i * step \
+                or r.shape != first.shape or r.stride() != first.stride():
+            return None
+    return first.as_strided((len(rows), *first.shape), (step // width, *first.stride()), first.storage_offset())
 
 
 def _pool_words(staging: torch.Tensor, offset: int, tensors: dict, pool: PoolDescriptor, sl: PageSlice,
@@ -103,8 +130,11 @@ def gather(staging: torch.Tensor, offset: int, tensors: dict, pool: PoolDescript
     words = _pool_words(staging, offset, tensors, pool, sl, cache)
     packed = _packed(staging, offset, words, sl, pages.numel())
     with _on_copy_stream(staging):
-        for i, rows in enumerate(words.rows):
-            torch.index_select(rows, 0, pages, out=packed[i])
+        if words.every is not None:
+            torch.index_select(words.every, 1, pages, out=packed)
+        else:
+            for i, rows in enumerate(words.rows):
+                torch.index_select(rows, 0, pages, out=packed[i])
     _sync(staging)
     return staged_bytes(pool, sl, pages.numel())
 
@@ -118,12 +148,18 @@ def scatter(staging: torch.Tensor, offset: int, tensors: dict, pool: PoolDescrip
         # numpy's row assignment copies whole rows with memcpy: about 4x
         # torch's index_copy_ on CPU, writing through the same memory.
         index, src = pages.numpy(), packed.numpy()
-        for i, rows in enumerate(words.arrays):
-            rows[index] = src[i]
+        if words.every_array is not None:
+            words.every_array[:, index] = src
+        else:
+            for i, rows in enumerate(words.arrays):
+                rows[index] = src[i]
     else:
         with _on_copy_stream(staging):
-            for i, rows in enumerate(words.rows):
-                rows.index_copy_(0, pages, packed[i])
+            if words.every is not None:
+                words.every.index_copy_(1, pages, packed)
+            else:
+                for i, rows in enumerate(words.rows):
+                    rows.index_copy_(0, pages, packed[i])
     _sync(staging)
     return staged_bytes(pool, sl, pages.numel())
 

@@ -33,6 +33,12 @@ The contract every implementation keeps:
 - ``handle.cancel()`` submits no more of the plan's descriptors (those
   already submitted run to their end); the callback then gets a
   TransferError.
+- ``pump()`` moves the transport's work along now, on the caller's thread
+  (submits what is queued, checks what is in flight, runs the callbacks of
+  plans that ended), and returns at once when there is nothing to do or
+  another thread is at it: it never blocks. A busy scheduler's poll calls it,
+  so that its transfers move without another thread getting the
+  interpreter lock. A transport may do nothing here (its own thread does it all).
 - ``close()`` fails the outstanding plans (their callbacks get a
   TransferError), stops the worker within a bounded time and unregisters
   memory. Idempotent.
@@ -94,5 +100,7 @@ class Transport(Protocol):
     def unregister(self, regions: list[tuple[int, int]]) -> None: ...
 
     def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback, ready) -> TransferHandle | None: ...
+
+    def pump(self) -> None: ...
 
     def close(self) -> None: ...

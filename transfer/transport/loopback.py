@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from transfer.control.base import Handler
+from transfer.control.base import ChannelOptions, Handler
 from transfer.control.loopback import LoopbackChannel, origin_of
 from transfer.errors import KVFerryError, TransferError
 from transfer.plan import TransferPlan
@@ -95,6 +95,10 @@ class LoopbackTransport:
                                zip(plan.dst_addrs.tolist(), plan.lengths.tolist()))
         self._worker.put(job)
         return job
+
+    def pump(self) -> None:
+        """Nothing: the loopback copies on its worker only (a held write would
+        block the caller: the tests hold writes from the thread that polls)."""
 
     # --- the worker's side (transfer.transport.worker.EngineSide) -------------------
 
@@ -188,11 +192,11 @@ class LoopbackFabric:
             self._transports[t.session] = t
         return t
 
-    def channel(self, host: str, handler: Handler, secret: str | bytes | None = None) -> LoopbackChannel:
+    def channel(self, options: ChannelOptions, handler: Handler) -> LoopbackChannel:
         """A :data:`~transfer.control.base.ChannelFactory` (pass ``fabric.channel``
         as ``KVManager(..., channel_factory=)``)."""
-        endpoint = f"loopback://{host}/{next(self._ids)}"
-        ch = LoopbackChannel(self, endpoint, handler, secret)
+        endpoint = f"loopback://{options.host}/{next(self._ids)}"
+        ch = LoopbackChannel(self, endpoint, handler, options.secret)
         with self._lock:
             self._channels[endpoint] = ch
         return ch
@@ -225,6 +229,11 @@ class LoopbackFabric:
             ch = self._channels.get(dst)
         if ch is not None:
             ch.deliver(payload, time.monotonic() + self.delay_s, origin_of(src))
+
+    def peer_up(self, src: str, dst: str) -> bool:
+        """Messages from ``src`` reach ``dst``: it is bound, neither is cut, it is not held."""
+        with self._lock:
+            return dst in self._channels and src not in self._cut and dst not in self._cut and dst not in self._held
 
     def inject(self, dst: str, payload: bytes, origin: str = "127.0.0.1") -> None:
         """Deliver raw bytes to ``dst`` as if from ``origin`` (malformed or

@@ -4,9 +4,12 @@ thread with a bounded ``close()``, the loop that admits jobs and sleeps by
 the bytes in flight, the ready-gate check, and the guard that runs a
 completion callback exactly once and survives its exceptions.
 
-A transport gives the worker its :class:`EngineSide`, whose methods all run
-on the worker thread: ``admit`` takes a queued job, ``step`` submits what may
-go and checks what is in flight, ``fail`` fails one job at close. The loop
+A transport gives the worker its :class:`EngineSide`: ``admit`` takes a
+queued job, ``step`` submits what may go and checks what is in flight,
+``fail`` fails one job at close. They run one at a time under the worker's
+step lock: on the worker thread, or on any thread that calls
+:meth:`PollingWorker.pump` (a busy scheduler's, which then needs no other
+thread to get the interpreter lock for its transfers to move). The loop
 blocks on the queue only while the engine side holds nothing; otherwise it
 sleeps a quarter of the time the bytes in flight need at
 :data:`ASSUMED_BYTES_PER_S`, within [:data:`MIN_SLEEP_S`,
@@ -16,8 +19,8 @@ the CPU to the engine. Importing this module imports no engine.
 
 from __future__ import annotations
 
+import collections
 import logging
-import queue
 import threading
 import time
 from typing import Protocol
@@ -29,8 +32,8 @@ log = logging.getLogger("kvferry.transport")
 
 ASSUMED_BYTES_PER_S = 2e9
 MIN_SLEEP_S, MAX_SLEEP_S = 20e-6, 1e-3
-# How long the loop blocks on an empty queue before it steps again.
-_IDLE_WAIT_S = 0.05
+# How long an idle loop waits before it looks again (put() and wake() wake it at once).
+_IDLE_WAIT_S = 1.0
 _WAKE = object()  # queued by wake(): the loop steps at once, nothing is admitted
 
 
@@ -61,7 +64,8 @@ def gate_state(ready, peer: str) -> tuple[bool, TransferError | None]:
 
 
 class EngineSide(Protocol):
-    """A transport's side of the loop (every method on the worker thread)."""
+    """A transport's side of the loop (its methods run one at a time, under
+    the worker's step lock)."""
 
     def admit(self, job) -> None:
         """Take a job that ``submit`` queued."""
@@ -84,10 +88,15 @@ class PollingWorker:
 
     def __init__(self, engine: EngineSide) -> None:
         self.engine = engine
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.closed = threading.Event()
-        #: loop rounds so far (what completion tracking costs)
+        #: loop rounds so far (what completion tracking costs), and those run by pump()
         self.num_rounds = 0
+        self.num_pumped = 0
+        self._queue: collections.deque = collections.deque()
+        self._cond = threading.Condition()
+        self._stop = False  # close() asked the loop to end (under _cond)
+        self._step_lock = threading.Lock()
+        self._held = False  # the engine side holds jobs (in flight or waiting): pump() has work
         self._thread = threading.Thread(target=self._loop, name="kvferry-transport", daemon=True)
         self._thread.start()
 
@@ -98,49 +107,76 @@ class PollingWorker:
 
     def put(self, job) -> None:
         """Queue a job; ClosedError once the transport is closed."""
-        self.check_open()
-        self.jobs.put(job)
+        with self._cond:
+            self.check_open()
+            self._queue.append(job)
+            self._cond.notify()
 
     def wake(self) -> None:
         """Make the loop step at once (the engine side has news of its own)."""
-        self.jobs.put(_WAKE)
+        with self._cond:
+            self._queue.append(_WAKE)
+            self._cond.notify()
+
+    def pump(self) -> None:
+        """Admit what is queued and run one step, now, on this thread; at once
+        when there is nothing to do or another thread is stepping."""
+        if (not self._held and not self._queue) or not self._step_lock.acquire(blocking=False):
+            return
+        try:
+            if not self._stop:
+                self._admit_queued()
+                self._step()
+                self.num_pumped += 1
+        finally:
+            self._step_lock.release()
+
+    def _take(self) -> list:
+        with self._cond:
+            items = list(self._queue)
+            self._queue.clear()
+        return items
+
+    def _admit_queued(self) -> None:
+        for item in self._take():
+            if item is not _WAKE:
+                self.engine.admit(item)
+                self._held = True
+
+    def _step(self) -> int:
+        inflight, self._held = self.engine.step()
+        self.num_rounds += 1
+        return inflight
 
     def _loop(self) -> None:
-        engine, jobs, held = self.engine, self.jobs, False
         while True:
-            try:
-                item = jobs.get_nowait() if held else jobs.get(timeout=_IDLE_WAIT_S)
-                while True:
-                    if item is None:  # close()
-                        engine.fail_all()
-                        return
-                    if item is not _WAKE:
-                        engine.admit(item)
-                    item = jobs.get_nowait()
-            except queue.Empty:
-                pass
-            inflight, held = engine.step()
-            self.num_rounds += 1
+            with self._cond:
+                while not self._stop and not self._queue and not self._held:
+                    self._cond.wait(_IDLE_WAIT_S)
+                if self._stop:
+                    break
+            with self._step_lock:
+                self._admit_queued()
+                inflight = self._step()
+                held = self._held
             if inflight:
                 time.sleep(min(MAX_SLEEP_S, max(MIN_SLEEP_S, inflight / ASSUMED_BYTES_PER_S / 4)))
             elif held:  # only jobs whose ready event is not complete
                 time.sleep(MIN_SLEEP_S)
+        with self._step_lock:
+            self.engine.fail_all()
 
     def close(self, timeout_s: float) -> bool:
         """Stop the loop (waiting at most ``timeout_s``) and fail the jobs
         still queued. False when it was closed already."""
-        if self.closed.is_set():
-            return False
-        self.closed.set()
-        self.jobs.put(None)
-        self._thread.join(timeout_s)
-        while True:
-            try:
-                job = self.jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None and job is not _WAKE:
+        with self._cond:
+            if self.closed.is_set():
+                return False
+            self.closed.set()
+            self._stop = True
+            self._cond.notify()
+        self._thread.join(timeout_s)  # a step that runs past the bound: its jobs fail when it ends
+        for job in self._take():
+            if job is not _WAKE:
                 self.engine.fail(job)
-        if self._thread.is_alive():  # a step ran past the bound: it stops at its next look at the queue
-            self.jobs.put(None)
         return True

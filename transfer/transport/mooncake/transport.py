@@ -124,7 +124,7 @@ class MooncakeTransport:
         #: engine status checks so far (what completion tracking costs)
         self.num_status_checks = 0
         self._inflight_bytes = 0
-        # The worker's state (its thread only): jobs by peer not fully submitted, descriptors
+        # The worker's state (under its step lock): jobs by peer not fully submitted, descriptors
         # outstanding per peer, and per peer, oldest first, (engine id, job, bytes) of submitted ones.
         self._by_peer: dict[str, collections.deque[_Job]] = collections.defaultdict(collections.deque)
         self._inflight: dict[str, int] = collections.defaultdict(int)
@@ -190,6 +190,11 @@ class MooncakeTransport:
                    ready=ready)
         self._worker.put(job)
         return job
+
+    def pump(self) -> None:
+        """Move this transport's work along on the caller's thread (see
+        :mod:`transfer.transport.base`)."""
+        self._worker.pump()
 
     # --- the worker's side (transfer.transport.worker.EngineSide) -------------------
 

@@ -208,6 +208,11 @@ class NixlTransport:
         self._worker.put(job)
         return job
 
+    def pump(self) -> None:
+        """Move this transport's work along on the caller's thread (see
+        :mod:`transfer.transport.base`)."""
+        self._worker.pump()
+
     # --- the worker's side (transfer.transport.worker.EngineSide) -------------------
 
     def admit(self, job: _Job) -> None:
