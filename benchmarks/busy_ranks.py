@@ -63,7 +63,7 @@ def _kvferry_manager(cfg: BusyConfig, prefill: bool):
 class _KVPrefill:
     def __init__(self, cfg: BusyConfig, mgr) -> None:
         self.cfg, self.mgr = cfg, mgr
-        self.next, self.live, self.created, self.done, self.failed = 0, {}, {}, {}, []
+        self.next, self.live, self.created, self.done, self.failed, self.errors = 0, {}, {}, {}, [], set()
 
     def open(self) -> None:
         from transfer.rooms.sender import KVSender
@@ -88,6 +88,7 @@ class _KVPrefill:
                 self.done[room] = time.time()
                 if state is KVPoll.Failed:
                     self.failed.append(room)
+                    self.errors.add(_error_of(sender))
                 del self.live[room]
 
     @property
@@ -98,7 +99,7 @@ class _KVPrefill:
 class _KVDecode:
     def __init__(self, cfg: BusyConfig, mgr) -> None:
         self.cfg, self.mgr, self.alloc = cfg, mgr, DecodePages(cfg)
-        self.next, self.live, self.created, self.done, self.failed = 0, {}, {}, {}, []
+        self.next, self.live, self.created, self.done, self.failed, self.errors = 0, {}, {}, {}, [], set()
 
     def open(self) -> None:
         from transfer.rooms.receiver import KVReceiver
@@ -119,12 +120,21 @@ class _KVDecode:
                 self.done[room] = time.time()
                 if state is KVPoll.Failed:
                     self.failed.append(room)
+                    self.errors.add(_error_of(receiver))
                 self.alloc.give(dst)
                 del self.live[room]
 
     @property
     def busy(self) -> bool:
         return self.next < self.cfg.num_rooms or bool(self.live)
+
+
+def _error_of(obj) -> str:
+    try:
+        obj.failure_exception()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"[:500]
+    return ""
 
 
 def _wait_for_node(mgr, cfg: BusyConfig) -> None:
@@ -161,7 +171,8 @@ def run_kvferry(cfg: BusyConfig, role: str) -> int:
     sched.stop()
     cpu = time.process_time() - cpu0
     for name, side in sides:
-        print(result_line(name, side.created, side.done, failed=side.failed, cpu_s=cpu / len(sides),
+        print(result_line(name, side.created, side.done, failed=side.failed, errors=sorted(side.errors)[:5],
+                          cpu_s=cpu / len(sides),
                           control_msgs=side.mgr.channel.num_received), flush=True)
     for _, side in sides:
         side.mgr.close()

@@ -214,10 +214,25 @@ def _hints(cls: type) -> dict[str, Any]:
     return hints
 
 
+@functools.cache
+def _plan(cls: type) -> tuple[tuple[str, Any, bool, Any, bool], ...]:
+    """Per field of a message class: (name, type, omitted when default,
+    default, optional): computed once, so coding a message walks a tuple."""
+    hints = typing.get_type_hints(cls)
+    return tuple((f.name, hints[f.name], bool(f.metadata.get("omit_default")), f.default,
+                  f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING)
+                 for f in dataclasses.fields(cls))
+
+
 def _dump_struct(obj: Any, path: str) -> dict[str, Any]:
-    hints = _hints(type(obj))
-    return {name: _dump(getattr(obj, name), hints[name], f"{path}.{name}") for name, f in _fields(type(obj)).items()
-            if not (f.metadata.get("omit_default") and getattr(obj, name) == f.default)}
+    out = {}
+    for name, tp, omit, default, _ in _plan(type(obj)):
+        value = getattr(obj, name)
+        if omit and value == default:
+            continue
+        # the common case inline: a scalar of exactly its type (bool is not an int here)
+        out[name] = value if type(value) is tp and tp in _SCALARS else _dump(value, tp, f"{path}.{name}")
+    return out
 
 
 def _dump(value: Any, tp: Any, path: str) -> Any:
@@ -232,6 +247,8 @@ def _dump(value: Any, tp: Any, path: str) -> Any:
         return _dump_struct(value, path)
     if isinstance(value, tuple):
         (item_tp,) = _tuple_item(tp)
+        if item_tp in _SCALARS and all(type(v) is item_tp for v in value):
+            return list(value)
         return [_dump(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value)]
     return value
 
@@ -239,19 +256,18 @@ def _dump(value: Any, tp: Any, path: str) -> Any:
 def _load_struct(cls: type, body: Any, path: str) -> Any:
     if not isinstance(body, dict):
         raise ProtocolError(f"{path}: expected a map, got {type(body).__name__}", field=path)
-    hints = _hints(cls)
-    fields = _fields(cls)
-    extra = body.keys() - fields.keys()
-    if extra:
-        name = sorted(map(str, extra))[0]
+    plan = _plan(cls)
+    if len(body) > len(plan) or not body.keys() <= _fields(cls).keys():
+        name = sorted(map(str, body.keys() - _fields(cls).keys()))[0]
         raise ProtocolError(f"{path}: unexpected field {name!r}", field=f"{path}.{name}")
     kwargs = {}
-    for name, f in fields.items():
+    for name, tp, _, _, optional in plan:
         if name not in body:
-            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
+            if optional:
                 continue
             raise ProtocolError(f"{path}: missing field {name!r}", field=f"{path}.{name}")
-        kwargs[name] = _load(body[name], hints[name], f"{path}.{name}")
+        value = body[name]
+        kwargs[name] = value if type(value) is tp and tp in _SCALARS else _load(value, tp, f"{path}.{name}")
     try:
         return cls(**kwargs)
     except ProtocolError:
@@ -276,6 +292,8 @@ def _load(value: Any, tp: Any, path: str) -> Any:
         if not isinstance(value, list):
             raise ProtocolError(f"{path}: expected an array, got {type(value).__name__}", field=path)
         (item_tp,) = _tuple_item(tp)
+        if item_tp in _SCALARS and all(type(v) is item_tp for v in value):
+            return tuple(value)
         return tuple(_load(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value))
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         try:

@@ -157,35 +157,35 @@ class PoolDescriptor:
         if self.kv_layout is KVLayout.FUSED_ROWS:
             _require(self.page_layout is PageLayout.HND, "a fused_rows pool has head-major (hnd) pages")
 
-    @property
+    @functools.cached_property  # fields are frozen: computed once (they are asked per room)
     def components(self) -> tuple[Component, ...]:
         """The per-layer buffer components of this pool."""
         if self.kv_layout is not KVLayout.SPLIT:
             return (Component.KV,)
         return _components(self.attention)
 
-    @property
+    @functools.cached_property
     def head_bytes(self) -> int:
         """Bytes of one head of one token in one buffer (K and V in a fused pool)."""
         return self.head_dim * self.itemsize * (1 if self.kv_layout is KVLayout.SPLIT else 2)
 
-    @property
+    @functools.cached_property
     def page_stride(self) -> int:
         """Bytes from a page of a buffer to the next one (the page bytes, or
         more where other layers' pages lie between: cross-layer blocks)."""
         return self.page_stride_bytes or self.page_bytes
 
-    @property
+    @functools.cached_property
     def dense(self) -> bool:
         """Whether consecutive pages of a buffer are contiguous."""
         return self.page_stride == self.page_bytes
 
-    @property
+    @functools.cached_property
     def token_bytes(self) -> int:
         """Bytes of one token in one buffer."""
         return self.num_kv_heads * self.head_bytes
 
-    @property
+    @functools.cached_property
     def page_bytes(self) -> int:
         """Bytes of one page in one buffer."""
         return self.page_size * self.token_bytes

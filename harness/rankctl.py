@@ -25,6 +25,10 @@ so decode can check every byte; its TP rank's heads, with ``tp_rank`` and
   many more descriptors, i.e. with a chunk's writes in flight) and
   ``cont_pid`` (decode: SIGCONT that process right after the sentinel of a
   failed room is written) make the late-write test of the write fence.
+  ``hold_gil`` ([after_s, seconds], either side): that long into the
+  command, a C call holds this process's interpreter lock for that many
+  seconds (every Python thread of the rank waits; its C threads, libzmq's
+  and the engine's, go on); the reply says when (``held_gil``).
   ``plans`` (room -> prefill page ids) replaces the seeded page choice of
   a room on both sides; ``tokens`` (true: pass each room's prompt to
   ``init`` for the storage tier; ``tail_tokens``: how many the last page
@@ -138,6 +142,25 @@ def _stop_after(mgr: KVManager, num_descriptors: int, deadline: float) -> None:
     threading.Thread(target=watch, name="stop-after", daemon=True).start()
 
 
+def _hold_gil(after_s: float, seconds: float, out: dict) -> threading.Thread:
+    """After ``after_s``, hold the interpreter lock for ``seconds`` in a C
+    call (libc's ``sleep`` through ``ctypes.PyDLL``, which keeps the lock),
+    from a thread; ``out["held_gil"]`` gets the wall-clock [start, end]."""
+    import ctypes
+
+    libc = ctypes.PyDLL(None)
+
+    def hold() -> None:
+        time.sleep(after_s)
+        start = time.time()
+        libc.usleep(int(seconds * 1e6))
+        out["held_gil"] = [start, time.time()]
+
+    thread = threading.Thread(target=hold, name="hold-gil", daemon=True)
+    thread.start()
+    return thread
+
+
 def _error(obj) -> tuple[str, str]:
     try:
         obj.failure_exception()
@@ -157,6 +180,8 @@ class PrefillRank:
         deadline = time.monotonic() + float(cmd.get("timeout_s", 60.0))
         if cmd.get("stop_after_descriptors"):
             _stop_after(mgr, int(cmd["stop_after_descriptors"]), deadline)
+        reply: dict = {}
+        hold = _hold_gil(*cmd["hold_gil"], reply) if cmd.get("hold_gil") else None
         live, out = {}, {}
         for room in cmd["rooms"]:
             slot = room % spec.aux_slots
@@ -192,7 +217,9 @@ class PrefillRank:
             mgr.wait_for_progress(seen, 0.01)
         for room in live:
             out[room] = {"state": "Stuck", "error_type": "", "error": "command timed out", "ended_at": time.time()}
-        return {"results": out}
+        if hold is not None:
+            hold.join(max(0.0, deadline - time.monotonic()))
+        return {"results": out, **reply}
 
 
 class DecodeRank:
@@ -232,6 +259,8 @@ class DecodeRank:
         on_first_byte = set(cmd.get("abort_on_first_byte", []))
         first = next(iter(next(iter(self.tensors.values())).values()))[0].view(torch.uint8)
         deadline = time.monotonic() + float(cmd.get("timeout_s", 60.0))
+        reply: dict = {}
+        hold = _hold_gil(*cmd["hold_gil"], reply) if cmd.get("hold_gil") else None
         live, out, guarded = {}, {}, []
         for room in cmd["rooms"]:
             src = _plan(spec, cmd, room)
@@ -287,7 +316,9 @@ class DecodeRank:
             for room, dst in guarded:
                 out[room]["late_write"] = not self._intact(dst, SENTINEL)
                 self.free.extend(int(p) for p in dst)
-        return {"results": out}
+        if hold is not None:
+            hold.join(max(0.0, deadline - time.monotonic()))
+        return {"results": out, **reply}
 
 
 def main(argv=None) -> int:

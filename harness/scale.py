@@ -11,8 +11,9 @@ with its own bootstrap server and rank processes (:mod:`harness.scale_rank`):
   ranks (2 processes of 2), rooms arriving at random over 40 s, 5% of them
   aborted by one side or the other at a random moment.
 
-It reports (JSON) per role: CPU per room and per GB, RSS, threads and file
-descriptors, also per quarter of the run (from the first room that ended to
+It reports (JSON) per role: CPU per room (the whole process's, and its
+Python threads' alone: what needs the interpreter lock), control messages
+received per room, CPU per GB, RSS, threads and file descriptors, also per quarter of the run (from the first room that ended to
 the end of the arrivals), and exits 1 when a room that nobody aborted did not
 succeed, a byte differs, or threads, descriptors, memory or CPU per room
 grew from the second quarter to the last (the first opens connections).
@@ -112,9 +113,11 @@ def _window(samples: list[dict]) -> dict:
     """RSS, threads, descriptors and CPU per room over consecutive samples."""
     rooms = samples[-1]["rooms_done"] - samples[0]["rooms_done"]
     cpu = samples[-1]["cpu_s"] - samples[0]["cpu_s"]
+    py = samples[-1]["python_cpu_s"] - samples[0]["python_cpu_s"]
     return dict(rss_mb=round(max(s["rss_bytes"] for s in samples) / 2**20, 1),
                 threads=max(s["threads"] for s in samples), fds=max(s["fds"] for s in samples),
-                cpu_ms_per_room=round(cpu / rooms * 1e3, 3) if rooms else None, rooms=rooms)
+                cpu_ms_per_room=round(cpu / rooms * 1e3, 3) if rooms else None,
+                python_cpu_ms_per_room=round(py / rooms * 1e3, 3) if rooms else None, rooms=rooms)
 
 
 def summarise(spec: ScaleSpec, results: list[dict], wall_s: float, num_procs: int) -> dict:
@@ -124,6 +127,8 @@ def summarise(spec: ScaleSpec, results: list[dict], wall_s: float, num_procs: in
         mine = [r for r in results if r["role"] == role]
         outs = [o for r in mine for o in r["outcomes"]]
         cpu = sum(r["samples"][-1]["cpu_s"] - r["samples"][0]["cpu_s"] for r in mine)
+        py = sum(r["samples"][-1]["python_cpu_s"] - r["samples"][0]["python_cpu_s"] for r in mine)
+        msgs = sum(r["samples"][-1]["msgs"] - r["samples"][0]["msgs"] for r in mine)
         rooms = sum(o["rooms"] for o in outs)
         gb = sum(o["bytes"] for o in outs) / 1e9
         per_proc = []
@@ -137,6 +142,8 @@ def summarise(spec: ScaleSpec, results: list[dict], wall_s: float, num_procs: in
             aborted_success=sum(o["aborted_success"] for o in outs),
             max_live_per_manager=max((o["max_live"] for o in outs), default=0),
             gb=round(gb, 4), cpu_s=round(cpu, 2), cpu_ms_per_room=round(cpu / rooms * 1e3, 3) if rooms else None,
+            python_cpu_ms_per_room=round(py / rooms * 1e3, 3) if rooms else None,
+            msgs_per_room=round(msgs / rooms, 2) if rooms else None,
             cpu_s_per_gb=round(cpu / gb, 1) if gb else None, processes=per_proc)
         problems = report["problems"]
         if rooms != spec.num_rooms:

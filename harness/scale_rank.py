@@ -150,10 +150,16 @@ class Side:
     out: Outcome
 
 
+#: The scheduler loop's shortest step: it acts on what changed at most this often (a serving
+#: engine's step is 10-50 ms; waking for every single change costs a wakeup per change).
+STEP_S = 0.001
+
+
 def drive(spec: ScaleSpec, side: Side, start: float, expected: dict[int, list[torch.Tensor]] | None) -> None:
     """One manager's scheduler loop: start rooms as they arrive, abort the
-    marked ones, act on the rooms that changed (``changed_rooms``); checks
-    every page of every decode room that succeeded against ``expected``."""
+    marked ones, act on the rooms that changed (``changed_rooms``) at most
+    every :data:`STEP_S`; checks every page of every decode room that
+    succeeded against ``expected``."""
     mgr, role, index, rooms, bufs, out = side.mgr, side.role, side.index, side.rooms, side.bufs, side.out
     pending = list(reversed(rooms))  # pop() gives the next arrival
     free = list(np.random.default_rng([spec.seed, 3, index]).permutation(spec.decode_pages)) \
@@ -213,22 +219,43 @@ def drive(spec: ScaleSpec, side: Side, start: float, expected: dict[int, list[to
             waits.append(pending[-1].arrival_s - now)
         if aborts:
             waits.append(aborts[0][0] - now)
-        mgr.wait_for_progress(mark, max(0.0, min(waits)))
+        step_left = STEP_S - (time.time() - start - now)
+        if step_left > 0:
+            time.sleep(step_left)
+        mgr.wait_for_progress(mark, max(0.0, min(waits) - max(step_left, 0.0)))
         mark, changed = mgr.changed_rooms(mark)
         todo = set(live) if changed is None else {c.room for c, _ in changed}
     for r in live:
         out.unexpected.append([r, "not terminal when the run's deadline passed"])
 
 
-def _sample(start: float, stop: threading.Event, samples: list, counters: list[Outcome]) -> None:
+def python_cpu_s() -> float:
+    """CPU seconds of this process's live Python threads (the schedulers',
+    kvferry's own; not the engine's or libzmq's C threads): what needs the
+    interpreter lock."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for t in threading.enumerate():
+        try:
+            with open(f"/proc/self/task/{t.native_id}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, TypeError):  # exited meanwhile, or not started
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / tick
+
+
+def _sample(start: float, stop: threading.Event, samples: list, sides: list) -> None:
     page = os.sysconf("SC_PAGE_SIZE")
     while True:
         t = os.times()
         with open("/proc/self/statm") as f:
             rss = int(f.read().split()[1]) * page
-        samples.append(dict(t_s=round(time.time() - start, 3), cpu_s=round(t.user + t.system, 3), rss_bytes=rss,
+        samples.append(dict(t_s=round(time.time() - start, 3), cpu_s=round(t.user + t.system, 3),
+                            python_cpu_s=round(python_cpu_s(), 3), rss_bytes=rss,
                             threads=len(os.listdir("/proc/self/task")), fds=len(os.listdir("/proc/self/fd")),
-                            rooms_done=sum(o.rooms for o in counters), bytes=sum(o.bytes for o in counters)))
+                            rooms_done=sum(s.out.rooms for s in sides), bytes=sum(s.out.bytes for s in sides),
+                            msgs=sum(s.mgr.channel.num_received for s in sides)))
         if stop.wait(0.5):
             return
 
@@ -262,7 +289,7 @@ def main(argv=None) -> int:
         time.sleep(min(0.01, max(0.0, start - time.time())))
     samples: list = []
     stop = threading.Event()
-    sampler = threading.Thread(target=_sample, args=(start, stop, samples, [s.out for s in sides]), daemon=True)
+    sampler = threading.Thread(target=_sample, args=(start, stop, samples, sides), daemon=True)
 
     def work(side: Side) -> None:
         try:

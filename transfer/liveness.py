@@ -8,6 +8,10 @@ once (process killed, host gone, process stopped or wedged): the caller
 fails its rooms and forgets its links, so a peer that comes back is used
 again after a fresh lookup and handshake; nothing is blacklisted.
 
+A peer the caller knows to be gone (its address refuses connections: the
+process there exited or was killed) is lost once silent for ``interval_s``,
+without waiting out ``timeout_s``.
+
 A peer that stops being watched is forgotten, and the next time it is
 watched starts with a full ``timeout_s`` of grace.
 """
@@ -48,10 +52,11 @@ class Liveness:
         peer = self._peers.get(session)
         return 0.0 if peer is None else now - peer.heard
 
-    def step(self, watched: dict[str, str], now: float) -> tuple[list[tuple[str, str]], list[str]]:
+    def step(self, watched: dict[str, str], now: float, gone=frozenset()) -> tuple[list[tuple[str, str]], list[str]]:
         """``watched``: session -> control endpoint of each peer with live
-        rooms. Returns the (session, endpoint) pairs to ping now, and the
-        sessions lost (silent for ``timeout_s``), each reported once."""
+        rooms; ``gone``: sessions known gone. Returns the (session, endpoint)
+        pairs to ping now, and the sessions lost (silent for ``timeout_s``,
+        or gone and silent for ``interval_s``), each reported once."""
         for session in self._peers.keys() - watched.keys():
             del self._peers[session]
         to_ping, lost = [], []
@@ -59,7 +64,7 @@ class Liveness:
             peer = self._peers.get(session)
             if peer is None:
                 peer = self._peers[session] = _Peer(endpoint, heard=now)
-            if now - peer.heard > self.timeout_s:
+            if now - peer.heard > (self.interval_s if session in gone else self.timeout_s):
                 lost.append(session)
                 del self._peers[session]
             elif now - peer.pinged >= self.interval_s:

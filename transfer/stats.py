@@ -24,6 +24,7 @@ otherwise the exception's type decides.
 
 from __future__ import annotations
 
+import bisect
 import enum
 import time
 from dataclasses import dataclass, field
@@ -109,10 +110,7 @@ class _Hist:
         self.total = 0.0
 
     def observe(self, seconds: float) -> None:
-        i = 0
-        while i < len(SECONDS_BUCKETS) and seconds > SECONDS_BUCKETS[i]:
-            i += 1
-        self.counts[i] += 1
+        self.counts[bisect.bisect_left(SECONDS_BUCKETS, seconds)] += 1  # the first bucket >= seconds
         self.total += seconds
 
     def snapshot(self) -> Histogram:

@@ -14,6 +14,7 @@ from dataclasses import replace
 import pytest
 
 from harness.launch import BootstrapProcess
+from transfer.config import ManagerConfig
 
 from .ranks import FAST, Rank, assert_all_success, assert_failed_within, fault_spec
 from .conftest import only_on
@@ -179,6 +180,47 @@ def test_decode_hangs(cluster):
     for r in d["results"].values():
         assert r.get("mismatches", []) == []
     _served(prefill, decode, [20, 21])
+
+
+@pytest.mark.parametrize("victim", ["prefill", "decode"])
+def test_a_rank_whose_interpreter_lock_is_held_is_not_taken_for_dead(cluster, victim):
+    """A C call holds the victim's interpreter lock for three times
+    peer_timeout_s in the middle of a transfer: none of its Python threads
+    runs, libzmq's I/O threads answer the connection's heartbeats. Neither
+    side takes the other for dead; every room succeeds byte-exact."""
+    prefill, decode = cluster.rank("prefill"), cluster.rank("decode")
+    _warm(prefill, decode)
+    rooms = [10, 11, 12]
+    seconds = 3 * FAST["peer_timeout_s"]
+    hold = {"hold_gil": [0.8, seconds]}
+    p, d = _both(prefill, decode, rooms, chunk_delay_s=0.3, timeout_s=60,
+                 **({"p_opts": hold} if victim == "prefill" else {"d_opts": hold}))
+    start, end = (p if victim == "prefill" else d)["held_gil"]
+    assert end - start >= 0.95 * seconds
+    assert min(r["ended_at"] for r in d["results"].values()) > start, "a room ended before the hold: not in flight"
+    assert_all_success(p, rooms)
+    assert_all_success(d, rooms)
+
+
+@pytest.mark.parametrize("victim", ["prefill", "decode"])
+def test_kill_9_is_found_within_5_s_at_the_default_settings(cluster, victim):
+    """With ManagerConfig's own heartbeat and peer timeout (4 s): the
+    survivor's rooms fail within 5 s. Decode, which has no write of its own to
+    fail, finds prefill gone (its address refuses the reconnection); prefill
+    may find a write to decode failing first."""
+    defaults = {k: ManagerConfig.__dataclass_fields__[k].default for k in ("peer_timeout_s", "heartbeat_interval_s")}
+    prefill, decode = cluster.rank("prefill", config=defaults), cluster.rank("decode", config=defaults)
+    _warm(prefill, decode)
+    rooms = [10, 11, 12, 13]
+    prefill.send(op="rooms", rooms=rooms, timeout_s=60, chunk_delay_s=0.3)
+    decode.send(op="rooms", rooms=rooms, timeout_s=60)
+    time.sleep(0.8)
+    killed, survivor = (prefill, decode) if victim == "prefill" else (decode, prefill)
+    killed_at = killed.kill()
+    res = survivor.reply()
+    assert assert_failed_within(res, killed_at, 5.0, DEAD_PEER_ERRORS), "the kill landed after every room finished"
+    if victim == "prefill":
+        assert all("gone" in r["error"] for r in res["results"].values() if r["state"] == "Failed"), res
 
 
 _ONE_REQUEST = ("NIXL posts a plan as one request, which UCX on one host completes inside the post: "

@@ -52,3 +52,37 @@ def test_heard_from_unknown_peer_is_ignored():
 def test_rejects_bad_settings(interval, timeout):
     with pytest.raises(ValueError):
         Liveness(interval, timeout)
+
+
+def test_a_gone_peer_is_lost_after_one_interval_of_silence():
+    """Gone (its address refuses connections): lost once silent for ``interval_s``, not ``timeout_s``."""
+    lv = Liveness(interval_s=1.0, timeout_s=4.0)
+    watched = {"a": "tcp://a", "b": "tcp://b"}
+    lv.step(watched, now=0.0)
+    lv.heard("a", 2.0)
+    assert lv.step(watched, now=2.5, gone={"a", "b"})[1] == ["b"]  # b silent 2.5 s, a only 0.5 s
+    assert lv.step(watched, now=3.1, gone={"a"})[1] == ["a"]
+    assert lv.step({"c": "tcp://c"}, now=3.2)[1] == []  # nobody else is lost for it
+
+
+def test_the_loopback_fabric_shows_links_as_a_network_would():
+    from transfer.control.base import ChannelOptions, Link
+    from transfer.transport.loopback import LoopbackFabric
+
+    fabric = LoopbackFabric()
+    a, b = (fabric.channel(ChannelOptions(host="127.0.0.1"), lambda msg, origin: None) for _ in range(2))
+    try:
+        assert a.link("loopback://127.0.0.1/999") is Link.UNKNOWN
+        assert a.link(b.endpoint) is Link.UP
+        fabric.cut(b.endpoint)
+        assert a.link(b.endpoint) is Link.DOWN
+        fabric.mend(b.endpoint)
+        fabric.hold(b.endpoint)
+        assert a.link(b.endpoint) is Link.DOWN
+        fabric.release(b.endpoint)
+        assert a.link(b.endpoint) is Link.UP
+        b.close()
+        assert a.link(b.endpoint) is Link.GONE
+    finally:
+        a.close()
+        b.close()

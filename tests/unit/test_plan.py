@@ -438,3 +438,18 @@ def test_split_entries_cuts_long_entries_and_keeps_every_byte():
     assert out.src_addrs.tolist() == [1000, 5096, 9192, 50_000]
     assert out.dst_addrs.tolist() == [9000, 13096, 17192, 90_000]
     assert split_entries(plan, 1 << 20) is plan
+
+
+@settings(max_examples=150, deadline=None)
+@given(head_slice_case())
+def test_source_entries_are_counted_as_they_are_built(case):
+    """The staged path decides direct or gathered by the count of source
+    descriptors, counted without building them: the count is the built length."""
+    from transfer.plan import page_slice
+    from transfer.rooms.chunk_plan import num_source_entries, source_entries
+
+    src, _, sp, _, soff, _, nh = case
+    pages = np.array(sp, dtype=np.int64)
+    for pools in (((src, page_slice(src, soff, nh)),), ((src, page_slice(src, 0, src.num_kv_heads)),)):
+        built = source_entries(pages, pools)[1].size if pages.size else 0
+        assert num_source_entries(pages, pools) == built

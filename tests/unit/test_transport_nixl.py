@@ -97,3 +97,51 @@ def test_submit_after_close_raises_and_close_is_idempotent():
     t.close()
     with pytest.raises(ClosedError):
         t.submit("127.0.0.1:x", TransferPlan.empty(), lambda e: None, None)
+
+
+_EXIT_SCRIPT = """
+import numpy as np
+from transfer.config import EngineConfig
+from transfer.transport.nixl.transport import NixlTransport
+a, b = NixlTransport(EngineConfig(backend="nixl")), NixlTransport(EngineConfig(backend="nixl"))
+buf = np.zeros(1 << 16, dtype=np.uint8)
+a.register([(buf.ctypes.data, buf.nbytes)])
+a.add_peer(b.session, b.metadata())
+{close}
+print("ok", flush=True)
+"""
+
+
+@pytest.mark.parametrize("close", ["a.close(); b.close()", "pass"], ids=["closed", "left-open"])
+def test_a_process_that_used_nixl_exits_0(close):
+    """Exit after NIXL agents ran (closed, or left for the interpreter's exit):
+    status 0, not signal 11 in the destructors of the libraries UCX loaded."""
+    import os
+    import subprocess
+    import sys
+
+    from harness.launch import child_env
+
+    env = {k: v for k, v in child_env().items() if k != "UCX_MODULES"}
+    env["UCX_NET_DEVICES"] = "lo"
+    proc = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT.format(close=close)], env=env, capture_output=True,
+                          text=True, timeout=120, cwd=os.getcwd())
+    assert proc.returncode == 0 and proc.stdout.splitlines()[-1:] == ["ok"], (proc.returncode, proc.stderr[-2000:])
+
+
+def test_ucx_efa_module_is_left_out_only_without_an_efa_device(tmp_path):
+    from transfer.transport.nixl.api import skip_idle_efa
+
+    env: dict = {}
+    assert skip_idle_efa(env, str(tmp_path / "none")) and env == {"UCX_MODULES": "^efa"}
+    env = {"UCX_MODULES": "ib"}
+    assert not skip_idle_efa(env, str(tmp_path / "none")) and env == {"UCX_MODULES": "ib"}  # the user's own
+    sysfs = tmp_path / "infiniband"
+    for dev, driver in (("mlx5_0", "mlx5_core"), ("rdmap0", "efa")):
+        (tmp_path / "drivers" / driver).mkdir(parents=True, exist_ok=True)
+        (sysfs / dev / "device").mkdir(parents=True)
+        (sysfs / dev / "device" / "driver").symlink_to(tmp_path / "drivers" / driver)
+    env = {}
+    assert not skip_idle_efa(env, str(sysfs)) and env == {}  # an EFA host keeps the module
+    (sysfs / "rdmap0" / "device" / "driver").unlink()
+    assert skip_idle_efa(env, str(sysfs)) and env == {"UCX_MODULES": "^efa"}

@@ -29,13 +29,13 @@ The contract every implementation keeps:
   one at a time and in order whichever thread runs them. A scheduler whose
   thread is busy makes progress this way without waiting for the channel's
   thread to get the interpreter lock.
-- ``peer_up(endpoint)``: whether the connection to a peer this channel sends
-  to is alive as the transport itself sees it, with no Python thread of
-  either process involved (zmq: its ZMTP handshake succeeded and its
-  heartbeats are answered); None when it cannot tell (nothing sent there
-  yet). A peer whose process is alive but whose Python threads are starved
-  stays up; a killed one goes down at once, a stopped one within
-  ``peer_timeout_s / 2``.
+- ``link(endpoint)``: the connection to a peer this channel sends to, as
+  the transport itself sees it, with no Python thread of either process
+  involved (a :class:`Link`). zmq: ``UP`` once its ZMTP handshake succeeded
+  while its heartbeats are answered (by libzmq's I/O threads), so a peer
+  whose process is alive but whose Python threads are starved stays ``UP``;
+  a stopped one goes ``DOWN`` within ``peer_timeout_s / 2``; a killed one
+  goes ``DOWN`` at once and ``GONE`` once its address refused a reconnection.
 - ``close()`` stops the receiving thread within a bounded time. Idempotent.
 
 A :class:`KVManager <transfer.manager.KVManager>` builds its channel through a
@@ -45,6 +45,7 @@ the manager's own.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -52,11 +53,24 @@ from typing import Any, Callable, Protocol
 Handler = Callable[[Any, str], None]
 
 
+class Link(enum.Enum):
+    """A channel's connection to one peer (see ``link`` in the module docstring)."""
+
+    #: nothing sent there yet, or the first connection not made yet
+    UNKNOWN = "unknown"
+    #: connected, and the peer's end answers the connection's heartbeats
+    UP = "up"
+    #: no connection now: the peer stopped, or the network is down, or it is on its way back
+    DOWN = "down"
+    #: it was up, and its address now refuses connections: the process there is gone
+    GONE = "gone"
+
+
 @dataclass(frozen=True, kw_only=True)
 class ChannelOptions:
     """``host``: the address peers reach this rank at (the channel binds
     there); ``secret``: seals every message (None: off); the connection
-    heartbeats of ``peer_up``: every ``heartbeat_interval_s``, a peer
+    heartbeats of ``link``: every ``heartbeat_interval_s``, a peer
     unanswered for ``peer_timeout_s / 2`` is down."""
 
     host: str
@@ -75,7 +89,7 @@ class ControlChannel(Protocol):
 
     def drain(self) -> int: ...
 
-    def peer_up(self, endpoint: str) -> bool | None: ...
+    def link(self, endpoint: str) -> Link: ...
 
     def close(self) -> None: ...
 

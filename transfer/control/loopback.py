@@ -17,7 +17,7 @@ import time
 from typing import Protocol
 
 from bootstrap import codec
-from transfer.control.base import Handler
+from transfer.control.base import Handler, Link
 from transfer.errors import AuthError, ClosedError, ProtocolError
 
 log = logging.getLogger("kvferry.channel")
@@ -28,8 +28,8 @@ class Router(Protocol):
         """Deliver ``payload`` (``msg`` encoded) from ``src`` to the channel
         bound at ``dst`` (or not), with the origin :func:`origin_of` ``src``."""
 
-    def peer_up(self, src: str, dst: str) -> bool:
-        """Whether messages from ``src`` reach ``dst`` now (bound, not cut nor held)."""
+    def link(self, src: str, dst: str) -> Link:
+        """The connection from ``src`` to ``dst`` as a network would show it."""
 
     def unbind(self, endpoint: str) -> None: ...
 
@@ -65,8 +65,8 @@ class LoopbackChannel:
             raise ClosedError("control channel is closed")
         self._router.route(self.endpoint, endpoint, payload, msg)
 
-    def peer_up(self, endpoint: str) -> bool:
-        return self._router.peer_up(self.endpoint, endpoint)
+    def link(self, endpoint: str) -> Link:
+        return self._router.link(self.endpoint, endpoint)
 
     def drain(self) -> int:
         """Handle every due message now, on this thread (0 when the delivery thread is handling)."""

@@ -18,9 +18,10 @@ interpreter lock). Both read until ``EAGAIN``, as the edge-triggered
 
 Connections: every DEALER sends ZMTP heartbeats (answered by libzmq's own
 I/O thread, no Python involved) and is watched through a socket monitor, so
-:meth:`ZmqChannel.peer_up` tells a peer whose process is alive, however
-busy its Python threads, from one that was killed (down at once) or stopped
-(down once its heartbeats go unanswered).
+:meth:`ZmqChannel.link` tells a peer whose process is alive, however
+busy its Python threads (up), from one that was stopped (down once its
+heartbeats go unanswered) or killed (down at once, gone once its address
+refused a reconnection: libzmq retries at once, then backs off).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from bootstrap import codec
-from transfer.control.base import ChannelOptions, Handler
+from transfer.control.base import ChannelOptions, Handler, Link
 from transfer.errors import AuthError, ClosedError, ProtocolError, TransferError
 
 log = logging.getLogger("kvferry.channel")
@@ -47,8 +48,38 @@ _RECONNECT_MAX_MS = 2000
 # The receiving thread looks at its sockets at least this often (a safety net; it is woken by them).
 _IDLE_WAKE_MS = 1000
 _UP = zmq.EVENT_HANDSHAKE_SUCCEEDED
-_DOWN = (zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+_DOWN = (zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
          | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+# A reconnection scheduled: once after a connection is lost, then once after every attempt that failed.
+_RETRY = zmq.EVENT_CONNECT_RETRIED
+_CONNECTED = zmq.EVENT_CONNECTED  # TCP connected (a stopped process's kernel still accepts)
+# Plain ints: zmq's enum flags combine through Python code, on every drain.
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+
+
+class _LinkState:
+    """One DEALER's connection as its monitor's events tell it."""
+
+    __slots__ = ("link", "retries")
+
+    def __init__(self) -> None:
+        self.link, self.retries = Link.UNKNOWN, 0
+
+    def on_event(self, event: int) -> None:
+        if event & _UP:
+            self.link, self.retries = Link.UP, 0
+        elif event & _CONNECTED:
+            self.retries = 0
+        elif event & _RETRY:
+            self.retries += 1
+            # The first retry follows the loss itself; a second with no TCP connection between
+            # means an attempt failed: once up, a refused address (the process there is gone).
+            if self.retries >= 2 and self.link is not Link.UNKNOWN:
+                self.link = Link.GONE
+            elif self.link is Link.UP:
+                self.link = Link.DOWN
+        elif event & _DOWN and self.link is Link.UP:
+            self.link = Link.DOWN
 
 
 class ZmqChannel:
@@ -88,7 +119,7 @@ class ZmqChannel:
         # closes it when its DEALER closed: the monitor then reports EVENT_MONITOR_STOPPED).
         self._monitors_new: list[tuple[str, zmq.Socket]] = []
         self._monitor_of: dict[str, zmq.Socket] = {}  # endpoint -> its current DEALER's monitor
-        self._up: dict[str, bool] = {}  # endpoint -> connection alive (set by the receiving thread)
+        self._links: dict[str, _LinkState] = {}  # endpoint -> its connection (set by the receiving thread)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -131,7 +162,8 @@ class ZmqChannel:
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self._heartbeat_timeout_ms)
         sock.setsockopt(zmq.HANDSHAKE_IVL, self._heartbeat_timeout_ms)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, _RECONNECT_MAX_MS)  # a dead peer is retried ever less often
-        mon = self._monitor_of[endpoint] = sock.get_monitor_socket(_UP | _DOWN)
+        mon = self._monitor_of[endpoint] = sock.get_monitor_socket(_UP | _DOWN | _RETRY | _CONNECTED)
+        self._links[endpoint] = _LinkState()
         self._monitors_new.append((endpoint, mon))
         sock.connect(endpoint)
         self._wake()
@@ -141,11 +173,12 @@ class ZmqChannel:
         """Close a DEALER (under the send lock); the receiving thread closes its monitor."""
         sock.close(linger_ms)
         self._monitor_of.pop(endpoint, None)
-        self._up.pop(endpoint, None)
+        self._links.pop(endpoint, None)
 
-    def peer_up(self, endpoint: str) -> bool | None:
-        """Whether the connection to ``endpoint`` is alive (see the module docstring); None: not known."""
-        return self._up.get(endpoint)
+    def link(self, endpoint: str) -> Link:
+        """The connection to ``endpoint`` (see the module docstring)."""
+        state = self._links.get(endpoint)
+        return Link.UNKNOWN if state is None else state.link
 
     def _wake(self) -> None:
         try:
@@ -167,9 +200,13 @@ class ZmqChannel:
 
     def _drain_locked(self) -> int:
         count = 0
+        router = self._router
         while not self._closed.is_set():
             try:
-                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+                # Asked first: a receive that finds nothing raises, and most drains find nothing.
+                if not router.getsockopt(_EVENTS) & _POLLIN:
+                    return count
+                frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return count
             except zmq.ZMQError as exc:
@@ -249,7 +286,7 @@ class ZmqChannel:
                 return False
             with self._send_lock:
                 if self._monitor_of.get(endpoint) is mon:  # not a closed DEALER's late event
-                    self._up[endpoint] = bool(event & _UP)
+                    self._links[endpoint].on_event(event)
 
     def close(self, timeout_s: float = 2.0, linger_s: float = 0.1) -> None:
         """Stop receiving; messages still queued to peers get ``linger_s`` to

@@ -18,7 +18,7 @@ import threading
 import time
 
 from transfer.config import ManagerConfig
-from transfer.control.base import ControlChannel
+from transfer.control.base import ControlChannel, Link
 from transfer.errors import KVFerryError
 from transfer.liveness import Liveness
 from transfer.messages import PeerPing, PeerPong
@@ -103,12 +103,17 @@ class PeerWatch:
         with self.lock:
             watched = self.rooms.live_peers(now)
             live = self.rooms.num_live
+            gone = set()
             for session, endpoint in watched.items():
                 # Alive as the connection says (its heartbeats are answered by the peer's libzmq,
-                # not by its Python threads): a busy or starved process is not taken for dead.
-                if self.channel.peer_up(endpoint):
+                # not by its Python threads): a busy or starved process is not taken for dead;
+                # a killed one is found once its address refuses a reconnection.
+                link = self.channel.link(endpoint)
+                if link is Link.UP:
                     self.liveness.heard(session, now)
-            to_ping, lost = self.liveness.step(watched, now)
+                elif link is Link.GONE:
+                    gone.add(session)
+            to_ping, lost = self.liveness.step(watched, now, gone)
             self.totals.num_peers_lost += len(lost)
             self._seq += 1
             seq = self._seq
@@ -122,11 +127,13 @@ class PeerWatch:
             except KVFerryError as exc:
                 log.debug("%s: ping to %s not sent: %s", self.where, endpoint, exc)
         for session in lost:
-            log.warning("%s: peer %s silent for more than %g s: failing its rooms", self.where, session,
-                        self.config.peer_timeout_s)
+            why = "gone: its control endpoint refuses connections (the process exited or was killed)" \
+                if session in gone else \
+                f"silent for more than {self.config.peer_timeout_s:g} s: dead, stopped or unreachable"
+            log.warning("%s: peer %s %s: failing its rooms", self.where, session, why)
             # Its socket stays: what its rooms' failure sends it (their aborts) reaches it if it
             # was only stopped and comes back.
-            self.rooms.peer_lost(session, self.config.peer_timeout_s)
+            self.rooms.peer_lost(session, why)
         if now >= self._next_sweep:  # timeouts fire here, not only when a scheduler polls
             self._next_sweep = now + SWEEP_INTERVAL_S
             self.rooms.expire()

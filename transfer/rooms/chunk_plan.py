@@ -179,8 +179,7 @@ def _parts(req: TransferRequest, pages: np.ndarray, page_start: int, local: Rank
         nbytes = per_page * len(src)
         # Without local staging every part is written from the pools; with it,
         # those whose runs are long enough that a gather would only slow them down.
-        direct = local.staging is None or \
-            nbytes / max(1, source_entries(src, pools)[1].size) >= config.stage_below_bytes
+        direct = local.staging is None or nbytes / max(1, num_source_entries(src, pools)) >= config.stage_below_bytes
         parts.append(PartSpec(req, first_part + i, src, page_start + o, pools, nbytes, direct,
                               _granted(req, page_start + o, per_page, nbytes)))
     return parts
@@ -197,6 +196,17 @@ def _granted(req: TransferRequest, page_start: int, per_page: int, nbytes: int) 
         raise ValueError(f"a staged part of request pages [{page_start}, +{nbytes // per_page}) does not fit the "
                          f"{req.staging_nbytes} bytes decode granted")
     return req.staging_offset + start
+
+
+def num_source_entries(pages: np.ndarray, pools) -> int:
+    """How many descriptors :func:`source_entries` gives (counted, not built)."""
+    runs = 1 + int(np.count_nonzero(np.diff(pages) != 1)) if pages.size else 0
+    count = 0
+    for pool, sl in pools:
+        buffers = pool.num_layers * len(pool.components)
+        whole = sl.rows == 1 and sl.nbytes == sl.row_bytes and pool.dense
+        count += buffers * (runs if whole else pages.size * sl.rows)
+    return count
 
 
 def source_entries(pages: np.ndarray, pools) -> tuple[np.ndarray, np.ndarray]:

@@ -45,8 +45,15 @@ class DecodePhase(enum.Enum):
     SUCCESS = "success"
     FAILED = "failed"
 
+    # Members are singletons: hashed by identity in C (Enum's own hash runs Python code,
+    # and phases are looked up in sets on every poll).
+    __hash__ = object.__hash__
+
 
 P = DecodePhase
+# KVPoll's forward order (KVPoll(n + 1) builds a member through Enum's Python code)
+_SUCCESSOR = {KVPoll.Bootstrapping: KVPoll.WaitingForInput, KVPoll.WaitingForInput: KVPoll.Transferring,
+              KVPoll.Transferring: KVPoll.Success}
 
 #: Phases in which the room has not failed yet (a failure may still start).
 LIVE = frozenset({P.BOOTSTRAPPING, P.WAITING_FOR_INPUT, P.PREFETCHING, P.TRANSFERRING})
@@ -104,7 +111,7 @@ class DecodePhases:
         self.phase = to
         target = POLL[to]
         while target is not None and self.room.state < target:  # forward through state.py's table
-            self.room.move(KVPoll(self.room.state + 1))
+            self.room.move(_SUCCESSOR[self.room.state])
 
     def fail(self, error: BaseException) -> bool:
         """Fail unless terminal; returns whether the phase changed."""

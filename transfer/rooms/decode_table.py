@@ -48,7 +48,7 @@ class Receiver(Protocol):
     def on_message(self, msg) -> None: ...
 
 
-    def peer_lost(self, session: str, silent_s: float) -> None: ...
+    def peer_lost(self, session: str, why: str) -> None: ...
 
     def fail(self, error: BaseException, *, drain: bool = True) -> None: ...
 
@@ -196,14 +196,14 @@ class DecodeRooms:
                     peers[link.ranks[p].session] = link.ranks[p].control_endpoint
         return peers
 
-    def peer_lost(self, session: str, silent_s: float) -> None:
-        """A prefill rank went silent: forget every link through it (the next
+    def peer_lost(self, session: str, why: str) -> None:
+        """A prefill rank went silent or is gone (``why``): forget every link through it (the next
         room looks the node up afresh) and fail the rooms that await it."""
         with self.ctx.lock:
             self.links.forget_session(session)
             receivers = list(self.receivers.values())
         for r in receivers:
-            r.peer_lost(session, silent_s)
+            r.peer_lost(session, why)
 
     def on_message(self, msg, origin: str = "") -> None:
         """A control message from ``origin`` (see :mod:`transfer.control.base`)."""

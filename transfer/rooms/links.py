@@ -39,6 +39,8 @@ class LinkState(enum.Enum):
     READY = "ready"
     FAILED = "failed"
 
+    __hash__ = object.__hash__  # singletons: hashed by identity, in C
+
 
 class Link:
     """One prefill DP group as this decode rank sees it: its ranks, and what

@@ -364,14 +364,13 @@ class PrefillRooms:
         return {req.decode_session: req.decode_endpoint
                 for s in self.senders.values() if not s.terminal for req in s.requests}
 
-    def peer_lost(self, session: str, silent_s: float) -> None:
-        """A decode rank went silent: fail the rooms it asked for."""
+    def peer_lost(self, session: str, why: str) -> None:
+        """A decode rank went silent or is gone (``why``): fail the rooms it asked for."""
         with self.ctx.lock:
             senders = [s for s in self.senders.values()
                        if any(r.decode_session == session for r in s.requests)]
         for s in senders:
-            s.fail(tag_reason(PeerError(f"{s.where}: decode rank {session} silent for more than {silent_s:g} s: "
-                                        "dead, stopped or unreachable"), FailureReason.PEER_LOST))
+            s.fail(tag_reason(PeerError(f"{s.where}: decode rank {session} {why}"), FailureReason.PEER_LOST))
 
     def expire(self) -> None:
         """Poll the live senders, so that their timeouts fire (the manager's

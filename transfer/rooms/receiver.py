@@ -265,8 +265,8 @@ class KVReceiver:
                 (not self._drain.ranks or self._drain.overdue(time.monotonic())):
             self._finish_fail(self._drain.error)
 
-    def peer_lost(self, session: str, silent_s: float) -> None:
-        """Prefill rank ``session`` went silent."""
+    def peer_lost(self, session: str, why: str) -> None:
+        """Prefill rank ``session`` went silent or is gone (``why``)."""
         with self._ctx.lock:
             link = self._link
             if self._phases.phase not in LIVE | ENDING or link is None or not link.ranks:
@@ -280,8 +280,7 @@ class KVReceiver:
                     self._stopped_writing(p, lost=True)
                 return
             p = min(lost)
-            self.fail(tag_reason(PeerError(f"{self.where}: prefill rank {p} of {link.name} ({session}) silent for "
-                                           f"more than {silent_s:g} s: dead, stopped or unreachable"),
+            self.fail(tag_reason(PeerError(f"{self.where}: prefill rank {p} of {link.name} ({session}) {why}"),
                                  FailureReason.PEER_LOST), stopped=lost)
 
     def fail(self, error: BaseException, *, notify: bool = True, stopped=(), drain: bool = True,

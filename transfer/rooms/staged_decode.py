@@ -61,9 +61,10 @@ class DecodeStaging:
         self.is_live = is_live
         self.quarantine_s = quarantine_s
         self._queue: collections.deque[StageRequest] = collections.deque()
-        self._granted: dict[tuple[int, int, int, int], tuple[int, int]] = {}  # -> (offset, nbytes)
-        # (room, request id, prefill TP rank) -> (offset, nbytes): a room's region granted with its request
-        self._pregranted: dict[tuple[int, int, int], tuple[int, int]] = {}
+        # (room, request id) -> (prefill TP rank, part) -> (offset, nbytes): a part's region
+        self._granted: dict[tuple[int, int], dict[tuple[int, int], tuple[int, int]]] = {}
+        # (room, request id) -> prefill TP rank -> (offset, nbytes): a room's region granted with its request
+        self._pregranted: dict[tuple[int, int], dict[int, tuple[int, int]]] = {}
         self._quarantine: list[tuple[float, int, int]] = []
 
     def pregrant(self, room: int, request_id: int, tp_rank: int, nbytes: int) -> int:
@@ -77,7 +78,7 @@ class DecodeStaging:
         offset = area.alloc(nbytes)
         if offset is None:
             return -1
-        self._pregranted[(room, request_id, tp_rank)] = (offset, nbytes)
+        self._pregranted.setdefault((room, request_id), {})[tp_rank] = (offset, nbytes)
         return offset
 
     def on_request(self, req: StageRequest) -> None:
@@ -114,7 +115,8 @@ class DecodeStaging:
             if offset is None:
                 return
             self._queue.popleft()
-            self._granted[(req.room, req.request_id, req.prefill_tp_rank, req.part)] = (offset, req.nbytes)
+            self._granted.setdefault((req.room, req.request_id), {})[(req.prefill_tp_rank, req.part)] = \
+                (offset, req.nbytes)
             try:
                 self.ctx.channel.send(req.prefill_endpoint, StageGrant(
                     room=req.room, request_id=req.request_id, part=req.part, offset=offset))
@@ -126,12 +128,15 @@ class DecodeStaging:
         gone; only free the region). The copy runs without ``ctx.lock``
         (other threads go on meanwhile); the room counts it in progress, so
         it cannot turn Failed, and its pages be reused, halfway through."""
-        key = (msg.room, msg.request_id, msg.prefill_tp_rank, msg.part)
+        key = (msg.room, msg.request_id)
         with self.ctx.lock:
-            grant = self._granted.pop(key, None)
+            parts = self._granted.get(key)
+            grant = parts.pop((msg.prefill_tp_rank, msg.part), None) if parts is not None else None
+            if parts is not None and not parts:
+                del self._granted[key]
             free = grant is not None  # a part's own region; a room's is freed when the room ends
             if grant is None:
-                room = self._pregranted.get(key[:3])
+                room = self._pregranted.get(key, {}).get(msg.prefill_tp_rank)
                 if room is not None and room[0] <= msg.offset and msg.offset + msg.nbytes <= room[0] + room[1]:
                     grant = (msg.offset, msg.nbytes)
             if grant is None or grant[1] != msg.nbytes:
@@ -158,8 +163,8 @@ class DecodeStaging:
         confirmed it stopped writing) or poisoned."""
         area, fenced = self.ctx.staging.area, self.ctx.staging.fenced
         with self.ctx.lock:
-            regions = [self._granted.pop(k) for k in [k for k in self._granted if k[:2] == (room, request_id)]]
-            regions += [self._pregranted.pop(k) for k in [k for k in self._pregranted if k[:2] == (room, request_id)]]
+            regions = list(self._granted.pop((room, request_id), {}).values())
+            regions += self._pregranted.pop((room, request_id), {}).values()
             for offset, nbytes in regions:
                 if not fenced:
                     self._quarantine.append((time.monotonic() + self.quarantine_s, offset, nbytes))

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from transfer.control.base import ChannelOptions, Handler
+from transfer.control.base import ChannelOptions, Handler, Link
 from transfer.control.loopback import LoopbackChannel, origin_of
 from transfer.errors import KVFerryError, TransferError
 from transfer.plan import TransferPlan
@@ -177,6 +177,7 @@ class LoopbackFabric:
         self.broken: set[str] = set()
         self._held: dict[str, list[tuple[bytes, str]]] = {}
         self._cut: set[str] = set()
+        self._gone: set[str] = set()  # endpoints of channels that closed
         self._drop_if: Callable[[object], bool] | None = None
         self.delay_s = 0.0
         self.num_dropped = 0
@@ -211,7 +212,8 @@ class LoopbackFabric:
 
     def unbind(self, endpoint: str) -> None:
         with self._lock:
-            self._channels.pop(endpoint, None)
+            if self._channels.pop(endpoint, None) is not None:
+                self._gone.add(endpoint)
 
     # --- messages -----------------------------------------------------------------
 
@@ -230,10 +232,16 @@ class LoopbackFabric:
         if ch is not None:
             ch.deliver(payload, time.monotonic() + self.delay_s, origin_of(src))
 
-    def peer_up(self, src: str, dst: str) -> bool:
-        """Messages from ``src`` reach ``dst``: it is bound, neither is cut, it is not held."""
+    def link(self, src: str, dst: str) -> Link:
+        """UP: messages from ``src`` reach ``dst`` (it is bound, neither is
+        cut, it is not held); GONE: ``dst`` was bound and closed; DOWN: cut
+        or held; UNKNOWN: never bound."""
         with self._lock:
-            return dst in self._channels and src not in self._cut and dst not in self._cut and dst not in self._held
+            if dst in self._gone:
+                return Link.GONE
+            if dst not in self._channels:
+                return Link.UNKNOWN
+            return Link.DOWN if src in self._cut or dst in self._cut or dst in self._held else Link.UP
 
     def inject(self, dst: str, payload: bytes, origin: str = "127.0.0.1") -> None:
         """Deliver raw bytes to ``dst`` as if from ``origin`` (malformed or

@@ -45,7 +45,7 @@ from transfer.plan import TransferPlan, split_entries
 from transfer.transport.base import DoneCallback
 from transfer.transport.mooncake.process import (apply_mooncake_env, keep_forever, quiet_engine_start, rdma_devices,
                                                  stderr_discarded)
-from transfer.transport.worker import PollingWorker, closed_error, gate_state, run_callback
+from transfer.transport.worker import PollingWorker, close_at_exit, closed_error, gate_state, run_callback
 
 log = logging.getLogger("kvferry.transport")
 
@@ -131,6 +131,7 @@ class MooncakeTransport:
         self._outstanding: dict[str, collections.deque[tuple[int, _Job, int]]] = \
             collections.defaultdict(collections.deque)
         self._worker = PollingWorker(self)
+        close_at_exit(self)
 
     @property
     def num_rounds(self) -> int:

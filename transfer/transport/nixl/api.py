@@ -1,10 +1,19 @@
 """How kvferry reaches NIXL: the package import (the transport and the
 ``nixl://`` store both find NIXL through :func:`find_nixl`), and agents whose
-progress thread does not spin. Importing this module does not import NIXL."""
+progress thread does not spin. Importing this module does not import NIXL.
+
+UCX's EFA module (AWS Elastic Fabric Adapter) is left out on hosts without
+an EFA device (``UCX_MODULES=^efa``, unless ``UCX_MODULES`` is set): NIXL's
+wheel bundles its own libibverbs and libnl, and that module pulls the
+system's copies in beside them; at exit the two copies' destructors crash
+the process (signal 11 in ``rtnl_tc_unregister``, after everything else
+worked). See :func:`skip_idle_efa`.
+"""
 
 from __future__ import annotations
 
 import importlib
+import os
 import threading
 
 from transfer.errors import TransferError
@@ -36,10 +45,29 @@ def new_agent(api, name: str, agent_config, progress_delay_us: int):
             bindings.nixlAgent = real
 
 
+def skip_idle_efa(environ=os.environ, sysfs: str = "/sys/class/infiniband") -> bool:
+    """Set ``UCX_MODULES=^efa`` (see the module docstring) unless it is set
+    or an RDMA device of this host is driven by ``efa``; whether it did.
+    UCX reads it when NIXL's first UCX agent starts."""
+    if "UCX_MODULES" in environ:
+        return False
+    try:
+        devices = os.listdir(sysfs)
+    except OSError:
+        devices = []
+    for dev in devices:
+        driver = os.path.realpath(os.path.join(sysfs, dev, "device", "driver"))
+        if os.path.basename(driver) == "efa":
+            return False
+    environ["UCX_MODULES"] = "^efa"
+    return True
+
+
 def find_nixl():
     """NIXL's Python API module (the ``nixl`` meta package's, else a wheel's),
     imported on the first call; ImportError saying why (not installed, naming
     the install, or what broke) when none imports."""
+    skip_idle_efa()
     broken = []
     for name in _NIXL_MODULES:
         try:

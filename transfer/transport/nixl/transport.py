@@ -47,7 +47,7 @@ from transfer.plan import TransferPlan
 from transfer.transport.base import DoneCallback
 from transfer.transport.nixl.api import import_api, new_agent
 from transfer.transport.nixl.peers import PeerRegions, decode_metadata, encode_metadata
-from transfer.transport.worker import PollingWorker, closed_error, gate_state, run_callback
+from transfer.transport.worker import PollingWorker, close_at_exit, closed_error, gate_state, run_callback
 
 log = logging.getLogger("kvferry.transport")
 
@@ -125,6 +125,7 @@ class NixlTransport:
         self._waiting: list[_Job] = []  # the worker's: not posted yet (a ready gate not done)
         self._posted: list[_Job] = []  # the worker's: requests running
         self._worker = PollingWorker(self)
+        close_at_exit(self)
 
     def describe(self) -> str:
         """The transport in use, in words (for one log line)."""
