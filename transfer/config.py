@@ -69,7 +69,9 @@ class EngineConfig:
     ``max_inflight_per_peer`` caps the descriptors kvferry has outstanding to
     one peer: the TCP transport wedges a peer path when its own queue
     overflows, so we never let it. Longer descriptors are cut into pieces of
-    ``max_descriptor_bytes``, which spreads them over the engine's lanes.
+    ``max_descriptor_bytes``, which spreads them over the engine's lanes (NIXL
+    cuts them too: UCX over TCP moved 16 MiB descriptors at about 0.6 of the
+    rate of 4 MiB ones).
     ``progress_timeout_s`` bounds how long an
     outstanding descriptor can hang on a stalled peer.
     """
