@@ -31,8 +31,7 @@ def build_tiny_model(path: str, seed: int = 0) -> str:
     """A random 4-layer Llama (hidden 256, 8 heads, 4 KV heads, head dim 32,
     bf16) and a WordLevel tokenizer (``t<i>`` <-> id i), saved under ``path``."""
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     if os.path.exists(os.path.join(path, "config.json")):
         return path
@@ -43,13 +42,47 @@ def build_tiny_model(path: str, seed: int = 0) -> str:
                          bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path)
+    _save_tokenizer(path)
+    return path
+
+
+def build_tiny_mla_model(path: str, seed: int = 0) -> str:
+    """A random 4-layer DeepSeek-V2-style MLA model (hidden 256, 4 heads,
+    latent 512 + rope 64 = 576, the only head size vLLM's CPU_MLA backend
+    takes; dense layers; bf16, about 20 M parameters) and the same tokenizer."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    os.makedirs(path, exist_ok=True)
+    torch.manual_seed(seed)
+    config = DeepseekV2Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+                              n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=4, kv_lora_rank=512,
+                              q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
+                              rope_scaling=None, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+                              torch_dtype="bfloat16")
+    model = DeepseekV2ForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.08)
+    model.to(torch.bfloat16).save_pretrained(path)
+    _save_tokenizer(path)
+    return path
+
+
+def _save_tokenizer(path: str) -> None:
+    """A WordLevel tokenizer: ``t<i>`` <-> id i."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     vocab = {f"t{i}": i for i in range(VOCAB)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2",
                                    pad_token="t3")
     fast.save_pretrained(path)
-    return path
 
 
 def free_port() -> int:
@@ -70,6 +103,8 @@ class ServerSpec:
     prefix: list = field(default_factory=list)  # e.g. a network namespace wrapper
     max_model_len: int = 2048
     port: int = 0
+    prefix_caching: bool = False
+    args: tuple = ()  # more vLLM arguments, e.g. ("--block-size", "64")
 
 
 class VLLMServer:
@@ -80,9 +115,14 @@ class VLLMServer:
         self.port = spec.port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = os.path.join(log_dir, f"{spec.name}.log")
+        restart = 1
+        while os.path.exists(self.log_path):  # a restarted server keeps its predecessor's log
+            self.log_path = os.path.join(log_dir, f"{spec.name}.{restart}.log")
+            restart += 1
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model, "--host", "127.0.0.1",
-               "--port", str(self.port), "--enforce-eager", "--no-enable-prefix-caching", "--dtype", "bfloat16",
-               "--max-model-len", str(spec.max_model_len), "--max-num-seqs", "16"]
+               "--port", str(self.port), "--enforce-eager", "--dtype", "bfloat16",
+               "--enable-prefix-caching" if spec.prefix_caching else "--no-enable-prefix-caching",
+               "--max-model-len", str(spec.max_model_len), "--max-num-seqs", "16", *spec.args]
         if spec.kv_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(spec.kv_config)]
         env = dict(os.environ)
@@ -119,6 +159,11 @@ class VLLMServer:
                 return f.read()[-n:].decode(errors="replace")
         except OSError:
             return ""
+
+    def kvferry_lines(self) -> str:
+        """kvferry's own lines in the server's log (rooms failed, requests failed)."""
+        return "\n".join(line for line in self.log_tail(10_000_000).splitlines()
+                         if "kvferry" in line and "kv_connector_extra_config" not in line)
 
     def metrics(self) -> dict[str, float]:
         """``vllm:prompt_tokens_by_source`` per source, and the request counters."""

@@ -179,3 +179,24 @@ def test_several_aux_regions_reach_a_fenced_decode_rank_in_room_status(cluster):
     assert (sender.poll(), receiver.poll()) == (KVPoll.Success, KVPoll.Success), receiver.failure_exception()
     assert_landed(prefill, decode, src, dst, src_aux=6, dst_aux=1)
     assert all(not region[s].any() for region in decode.aux for s in range(AUX_SLOTS) if s != 1)
+
+
+@pytest.mark.parametrize("aux", [None, 2], ids=["no-aux", "aux"])
+def test_a_decode_that_holds_every_page_still_ends_the_room(cluster, aux):
+    """Decode holds all the request's pages (its prefix cache, or a storage
+    prefetch that found them all): prefill's last chunk has nothing to write
+    (nothing but the aux row, with one); both sides still end in Success."""
+    prefill, decode = cluster.rank(Role.PREFILL), cluster.rank(Role.DECODE)
+    rng = np.random.default_rng(23)
+    src, dst = random_pages(rng, 3), random_pages(rng, 3)
+    before = _hold(decode, dst)
+    receiver = KVReceiver(decode.mgr, prefill.mgr.config.bootstrap_addr, 62 + (aux or 0))
+    receiver.init(dst, aux, skip_pages=3)
+    sender = KVSender(prefill.mgr, None, 62 + (aux or 0))
+    wait_until(prefill.mgr, lambda: sender.poll() is not KVPoll.Bootstrapping, what="requests arrived")
+    sender.init(3, None if aux is None else 1)
+    sender.send(src, last=True)
+    wait_until(decode.mgr, lambda: sender.poll() in (KVPoll.Success, KVPoll.Failed) and
+               receiver.poll() in (KVPoll.Success, KVPoll.Failed), what="room terminal", timeout_s=10)
+    assert (sender.poll(), receiver.poll()) == (KVPoll.Success, KVPoll.Success), receiver.failure_exception()
+    assert decode.page_bytes(dst) == before

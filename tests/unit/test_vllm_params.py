@@ -59,3 +59,17 @@ def test_the_scheduler_half_imports_no_engine():
             "bad = [m for m in ('torch', 'zmq', 'mooncake', 'vllm') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.parametrize("sizes, named", [
+    (dict(pipeline_parallel_size=2, data_parallel_size=1), "pipeline_parallel_size 2 is not supported"),
+    (dict(pipeline_parallel_size=1, data_parallel_size=4), "data_parallel_size 4 is not supported"),
+    (dict(pipeline_parallel_size=1, data_parallel_size=1, decode_context_parallel_size=2),
+     "decode_context_parallel_size 2 is not supported"),
+])
+def test_parallel_layouts_the_connector_cannot_move_are_refused_by_name(sizes, named):
+    from transfer.adapters.vllm_params import check_parallel
+
+    with pytest.raises(ValueError, match=named):
+        check_parallel(**sizes)
+    check_parallel(pipeline_parallel_size=1, data_parallel_size=1)

@@ -136,3 +136,68 @@ def test_the_lease_option_and_prefill_bootstrap_bound(extra, lease):
     assert "staging_bytes" not in c.manager_fields(prefill=False)  # decode: staging, so the write fence
     with pytest.raises(ValueError, match="kvferry_lease_s"):
         ConnectorConfig.from_extra({"kvferry_lease_s": 0}, None)
+
+
+def test_a_decode_request_cancelled_before_its_room_frees_prefill_at_once(cluster):
+    """vLLM finishes a decode request before it was scheduled (no receiver,
+    no pages): the worker tells prefill, whose room ends (its blocks free)
+    well within a second, not at its 30 s lease; an unrelated room moves on."""
+    p, _ = worker(cluster, Role.PREFILL, lease_s=30.0)
+    d, _ = worker(cluster, Role.DECODE)
+    p.start([SendSpec(req_id="kept", room=500, pages=(1, 2)), SendSpec(req_id="other", room=501, pages=(3,))], [])
+    cancelled_at = time.monotonic()
+    d.start([], [], cancels=[RecvSpec(req_id="gone", room=500, bootstrap_addr=cluster.server.address,
+                                      node_id="prefill", pages=())])
+    waited = wait_finished(p, {"kept"}, 10)
+    assert waited < 1.0, waited
+    assert time.monotonic() - cancelled_at < 1.0
+    assert p.take_stats()["failures"] == {"aborted": 1}
+    assert d.num_cancelled == 1 and d.num_pending() == 0 and d.finished({"gone"}) == (set(), set())
+    d.start([], [RecvSpec(req_id="d-other", room=501, bootstrap_addr=cluster.server.address, node_id="prefill",
+                          pages=(9,))])
+    wait_finished(d, {"d-other"}, 10)
+    wait_finished(p, {"other"}, 10)
+    assert d.load_errors() == set()
+
+
+def test_decode_prefix_pages_are_listed_never_written(cluster):
+    """Decode's prefix cache holds the first pages (``skip_pages``): they stay
+    as they were, byte for byte; the rest land; only the rest count as load
+    errors had it failed."""
+    p, prefill = worker(cluster, Role.PREFILL)
+    d, decode = worker(cluster, Role.DECODE, **FENCED)
+    rng = np.random.default_rng(11)
+    src, dst = random_pages(rng, 5), np.array([40, 41, 42, 43, 44])
+    before = decode.page_bytes(dst[:2])
+    d.start([], [RecvSpec(req_id="d", room=700, bootstrap_addr=cluster.server.address, node_id="prefill",
+                          pages=tuple(int(x) for x in dst), skip_pages=2)])
+    p.start([SendSpec(req_id="p", room=700, pages=tuple(int(x) for x in src))], [])
+    wait_finished(d, {"d"}, 10)
+    wait_finished(p, {"p"}, 10)
+    assert d.load_errors() == set()
+    assert decode.page_bytes(dst[:2]) == before
+    assert decode.page_bytes(dst[2:]) == prefill.page_bytes(src[2:])
+    assert decode.page_bytes(dst[:2]) != prefill.page_bytes(src[:2])
+    assert p.take_stats()["bytes_transferred"] == [3 * PAGE_BYTES]
+
+
+def test_mla_caches_are_viewed_as_logical_blocks():
+    """vLLM's MLA cache, [kernel blocks, 1, kernel block, latent] (CPU) or
+    [kernel blocks, kernel block, latent]: logical block b is kernel blocks
+    b * ratio ... of the same memory; no copy."""
+    torch = pytest.importorskip("torch")
+    from transfer.adapters.vllm_worker import check_block_size, mla_layers
+
+    kernel = torch.arange(8 * 16 * 4, dtype=torch.float32).view(8, 1, 16, 4)
+    (same,) = mla_layers([kernel], 16)
+    assert same.shape == (8, 16, 4) and same.data_ptr() == kernel.data_ptr()
+    (logical,) = mla_layers([kernel.view(8, 16, 4)], 64)
+    assert logical.shape == (2, 64, 4) and logical.data_ptr() == kernel.data_ptr()
+    assert torch.equal(logical[1], torch.cat([kernel[i, 0] for i in range(4, 8)]))
+    with pytest.raises(ValueError, match="logical block size 24 is not a whole number of kernel blocks of 16"):
+        mla_layers([kernel], 24)
+    with pytest.raises(ValueError, match="contiguous"):
+        mla_layers([kernel.view(8, 16, 4).transpose(1, 2)], 16)
+    check_block_size(128, 128)
+    with pytest.raises(ValueError, match="kernel block holds 16 tokens and vLLM's logical block 128"):
+        check_block_size(16, 128)

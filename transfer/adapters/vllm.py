@@ -42,8 +42,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
 from transfer.adapters.vllm_metrics import KvferryConnectorStats, KvferryPromMetrics
-from transfer.adapters.vllm_params import (ConnectorConfig, RecvSpec, SendSpec, decode_params, num_pages, room_of,
-                                           source_of)
+from transfer.adapters.vllm_params import (ConnectorConfig, RecvSpec, SendSpec, check_parallel, decode_params,
+                                           num_pages, room_of, source_of)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -70,6 +70,7 @@ class KvferryConnectorMetadata(KVConnectorMetadata):
     sends: list[SendSpec] = field(default_factory=list)
     recvs: list[RecvSpec] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)  # decode requests finished while their room is open
+    cancels: list[RecvSpec] = field(default_factory=list)  # decode requests finished before they had a room
 
 
 def _cache_layout(vllm_config):
@@ -78,9 +79,11 @@ def _cache_layout(vllm_config):
     from vllm.platforms import current_platform
 
     from transfer.adapters.vllm_worker import CacheLayout
-    return CacheLayout(total_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
+    mc = vllm_config.model_config
+    return CacheLayout(total_kv_heads=mc.get_total_num_kv_heads(),
                        kv_layout="fused_rows" if current_platform.is_cpu() else "fused_cells",
-                       vllm_layout=getattr(vllm_config.cache_config, "kv_cache_layout", None))
+                       vllm_layout=getattr(vllm_config.cache_config, "kv_cache_layout", None),
+                       mla=bool(getattr(mc, "use_mla", False)), block_size=vllm_config.cache_config.block_size)
 
 
 class KvferryConnector(KVConnectorBase_V1):
@@ -95,6 +98,9 @@ class KvferryConnector(KVConnectorBase_V1):
         self.is_producer = tc.kv_role == "kv_producer"
         if tc.kv_role not in ("kv_producer", "kv_consumer"):
             raise ValueError(f"KvferryConnector: kv_role must be kv_producer or kv_consumer, got {tc.kv_role!r}")
+        pc = vllm_config.parallel_config
+        check_parallel(pipeline_parallel_size=pc.pipeline_parallel_size, data_parallel_size=pc.data_parallel_size,
+                       decode_context_parallel_size=getattr(pc, "decode_context_parallel_size", 1))
         self.block_size = vllm_config.cache_config.block_size
         self._engine_id = str(tc.engine_id)
         # scheduler state
@@ -103,6 +109,8 @@ class KvferryConnector(KVConnectorBase_V1):
         self._pending_sends: set[str] = set()
         self._open_recvs: set[str] = set()
         self._aborts: list[str] = []
+        self._cancels: list[RecvSpec] = []
+        self._local_tokens: dict[str, int] = {}  # decode: prompt tokens its prefix cache holds, by request
         self.worker = None
         if role is KVConnectorRole.WORKER:
             from transfer.adapters.vllm_worker import KvferryWorker
@@ -124,6 +132,10 @@ class KvferryConnector(KVConnectorBase_V1):
             log.warning("kvferry: request %s computes its prompt here: %s", request.request_id, exc)
             return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        if count > 0:
+            # Decode's own prefix cache holds the first num_computed_tokens (whole blocks): those
+            # blocks may be shared with other requests and are never written (skip_pages).
+            self._local_tokens[request.request_id] = num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
@@ -131,19 +143,22 @@ class KvferryConnector(KVConnectorBase_V1):
         if not params or not params.get("do_remote_prefill") or self.is_producer:
             return
         params["do_remote_prefill"] = False  # one transfer per request
+        local = self._local_tokens.pop(request.request_id, 0)
         if num_external_tokens <= 0:
             return
         source = source_of(params)  # checked in get_num_new_matched_tokens
         pages = tuple(blocks.get_block_ids()[0][:num_pages(len(request.prompt_token_ids), self.block_size)])
         self._open_recvs.add(request.request_id)
         spec = RecvSpec(req_id=request.request_id, room=source.room, bootstrap_addr=source.bootstrap_addr,
-                        node_id=source.node_id, pages=pages, token_ids=self._prompt(request))
+                        node_id=source.node_id, pages=pages, token_ids=self._prompt(request),
+                        skip_pages=local // self.block_size)
         if not self._start_here(recvs=[spec]):
             self._recvs.append(spec)
 
     def build_connector_meta(self, scheduler_output) -> KvferryConnectorMetadata:
-        meta = KvferryConnectorMetadata(sends=self._sends, recvs=self._recvs, aborts=self._aborts)
-        self._sends, self._recvs, self._aborts = [], [], []
+        meta = KvferryConnectorMetadata(sends=self._sends, recvs=self._recvs, aborts=self._aborts,
+                                        cancels=self._cancels)
+        self._sends, self._recvs, self._aborts, self._cancels = [], [], [], []
         return meta
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -154,6 +169,9 @@ class KvferryConnector(KVConnectorBase_V1):
             self._aborts.append(request.request_id)
             return False, None
         params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill") and not self.is_producer:
+            self._cancel(request, params)
+            return False, None
         if not params or not params.get("do_remote_decode") or not self.is_producer:
             return False, None
         if request.status not in _SENDABLE:
@@ -171,14 +189,28 @@ class KvferryConnector(KVConnectorBase_V1):
             self._sends.append(spec)
         return True, decode_params(room, self.config)
 
-    def _start_here(self, sends=(), recvs=()) -> bool:
+    def _cancel(self, request: "Request", params: dict) -> None:
+        """Decode finished (aborted, rejected) a request before it had a room:
+        tell prefill now, which frees the request's blocks there at once
+        instead of at its lease."""
+        self._local_tokens.pop(request.request_id, None)
+        try:
+            source = source_of(params)
+        except ValueError:
+            return  # never claimed (get_num_new_matched_tokens said why)
+        spec = RecvSpec(req_id=request.request_id, room=source.room, bootstrap_addr=source.bootstrap_addr,
+                        node_id=source.node_id, pages=())
+        if not self._start_here(cancels=[spec]):
+            self._cancels.append(spec)
+
+    def _start_here(self, sends=(), recvs=(), cancels=()) -> bool:
         """Open rooms on this process's worker now (see ``_LOCAL_WORKERS``);
         False: there is none, send them in the step's metadata."""
         worker = _LOCAL_WORKERS.get(self._engine_id)
         if worker is None:
             return False
         try:
-            worker.start(list(sends), list(recvs))
+            worker.start(list(sends), list(recvs), cancels=list(cancels))
         except Exception:  # a bug, not a transfer failure (start reports those): the metadata path then
             log.exception("kvferry: opening rooms on the in-process worker failed")
             return False
@@ -208,8 +240,8 @@ class KvferryConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         meta = self._connector_metadata
-        if isinstance(meta, KvferryConnectorMetadata) and (meta.sends or meta.recvs or meta.aborts):
-            self.worker.start(meta.sends, meta.recvs, meta.aborts)
+        if isinstance(meta, KvferryConnectorMetadata) and (meta.sends or meta.recvs or meta.aborts or meta.cancels):
+            self.worker.start(meta.sends, meta.recvs, meta.aborts, meta.cancels)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are whole-request and asynchronous: nothing per layer."""

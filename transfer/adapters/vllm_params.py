@@ -107,6 +107,32 @@ class ConnectorConfig:
         return fields
 
 
+def check_parallel(*, pipeline_parallel_size: int, data_parallel_size: int,
+                   decode_context_parallel_size: int = 1) -> None:
+    """Refuse, at start-up, the vLLM parallel layouts the connector does not
+    move correctly (raises ValueError saying which and what to run instead):
+
+    - pipeline parallelism: each PP stage's worker holds its own layers, and
+      kvferry's rank layout (TP ranks of one pool of every layer) has no
+      stage; a stage would register as a whole model;
+    - data parallelism: vLLM's DP engines would share one ``kvferry_node``
+      and one room space; run independent vLLM servers instead (DP size 1),
+      each with its own ``kvferry_node`` (they may share a bootstrap server);
+    - decode context parallelism: the KV of a request is spread over ranks by
+      token, which kvferry's plan (by pages and heads) does not cover."""
+    refused = [(name, size, what) for name, size, what in (
+        ("pipeline_parallel_size", pipeline_parallel_size,
+         "each pipeline stage holds its own layers; run prefill and decode with --pipeline-parallel-size 1"),
+        ("data_parallel_size", data_parallel_size,
+         "run independent vLLM servers (--data-parallel-size 1), each with its own kvferry_node"),
+        ("decode_context_parallel_size", decode_context_parallel_size,
+         "a request's KV is spread over ranks by token; run with --decode-context-parallel-size 1"),
+    ) if size > 1]
+    if refused:
+        name, size, what = refused[0]
+        raise ValueError(f"KvferryConnector: {name} {size} is not supported: {what}")
+
+
 def room_of(key: str) -> int:
     """The kvferry room of a transfer id or request id: 63 bits of its hash."""
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") & ((1 << 63) - 1)
@@ -137,6 +163,7 @@ class RecvSpec:
     node_id: str
     pages: tuple[int, ...]
     token_ids: tuple[int, ...] = ()
+    skip_pages: int = 0  # leading pages decode's prefix cache holds: listed, never written
 
 
 @dataclass(frozen=True)

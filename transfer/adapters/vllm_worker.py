@@ -42,7 +42,7 @@ from transfer.adapters import vllm_stats
 from transfer.adapters.vllm_params import ConnectorConfig, RecvSpec, SendSpec
 from transfer.config import EngineConfig, ManagerConfig, Role
 from transfer.errors import KVFerryError
-from transfer.pools import FusedKVPool
+from transfer.pools import FusedKVPool, MLAPool, describe_fused
 from transfer.state import KVPoll
 from transfer.stats import failure_reason
 
@@ -67,6 +67,42 @@ class CacheLayout:
     total_kv_heads: int | None = None
     kv_layout: str = "fused_rows"
     vllm_layout: str | None = None
+    mla: bool = False  # one latent tensor per layer (DeepSeek-style MLA)
+    block_size: int | None = None  # vLLM's logical block (the scheduler's block ids); None: the tensors'
+
+
+def mla_layers(layers: list, block_size: int | None) -> list:
+    """vLLM's MLA caches as kvferry's latent pages of the scheduler's
+    (logical) block: each ``[kernel_blocks, kernel_block, latent]`` tensor
+    (with a head dimension of 1 before or after the tokens, as vLLM's CPU and
+    GPU MLA backends shape it) viewed as ``[blocks, block_size, latent]``. vLLM splits a logical
+    block into ``block_size / kernel_block`` consecutive kernel blocks (the
+    CPU MLA backend's kernel block is 16), so logical block b is rows
+    ``b * block_size ...`` of the same memory: a view, no copy."""
+    out = []
+    for i, t in enumerate(layers):
+        if t.dim() == 4 and 1 in (t.shape[1], t.shape[2]):  # one latent "head", before or after the tokens
+            t = t.select(1 if t.shape[1] == 1 else 2, 0)
+        if t.dim() != 3 or not t.is_contiguous():
+            raise ValueError(f"kvferry vLLM worker: MLA layer {i}: expected a contiguous [blocks, block_size, "
+                             f"latent] cache, got shape {tuple(t.shape)} strides {t.stride()}")
+        kernel = int(t.shape[1])
+        size = block_size or kernel
+        if size % kernel or (t.shape[0] * kernel) % size:
+            raise ValueError(f"kvferry vLLM worker: MLA layer {i}: logical block size {size} is not a whole "
+                             f"number of kernel blocks of {kernel} tokens ({t.shape[0]} kernel blocks)")
+        out.append(t.view(t.shape[0] * kernel // size, size, t.shape[2]))
+    return out
+
+
+def check_block_size(page_size: int, block_size: int | None) -> None:
+    """vLLM's block ids name logical blocks; a fused K/V cache whose kernel
+    block differs (its pages are not one logical block each) would move the
+    wrong tokens: refused."""
+    if block_size is not None and page_size != block_size:
+        raise ValueError(f"kvferry vLLM worker: the KV cache's kernel block holds {page_size} tokens and vLLM's "
+                         f"logical block {block_size}: kvferry moves whole logical blocks of MHA caches only where "
+                         f"the two are equal (set --block-size {page_size})")
 
 
 @dataclass
@@ -100,6 +136,7 @@ class KvferryWorker:
         self._finished_seen: set[str] = set()  # request ids vLLM called finished (sends may be reported)
         self._load_errors: set[int] = set()
         self.num_failed = 0
+        self.num_cancelled = 0  # decode requests prefill was told of before they had a room
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -112,8 +149,13 @@ class KvferryWorker:
 
         layers = [kv_caches[name] for name in sorted(kv_caches, key=_layer_order)]
         lay = self.layout
-        pool = FusedKVPool(kv=layers, total_kv_heads=lay.total_kv_heads, kv_layout=lay.kv_layout,
-                           vllm_layout=lay.vllm_layout)
+        if lay.mla:  # identical on every TP rank: one prefill rank sends it (selective send)
+            layers = mla_layers(layers, lay.block_size)
+            pool = MLAPool(latent=layers)
+        else:
+            pool = FusedKVPool(kv=layers, total_kv_heads=lay.total_kv_heads, kv_layout=lay.kv_layout,
+                               vllm_layout=lay.vllm_layout)
+            check_block_size(describe_fused(pool).page_size, lay.block_size)
         c = self.config
         if c.serve_bootstrap and self.role is Role.PREFILL and self.tp_rank == 0:
             from bootstrap.server import BootstrapServer
@@ -142,11 +184,16 @@ class KvferryWorker:
                                         daemon=True)
         self._thread.start()
 
-    def start(self, sends: list[SendSpec], recvs: list[RecvSpec], aborts: list[str] = ()) -> None:
-        """Open this step's rooms, and abort the decode rooms of ``aborts``
-        (requests vLLM finished while their KV was coming). A room that cannot
+    def start(self, sends: list[SendSpec], recvs: list[RecvSpec], aborts: list[str] = (),
+              cancels: list[RecvSpec] = ()) -> None:
+        """Open this step's rooms, abort the decode rooms of ``aborts``
+        (requests vLLM finished while their KV was coming), and tell prefill
+        of ``cancels`` (decode requests vLLM finished before they had a room:
+        prefill frees their blocks now, not at its lease). A room that cannot
         open is reported done (and, on decode, its blocks as load errors) at
         the next ``finished``."""
+        if cancels:
+            self._cancel(cancels)
         for req_id in aborts:
             with self._lock:
                 room = self._rooms.get(req_id)
@@ -174,20 +221,36 @@ class KvferryWorker:
         for r in recvs:
             try:
                 receiver = KVReceiver(self.mgr, r.bootstrap_addr, r.room, prefill_node=r.node_id)
-                receiver.init(r.pages, token_ids=list(r.token_ids) or None)
+                receiver.init(r.pages, token_ids=list(r.token_ids) or None, skip_pages=r.skip_pages)
             except KVFerryError as exc:
                 log.warning("kvferry: request %s (room %d) not received: %s", r.req_id, r.room, exc)
                 with self._lock:
                     self._done.add(r.req_id)
-                    self._load_errors.update(r.pages)
+                    self._load_errors.update(r.pages[r.skip_pages:])
                     vllm_stats.record_failure(self._stats, failure_reason(exc).value)
                 continue
-            opened.append(self._list(_Room(r.req_id, receiver, r.pages)))
+            # its load errors, if it fails: the blocks it writes (never the prefix cache's)
+            opened.append(self._list(_Room(r.req_id, receiver, r.pages[r.skip_pages:])))
         if opened:  # a decode request may have come first (concurrent protocol): push now
             try:
                 self._poll(opened)
             except Exception:  # never into vLLM's step; the manager's sweep and the driver go on
                 log.exception("kvferry: poll after opening rooms failed")
+
+    def _cancel(self, cancels: list[RecvSpec]) -> None:
+        """A receiver aborted before its first poll: the room table looks the
+        prefill node up and sends the abort once it is known (within
+        ``bootstrap_timeout_s``); nothing of it is listed or reported."""
+        from transfer.rooms.receiver import KVReceiver
+
+        for c in cancels:
+            try:
+                KVReceiver(self.mgr, c.bootstrap_addr, c.room, prefill_node=c.node_id).abort(
+                    f"request {c.req_id} finished on decode before it was scheduled")
+                self.num_cancelled += 1
+            except KVFerryError as exc:
+                log.warning("kvferry: prefill not told that request %s (room %d) was cancelled: %s", c.req_id,
+                            c.room, exc)
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(sends done, receives done) since the last call; failed receives

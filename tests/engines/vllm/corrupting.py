@@ -10,6 +10,14 @@ those blocks), the request's ``i``-th block of layer ``j`` (one kvferry page,
 mean and spread, and the decode log says so (``kvferry-test: corrupted``).
 So the test's token comparison can be shown to catch a page that came wrong.
 
+With ``KVFERRY_TEST_DIGEST=1`` in its environment it also logs, for every
+room that ended on this side (prefill: sent; decode: landed, before the step
+that reads it), one digest per block over all layers: ``kvferry-test: digest
+side=<prefill|decode> room=<room> blocks=<n> skip=<k> sha=<d0>,<d1>,...``
+(decode's blocks before ``skip`` are its own prefix cache's). The test compares
+prefill's and decode's digests of the same room: the bytes that moved, page by
+page, in real servers.
+
 Nothing of this is installed: vLLM loads it with ``kv_connector_module_path``
 ``tests.engines.vllm.corrupting`` (the repository root is on the servers'
 PYTHONPATH).
@@ -17,7 +25,9 @@ PYTHONPATH).
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 from dataclasses import dataclass, field
 
 from transfer.adapters.vllm import KvferryConnector, KvferryConnectorMetadata
@@ -76,6 +86,16 @@ class CorruptingKvferryConnector(KvferryConnector):
     def register_kv_caches(self, kv_caches: dict) -> None:
         super().register_kv_caches(kv_caches)
         self._layers = [kv_caches[name] for name in sorted(kv_caches, key=_layer_order)]
+        if os.environ.get("KVFERRY_TEST_DIGEST") == "1":
+            self._specs: dict = {}  # request id -> its SendSpec or RecvSpec, until it ends
+            start = self.worker.start
+
+            def recording_start(sends, recvs, *args, **kwargs):
+                for spec in list(sends) + list(recvs):
+                    self._specs[spec.req_id] = spec
+                return start(sends, recvs, *args, **kwargs)
+
+            self.worker.start = recording_start  # the in-process path calls the same worker object
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         super().start_load_kv(forward_context, **kwargs)
@@ -85,6 +105,12 @@ class CorruptingKvferryConnector(KvferryConnector):
 
     def get_finished(self, finished_req_ids: set[str]):
         sending, recving = super().get_finished(finished_req_ids)
+        specs = getattr(self, "_specs", None)
+        if specs is not None:
+            for req_id in (sending or set()) | (recving or set()):
+                spec = specs.pop(req_id, None)
+                if spec is not None:
+                    self._digest(spec)
         for req_id in recving or set():
             c = self._armed.pop(req_id, None)
             c = _ARMED.pop(req_id, None) or c
@@ -103,3 +129,16 @@ class CorruptingKvferryConnector(KvferryConnector):
         changed = int((page != before).sum())
         log.warning("kvferry-test: corrupted block %d of layer %d for request %s (%d of %d values changed)",
                     c.block, c.layer, req_id, changed, page.numel())
+
+    def _digest(self, spec) -> None:
+        import torch
+
+        digests = []
+        for block in spec.pages:
+            h = hashlib.sha256()
+            for layer in self._layers:
+                h.update(layer[block].contiguous().view(torch.uint8).numpy().tobytes())
+            digests.append(h.hexdigest()[:16])
+        log.warning("kvferry-test: digest side=%s room=%d blocks=%d skip=%d sha=%s",
+                    "prefill" if self.is_producer else "decode", spec.room, len(spec.pages),
+                    getattr(spec, "skip_pages", 0), ",".join(digests))

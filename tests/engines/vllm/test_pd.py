@@ -87,6 +87,10 @@ def stats_of(server: VLLMServer) -> dict[str, float]:
     return out
 
 
+def num_blocks(num_tokens: int) -> int:
+    return -(-num_tokens // BLOCK)
+
+
 def prompt_of(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(4, VOCAB) for _ in range(n)]
@@ -120,9 +124,15 @@ class Cluster:
         self.reference_tokens: dict[tuple[int, int], list[int]] = {}
 
     def start(self, name: str) -> VLLMServer:
+        decode_config = kv_config("kv_consumer", self.bootstrap, self.store)
         spec = {"reference": ServerSpec("reference", self.model, 0),
                 "prefill": ServerSpec("prefill", self.model, 0, kv_config("kv_producer", self.bootstrap, self.store)),
-                "decode": ServerSpec("decode", self.model, 1, kv_config("kv_consumer", self.bootstrap, self.store))}[name]
+                "decode": ServerSpec("decode", self.model, 1, decode_config),
+                # decode with its own prefix cache on (vLLM's default): asks prefill only for the blocks it lacks
+                "decode-prefix": ServerSpec("decode-prefix", self.model, 1, decode_config, prefix_caching=True,
+                                            env={"KVFERRY_TEST_DIGEST": "1"}),
+                # decode with blocks of 64 tokens where prefill has 128: refused at the handshake
+                "decode-64": ServerSpec("decode-64", self.model, 1, decode_config, args=("--block-size", "64"))}[name]
         old = self.servers.pop(name, None)
         if old is not None:
             old.close()
@@ -167,8 +177,9 @@ def test_decode_tokens_equal_a_single_instance_and_no_prompt_token_is_recomputed
         assert got.kv_params["kvferry_bootstrap_addr"] == cluster.bootstrap
     after = decode.metrics()
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-    assert delta.get("external_kv_transfer") == sum(LENGTHS), delta
-    assert delta.get("local_compute", 0) == 0, delta
+    why = f"{delta}\ndecode:\n{decode.kvferry_lines()}\nprefill:\n{cluster.servers['prefill'].kvferry_lines()}"
+    assert delta.get("external_kv_transfer") == sum(LENGTHS), why
+    assert delta.get("local_compute", 0) == 0, why
 
 
 def test_concurrent_protocol_with_a_router_transfer_id(cluster):
@@ -319,6 +330,60 @@ def test_a_request_cancelled_on_decode_while_its_kv_is_coming_frees_its_blocks(c
     while metric(decode, "vllm:kvferry_failed_transfers_total", reason="aborted") < aborted + 1:
         assert time.monotonic() - started < 5, "the aborted room was not counted"
         time.sleep(0.2)
+
+
+def test_decode_with_its_own_prefix_cache_asks_only_for_the_blocks_it_lacks(cluster):
+    """Two prompts share 512 tokens (four blocks). Decode (prefix caching on)
+    gets the first whole from prefill; for the second its cache holds the
+    shared blocks: kvferry lists them (``skip_pages``) and moves only the
+    rest, those blocks keep their bytes, and both answers equal the single
+    instance's."""
+    prefill, decode = cluster.servers["prefill"], cluster.start("decode-prefix").wait_ready()
+    shared = prompt_of(STORED, 90)
+    a, b = shared + prompt_of(300, 91), shared + prompt_of(200, 92)
+    try:
+        before = decode.metrics()
+        rooms = []
+        for i, prompt in enumerate((a, b)):
+            got = pd_complete(prefill, decode, cluster.model, prompt, MAX_TOKENS)
+            want = complete(cluster.servers["reference"], cluster.model, prompt, MAX_TOKENS).tokens
+            assert got.tokens == want, f"prompt {i}: decode {got.tokens} != single instance {want}"
+            rooms.append(int(got.kv_params["kvferry_room"]))
+        after = decode.metrics()
+        delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        assert delta.get("local_cache_hit") == STORED, (delta, decode.kvferry_lines())
+        assert delta.get("external_kv_transfer") == len(a) + len(b) - STORED, delta
+        assert delta.get("local_compute", 0) == 0, delta
+        moved = stats_of(decode)
+        blocks = num_blocks(len(a)) + num_blocks(len(b)) - STORED // BLOCK
+        assert moved["bytes_transferred_sum"] == blocks * BLOCK_BYTES, (moved, blocks)
+        landed = {}
+        for m in re.finditer(r"digest side=decode room=(\d+) blocks=(\d+) skip=(\d+) sha=([0-9a-f,]+)",
+                             decode.log_tail(10_000_000)):
+            landed[int(m.group(1))] = (int(m.group(3)), m.group(4).split(","))
+        (skip_a, digests_a), (skip_b, digests_b) = landed[rooms[0]], landed[rooms[1]]
+        assert (skip_a, skip_b) == (0, STORED // BLOCK)
+        # The shared blocks, as the first prompt's transfer left them, unchanged after the second's.
+        assert digests_b[:skip_b] == digests_a[:skip_b]
+    finally:
+        cluster.servers.pop("decode-prefix").close()
+
+
+def test_a_decode_with_another_block_size_is_refused_naming_both(cluster):
+    """Prefill's blocks hold 128 tokens, this decode's 64: the handshake
+    refuses the pair, naming the field and both sizes; the request is
+    computed on decode (``kv_load_failure_policy: recompute``), its tokens
+    still right. Never a page of the wrong tokens."""
+    prefill, decode = cluster.servers["prefill"], cluster.start("decode-64").wait_ready()
+    try:
+        prompt = prompt_of(300, 95)
+        got = pd_complete(prefill, decode, cluster.model, prompt, MAX_TOKENS)
+        assert got.tokens == cluster.reference(300, 95)
+        lines = decode.kvferry_lines()
+        assert "incompatible target.page_size: local 64, remote 128" in lines, lines
+        assert stats_of(decode)["bytes_transferred_sum"] == 0
+    finally:
+        cluster.servers.pop("decode-64").close()
 
 
 def test_prefill_killed_while_decode_waits_then_restarted(cluster):
