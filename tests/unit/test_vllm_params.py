@@ -73,3 +73,40 @@ def test_parallel_layouts_the_connector_cannot_move_are_refused_by_name(sizes, n
     with pytest.raises(ValueError, match=named):
         check_parallel(**sizes)
     check_parallel(pipeline_parallel_size=1, data_parallel_size=1)
+
+
+def test_a_mooncake_router_finds_the_room_from_the_engine_id_query_gives():
+    """vLLM's Mooncake routers pass on the engine id prefill's /query gave,
+    with their transfer_id: decode reads kvferry's bootstrap and node from it."""
+    from transfer.adapters.vllm_params import engine_id_of, query_reply
+
+    config = ConnectorConfig.from_extra({"kvferry_bootstrap_addr": "10.0.0.5:9000", "kvferry_node": "p0",
+                                         "kvferry_query_port": 8998}, "eng")
+    reply = query_reply(config, tp_size=2)
+    assert reply["0"]["engine_id"] == engine_id_of(config) and sorted(reply["0"]["worker_addr"]) == ["0", "1"]
+    src = source_of({"do_remote_prefill": True, "transfer_id": "t-9", "remote_engine_id": reply["0"]["engine_id"],
+                     "remote_bootstrap_addr": "http://10.0.0.5:8998"})
+    assert (src.room, src.bootstrap_addr, src.node_id) == (room_of("t-9"), "10.0.0.5:9000", "p0")
+    with pytest.raises(ValueError, match="remote_engine_id 'prefill0' is not a kvferry prefill's"):
+        source_of({"transfer_id": "t-9", "remote_engine_id": "prefill0", "remote_bootstrap_addr": "http://h:1"})
+    with pytest.raises(ValueError, match="kvferry_query_port"):
+        ConnectorConfig.from_extra({"kvferry_query_port": 70000}, None)
+
+
+def test_the_query_server_answers_get_query_as_vllms_mooncake_bootstrap_does():
+    import json
+    import urllib.error
+    import urllib.request
+
+    from transfer.adapters.vllm_params import query_reply
+    from transfer.adapters.vllm_query import QueryServer
+
+    config = ConnectorConfig.from_extra({"kvferry_node": "p0"}, None)
+    server = QueryServer("127.0.0.1", 0, query_reply(config, 1))
+    try:
+        with urllib.request.urlopen(f"http://{server.address}/query", timeout=5) as r:
+            assert json.loads(r.read()) == query_reply(config, 1)
+        with pytest.raises(urllib.error.HTTPError, match="404"):
+            urllib.request.urlopen(f"http://{server.address}/register", timeout=5)
+    finally:
+        server.close()

@@ -16,6 +16,13 @@ Protocol (push from prefill; what a router or client sends):
   ``{"do_remote_prefill": true, "transfer_id": T, "kvferry_bootstrap_addr":
   B, "kvferry_node": N}`` at once; decode's request waits at prefill until
   prefill's pages are ready. The room is :func:`room_of` ``(T)``.
+- vLLM's MooncakeConnector router, unchanged: with ``kvferry_query_port``
+  set, prefill answers ``GET http://<kvferry_host>:<port>/query`` as
+  vLLM's Mooncake bootstrap server does (``{dp_rank: {"engine_id": E,
+  "worker_addr": {...}}}``); the router then POSTs decode
+  ``{"do_remote_prefill": true, "transfer_id": T, "remote_engine_id": E,
+  "remote_bootstrap_addr": ...}``. ``E`` is :func:`engine_id_of`: the
+  prefill node and kvferry's bootstrap address, which decode reads back.
 """
 
 from __future__ import annotations
@@ -48,6 +55,9 @@ class ConnectorConfig:
     - ``kvferry_host`` (default ``127.0.0.1``): this rank's address for peers;
     - ``kvferry_node`` (default: vLLM's ``engine_id``): the prefill node's name;
     - ``kvferry_protocol`` (``tcp`` or ``rdma``, default ``tcp``);
+    - ``kvferry_query_port`` (prefill, default 0: off): answer vLLM's
+      Mooncake routers' ``GET /query`` on ``kvferry_host`` at this port (see
+      the protocol above);
     - ``kvferry_lease_s`` (seconds; default ``kvferry.bootstrap_timeout_s``,
       else 30): prefill keeps a finished request's blocks this long for a
       decode request; then the worker ends the room (reason
@@ -66,6 +76,7 @@ class ConnectorConfig:
     node_id: str = "prefill"
     protocol: str = "tcp"
     lease_s: float = DEFAULT_LEASE_S
+    query_port: int = 0  # prefill: answer vLLM Mooncake routers' GET /query here (0: off)
     manager: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -76,6 +87,10 @@ class ConnectorConfig:
             raise ValueError(f"kvferry_protocol must be tcp or rdma, got {self.protocol!r}")
         if not self.lease_s > 0:
             raise ValueError(f"kvferry_lease_s must be > 0, got {self.lease_s!r}")
+        if not 0 <= self.query_port < 1 << 16:
+            raise ValueError(f"kvferry_query_port must be a TCP port or 0, got {self.query_port!r}")
+        if ENGINE_SEP in self.node_id:
+            raise ValueError(f"kvferry_node must not contain {ENGINE_SEP!r}, got {self.node_id!r}")
         unknown = set(self.manager) - _MANAGER_KEYS
         if unknown:
             raise ValueError(f"kvferry: unknown or unsupported ManagerConfig fields {sorted(unknown)}")
@@ -92,6 +107,7 @@ class ConnectorConfig:
             node_id=str(extra.get("kvferry_node") or engine_id or "prefill"),
             protocol=str(extra.get("kvferry_protocol", "tcp")),
             lease_s=float(lease),
+            query_port=int(extra.get("kvferry_query_port", 0)),
             manager=manager,
         )
 
@@ -175,6 +191,23 @@ class Source:
     node_id: str
 
 
+#: Joins the prefill node and kvferry's bootstrap address in a Mooncake-style engine id.
+ENGINE_SEP = "@kvferry@"
+
+
+def engine_id_of(config: ConnectorConfig) -> str:
+    """The engine id prefill's ``/query`` gives vLLM's Mooncake routers."""
+    return f"{config.node_id}{ENGINE_SEP}{config.bootstrap_addr}"
+
+
+def query_reply(config: ConnectorConfig, tp_size: int) -> dict:
+    """``GET /query``'s body, shaped as vLLM's Mooncake bootstrap server
+    shapes it: ``{dp_rank: {"engine_id", "worker_addr": {tp: {pp: addr}}}}``
+    (the workers' addresses are kvferry's bootstrap: decode finds the ranks there)."""
+    return {"0": {"engine_id": engine_id_of(config),
+                  "worker_addr": {str(tp): {"0": config.bootstrap_addr} for tp in range(tp_size)}}}
+
+
 def decode_params(room: int, config: ConnectorConfig) -> dict:
     """What prefill returns in its response, for the router to send to decode."""
     return {"do_remote_prefill": True, "do_remote_decode": False, "kvferry_version": PARAMS_VERSION,
@@ -195,6 +228,12 @@ def source_of(params: dict) -> Source:
         room = room_of(str(params["transfer_id"]))
     else:
         raise ValueError("kv_transfer_params: neither kvferry_room nor transfer_id")
+    if "kvferry_node" not in params and isinstance(params.get("remote_engine_id"), str):
+        node, sep, addr = params["remote_engine_id"].partition(ENGINE_SEP)
+        if not sep or not node or not addr:  # a Mooncake router: the engine id prefill's /query gave
+            raise ValueError(f"kv_transfer_params.remote_engine_id {params['remote_engine_id']!r} is not a kvferry "
+                             f"prefill's (from its /query: node{ENGINE_SEP}bootstrap address)")
+        return Source(room=room, bootstrap_addr=addr, node_id=node)
     for name in ("kvferry_bootstrap_addr", "kvferry_node"):
         if not isinstance(params.get(name), str) or not params[name]:
             raise ValueError(f"kv_transfer_params.{name} missing")

@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass, replace
 
 from transfer.adapters import vllm_stats
-from transfer.adapters.vllm_params import ConnectorConfig, RecvSpec, SendSpec
+from transfer.adapters.vllm_params import ConnectorConfig, RecvSpec, SendSpec, query_reply
 from transfer.config import EngineConfig, ManagerConfig, Role
 from transfer.errors import KVFerryError
 from transfer.pools import FusedKVPool, MLAPool, describe_fused
@@ -125,7 +125,8 @@ class KvferryWorker:
         self.config, self.role, self.tp_rank, self.tp_size = config, role, tp_rank, tp_size
         self.layout = layout or CacheLayout()
         self.mgr = None
-        self.server = None
+        self.server = None  # the bootstrap server (kvferry_serve_bootstrap)
+        self.query = None  # GET /query for vLLM's Mooncake routers (kvferry_query_port)
         self._lock = threading.Lock()
         self._rooms: dict[str, _Room] = {}
         self._by_handle: dict[int, _Room] = {}  # id(handle) of every listed room (it keeps the handle alive)
@@ -161,6 +162,9 @@ class KvferryWorker:
             from bootstrap.server import BootstrapServer
             host, _, port = c.bootstrap_addr.rpartition(":")
             self.server = BootstrapServer(host, int(port)).start()
+        if c.query_port and self.role is Role.PREFILL and self.tp_rank == 0:
+            from transfer.adapters.vllm_query import QueryServer
+            self.query = QueryServer(c.host, c.query_port, query_reply(c, self.tp_size))
         mconfig = ManagerConfig(role=self.role, bootstrap_addr=c.bootstrap_addr, node_id=c.node_id,
                                 host=c.host, tp_rank=self.tp_rank, tp_size=self.tp_size,
                                 engine=replace(EngineConfig(), protocol=c.protocol, hostname=c.host),
@@ -168,8 +172,7 @@ class KvferryWorker:
         try:
             self.attach(KVManager(mconfig, [pool]))
         except BaseException:
-            if self.server is not None:
-                self.server.close()
+            self._close_servers()
             raise
         log.info("kvferry %s worker (TP rank %d of %d): %d layers, %d blocks of %d bytes per layer, %s, "
                  "bootstrap %s", self.role.value, self.tp_rank, self.tp_size, len(layers), layers[0].shape[0],
@@ -289,8 +292,13 @@ class KvferryWorker:
             self._thread.join(2)
         if self.mgr is not None:
             self.mgr.close()
-        if self.server is not None:
-            self.server.close()
+        self._close_servers()
+
+    def _close_servers(self) -> None:
+        for server in (self.server, self.query):
+            if server is not None:
+                server.close()
+        self.server = self.query = None
 
     # --- the driver ----------------------------------------------------------------
 

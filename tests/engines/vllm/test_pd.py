@@ -22,6 +22,7 @@ which run last.
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import threading
@@ -49,12 +50,14 @@ BLOCK = 128  # vLLM's CPU block size
 BLOCK_BYTES = 4 * 4 * BLOCK * 2 * 32 * 2  # layers x KV heads x tokens x (K and V) x head dim x bf16
 
 
-def kv_config(role: str, bootstrap: str, store: str) -> dict:
+def kv_config(role: str, bootstrap: str, store: str, query: str = "") -> dict:
     extra = {"kvferry_bootstrap_addr": bootstrap, "kvferry_node": "prefill0",
              "kvferry": {**KVFERRY, "storage_url": f"file://{store}"}}
     if role == "kv_producer":
         extra["kvferry_serve_bootstrap"] = True
         extra["kvferry_lease_s"] = LEASE_S
+        if query:
+            extra["kvferry_query_port"] = int(query.rpartition(":")[2])
     config = {"kv_connector": "KvferryConnector", "kv_connector_module_path": "transfer.adapters.vllm",
               "kv_role": role, "kv_connector_extra_config": extra}
     if role == "kv_consumer":
@@ -119,6 +122,7 @@ class Cluster:
     def __init__(self, model: str, log_dir: str) -> None:
         self.model, self.log_dir = model, log_dir
         self.bootstrap = f"127.0.0.1:{free_port()}"
+        self.query = f"127.0.0.1:{free_port()}"  # prefill's GET /query for vLLM's Mooncake routers
         self.store = f"{log_dir}/store"  # kvferry's storage tier, shared by prefill and decode
         self.servers: dict[str, VLLMServer] = {}
         self.reference_tokens: dict[tuple[int, int], list[int]] = {}
@@ -126,7 +130,8 @@ class Cluster:
     def start(self, name: str) -> VLLMServer:
         decode_config = kv_config("kv_consumer", self.bootstrap, self.store)
         spec = {"reference": ServerSpec("reference", self.model, 0),
-                "prefill": ServerSpec("prefill", self.model, 0, kv_config("kv_producer", self.bootstrap, self.store)),
+                "prefill": ServerSpec("prefill", self.model, 0, kv_config("kv_producer", self.bootstrap, self.store,
+                                                                          query=self.query)),
                 "decode": ServerSpec("decode", self.model, 1, decode_config),
                 # decode with its own prefix cache on (vLLM's default): asks prefill only for the blocks it lacks
                 "decode-prefix": ServerSpec("decode-prefix", self.model, 1, decode_config, prefix_caching=True,
@@ -201,6 +206,36 @@ def test_concurrent_protocol_with_a_router_transfer_id(cluster):
     post(prefill.url, _body(cluster.model, prompt, 1, {"do_remote_decode": True, "transfer_id": transfer_id}), 120)
     t.join(120)
     assert not t.is_alive(), "decode did not answer within 120 s"
+    assert tokens_of(replies["decode"]) == want
+    after = decode.metrics()
+    assert after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0) == n
+    assert after.get("local_compute", 0) - before.get("local_compute", 0) == 0
+
+
+def test_a_router_written_for_vllms_mooncake_connector_works_unchanged(cluster):
+    """The router's steps for MooncakeConnector: ask prefill's bootstrap for
+    its engine over HTTP (``GET /query``), pick a transfer_id, post prefill
+    and decode at once with Mooncake's params. Decode's tokens equal the
+    single instance's, every prompt token external."""
+    prefill, decode = cluster.servers["prefill"], cluster.servers["decode"]
+    with urllib.request.urlopen(f"http://{cluster.query}/query", timeout=10) as r:
+        engines = json.loads(r.read())
+    engine_id = engines["0"]["engine_id"]
+    n, seed = 290, 8
+    prompt, want = prompt_of(n, seed), cluster.reference(n, seed)
+    transfer_id = str(uuid.uuid4())
+    params = {"do_remote_prefill": True, "transfer_id": transfer_id, "remote_engine_id": engine_id,
+              "remote_bootstrap_addr": f"http://{cluster.query}"}
+    before = decode.metrics()
+    replies, threads = _each_on_a_thread(lambda name: post(
+        (decode if name == "decode" else prefill).url,
+        _body(cluster.model, prompt, MAX_TOKENS if name == "decode" else 1,
+              params if name == "decode" else {"do_remote_decode": True, "transfer_id": transfer_id}), 120),
+        ("prefill", "decode"))
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a server did not answer within 120 s"
+    assert not isinstance(replies["decode"], Exception), replies["decode"]
     assert tokens_of(replies["decode"]) == want
     after = decode.metrics()
     assert after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0) == n
