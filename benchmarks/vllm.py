@@ -13,7 +13,15 @@ One run, the same prompts for every connector (``make bench-vllm``):
   (``num_threads: 1``, vLLM's default 4);
 - ``mooncake``: MooncakeConnector, ``mooncake_protocol: tcp``, concurrent
   protocol (``transfer_id``), with ``benchmarks/vllm_site`` on its servers'
-  PYTHONPATH (no accelerator).
+  PYTHONPATH (no accelerator);
+- ``kvferry-router``: kvferry driven exactly as a router written for
+  MooncakeConnector drives it: ``GET /query`` on prefill's bootstrap
+  (kvferry's ``kvferry_query_port``) for its engine id, then prefill and
+  decode posted at once with Mooncake's params.
+
+``--model mla`` serves a tiny DeepSeek-style MLA model instead of the Llama
+(the MLA row of issue 28; its table goes between ``<!-- bench-vllm-mla -->``
+markers).
 
 Prefill on core 0, decode on core 1, one server pair at a time. TTFT is
 measured by the client from the first byte of the proxy flow to decode's first
@@ -34,16 +42,21 @@ import statistics
 import tempfile
 import threading
 import time
+import urllib.request
 import uuid
 
-from harness.vllm import VOCAB, ServerSpec, VLLMServer, _body, build_tiny_model, free_port, post
+from harness.vllm import (VOCAB, ServerSpec, VLLMServer, _body, build_tiny_mla_model, build_tiny_model, free_port,
+                          post)
 
 SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_site")
 #: nixl-tuned: the NIXL agent's progress thread sleeps this long between polls
 #: (vLLM's NIXL agents spin it, delay 0), and one UCX worker thread (vLLM's default 4)
 NIXL_TUNED_DELAY_US, NIXL_TUNED_THREADS = 100, 1
 MARK, END = "<!-- bench-vllm -->", "<!-- /bench-vllm -->"
-KVFERRY = ("kvferry", "kvferry-concurrent")
+MARK_MLA, END_MLA = "<!-- bench-vllm-mla -->", "<!-- /bench-vllm-mla -->"
+KVFERRY = ("kvferry", "kvferry-concurrent", "kvferry-router")
+#: issue 28: on the Mooncake router's harness, kvferry's TTFT p50 at most this times MooncakeConnector's
+ROUTER_TARGET = 1.05
 VLLM_OWN = ("nixl", "nixl-tuned", "mooncake")
 #: connectors driven by the sequential proxy protocol (the others: concurrent)
 SEQUENTIAL = ("kvferry", "nixl", "nixl-tuned")
@@ -79,7 +92,8 @@ def kv_configs(name: str, ports: dict) -> tuple[dict, dict, dict, dict]:
     if name.startswith("kvferry"):
         extra = {"kvferry_bootstrap_addr": f"127.0.0.1:{ports['bootstrap']}", "kvferry_node": "prefill0"}
         base = {"kv_connector": "KvferryConnector", "kv_connector_module_path": "transfer.adapters.vllm"}
-        return ({**base, "kv_role": "kv_producer", "kv_connector_extra_config": {**extra, "kvferry_serve_bootstrap": True}},
+        prefill = {**extra, "kvferry_serve_bootstrap": True, "kvferry_query_port": ports["query"]}
+        return ({**base, "kv_role": "kv_producer", "kv_connector_extra_config": prefill},
                 {**base, "kv_role": "kv_consumer", "kv_connector_extra_config": extra}, {}, {})
     if name in ("nixl", "nixl-tuned"):
         base = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
@@ -113,6 +127,12 @@ def one_request(name: str, servers: dict, model: str, prompt: list[int], max_tok
         if name == "mooncake":
             params = {"do_remote_prefill": True, "transfer_id": tid, "remote_engine_id": "prefill0",
                       "remote_bootstrap_addr": "http://127.0.0.1:8998"}
+        elif name == "kvferry-router":  # as for MooncakeConnector: the engine id from prefill's /query
+            query = p.spec.kv_config["kv_connector_extra_config"]["kvferry_query_port"]
+            with urllib.request.urlopen(f"http://127.0.0.1:{query}/query", timeout=10) as r:
+                engine_id = json.loads(r.read())["0"]["engine_id"]
+            params = {"do_remote_prefill": True, "transfer_id": tid, "remote_engine_id": engine_id,
+                      "remote_bootstrap_addr": f"http://127.0.0.1:{query}"}
         else:
             params = {"do_remote_prefill": True, "transfer_id": tid, "kvferry_node": "prefill0",
                       "kvferry_bootstrap_addr": d.spec.kv_config["kv_connector_extra_config"]["kvferry_bootstrap_addr"]}
@@ -124,7 +144,7 @@ def one_request(name: str, servers: dict, model: str, prompt: list[int], max_tok
 
 
 def run_connector(name: str, model: str, prompts: list[list[int]], max_tokens: int, log_dir: str) -> dict:
-    ports = {"bootstrap": free_port(), "nixl_p": free_port(), "nixl_d": free_port()}
+    ports = {"bootstrap": free_port(), "query": free_port(), "nixl_p": free_port(), "nixl_d": free_port()}
     if name == "single":
         specs = {"single": ServerSpec("single", model, 0)}
     else:
@@ -184,6 +204,18 @@ def medians(rows: list[dict]) -> list[dict]:
             for m in out.values()]
 
 
+def router_target(summary: list[dict]) -> dict | None:
+    """Issue 28's target: on the Mooncake router's harness, kvferry's TTFT p50
+    at most ROUTER_TARGET x MooncakeConnector's (medians over rounds)."""
+    ours = next((m for m in summary if m["connector"] == "kvferry-router"), None)
+    theirs = next((m for m in summary if m["connector"] == "mooncake"), None)
+    if ours is None or theirs is None:
+        return None
+    ratio = ours["ttft_p50_s"] / theirs["ttft_p50_s"]
+    return {"kvferry_router_p50_s": ours["ttft_p50_s"], "mooncake_p50_s": theirs["ttft_p50_s"],
+            "ratio": ratio, "met": ratio <= ROUTER_TARGET}
+
+
 def target(summary: list[dict]) -> dict | None:
     """Issue 15's target: kvferry's TTFT p50 (its faster protocol) at or below
     the best of vLLM's own connectors (median over rounds); None when either
@@ -207,7 +239,7 @@ def table(rows: list[dict]) -> str:
         f"of {r['prompt_tokens']} |\n" for r in rows)
 
 
-def summary_table(summary: list[dict], verdict: dict | None) -> str:
+def summary_table(summary: list[dict], verdict: dict | None, router: dict | None = None) -> str:
     text = ("| connector | rounds | TTFT p50 (s), median of rounds | TTFT p99 (s), median of rounds "
             "| tokens equal every round |\n|---|---|---|---|---|\n")
     text += "".join(f"| {m['connector']} | {m['rounds']} | {m['ttft_p50_s']:.3f} | {m['ttft_p99_s']:.3f} "
@@ -216,23 +248,29 @@ def summary_table(summary: list[dict], verdict: dict | None) -> str:
         text += (f"\nTarget (kvferry's TTFT p50 at or below the best of vLLM's own connectors): "
                  f"{verdict['kvferry']} {verdict['kvferry_p50_s']:.3f} s against {verdict['best_vllm']} "
                  f"{verdict['best_vllm_p50_s']:.3f} s: {'met' if verdict['met'] else 'NOT MET'}.\n")
+    if router:
+        text += (f"\nTarget (a Mooncake router against kvferry: TTFT p50 at most {ROUTER_TARGET}x "
+                 f"MooncakeConnector's): {router['kvferry_router_p50_s']:.3f} s against "
+                 f"{router['mooncake_p50_s']:.3f} s, {router['ratio']:.2f}x: {'met' if router['met'] else 'NOT MET'}.\n")
     return text
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.vllm")
-    ap.add_argument("--connectors", default="single,kvferry,kvferry-concurrent,nixl,nixl-tuned,mooncake")
+    ap.add_argument("--connectors", default="single,kvferry,kvferry-concurrent,kvferry-router,nixl,nixl-tuned,mooncake")
     ap.add_argument("--rounds", type=int, default=1, help="run the connector list this many times, in turn")
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench-vllm.json")
     ap.add_argument("--doc", default="")
+    ap.add_argument("--model", choices=("llama", "mla"), default="llama")
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(4, VOCAB) for _ in range(rng.randrange(100, 1001))] for _ in range(args.requests)]
     with tempfile.TemporaryDirectory(prefix="kvferry-bench-vllm-") as tmp:
-        model = build_tiny_model(os.path.join(tmp, "model"))
+        build = build_tiny_mla_model if args.model == "mla" else build_tiny_model
+        model = build(os.path.join(tmp, "model"))
         runs = []
         for rnd in range(1, args.rounds + 1):
             for name in args.connectors.split(","):
@@ -249,18 +287,20 @@ def main(argv=None) -> int:
     reference = [r["tokens"] for r in ref["results"]] if ref else [None] * len(prompts)
     rows = [summarize(r, reference, prompts) for r in runs if "error" not in r]
     summary = medians(rows)
-    verdict = target(summary)
+    verdict, router = target(summary), router_target(summary)
     with open(args.out, "w") as f:
         json.dump({"prompts": [len(p) for p in prompts], "max_tokens": args.max_tokens, "rounds": args.rounds,
-                   "cores": os.cpu_count(), "summary": summary, "target": verdict, "rows": rows,
+                   "cores": os.cpu_count(), "model": args.model, "summary": summary, "target": verdict,
+                   "router_target": router, "rows": rows,
                    "errors": [{"connector": r["connector"], "round": r["round"], "error": r["error"]}
                               for r in runs if "error" in r], "runs": runs}, f, indent=1)
-    text = table(rows) + "\n" + summary_table(summary, verdict)
+    text = table(rows) + "\n" + summary_table(summary, verdict, router)
     print(text)
     if args.doc:
         with open(args.doc) as f:
             doc = f.read()
-        start, end = doc.index(MARK) + len(MARK), doc.index(END)
+        mark, end_mark = (MARK, END) if args.model == "llama" else (MARK_MLA, END_MLA)
+        start, end = doc.index(mark) + len(mark), doc.index(end_mark)
         with open(args.doc, "w") as f:
             f.write(doc[:start] + "\n" + text + doc[end:])
     return 0

@@ -44,5 +44,6 @@ demo-vllm: setup-vllm
 # interface: the whole run sits in a loopback-only network namespace (as root
 # `unshare -n`, else a user namespace, `unshare -rn`).
 bench-vllm: setup-vllm
-	timeout 3600 $$( [ "$$(id -u)" = 0 ] && echo "unshare -n" || echo "unshare -rn" ) sh -c 'ip link set lo up && $(VLLM_PY) -m benchmarks.vllm --rounds 3 --out bench-vllm.json --doc docs/vllm.md'
+	timeout 3600 $$( [ "$$(id -u)" = 0 ] && echo "unshare -n" || echo "unshare -rn" ) sh -c 'ip link set lo up && $(VLLM_PY) -m benchmarks.vllm --rounds 3 --out bench-vllm.json --doc docs/vllm.md \
+		&& $(VLLM_PY) -m benchmarks.vllm --model mla --connectors single,kvferry,kvferry-router,nixl,mooncake --rounds 1 --out bench-vllm-mla.json --doc docs/vllm.md'
 
