@@ -126,7 +126,10 @@ def test_a_process_that_used_nixl_exits_0(close):
     env["UCX_NET_DEVICES"] = "lo"
     proc = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT.format(close=close)], env=env, capture_output=True,
                           text=True, timeout=120, cwd=os.getcwd())
-    assert proc.returncode == 0 and proc.stdout.splitlines()[-1:] == ["ok"], (proc.returncode, proc.stderr[-2000:])
+    # "ok" among the lines, not necessarily the last: UCX logs to standard output, and on a loaded
+    # machine its wire-up to the other agent may still be retrying (and saying so) as the process exits.
+    assert proc.returncode == 0 and "ok" in proc.stdout.splitlines(), (proc.returncode, proc.stdout[-1000:],
+                                                                        proc.stderr[-2000:])
 
 
 def test_ucx_efa_module_is_left_out_only_without_an_efa_device(tmp_path):

@@ -76,6 +76,7 @@ class KVReceiver:
         self._link: Link | None = None
         self._pages: np.ndarray | None = None  # decode page ids, request order, and the aux slot: from init()
         self._aux_index, self._init_at = -1, 0.0
+        self._requested_at = 0.0  # when the requests went to prefill (TRANSFERRING)
         self._awaiting: dict[int, set[PoolRole]] = {}  # TRANSFERRING: ranks not done yet, and their pools
         self._drain = Drain()  # DRAINING: ranks that may still write; DRAINING, RESTORING: why it failed
         self._scattering = 0  # staged parts being copied into the pages now (without the lock)
@@ -159,7 +160,9 @@ class KVReceiver:
             if ph.phase is P.TRANSFERRING and now - self._init_at > ctx.config.transfer_timeout_s:
                 self.fail(KVTimeoutError(
                     f"{self.where}: no completion from prefill ranks {sorted(self._awaiting)} of "
-                    f"{self._link.name} within {ctx.config.transfer_timeout_s:g} s"))
+                    f"{self._link.name} within {ctx.config.transfer_timeout_s:g} s "
+                    f"[{sum(self._counter.bytes.values())} bytes landed, {self._scattering} scatter(s) running, "
+                    f"requests sent {now - self._requested_at:.1f} s ago]"))
             return ph.poll
 
     def failure_exception(self) -> None:
@@ -337,6 +340,7 @@ class KVReceiver:
         """Ask each contacted prefill rank for its part (phase TRANSFERRING)."""
         link, rank = self._link, self._ctx.rank
         pages = self._pages.tobytes()
+        self._requested_at = time.monotonic()
         for p, assignments in link.routes.items():
             self._awaiting[p] = {a.role for a in assignments if a.send}
         try:

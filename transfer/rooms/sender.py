@@ -220,8 +220,8 @@ class KVSender:
                 # or one whose handshake was refused for its layout).
                 if msg.request_id in [r.request_id for r in self._requests] or (
                         self.awaiting_requests and msg.session not in [r.decode_session for r in self._requests]):
-                    self.fail(tag_reason(PeerError(f"{self._state.where}: decode aborted the room: {msg.reason}"),
-                                         FailureReason.ABORTED))
+                    self.fail(tag_reason(PeerError(f"{self._state.where}: decode aborted the room: {msg.reason} "
+                                                   f"[prefill then: {self.progress()}]"), FailureReason.ABORTED))
                 return
             if not self._table.is_peer(msg.decode_session, "", msg.decode_endpoint):
                 self._table.num_refused_unhandshaken += 1  # its handshake changed since the table took it
@@ -265,6 +265,14 @@ class KVSender:
             self._decode_told = True
             if not self._writing_through:  # else when the write-through is done
                 self._succeed()
+
+    def progress(self) -> str:
+        """Where the room stands, for a failure's message (under the lock):
+        what a reader at 3 a.m. needs to tell a lost message from a stuck write."""
+        return (f"{self._state.state.name}, {len(self._requests)} decode request(s), "
+                f"{'last chunk sent' if self._last_sent else 'last chunk not sent'}, "
+                f"{self._num_inflight} write(s) in flight, {sum(self._counter.bytes.values())} bytes landed"
+                + (", write-through pending" if self._writing_through else ""))
 
     def on_part_landed(self, spec: PartSpec) -> None:
         """A staged part's write landed (before ``on_chunk_done``)."""

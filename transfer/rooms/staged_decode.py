@@ -140,6 +140,12 @@ class DecodeStaging:
                 if room is not None and room[0] <= msg.offset and msg.offset + msg.nbytes <= room[0] + room[1]:
                     grant = (msg.offset, msg.nbytes)
             if grant is None or grant[1] != msg.nbytes:
+                # A live room's part that matches no grant would leave the room waiting: said loudly.
+                # (A room that ended released its grants: its late parts are expected.)
+                log.log(logging.DEBUG if receiver is None else logging.WARNING,
+                        "%s: staged part %d of room %d from prefill rank %d at [%d, +%d) matches no region granted "
+                        "to it (%s): not scattered", self.ctx.where, msg.part, msg.room, msg.prefill_tp_rank,
+                        msg.offset, msg.nbytes, "its room ended" if receiver is None else f"grant {grant}")
                 return
             target = receiver.begin_scatter(msg) if receiver is not None else None
         error = None
