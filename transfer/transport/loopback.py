@@ -122,6 +122,9 @@ class LoopbackTransport:
     def fail(self, job: _Job) -> None:
         run_callback(job.callback, closed_error(job.peer))
 
+    def idle(self) -> None:
+        """Nothing accumulates here without jobs."""
+
     def fail_all(self) -> None:
         held, self._held = self._held, []
         for job in held:

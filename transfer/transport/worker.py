@@ -106,6 +106,10 @@ class EngineSide(Protocol):
     def fail_all(self) -> None:
         """Fail every job held, at close."""
 
+    def idle(self) -> None:
+        """The loop had nothing to do for :data:`_IDLE_WAIT_S`: tidy up what
+        accumulates without jobs (NIXL: the notifications peers' writes leave)."""
+
 
 class PollingWorker:
     """A transport's job queue and ``kvferry-transport`` thread running
@@ -176,10 +180,17 @@ class PollingWorker:
     def _loop(self) -> None:
         while True:
             with self._cond:
+                idle = False
                 while not self._stop and not self._queue and not self._held:
-                    self._cond.wait(_IDLE_WAIT_S)
+                    if not self._cond.wait(_IDLE_WAIT_S):
+                        idle = True
+                        break
                 if self._stop:
                     break
+            if idle:
+                with self._step_lock:
+                    self.engine.idle()
+                continue
             with self._step_lock:
                 self._admit_queued()
                 inflight = self._step()

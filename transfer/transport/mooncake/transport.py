@@ -207,6 +207,9 @@ class MooncakeTransport:
         self._check_round(self._outstanding, self._inflight)
         return (self._inflight_bytes if self._outstanding else 0), bool(self._outstanding or self._by_peer)
 
+    def idle(self) -> None:
+        """Nothing accumulates here without jobs."""
+
     def fail_all(self) -> None:
         jobs = {id(j): j for q in self._by_peer.values() for j in q}
         jobs.update({id(j): j for ids in self._outstanding.values() for _, j, _ in ids})

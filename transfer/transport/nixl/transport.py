@@ -49,6 +49,13 @@ from transfer.transport.nixl.api import import_api, new_agent
 from transfer.transport.nixl.peers import PeerRegions, decode_metadata, encode_metadata
 from transfer.transport.worker import PollingWorker, close_at_exit, closed_error, gate_state, run_callback
 
+#: Sent with every write request. NIXL's UCX backend then completes a request only once UCX
+#: flushed it to the peer (the bytes are in the peer's memory), not when they left this process:
+#: without it, a write to a peer that is slow to progress (stopped, starved) reported done while
+#: its bytes still sat in a socket, and decode, told over the control channel, read stale staging.
+_NOTIF = b"k"
+#: How often a busy loop discards the notifications (an idle one: every idle wake-up).
+_DRAIN_NOTIFS_S = 0.5
 log = logging.getLogger("kvferry.transport")
 
 _MAX_DESCS_PER_REQUEST = 1 << 16
@@ -124,6 +131,7 @@ class NixlTransport:
         self._inflight_bytes = 0
         self._waiting: list[_Job] = []  # the worker's: not posted yet (a ready gate not done)
         self._posted: list[_Job] = []  # the worker's: requests running
+        self._drained_at = time.monotonic()  # notifications last discarded (the worker's)
         self._worker = PollingWorker(self)
         close_at_exit(self)
 
@@ -222,6 +230,8 @@ class NixlTransport:
     def step(self) -> tuple[int, bool]:
         if self._pending:
             self._load_pending()
+        if time.monotonic() - self._drained_at > _DRAIN_NOTIFS_S:
+            self._drain_notifs()
         still = []
         for job in self._waiting:
             if not job.cancelled and gate_state(job.ready, job.peer)[0]:
@@ -231,6 +241,18 @@ class NixlTransport:
         self._waiting = still
         self._posted = [job for job in self._posted if not self._check(job)]
         return (self._inflight_bytes if self._posted else 0), bool(self._waiting or self._posted)
+
+    def idle(self) -> None:
+        self._drain_notifs()
+
+    def _drain_notifs(self) -> None:
+        """Discard the notifications peers' writes left in this agent (see
+        ``_NOTIF``): NIXL keeps them until asked for them."""
+        try:
+            self._agent.get_new_notifs()
+        except Exception as exc:  # never into the loop: the next drain tries again
+            log.debug("NIXL notifications not drained: %s", exc)
+        self._drained_at = time.monotonic()
 
     def fail_all(self) -> None:
         jobs, self._waiting, self._posted = self._waiting + self._posted, [], []
@@ -270,7 +292,7 @@ class NixlTransport:
             try:
                 handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local[part], self.memory),
                                                agent.get_xfer_descs(remote[part], self.memory), target.agent,
-                                               backends=[self.backend])
+                                               notif_msg=_NOTIF, backends=[self.backend])
                 job.handles.append(handle)
                 state = agent.transfer(handle)
             except Exception as exc:
