@@ -144,7 +144,8 @@ class KvferryConnector(KVConnectorBase_V1):
             return
         params["do_remote_prefill"] = False  # one transfer per request
         local = self._local_tokens.pop(request.request_id, 0)
-        if num_external_tokens <= 0:
+        if num_external_tokens <= 0:  # decode's own cache held the whole prompt: prefill's blocks are free now
+            self._cancel(request, params)
             return
         source = source_of(params)  # checked in get_num_new_matched_tokens
         pages = tuple(blocks.get_block_ids()[0][:num_pages(len(request.prompt_token_ids), self.block_size)])
@@ -190,9 +191,10 @@ class KvferryConnector(KVConnectorBase_V1):
         return True, decode_params(room, self.config)
 
     def _cancel(self, request: "Request", params: dict) -> None:
-        """Decode finished (aborted, rejected) a request before it had a room:
-        tell prefill now, which frees the request's blocks there at once
-        instead of at its lease."""
+        """Decode will not ask for a request's KV (finished, aborted or
+        rejected before it had a room, or its own prefix cache held the whole
+        prompt): tell prefill now, which frees the request's blocks there at
+        once instead of at its lease."""
         self._local_tokens.pop(request.request_id, None)
         try:
             source = source_of(params)

@@ -249,7 +249,8 @@ class KvferryWorker:
         for c in cancels:
             try:
                 KVReceiver(self.mgr, c.bootstrap_addr, c.room, prefill_node=c.node_id).abort(
-                    f"request {c.req_id} finished on decode before it was scheduled")
+                    f"decode does not need request {c.req_id}'s KV (finished before it was scheduled, or its "
+                    "own prefix cache holds the prompt)")
                 self.num_cancelled += 1
             except KVFerryError as exc:
                 log.warning("kvferry: prefill not told that request %s (room %d) was cancelled: %s", c.req_id,
