@@ -56,6 +56,8 @@ class Link:
         self.num_requests: dict[int, int] = {}
         self.aux_rank = -1
         self.last_wanted = time.monotonic()
+        self.created_at = time.monotonic()
+        self.introduced: set[str] = set()  # sessions this rank's hello went to after a refused layout
 
     @property
     def name(self) -> str:
@@ -294,7 +296,8 @@ class LinkResolver:
                 return
             # The ranks this rank's routes name are enough: the others may not
             # be up yet, or may have left while this group serves other decode ranks.
-            self._route(link, {r.tp_rank: r for r in reply.ranks}, reply.tp_size)
+            if not self._route(link, {r.tp_rank: r for r in reply.ranks}, reply.tp_size):
+                return
             missing = sorted(link.routes.keys() - link.ranks.keys())
             if missing:
                 link.routes = {}
@@ -332,9 +335,12 @@ class LinkResolver:
             else:
                 link.state = LinkState.READY
 
-    def _route(self, link: Link, ranks: dict[int, RankInfo], prefill_tp: int) -> None:
+    def _route(self, link: Link, ranks: dict[int, RankInfo], prefill_tp: int) -> bool:
         """The routes of this rank's rooms to the group of ``prefill_tp``
-        ranks, of which ``ranks`` (TP rank -> info) registered so far."""
+        ranks, of which ``ranks`` (TP rank -> info) registered so far. False:
+        the layouts are incompatible and some of the group's ranks have not
+        registered yet; the link waits for them (within
+        ``bootstrap_timeout_s``), so that the refusal reaches every rank."""
         local = self.ctx.rank
         link.ranks = ranks  # known before the check, so a failure can reach every rank
         hello = self.hello()
@@ -342,14 +348,24 @@ class LinkResolver:
             try:
                 check_compatible(local, r, local_is_prefill=False,
                                  allow_missing_draft=self.ctx.config.allow_missing_draft)
-            except IncompatibleLayoutError:
+            except IncompatibleLayoutError as exc:
                 # Introduce this rank anyway: prefill finds the same field, and
                 # then takes this rank's abort of the rooms that await it.
                 for q in ranks.values():
+                    if q.session in link.introduced:
+                        continue
+                    link.introduced.add(q.session)
                     try:
                         self.ctx.channel.send(q.control_endpoint, hello)
-                    except KVFerryError as exc:
-                        log.debug("hello to %s not sent: %s", q.control_endpoint, exc)
+                    except KVFerryError as send_exc:
+                        log.debug("hello to %s not sent: %s", q.control_endpoint, send_exc)
+                unknown = sorted(set(range(prefill_tp)) - ranks.keys())
+                if unknown and time.monotonic() - link.created_at < self.ctx.config.bootstrap_timeout_s:
+                    # A rank not registered yet would wait for this rank's requests until its own
+                    # bootstrap timeout: the refusal (and the rooms' aborts) must reach it too.
+                    link.ranks, link.routes = {}, {}
+                    link.progress = f"{exc}; waiting for prefill ranks {unknown} to register, to tell them too"
+                    return False
                 raise
         decode_tp, pools = local.tp_size, next(iter(ranks.values())).pools  # every rank holds the same pools
         shapes = tuple(
@@ -366,6 +382,7 @@ class LinkResolver:
         link.num_requests = {p: tp.num_requests(p, prefill_tp, decode_tp, shapes) for p in routes}
         senders_of_target = [p for p, by_role in routes.items() if by_role.get(PoolRole.TARGET)]
         link.aux_rank = senders_of_target[0]
+        return True
 
     def close(self) -> None:
         self._closed = True
