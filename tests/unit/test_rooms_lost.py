@@ -126,3 +126,28 @@ def test_a_request_prefill_cannot_keep_is_refused_not_dropped(cluster, monkeypat
         receivers[0].failure_exception()
     assert [r.poll() for r in receivers[1:]] == [KVPoll.Transferring] * 2
     assert prefill.mgr.rooms.num_dropped_early == 1 and decode.mgr.rooms.num_lost_requests == 0
+
+
+def test_a_refused_layout_reaches_a_prefill_rank_that_registers_after_the_lookup(cluster):
+    """Decode finds prefill's layout incompatible (another page size) while
+    only prefill TP rank 0 of 2 is registered. Rank 1 registers later, its
+    room waiting for decode's request: the refusal and the room's abort reach
+    it too, within seconds, not at its 20 s bootstrap timeout; decode's room
+    fails naming the field."""
+    big = dict(bootstrap_timeout_s=20.0)
+    p0 = cluster.rank(Role.PREFILL, heads=2, total_heads=4, tp_rank=0, tp_size=2, **big)
+    d = cluster.rank(Role.DECODE, heads=4, total_heads=4, page_size=8, **big)
+    s0 = KVSender(p0.mgr, None, 5)
+    receiver = KVReceiver(d.mgr, cluster.server.address, 5)
+    receiver.init(random_pages(np.random.default_rng(5), 2))
+    time.sleep(0.5)  # decode looked rank 0 up: rank 1 is not there yet
+    p1 = cluster.rank(Role.PREFILL, heads=2, total_heads=4, tp_rank=1, tp_size=2, **big)
+    s1 = KVSender(p1.mgr, None, 5)
+    took = wait_until(p1.mgr, lambda: s1.poll() is KVPoll.Failed, timeout_s=8.0, what="rank 1's room failed")
+    assert took < 5.0
+    wait_until(d.mgr, lambda: receiver.poll() is KVPoll.Failed and s0.poll() is KVPoll.Failed, timeout_s=5.0,
+               what="decode's and rank 0's rooms failed")
+    with pytest.raises(Exception, match="incompatible target.page_size"):
+        receiver.failure_exception()
+    with pytest.raises(PeerError, match="decode aborted the room"):
+        s1.failure_exception()
