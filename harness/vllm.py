@@ -30,44 +30,51 @@ VOCAB = 1000
 def build_tiny_model(path: str, seed: int = 0) -> str:
     """A random 4-layer Llama (hidden 256, 8 heads, 4 KV heads, head dim 32,
     bf16) and a WordLevel tokenizer (``t<i>`` <-> id i), saved under ``path``."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    def make():
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
 
-    if os.path.exists(os.path.join(path, "config.json")):
-        return path
-    os.makedirs(path, exist_ok=True)
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=4096,
-                         bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(path)
-    _save_tokenizer(path)
-    return path
+        config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                             num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=4096,
+                             bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")
+        return LlamaForCausalLM(config).to(torch.bfloat16)
+
+    return _save_random_model(path, seed, make)
 
 
 def build_tiny_mla_model(path: str, seed: int = 0) -> str:
     """A random 4-layer DeepSeek-V2-style MLA model (hidden 256, 4 heads,
     latent 512 + rope 64 = 576, the only head size vLLM's CPU_MLA backend
     takes; dense layers; bf16, about 20 M parameters) and the same tokenizer."""
+    def make():
+        import torch
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        config = DeepseekV2Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                                  n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
+                                  first_k_dense_replace=4, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+                                  qk_nope_head_dim=64, v_head_dim=64, rope_scaling=None, max_position_embeddings=4096,
+                                  bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")
+        model = DeepseekV2ForCausalLM(config)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.08)
+        return model.to(torch.bfloat16)
+
+    return _save_random_model(path, seed, make)
+
+
+def _save_random_model(path: str, seed: int, make) -> str:
+    """``make()``'s model, its weights drawn after seeding with ``seed``, and
+    the tokenizer, saved under ``path`` (kept if it is there already)."""
     import torch
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     os.makedirs(path, exist_ok=True)
     torch.manual_seed(seed)
-    config = DeepseekV2Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
-                              n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=4, kv_lora_rank=512,
-                              q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
-                              rope_scaling=None, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
-                              torch_dtype="bfloat16")
-    model = DeepseekV2ForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.08)
-    model.to(torch.bfloat16).save_pretrained(path)
+    make().save_pretrained(path)
     _save_tokenizer(path)
     return path
 

@@ -241,6 +241,11 @@ class RoomCounter:
     __slots__ = ("totals", "room", "bytes", "descriptors", "num_parts", "pages_from_storage", "requested_at",
                  "requested_wall", "first_byte_at", "first_byte_wall", "done_at", "done_wall", "reason")
 
+    @property
+    def total_bytes(self) -> int:
+        """Bytes landed so far, every pool and path."""
+        return sum(self.bytes.values())
+
     def __init__(self, totals: RankTotals, room: int) -> None:
         self.totals, self.room = totals, room
         self.bytes: dict[tuple[str, str], int] = {}

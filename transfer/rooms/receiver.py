@@ -161,7 +161,7 @@ class KVReceiver:
                 self.fail(KVTimeoutError(
                     f"{self.where}: no completion from prefill ranks {sorted(self._awaiting)} of "
                     f"{self._link.name} within {ctx.config.transfer_timeout_s:g} s "
-                    f"[{sum(self._counter.bytes.values())} bytes landed, {self._scattering} scatter(s) running, "
+                    f"[{self._counter.total_bytes} bytes landed, {self._scattering} scatter(s) running, "
                     f"requests sent {now - self._requested_at:.1f} s ago]"))
             return ph.poll
 

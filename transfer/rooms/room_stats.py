@@ -37,7 +37,7 @@ class RoomCounts:
         line (a failure: WARNING with node, rank, room, peer and reason)."""
         reason = self.counter.done(error)
         if error is None:
-            log.debug("%s: done (%d bytes)", self.where, sum(self.counter.bytes.values()))
+            log.debug("%s: done (%d bytes)", self.where, self.counter.total_bytes)
         else:
             log.warning("%s", failure_line(side=side, config=config, room=self.counter.room, peer=peer,
                                            reason=reason, error=error))

@@ -271,7 +271,7 @@ class KVSender:
         what a reader at 3 a.m. needs to tell a lost message from a stuck write."""
         return (f"{self._state.state.name}, {len(self._requests)} decode request(s), "
                 f"{'last chunk sent' if self._last_sent else 'last chunk not sent'}, "
-                f"{self._num_inflight} write(s) in flight, {sum(self._counter.bytes.values())} bytes landed"
+                f"{self._num_inflight} write(s) in flight, {self._counter.total_bytes} bytes landed"
                 + (", write-through pending" if self._writing_through else ""))
 
     def on_part_landed(self, spec: PartSpec) -> None:
