@@ -117,6 +117,9 @@ class EngineConfig:
                 "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535",
                 "MC_TCP_ADMISSION_TIMEOUT_MS": "60000",
                 "MC_TCP_PROGRESS_TIMEOUT_SEC": str(self.progress_timeout_s),
+                # The wait for a write's acknowledgement after its body went out (default 30 s):
+                # bounded like a stalled body, so no write is held longer than progress_timeout_s.
+                "MC_TCP_STATUS_TIMEOUT_SEC": str(self.progress_timeout_s),
             })
         return env
 

@@ -141,6 +141,18 @@ def test_nothing_is_read_before_the_ready_gate_is_done(pair):
     assert gated.wait() is None and pair.page(pair.dst, 1) == pair.page(pair.src, 1)
 
 
+def test_describe_job_says_whether_a_plan_waits_or_ended(pair):
+    event = FakeEvent()
+    gated = Done()
+    handle = pair.a.submit(pair.b.session, pair.plan([4], [4]), gated, ReadyGate(event, 30.0, "room 4"))
+    time.sleep(0.1)
+    waiting = pair.a.describe_job(handle)
+    assert pair.b.session in waiting and f"{pair.b.session} ended" not in waiting and "last round ended" in waiting
+    event.complete()
+    assert gated.wait() is None
+    assert f"write to {pair.b.session} ended" in pair.a.describe_job(handle)
+
+
 def test_a_gate_past_its_deadline_fails_the_plan(pair):
     done = Done()
     gate = ReadyGate(FakeEvent(), 0.0, "room 2")

@@ -44,7 +44,7 @@ def test_configs_are_frozen_and_keyword_only():
 def test_mooncake_env():
     env = EngineConfig(protocol="tcp", log_level="INFO", progress_timeout_s=3).mooncake_env()
     assert env["MC_LOG_LEVEL"] == "INFO"
-    assert env["MC_TCP_PROGRESS_TIMEOUT_SEC"] == "3"
+    assert env["MC_TCP_PROGRESS_TIMEOUT_SEC"] == env["MC_TCP_STATUS_TIMEOUT_SEC"] == "3"
     assert env["MC_TRANSFER_TIMEOUT"] == "5"
     assert EngineConfig(progress_timeout_s=30).mooncake_env()["MC_TRANSFER_TIMEOUT"] == "30"
     assert all(isinstance(v, str) for v in env.values())
@@ -65,7 +65,8 @@ def test_mooncake_env_sets_tcp_variables_for_tcp_engines_only():
     rdma = EngineConfig(protocol="rdma").mooncake_env()
     assert set(rdma) == {"MC_LOG_LEVEL", "MC_TRANSFER_TIMEOUT"}
     assert set(tcp) - set(rdma) == {"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER",
-                                    "MC_TCP_ADMISSION_TIMEOUT_MS", "MC_TCP_PROGRESS_TIMEOUT_SEC"}
+                                    "MC_TCP_ADMISSION_TIMEOUT_MS", "MC_TCP_PROGRESS_TIMEOUT_SEC",
+                                    "MC_TCP_STATUS_TIMEOUT_SEC"}
 
 
 def test_a_user_set_mooncake_variable_survives(monkeypatch):

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from transfer import KVPoll, KVReceiver, KVSender, PeerError, StorageMissError
+from transfer import KVPoll, KVReceiver, KVSender, KVTimeoutError, PeerError, StorageMissError
 from transfer.rooms.decode_phases import DecodePhase
 
 from ._rooms import Role, assert_landed, random_pages, run_room, wait_until
@@ -129,3 +129,45 @@ def test_a_restore_with_pages_missing_fails_naming_them(cluster, tmp_path):
     assert receiver.poll() is KVPoll.Failed
     with pytest.raises(StorageMissError, match=r"target pages \[0, 8\) not in storage"):
         receiver.failure_exception()
+
+
+@pytest.mark.parametrize("path", ["direct", "staged"])
+def test_a_failure_with_a_write_in_flight_says_where_the_write_stands(cluster, path):
+    """What a reader needs at 3 a.m. to tell a stuck write from a lost message:
+    prefill's failure names the held write (or staged part), its peer, and
+    the transport worker's state; decode's names its staging."""
+    staged = dict(staging_bytes=1 << 20, stage_part_bytes=4096, stage_below_bytes=1 << 20, write_fence=False)
+    extra = staged if path == "staged" else {}
+    prefill, decode = cluster.rank(Role.PREFILL, **extra), cluster.rank(Role.DECODE, **extra)
+    rng = np.random.default_rng(11)
+    src, dst = random_pages(rng, 16), random_pages(rng, 16)
+    cluster.fabric.hold_writes()
+    sender, receiver = _transferring(prefill, decode, 12, src, dst)
+    receiver.abort()
+    wait_until(prefill.mgr, lambda: sender.poll() is KVPoll.Failed, what="prefill hears the abort")
+    with pytest.raises(PeerError) as caught:
+        sender.failure_exception()
+    text = str(caught.value)
+    session = decode.mgr.rank.session
+    assert "prefill then: Transferring" in text and "write(s) in flight" in text, text
+    assert f"write to {session} of " in text and "not copied yet" in text and "transport's" in text, text
+    if path == "staged":
+        assert "staged part 0 (" in text, text
+    cluster.fabric.release_writes()
+    wait_until(decode.mgr, lambda: receiver.poll() is KVPoll.Failed, what="drain confirmed")
+
+
+def test_a_decode_timeout_names_its_rooms_staging(cluster):
+    staged = dict(staging_bytes=1 << 20, stage_part_bytes=4096, stage_below_bytes=1 << 20, write_fence=False)
+    prefill = cluster.rank(Role.PREFILL, **staged)
+    decode = cluster.rank(Role.DECODE, transfer_timeout_s=1.0, **staged)
+    rng = np.random.default_rng(12)
+    src, dst = random_pages(rng, 16), random_pages(rng, 16)
+    cluster.fabric.hold_writes()
+    sender, receiver = _transferring(prefill, decode, 13, src, dst)
+    wait_until(decode.mgr, lambda: receiver.poll() is KVPoll.Failed, what="decode's transfer timeout")
+    with pytest.raises(KVTimeoutError) as caught:
+        receiver.failure_exception()
+    assert "no completion from prefill ranks [0]" in str(caught.value)
+    assert "staging: 2 part region(s) granted, 0 room region(s) granted with the request" in str(caught.value)
+    cluster.fabric.release_writes()

@@ -199,3 +199,21 @@ def test_the_loop_admits_steps_and_fails_what_it_holds_at_close():
     assert side.held == ["a"] and worker.num_rounds >= 1
     assert worker.close(5.0) is True
     assert side.failed == ["a"]
+
+
+def test_health_tells_a_worker_stuck_in_an_engine_round_from_an_idle_one():
+    side = _BusySide()
+    worker = PollingWorker(side)
+    try:
+        worker.put("a")
+        assert side.stepping.wait(5)
+        time.sleep(1.2)
+        assert "in one engine round for 1." in worker.health()
+        side.release.set()
+        deadline = time.monotonic() + 5
+        while "last round ended" not in worker.health() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "last round ended" in worker.health()
+    finally:
+        side.release.set()
+        worker.close(5.0)

@@ -162,7 +162,9 @@ class KVReceiver:
                     f"{self.where}: no completion from prefill ranks {sorted(self._awaiting)} of "
                     f"{self._link.name} within {ctx.config.transfer_timeout_s:g} s "
                     f"[{self._counter.total_bytes} bytes landed, {self._scattering} scatter(s) running, "
-                    f"requests sent {now - self._requested_at:.1f} s ago]"))
+                    f"requests sent {now - self._requested_at:.1f} s ago"
+                    + (f"; {self._table.staging.describe(self.room, self.request_id)}"
+                       if self._table.staging is not None else "") + "]"))
             return ph.poll
 
     def failure_exception(self) -> None:

@@ -54,6 +54,7 @@ class KVSender:
         self._num_inflight = 0
         self._next_part = 0
         self._jobs: list = []  # transport handles, cancelled if the room fails
+        self._parts: list = []  # staged parts (transfer.rooms.staged_prefill.StagedPart), for progress()
         self._failure_note: str | None = None  # to send decode once nothing is in flight
         self._write_through: WriteThrough | None = None  # with a storage tier and the prompt
         self._decode_told = False
@@ -132,7 +133,7 @@ class KVSender:
                 if handle is not None:
                     self._jobs.append(handle)
             if plan.parts:
-                self._table.staging.submit(self, plan.parts, ready=gate)
+                self._parts.extend(self._table.staging.submit(self, plan.parts, ready=gate))
 
     def poll(self) -> KVPoll:
         """The room's state now. Also moves this rank's control messages and
@@ -272,7 +273,9 @@ class KVSender:
         return (f"{self._state.state.name}, {len(self._requests)} decode request(s), "
                 f"{'last chunk sent' if self._last_sent else 'last chunk not sent'}, "
                 f"{self._num_inflight} write(s) in flight, {self._counter.total_bytes} bytes landed"
-                + (", write-through pending" if self._writing_through else ""))
+                + (", write-through pending" if self._writing_through else "")
+                + "".join(f"; {self._ctx.transport.describe_job(job)}" for job in self._jobs if not job.done)
+                + "".join(f"; {self._table.staging.describe(part)}" for part in self._parts if part.stage != "ended"))
 
     def on_part_landed(self, spec: PartSpec) -> None:
         """A staged part's write landed (before ``on_chunk_done``)."""

@@ -81,6 +81,15 @@ class DecodeStaging:
         self._pregranted.setdefault((room, request_id), {})[tp_rank] = (offset, nbytes)
         return offset
 
+    def describe(self, room: int, request_id: int) -> str:
+        """A room's staging, for a failure's message (under ``ctx.lock``): its
+        regions granted per part or for the room, and its requests waiting."""
+        key = (room, request_id)
+        queued = sum(1 for r in self._queue if (r.room, r.request_id) == key)
+        return (f"staging: {len(self._granted.get(key, {}))} part region(s) granted, "
+                f"{len(self._pregranted.get(key, {}))} room region(s) granted with the request, "
+                f"{queued} part request(s) waiting for room")
+
     def on_request(self, req: StageRequest) -> None:
         with self.ctx.lock:
             self._queue.append(req)

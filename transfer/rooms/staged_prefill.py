@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import collections
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Mapping, Protocol
 
 import numpy as np
@@ -70,6 +71,13 @@ class StagedPart:
     spec: PartSpec
     ready: object = None
     local_offset: int = -1
+    #: where the part stands, for a failure's message: queued, asked, writing, ended (since ``since``)
+    stage: str = "queued"
+    since: float = field(default_factory=time.monotonic)
+    handle: object = None  # the transport's handle of its write
+
+    def move(self, stage: str) -> None:
+        self.stage, self.since = stage, time.monotonic()
 
 
 class PrefillStaging:
@@ -84,17 +92,30 @@ class PrefillStaging:
         self._waiter = ReadyWaiter("kvferry-ready")
         self._granting: dict[tuple[int, int, int], StagedPart] = {}
 
-    def submit(self, sender: StagedSender, specs, ready=None) -> None:
+    def submit(self, sender: StagedSender, specs, ready=None) -> list[StagedPart]:
         """Queue the planned parts of one of ``sender``'s chunks; with
         ``ready`` (a :class:`~transfer.ready.ReadyGate` not done yet) only
         once it is done, never blocking this thread (a part of a gate past
         its deadline ends with the error). Each part ends with one
-        ``sender.on_chunk_done``."""
+        ``sender.on_chunk_done``. Returns the parts (for :meth:`describe`)."""
         parts = [StagedPart(sender, spec, ready) for spec in specs]
         if ready is not None and not ready.done():
             self._waiter.when_ready(ready, lambda error: self._ready(parts, error))
-            return
+            return parts
         self._queue(parts)
+        return parts
+
+    def describe(self, part: StagedPart) -> str:
+        """Where a part :meth:`submit` returned stands (for a failure's message; never blocks)."""
+        age = f"{time.monotonic() - part.since:.1f} s"
+        what = f"staged part {part.spec.part} ({part.spec.nbytes} bytes)"
+        if part.stage == "queued":
+            return f"{what}: waiting {age} for its ready event or a local staging region"
+        if part.stage == "asked":
+            return f"{what}: asked decode for a staging region {age} ago, no grant yet"
+        if part.stage == "writing" and part.handle is not None:
+            return f"{what}: {self.ctx.transport.describe_job(part.handle)}"
+        return f"{what}: {part.stage} {age} ago"
 
     def _queue(self, parts: list[StagedPart]) -> None:
         self._waiting.extend(parts)
@@ -106,6 +127,7 @@ class PrefillStaging:
                 self._queue(parts)
             return
         for part in parts:
+            part.move("ended")
             part.sender.on_chunk_done(TransferError(f"{part.sender.where}: staging part {part.spec.part}: {error}"))
 
     def pump(self) -> None:
@@ -117,6 +139,7 @@ class PrefillStaging:
                 part = self._waiting[0]
                 if part.sender.terminal:
                     self._waiting.popleft()
+                    part.move("ended")
                     part.sender.on_chunk_done(None)  # counts as done for a failed room
                     continue
                 spec = part.spec
@@ -130,6 +153,7 @@ class PrefillStaging:
                     granted.append(part)
                     continue
                 self._granting[(part.sender.room, req.request_id, spec.part)] = part
+                part.move("asked")
                 try:
                     self.ctx.channel.send(req.decode_endpoint, StageRequest(
                         room=part.sender.room, request_id=req.request_id, prefill_tp_rank=self.ctx.rank.tp_rank,
@@ -168,8 +192,10 @@ class PrefillStaging:
         except Exception as exc:
             self._finish(part, TransferError(f"{part.sender.where}: staging part {spec.part}: {exc}"))
             return
-        self.ctx.transport.submit(spec.req.decode_session, plan,
-                                  lambda err, p=part, off=remote_offset: self._landed(p, off, err), ready=None)
+        part.move("writing")
+        part.handle = self.ctx.transport.submit(spec.req.decode_session, plan,
+                                                lambda err, p=part, off=remote_offset: self._landed(p, off, err),
+                                                ready=None)
 
     def _gathered(self, part: StagedPart, dst_addr: int) -> TransferPlan:
         """Gather a part into its local region; the one descriptor that writes it."""
@@ -193,6 +219,7 @@ class PrefillStaging:
             waiting = [p for p in self._waiting if p.sender is sender]
             for part in waiting:
                 self._waiting.remove(part)
+                part.move("ended")
                 sender.on_chunk_done(None)
 
     def _landed(self, part: StagedPart, remote_offset: int, error) -> None:
@@ -209,6 +236,7 @@ class PrefillStaging:
         self._finish(part, error)
 
     def _finish(self, part: StagedPart, error, *, notify: bool = True) -> None:
+        part.move("ended")
         if part.local_offset >= 0:
             self.ctx.staging.area.free(part.local_offset, part.spec.nbytes)
             part.local_offset = -1

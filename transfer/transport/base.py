@@ -48,6 +48,11 @@ The contract every implementation keeps:
   ``describe()`` says in words what is in use (one log line per manager; a
   line that says "falls back" is logged as a warning); ``num_bytes`` and
   ``num_descriptors`` count what completed successfully.
+- ``describe_job(handle)`` says in words where a plan ``submit`` took
+  stands (queued, waiting for its ready event, descriptors submitted and
+  still in the engine, ended) and whether the worker is stuck in an engine
+  call: what a failure's message needs to tell a hung engine from a lost
+  message. It never blocks.
 - ``peer_metadata``: None for an engine whose peers handshake on their own
   (Mooncake); otherwise a :class:`PeerMetadata`, the exchange kvferry's
   handshake carries for it (NIXL).
@@ -94,6 +99,8 @@ class Transport(Protocol):
     peer_metadata: PeerMetadata | None
 
     def describe(self) -> str: ...
+
+    def describe_job(self, handle: TransferHandle) -> str: ...
 
     def register(self, regions: list[tuple[int, int]]) -> None: ...
 

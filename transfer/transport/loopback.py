@@ -49,6 +49,7 @@ class _Job:
     cancelled: bool = False
     ready: object = None  # a transfer.ready.ReadyGate, waited for on the worker
     accepted: bool = False  # destinations checked at submit (``validate_on_submit``)
+    done: bool = False
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -96,6 +97,12 @@ class LoopbackTransport:
         self._worker.put(job)
         return job
 
+    def describe_job(self, job: _Job) -> str:
+        """Where a plan :meth:`submit` took stands, and the worker's health (for a failure's message)."""
+        what = (f"write to {job.peer} ended" if job.done
+                else f"write to {job.peer} of {job.plan.num_descriptors} descriptor(s): not copied yet")
+        return f"{what}; {self._worker.health()}"
+
     def pump(self) -> None:
         """Nothing: the loopback copies on its worker only (a held write would
         block the caller: the tests hold writes from the thread that polls)."""
@@ -112,15 +119,20 @@ class LoopbackTransport:
         for job in held:
             waiting = not self._closed.is_set() and gate_state(job.ready, job.peer)[0]
             if waiting and job.cancelled:  # never started: nothing to wait for
-                run_callback(job.callback, TransferError(f"transfer to {job.peer} cancelled", peer=job.peer))
+                self._end(job, TransferError(f"transfer to {job.peer} cancelled", peer=job.peer))
             elif waiting:
                 self._held.append(job)
             else:
-                run_callback(job.callback, self._copy(job))
+                self._end(job, self._copy(job))
         return 0, bool(self._held)
 
+    @staticmethod
+    def _end(job: _Job, error: TransferError | None) -> None:
+        job.done = True
+        run_callback(job.callback, error)
+
     def fail(self, job: _Job) -> None:
-        run_callback(job.callback, closed_error(job.peer))
+        self._end(job, closed_error(job.peer))
 
     def idle(self) -> None:
         """Nothing accumulates here without jobs."""

@@ -126,8 +126,22 @@ class PollingWorker:
         self._stop = False  # close() asked the loop to end (under _cond)
         self._step_lock = threading.Lock()
         self._held = False  # the engine side holds jobs (in flight or waiting): pump() has work
+        self._busy_since: float | None = None  # when the engine round now running began (None: none runs)
+        self._last_round_at = time.monotonic()  # when the last engine round ended
         self._thread = threading.Thread(target=self._loop, name="kvferry-transport", daemon=True)
         self._thread.start()
+
+    def health(self) -> str:
+        """The worker in words, for a failure's message: a thread gone, or
+        stuck in one engine round, tells a hung engine call from a write the
+        engine holds (racy reads: diagnostics only)."""
+        now = time.monotonic()
+        if not self._thread.is_alive() and not self.closed.is_set():
+            return "the transport's worker thread is gone"
+        busy = self._busy_since
+        if busy is not None and now - busy > 1.0:
+            return f"the transport's worker has been in one engine round for {now - busy:.1f} s"
+        return f"the transport's last round ended {now - self._last_round_at:.2f} s ago"
 
     def check_open(self) -> None:
         """ClosedError once the transport is closed."""
@@ -154,8 +168,7 @@ class PollingWorker:
             return
         try:
             if not self._stop:
-                self._admit_queued()
-                self._step()
+                self._round(self._admit_and_step)
                 self.num_pumped += 1
         finally:
             self._step_lock.release()
@@ -172,7 +185,17 @@ class PollingWorker:
                 self.engine.admit(item)
                 self._held = True
 
-    def _step(self) -> int:
+    def _round(self, run):
+        """``run()`` under the step lock (the caller holds it), timed for :meth:`health`."""
+        self._busy_since = time.monotonic()
+        try:
+            return run()
+        finally:
+            self._busy_since = None
+            self._last_round_at = time.monotonic()
+
+    def _admit_and_step(self) -> int:
+        self._admit_queued()
         inflight, self._held = self.engine.step()
         self.num_rounds += 1
         return inflight
@@ -189,11 +212,10 @@ class PollingWorker:
                     break
             if idle:
                 with self._step_lock:
-                    self.engine.idle()
+                    self._round(self.engine.idle)
                 continue
             with self._step_lock:
-                self._admit_queued()
-                inflight = self._step()
+                inflight = self._round(self._admit_and_step)
                 held = self._held
             if inflight:
                 time.sleep(min(MAX_SLEEP_S, max(MIN_SLEEP_S, inflight / ASSUMED_BYTES_PER_S / 4)))

@@ -19,8 +19,10 @@ It fills in, from :class:`EngineConfig` (:meth:`EngineConfig.mooncake_env`):
 - for ``protocol="tcp"`` only: ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` and
   ``MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER`` (65535, their maximum; kvferry
   caps its own in-flight descriptors per peer below them),
-  ``MC_TCP_ADMISSION_TIMEOUT_MS`` (60000) and ``MC_TCP_PROGRESS_TIMEOUT_SEC``
-  (``progress_timeout_s``).
+  ``MC_TCP_ADMISSION_TIMEOUT_MS`` (60000), and ``MC_TCP_PROGRESS_TIMEOUT_SEC``
+  and ``MC_TCP_STATUS_TIMEOUT_SEC`` (both ``progress_timeout_s``: a stalled
+  body, and the wait for a write's acknowledgement after its body went out,
+  whose default of 30 s would outlast a decode room's own timeout).
 
 A user who sets one of these lower than kvferry's value keeps it; kvferry
 then still keeps at most ``max_inflight_per_peer`` descriptors outstanding per

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from dataclasses import dataclass, field
 
 from transfer.config import EngineConfig
@@ -72,6 +73,20 @@ class _Job:
     done: bool = field(default=False)
     cancelled: bool = False
     ready: object = None  # a transfer.ready.ReadyGate: submit nothing before it is done
+    created: float = field(default_factory=time.monotonic)
+    num_landed: int = 0  # descriptors the engine reported done
+
+    def status(self) -> str:
+        """Where the job stands, in words (racy reads: diagnostics only)."""
+        n = len(self.src)
+        if self.done:
+            return f"write to {self.peer} ended"
+        what = (f"write to {self.peer} of {n} descriptor(s), {sum(self.lengths)} bytes, queued "
+                f"{time.monotonic() - self.created:.1f} s ago: ")
+        if self.next_index == 0 and self.ready is not None:
+            return what + "waiting for its ready event"
+        return what + (f"{self.next_index} submitted, {self.num_landed} done, {self.num_inflight} still in the "
+                       "engine (Mooncake reports them pending)")
 
     def waiting(self) -> bool:
         """Whether the job must not start yet (its producer's event is not
@@ -197,6 +212,10 @@ class MooncakeTransport:
         :mod:`transfer.transport.base`)."""
         self._worker.pump()
 
+    def describe_job(self, job: _Job) -> str:
+        """Where a plan :meth:`submit` took stands, and the worker's health (for a failure's message)."""
+        return f"{job.status()}; {self._worker.health()}"
+
     # --- the worker's side (transfer.transport.worker.EngineSide) -------------------
 
     def admit(self, job: _Job) -> None:
@@ -286,6 +305,7 @@ class MooncakeTransport:
             inflight[job.peer] -= 1
             if status == 1:
                 self.num_descriptors += 1
+                job.num_landed += 1
             elif job.error is None:
                 what = "timed out" if status == -2 else "failed"
                 job.error = TransferError(f"write to {job.peer} {what} (Mooncake status {status})",

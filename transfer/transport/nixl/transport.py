@@ -79,6 +79,18 @@ class _Job:
     handles: list = field(default_factory=list)
     deadline: float = 0.0
     error: TransferError | None = None
+    created: float = field(default_factory=time.monotonic)
+    done: bool = False
+
+    def status(self) -> str:
+        """Where the job stands, in words (racy reads: diagnostics only)."""
+        if self.done:
+            return f"write to {self.peer} ended"
+        what = (f"write to {self.peer} of {self.plan.num_descriptors} descriptor(s), {self.plan.total_bytes} bytes, "
+                f"queued {time.monotonic() - self.created:.1f} s ago: ")
+        if not self.handles:
+            return what + "not posted yet (its ready event, or the peer's metadata)"
+        return what + f"{len(self.handles)} NIXL request(s) still running"
 
     def cancel(self) -> None:
         """Post nothing of this plan if it was not posted yet (a posted
@@ -222,6 +234,10 @@ class NixlTransport:
         :mod:`transfer.transport.base`)."""
         self._worker.pump()
 
+    def describe_job(self, job: _Job) -> str:
+        """Where a plan :meth:`submit` took stands, and the worker's health (for a failure's message)."""
+        return f"{job.status()}; {self._worker.health()}"
+
     # --- the worker's side (transfer.transport.worker.EngineSide) -------------------
 
     def admit(self, job: _Job) -> None:
@@ -345,6 +361,7 @@ class NixlTransport:
         if error is None:
             self.num_bytes += job.plan.total_bytes
             self.num_descriptors += job.plan.num_descriptors
+        job.done = True
         run_callback(job.callback, error)
         return True
 
@@ -352,6 +369,7 @@ class NixlTransport:
         for handle in job.handles:
             self._release(handle)
         job.handles = []
+        job.done = True
         run_callback(job.callback, closed_error(job.peer))
 
     def close(self, timeout_s: float = 5.0) -> None:
