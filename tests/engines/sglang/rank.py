@@ -121,8 +121,14 @@ def _send(rank: Rank, r: Request, s, pages: list[int], prefix_pages: int, clock)
         if r.action == "kill" and i == 0:
             return
     slot = r.room % NUM_SLOTS
-    for i, region in enumerate(rank.regions[:-1]):  # what MetadataBuffers.set_buf does before the last send
-        region[slot] = torch.from_numpy(aux_row(rank.a.seed, r.room, i, region.shape[1]))
+    for i, region in enumerate(rank.regions):  # what MetadataBuffers.set_buf does before the last send
+        if i not in (rank.room_region, rank.checksum_region):
+            region[slot] = torch.from_numpy(aux_row(rank.a.seed, r.room, i, region.shape[1]))
+    if rank.checksum_region >= 0:  # SGLang's send_kv_chunk: the digest of the pages this prefill sends
+        from sglang.srt.disaggregation.utils import kv_layout_signature
+
+        rank.meta.set_kv_checksum(SimpleNamespace(metadata_buffer_index=slot), rank.digest(suffix),
+                                  kv_layout_signature(rank.kv_args))
     rank.meta.bootstrap_room[slot] = 0
     rank.meta.bootstrap_room[slot, 0] = r.room
     last = suffix[offset:]
@@ -224,14 +230,36 @@ def _verify(rank: Rank, r: Request, pages: list[int], slot: int) -> dict:
         bad_prefix += int((rank.pages_view(t, pages[:r.prefix_pages] + [0]) != SENTINEL).sum())
     bad_aux = 0
     for i, region in enumerate(rank.regions):
+        if i == rank.checksum_region:
+            continue  # checked below, as SGLang's decode checks it
         want = aux_row(rank.a.seed, r.room, i, region.shape[1])
-        if i == len(rank.regions) - 1:  # bootstrap_room, written by prefill as the room id
+        if i == rank.room_region:  # bootstrap_room, written by prefill as the room id
             want = np.frombuffer(np.asarray([r.room] + [0] * (region.shape[1] // 8 - 1), dtype="<u8").tobytes(),
                                  dtype=np.uint8)
         bad_aux += int((region[slot].numpy() != want).sum())
-    return {"bad_page_bytes": bad_pages, "bad_prefix_bytes": bad_prefix, "bad_aux_bytes": bad_aux,
-            "aux_regions": len(rank.regions), "page_bytes_checked": int(sum(
-                rank.pages_view(t, pages[r.prefix_pages:]).numel() for _, t in rank.buffers))}
+    out = {"bad_page_bytes": bad_pages, "bad_prefix_bytes": bad_prefix, "bad_aux_bytes": bad_aux,
+           "aux_regions": len(rank.regions), "page_bytes_checked": int(sum(
+               rank.pages_view(t, pages[r.prefix_pages:]).numel() for _, t in rank.buffers))}
+    if rank.checksum_region >= 0:
+        out.update(_check_checksum(rank, r, pages, slot))
+    return out
+
+
+def _check_checksum(rank: Rank, r: Request, pages: list[int], slot: int) -> dict:
+    """SGLang's decode side of the KV checksum (``_verify_kv_checksums``): the
+    digest and signature prefill wrote, as they landed in the metadata row,
+    against this rank's digest of its pages after the prefix (one byte of a
+    landed page flipped first for a ``corrupt`` request)."""
+    from sglang.srt.disaggregation.utils import kv_layout_signature
+
+    suffix = pages[r.prefix_pages:]
+    if r.corrupt:
+        _, t = rank.buffers[0]
+        t.view(-1, rank.a.page_size, t.shape[1], t.shape[2])[suffix[0], 0, 0, 0] ^= 0x5A
+    expected, signature = rank.meta.get_kv_checksum(slot)
+    return {"checksum_sent": expected != 0, "checksum_comparable": signature == kv_layout_signature(rank.kv_args),
+            "checksum_matches": rank.digest(suffix) == expected,
+            "verify_checksum": bool(rank.mgr.should_verify_kv_checksum(f"127.0.0.1:{rank.a.port}"))}
 
 
 def run_bootstrap(a) -> None:
@@ -263,6 +291,7 @@ def main(argv=None) -> int:
     p.add_argument("--pool-pages", type=int, default=64, help="pages per pool (page 0 is SGLang's padding)")
     p.add_argument("--model-dir", default="", help="a config.json-only model (SGLang's own backends)")
     p.add_argument("--timeout", type=float, default=90.0)
+    p.add_argument("--kv-checksum", action="store_true", help="MetadataBuffers with the KV checksum row")
     a = p.parse_args(argv)
     from sglang.srt.plugins import load_plugins
 

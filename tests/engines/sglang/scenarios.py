@@ -18,6 +18,7 @@ class Request:
     chunks: tuple[int, ...] = ()
     prefix_pages: int = 0
     action: str = ""  # "", "decode_abort", "prefill_abort", "kill"
+    corrupt: bool = False  # decode flips a landed byte before it checks the KV checksum
     tags: tuple[str, ...] = field(default=())
 
 
@@ -31,6 +32,12 @@ def requests_of(name: str) -> list[Request]:
             Request(_BASE + 5, 4, action="decode_abort", tags=("abort on decode",)),
             Request(_BASE + 6, 5, (2,), action="prefill_abort", tags=("abort on prefill",)),
             Request(_BASE + 7, 3, prefix_pages=3, tags=("decode holds every page", "empty last chunk")),
+        ]
+    if name == "checksum":  # --kv-checksum: SGLang's digest row travels with the aux rows
+        return [
+            Request(_BASE + 30, 5, tags=("one chunk",)),
+            Request(_BASE + 31, 7, (3,), prefix_pages=2, tags=("chunked", "decode prefix")),
+            Request(_BASE + 32, 6, (2,), corrupt=True, tags=("a page corrupted on decode",)),
         ]
     if name == "kill":
         return [Request(_BASE + 20, 6, (2,), action="kill", tags=("killed prefill",))]

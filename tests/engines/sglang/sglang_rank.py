@@ -92,7 +92,7 @@ class Rank:
             kv_args.kv_head_num, kv_args.total_kv_head_num = heads, self.total_heads
         kv_args.page_size = a.page_size
         self.meta = MetadataBuffers(NUM_SLOTS, hidden_size=16, hidden_states_dtype=torch.float32,
-                                    max_sampling_mask_tokens=4)
+                                    max_sampling_mask_tokens=4, kv_checksum_enabled=a.kv_checksum)
         kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens = self.meta.get_buf_infos()
         kv_args.ib_device, kv_args.gpu_id = None, 0
         setup_state_kv_args(kv_args, self.pool, self.draft, a.layers, req_to_token_pool=None)
@@ -103,6 +103,10 @@ class Rank:
         for _, t in self.buffers:
             t.fill_(SENTINEL)
         self.regions = [_wrap(p, n).view(n // i, i) for p, n, i in zip(*self.meta.get_buf_infos())]
+        ptrs = [r.data_ptr() for r in self.regions]
+        #: the aux regions SGLang writes itself: the room id, and the KV checksum row (-1: none)
+        self.room_region = ptrs.index(self.meta.bootstrap_room.data_ptr())
+        self.checksum_region = ptrs.index(self.meta.kv_checksum.data_ptr()) if a.kv_checksum else -1
         mode = DisaggregationMode.PREFILL if a.role == "prefill" else DisaggregationMode.DECODE
         self.mgr = get_kv_class(self.backend, KVClassType.MANAGER)(kv_args, mode, self.server_args, self.is_mla)
         self.sender_cls = get_kv_class(self.backend, KVClassType.SENDER)
@@ -127,6 +131,15 @@ class Rank:
             return 0, 1, 1  # MLA: the same latent on every rank
         total = self.total_heads if key.startswith("target") else 2
         return self.a.tp_rank * local, local, total
+
+    def digest(self, pages) -> int:
+        """The KV checksum of ``pages``: Adler-32 over every buffer's items of
+        those pages, as SGLang's ``KvChecksumComputer`` digests them (its
+        kernel is CUDA only; this is the same digest on the CPU)."""
+        value = 1
+        for _, t in self.buffers:
+            value = zlib.adler32(self.pages_view(t, pages).contiguous().numpy().tobytes(), value)
+        return value
 
     def pages_view(self, t, pages) -> torch.Tensor:
         return t.view(-1, self.a.page_size, t.shape[1], t.shape[2])[torch.as_tensor(pages, dtype=torch.long)]

@@ -137,3 +137,21 @@ def test_a_killed_prefill_fails_the_room_and_frees_its_pages_safely():
         # Killed: found by its refused reconnections ("gone"), or by its silence past the timeout.
         assert "gone" in result["error"] or "silent" in result["error"], result
         assert result["written_after_failure"] == 0
+
+
+def test_the_kv_checksum_row_travels_and_a_corrupted_page_is_caught():
+    """``--disaggregation-enable-kv-checksum``: prefill writes the digest of the
+    pages it sends and SGLang's layout signature into MetadataBuffers' checksum
+    row; kvferry moves the row with the other aux rows, and decode's digest of
+    what landed matches it, except for the request whose landed page decode
+    flipped a byte of. (SGLang's digest kernel is CUDA only: both sides take
+    the same Adler-32 on the CPU, see ``sglang_rank.Rank.digest``.)"""
+    with Run("checksum", pool="mha", timeout_s=120, extra_args=["--kv-checksum"]) as run:
+        run.finish()
+        decode = _results(run.decode)
+        for req in requests_of("checksum"):
+            (d,) = decode[req.room]
+            assert d["state"] == "Success", (req.tags, d)
+            assert (d["bad_page_bytes"], d["bad_prefix_bytes"], d["bad_aux_bytes"]) == (0, 0, 0), (req.tags, d)
+            assert d["checksum_sent"] and d["checksum_comparable"] and d["verify_checksum"], (req.tags, d)
+            assert d["checksum_matches"] is (not req.corrupt), (req.tags, d)
