@@ -22,6 +22,7 @@
         ├── PeerError                the peer reported a failure or aborted the room
         ├── StateError               an API call that the room's state does not allow
         ├── ClosedError              the manager was closed
+        │   └── MemoryReleasedError  the scheduler released the KV memory (release_memory)
         ├── RequestError             pages that do not fit what init() declared (also a ValueError)
         │   └── PageIndexError       a page id outside the pool (also an IndexError)
         └── StorageError             a storage backend failed (``backend``, ``code``)

@@ -17,7 +17,7 @@ _EXPORTS = {
     **{name: "transfer.errors" for name in (
         "AuthError", "BootstrapError", "BootstrapRefused", "BootstrapUnavailable", "ClosedError",
         "IncompatibleLayoutError", "IncompatibleTransportError", "InsecureBindError", "KVFerryError", "KVTimeoutError",
-        "PageIndexError", "PeerError",
+        "MemoryReleasedError", "PageIndexError", "PeerError",
         "ProtocolError", "RequestError", "StateError", "StorageClosedError", "StorageError", "StorageMissError",
         "StorageTimeoutError", "StorageUnavailableError", "TransferError", "UnknownNodeError")},
     "KVManager": "transfer.manager",

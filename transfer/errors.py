@@ -54,6 +54,12 @@ class ClosedError(KVFerryError):
     """The manager was closed; its rooms fail with this."""
 
 
+class MemoryReleasedError(ClosedError):
+    """The scheduler released the KV memory (``KVManager.release_memory``):
+    the rooms live then fail with this, and no room starts until
+    ``resume_memory()``."""
+
+
 class RequestError(KVFerryError, ValueError):
     """A room's pages do not fit what was declared: more pages sent than
     ``init()`` said, page counts that differ between prefill and decode, a

@@ -17,7 +17,8 @@ from transfer.changes import ChangeLog
 from transfer.config import ManagerConfig, Role, apply_log_level
 from transfer.control.base import ChannelFactory, ChannelOptions, ControlChannel
 from transfer.control.zmq_channel import zmq_channel
-from transfer.errors import ClosedError, KVFerryError
+from bootstrap.errors import KVTimeoutError
+from transfer.errors import ClosedError, KVFerryError, MemoryReleasedError
 from transfer.messages import PeerBye, PeerPing, PeerPong
 from transfer.pools import (MHAPool, MLAPool, RawAuxRegion, aux_tensors, describe_aux, describe_pool, pools_device,
                             registration_regions)
@@ -94,6 +95,8 @@ class KVManager:
         self._totals = RankTotals(config.role.value)
         self.metrics = None
         self._closed = False
+        self._released = False  # release_memory() ran, resume_memory() not yet
+        self._pools_unregistered = False  # release_memory() took the pools back from the transport
         # The engine holds raw pointers into these tensors: keep them alive as
         # long as the manager, whatever the caller does with its references.
         #: the aux regions as tensors (empty: none)
@@ -107,11 +110,15 @@ class KVManager:
         # Built before any allocation: the non-CUDA Mooncake wheel cannot move device memory.
         self.transport: Transport = transport if transport is not None else \
             build_transport(config.engine, pools_device(pools))
+        #: the scheduler's memory (pools and aux) registered with the transport (fenced decode: none, its peers
+        #: write only into kvferry's staging arenas); release_memory() takes it back, resume_memory() again
+        self._pool_regions: list[tuple[int, int]] = []
         try:
             staging = build_staging(config, pools, pools_device(pools), self._register_arena,
                                     self._unregister_arena)
             if staging is None or not staging.fenced:  # fenced: only the arenas, registered as they open
                 regions = registration_regions(pools, aux)  # views of one allocation: registered once
+                self._pool_regions = list(regions)
                 if staging is not None:
                     regions.append((staging.tensor.data_ptr(), staging.tensor.numel()))
                 self.transport.register(regions)
@@ -283,8 +290,71 @@ class KVManager:
             return self._changes.progress
 
     def check_open(self) -> None:
+        """ClosedError once closed; MemoryReleasedError between
+        :meth:`release_memory` and :meth:`resume_memory` (no room may start)."""
         if self._closed:
             raise ClosedError(f"{self.where}: manager is closed")
+        if self._released:
+            raise MemoryReleasedError(f"{self.where}: the KV memory is released (release_memory); "
+                                      "no room starts before resume_memory()")
+
+    @property
+    def memory_released(self) -> bool:
+        """Whether :meth:`release_memory` ran and :meth:`resume_memory` not since."""
+        return self._released
+
+    def release_memory(self, timeout_s: float | None = None) -> None:
+        """The scheduler is about to free the KV pools' memory (SGLang's
+        ``release_memory_occupation``, between weight updates in RL loops).
+
+        Every live room fails with :class:`MemoryReleasedError` (and its
+        peers are told, as for an abort), then this waits until no write of
+        this rank still reads the pools and no peer's write may still land in
+        them (decode rooms report Failed only after their prefill ranks
+        stopped writing), at most ``timeout_s`` (default
+        ``transfer_timeout_s``), and unregisters the pools from the transport:
+        a peer's later write into them is refused. No room starts until
+        :meth:`resume_memory`. Raises KVTimeoutError when writes are still in
+        flight at the bound: the memory must not be freed then (calling it
+        again waits again). Returns at once when already done."""
+        bound = self.config.transfer_timeout_s if timeout_s is None else timeout_s
+        with self._lock:
+            if self._closed:
+                raise ClosedError(f"{self.where}: manager is closed")
+            first, self._released = not self._released, True
+            rooms = self.rooms.live_rooms()
+        if first:
+            error = MemoryReleasedError(f"{self.where}: the scheduler released the KV memory (release_memory)")
+            for room in rooms:
+                room.release(error)
+        deadline = time.monotonic() + bound
+        busy = rooms
+        while busy:
+            self.pump()
+            busy = [room for room in busy if not room.released()]
+            if busy and time.monotonic() > deadline:
+                raise KVTimeoutError(f"{self.where}: {len(busy)} room(s) still had writes in flight {bound:g} s "
+                                     f"after release_memory(): {busy[0].where}: {busy[0].progress()}")
+            if busy:
+                time.sleep(0.005)
+        with self._lock:
+            if self._pool_regions and not self._pools_unregistered:
+                self.transport.unregister(self._pool_regions)
+                self._pools_unregistered = True
+        log.info("%s: KV memory released (%d room(s) failed)", self.where, len(rooms))
+
+    def resume_memory(self) -> None:
+        """The scheduler has the KV pools' memory back, at the same addresses
+        (SGLang's ``resume_memory_occupation``): register the pools again and
+        take rooms again. Idempotent."""
+        with self._lock:
+            if self._closed or not self._released:
+                return
+            if self._pools_unregistered:
+                self.transport.register(self._pool_regions)
+                self._pools_unregistered = False
+            self._released = False
+        log.info("%s: KV memory resumed", self.where)
 
     def stats(self) -> ManagerStats:
         """This rank's totals since it started (a frozen copy; any time, from

@@ -240,6 +240,11 @@ class DecodeRooms:
         for r in receivers:
             r.update()
 
+    def live_rooms(self) -> list:
+        """The receivers whose pages a write may still land in (under the lock):
+        every one not ended (a failing one ends once its writers stopped)."""
+        return list(self.receivers.values())
+
     def close(self, error: BaseException) -> None:
         self.links.close()
         with self.ctx.lock:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+import weakref
 from typing import Protocol
 
 from bootstrap.messages import RankInfo
@@ -97,6 +98,7 @@ class PrefillRooms:
         #: aborts with an unknown request id from a session that may not end the room
         self.num_refused_aborts = 0
         self.senders: dict[int, Sender] = {}
+        self._every = weakref.WeakSet()  # every sender still referenced (a failed one's writes may be in flight)
         self._early: dict[int, list[tuple[float, object]]] = {}  # insertion order = age
         # Rooms whose sender failed before every decode request arrived: a
         # late request gets the failure at once instead of waiting out its
@@ -327,6 +329,7 @@ class PrefillRooms:
             if old is not None and not old.terminal:
                 raise StateError(f"{self.ctx.where}: room {sender.room} already has a live sender")
             self.senders[sender.room] = sender
+            self._every.add(sender)
             self._refused.pop(sender.room, None)
             horizon = time.monotonic() - self.ctx.config.bootstrap_timeout_s
             kept = self._early.pop(sender.room, [])
@@ -379,6 +382,11 @@ class PrefillRooms:
             senders = [s for s in self.senders.values() if not s.terminal]
         for s in senders:
             s.update()
+
+    def live_rooms(self) -> list:
+        """The senders whose writes may still read the pools: live ones, and
+        failed ones with writes in flight (under the lock)."""
+        return [s for s in list(self._every) if not s.released()]
 
     def close(self, error: BaseException) -> None:
         with self.ctx.lock:

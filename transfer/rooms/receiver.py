@@ -182,6 +182,24 @@ class KVReceiver:
             self._counter.pages_from_storage = self.pages_from_storage
             return self._counter.snapshot(self._phases.poll.name)
 
+    def release(self, error: BaseException) -> None:
+        """The scheduler releases the KV memory (``KVManager.release_memory``):
+        fail the room, tell the prefill ranks, no storage fallback (it would
+        write into the pages)."""
+        self.fail(error, fall_back=False)
+
+    def released(self) -> bool:
+        """Whether no write may land in this room's pages any more: it ended
+        (Failed only once its prefill ranks stopped writing) and no scatter runs."""
+        self.update()
+        with self._ctx.lock:
+            return self._phases.phase not in LIVE | ENDING and not self._scattering
+
+    def progress(self) -> str:
+        """Where the room stands, for a failure's message (under the lock)."""
+        return (f"{self._phases.phase.name}, prefill ranks {sorted(self.ranks_writing())} may still write, "
+                f"{self._scattering} scatter(s) running")
+
     def ranks_writing(self) -> set[int]:
         """Prefill ranks that may still write into this room's pages."""
         if self._phases.phase in ENDING:

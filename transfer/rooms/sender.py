@@ -267,6 +267,16 @@ class KVSender:
             if not self._writing_through:  # else when the write-through is done
                 self._succeed()
 
+    def release(self, error: BaseException) -> None:
+        """The scheduler releases the KV memory (``KVManager.release_memory``): fail the room."""
+        self.fail(error)
+
+    def released(self) -> bool:
+        """Whether nothing of this room reads the pools any more: ended, no
+        write in flight, no write-through (``KVManager.release_memory``)."""
+        with self._ctx.lock:
+            return self._state.terminal and self._num_inflight == 0 and not self._writing_through
+
     def progress(self) -> str:
         """Where the room stands, for a failure's message (under the lock):
         what a reader at 3 a.m. needs to tell a lost message from a stuck write."""

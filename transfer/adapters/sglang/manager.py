@@ -131,6 +131,19 @@ class KvferryKVManager(BaseKVManager):
         info = self.prefill_info_table.get(bootstrap_addr)
         return info is None or info.attn_tp_size == self.core.config.tp_size
 
+    # --- memory release and resume (release_memory_occupation, RL weight updates) -----------
+    def deregister_buffer_to_engine(self) -> None:
+        """SGLang's ``release_memory_occupation`` (after it cleared its queue):
+        every live room fails, kvferry waits until no write reads or lands in
+        the pools and unregisters them (``KVManager.release_memory``); raises
+        KVTimeoutError instead of returning while a write may still land."""
+        self.core.release_memory()
+
+    def register_buffer_to_engine(self) -> None:
+        """SGLang's ``resume_memory_occupation``: the pools are back at the same
+        addresses; register them again and take rooms again."""
+        self.core.resume_memory()
+
     def close(self) -> None:
         self.core.close()
 
