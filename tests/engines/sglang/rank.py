@@ -118,8 +118,8 @@ def _send(rank: Rank, r: Request, s, pages: list[int], prefix_pages: int, clock)
         if r.action == "prefill_abort" and i == 0:
             s.abort()
             return
-        if r.action == "kill" and i == 0:
-            return
+        if r.action in ("kill", "release") and i == 0:
+            return  # the rest is never sent: the room stays in flight
     slot = r.room % NUM_SLOTS
     for i, region in enumerate(rank.regions):  # what MetadataBuffers.set_buf does before the last send
         if i not in (rank.room_region, rank.checksum_region):
@@ -178,7 +178,8 @@ def run_decode(a) -> None:
     pages = {r.room: pick_pages(a, "decode", r.room, r.num_pages, taken) for r in reqs}
     receivers, slots = {}, {}
     clock = Clock(rank)
-    for r in reqs:
+
+    def ask(r: Request):
         clock.start(r.room)
         recv = rank.receiver_cls(mgr=rank.mgr, bootstrap_addr=addr, bootstrap_room=r.room)
         recv.init(r.room % info.dp_size)
@@ -188,9 +189,21 @@ def run_decode(a) -> None:
         recv.send_metadata(np.asarray(suffix, dtype=np.int32), slots[r.room], None,
                            decode_prefix_len=r.prefix_pages * a.page_size)
         receivers[r.room] = recv
+        return recv
+
+    for r in reqs:
+        if not r.after_release:
+            ask(r)
     to_abort = {r.room for r in reqs if r.action == "decode_abort"}
-    live = list(reqs)
+    to_release = {r.room: None for r in reqs if r.action == "release"}  # room -> when it was seen in flight
+    live = [r for r in reqs if not r.after_release]
     while live and time.monotonic() < deadline:
+        for room, seen in list(to_release.items()):
+            if receivers[room].poll() >= KVPoll.Transferring and seen is None:
+                to_release[room] = time.monotonic()
+            elif seen is not None and time.monotonic() - seen > 1.0:  # prefill's first chunk had time to land
+                del to_release[room]
+                live += _release_and_resume(rank, receivers[room], [r for r in reqs if r.after_release], ask)
         gate = [SimpleNamespace(req=SimpleNamespace(bootstrap_host="127.0.0.1"), metadata_buffer_index=slots[r.room])
                 for r in live]
         for room in list(to_abort):  # once its request went out (prefill holds the room until then)
@@ -217,6 +230,26 @@ def run_decode(a) -> None:
         live = still
         time.sleep(a.poll_interval_s)
     emit("DONE", role="decode", timed_out=bool(live), **clock.totals())
+
+
+def _release_and_resume(rank: Rank, in_flight, later: list[Request], ask) -> list[Request]:
+    """SGLang's release_memory_occupation and resume_memory_occupation on
+    decode (its queue cleared first), with a room in flight; a room asked for
+    while released fails at once; the ``later`` rooms are asked for after the
+    resume. Returns the requests to poll from now on."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    start = time.monotonic()
+    rank.mgr.deregister_buffer_to_engine()
+    released_s = time.monotonic() - start
+    probe = rank.receiver_cls(mgr=rank.mgr, bootstrap_addr=in_flight.bootstrap_addr, bootstrap_room=1)
+    probe.init(0)
+    emit("RELEASED", seconds=released_s, in_flight_state=int(in_flight.poll()),
+         probe_failed=probe.poll() == KVPoll.Failed, probe_error=_error_of(probe))
+    rank.mgr.register_buffer_to_engine()
+    for r in later:
+        ask(r)
+    return later
 
 
 def _verify(rank: Rank, r: Request, pages: list[int], slot: int) -> dict:

@@ -17,8 +17,9 @@ class Request:
     num_pages: int
     chunks: tuple[int, ...] = ()
     prefix_pages: int = 0
-    action: str = ""  # "", "decode_abort", "prefill_abort", "kill"
+    action: str = ""  # "", "decode_abort", "prefill_abort", "kill", "release" (see below)
     corrupt: bool = False  # decode flips a landed byte before it checks the KV checksum
+    after_release: bool = False  # decode asks for it only after its memory release and resume
     tags: tuple[str, ...] = field(default=())
 
 
@@ -38,6 +39,13 @@ def requests_of(name: str) -> list[Request]:
             Request(_BASE + 30, 5, tags=("one chunk",)),
             Request(_BASE + 31, 7, (3,), prefix_pages=2, tags=("chunked", "decode prefix")),
             Request(_BASE + 32, 6, (2,), corrupt=True, tags=("a page corrupted on decode",)),
+        ]
+    if name == "release":
+        # Decode releases its KV memory (release_memory_occupation) while the first room is in flight
+        # (prefill sent one chunk and holds the rest), resumes, then asks for the second room.
+        return [
+            Request(_BASE + 40, 6, (2,), action="release", tags=("in flight at the release",)),
+            Request(_BASE + 41, 5, (2,), prefix_pages=1, after_release=True, tags=("after the resume",)),
         ]
     if name == "kill":
         return [Request(_BASE + 20, 6, (2,), action="kill", tags=("killed prefill",))]

@@ -155,3 +155,25 @@ def test_the_kv_checksum_row_travels_and_a_corrupted_page_is_caught():
             assert (d["bad_page_bytes"], d["bad_prefix_bytes"], d["bad_aux_bytes"]) == (0, 0, 0), (req.tags, d)
             assert d["checksum_sent"] and d["checksum_comparable"] and d["verify_checksum"], (req.tags, d)
             assert d["checksum_matches"] is (not req.corrupt), (req.tags, d)
+
+
+def test_memory_release_fails_the_room_in_flight_and_a_room_after_resume_lands_exact():
+    """SGLang's release_memory_occupation on decode while a room is in flight
+    (prefill sent one chunk and holds the rest): kvferry fails the room on both
+    sides before deregister_buffer_to_engine returns, nothing is written into
+    its pages afterwards, a room asked for while released fails at once, and
+    after resume_memory_occupation the next room lands byte-exact."""
+    with Run("release", pool="mha", timeout_s=120) as run:
+        run.finish()
+        (released,) = run.decode[0].events("RELEASED")
+        assert released["in_flight_state"] == 0, released  # KVPoll.Failed, before deregister returned
+        assert released["probe_failed"] and "KV memory is released" in released["probe_error"], released
+        decode, prefill = _results(run.decode), _results(run.prefill)
+        held, later = requests_of("release")
+        (d,) = decode[held.room]
+        assert d["state"] == "Failed" and "released the KV memory" in d["error"], d
+        assert d["written_after_failure"] == 0 and d["release_safe"], d
+        assert prefill[held.room][0]["state"] == "Failed", prefill[held.room]
+        (d,) = decode[later.room]
+        assert d["state"] == "Success", d
+        assert (d["bad_page_bytes"], d["bad_prefix_bytes"], d["bad_aux_bytes"]) == (0, 0, 0), d
