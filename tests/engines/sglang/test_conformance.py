@@ -56,6 +56,8 @@ def test_the_plugin_selects_kvferry_with_no_sglang_change(sglang):
     (dict(state_types=["mamba"], state_data_ptrs=[[1]]), "state pools (mamba"),
     (dict(pp_size=2), "pipeline parallelism"),
     (dict(attn_cp_size=2), "context parallelism"),
+    (dict(disaggregation_mode="prefill", dp_size=2, load_balance_method="round_robin"),
+     "a prefill with DP 2 and --load-balance-method round_robin"),
 ])
 def test_unsupported_setups_are_refused_at_start_up(sglang, change, words):
     from types import SimpleNamespace
@@ -68,7 +70,9 @@ def test_unsupported_setups_are_refused_at_start_up(sglang, change, words):
     kv_args = KVArgs()
     kv_args.state_types = [StateType(s) for s in change.get("state_types", [])]
     kv_args.state_data_ptrs = change.get("state_data_ptrs", [])
-    server_args = SimpleNamespace(pp_size=change.get("pp_size", 1), attn_cp_size=change.get("attn_cp_size", 1))
+    server_args = SimpleNamespace(pp_size=change.get("pp_size", 1), attn_cp_size=change.get("attn_cp_size", 1),
+                                  **{k: change[k] for k in ("disaggregation_mode", "dp_size", "load_balance_method")
+                                     if k in change})
     with pytest.raises(UnsupportedSetup, match="unsupported SGLang set-up") as info:
         KvferryKVManager(kv_args, sglang.DisaggregationMode.PREFILL, server_args, False)
     assert words in str(info.value)
@@ -177,3 +181,19 @@ def test_memory_release_fails_the_room_in_flight_and_a_room_after_resume_lands_e
         (d,) = decode[later.room]
         assert d["state"] == "Success", d
         assert (d["bad_page_bytes"], d["bad_prefix_bytes"], d["bad_aux_bytes"]) == (0, 0, 0), d
+
+
+@pytest.mark.parametrize("mode, method", [("prefill", "follow_bootstrap_room"), ("prefill", "auto"),
+                                          ("decode", "round_robin")])
+def test_dp_routing_that_matches_kvferrys_is_accepted(sglang, mode, method):
+    """A prefill that places rooms by follow_bootstrap_room (the PD prefill
+    default, what ``auto`` resolves to), and a decode of any method, pass."""
+    from types import SimpleNamespace
+
+    from sglang.srt.disaggregation.base.conn import KVArgs
+
+    from transfer.adapters.sglang.kvargs import check_supported
+
+    kv_args = KVArgs()
+    kv_args.state_types, kv_args.state_data_ptrs = [], []
+    check_supported(kv_args, SimpleNamespace(disaggregation_mode=mode, dp_size=2, load_balance_method=method))
