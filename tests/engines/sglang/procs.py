@@ -30,6 +30,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive free ports (one gloo world per DP rank)."""
+    for _ in range(100):
+        base = free_port()
+        socks = []
+        try:
+            for p in range(base, base + count):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
 def child_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(STUBS)])
@@ -116,6 +135,8 @@ class Run:
     draft: bool = False
     prefill_tp: int = 1
     decode_tp: int = 1
+    prefill_dp: int = 1  # attention DP: the TP ranks split into this many groups
+    decode_dp: int = 1
     backend: str = "kvferry"
     env: dict = field(default_factory=dict)
     timeout_s: float = 120.0
@@ -124,7 +145,8 @@ class Run:
 
     def __enter__(self) -> "Run":
         env = child_env(self.env)
-        port, pgloo, dgloo = free_port(), free_port(), free_port()
+        port = free_port()
+        pgloo, dgloo = free_ports(self.prefill_dp), free_ports(self.decode_dp)
         self._model = tempfile.TemporaryDirectory(prefix="sglang-model-")
         (Path(self._model.name) / "config.json").write_text(json.dumps(MODEL_CONFIG))
         common = ["--backend", self.backend, "--port", str(port), "--pool", self.pool, "--scenario", self.scenario,
@@ -135,11 +157,13 @@ class Run:
             self.procs.append(self.bootstrap)
             self.bootstrap.wait_for("READY", self.timeout_s)
             self.prefill = [start(f"prefill{r}", ["--role", "prefill", "--tp-rank", str(r), "--tp-size",
-                                                  str(self.prefill_tp), "--gloo-port", str(pgloo), *common], env)
+                                                  str(self.prefill_tp), "--dp-size", str(self.prefill_dp),
+                                                  "--gloo-port", str(pgloo), *common], env)
                             for r in range(self.prefill_tp)]
             self.procs += self.prefill
             self.decode = [start(f"decode{r}", ["--role", "decode", "--tp-rank", str(r), "--tp-size",
-                                                str(self.decode_tp), "--gloo-port", str(dgloo), *common], env)
+                                                str(self.decode_tp), "--dp-size", str(self.decode_dp),
+                                                "--gloo-port", str(dgloo), *common], env)
                            for r in range(self.decode_tp)]
             self.procs += self.decode
         except BaseException:

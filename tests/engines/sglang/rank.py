@@ -41,11 +41,14 @@ def emit(kind: str, **fields) -> None:
     print(f"{kind} {json.dumps(fields)}", flush=True)
 
 
-def gloo_group(a):
+def gloo_group(rank: Rank):
+    """The attention TP group of this rank's DP rank (SGLang's attn_tp_cpu_group): one gloo world per DP rank."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.gloo_port}", rank=a.tp_rank,
-                            world_size=a.tp_size, timeout=__import__("datetime").timedelta(seconds=60))
+    a = rank.a
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.gloo_port + rank.dp_rank}",
+                            rank=rank.attn_tp_rank, world_size=rank.attn_tp,
+                            timeout=__import__("datetime").timedelta(seconds=60))
     return dist.group.WORLD
 
 
@@ -54,8 +57,10 @@ def run_prefill(a) -> None:
 
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    rank, group = Rank(a), gloo_group(a)
-    reqs = requests_of(a.scenario)
+    rank = Rank(a)
+    group = gloo_group(rank)
+    # SGLang's DP controller puts a room on prefill DP rank room % dp_size (follow_bootstrap_room)
+    reqs = [r for r in requests_of(a.scenario) if r.room % a.dp_size == rank.dp_rank]
     taken: set = set()
     addr = f"127.0.0.1:{a.port}"
     pages = {r.room: pick_pages(a, "prefill", r.room, r.num_pages, taken) for r in reqs}
@@ -64,7 +69,7 @@ def run_prefill(a) -> None:
     senders = {r.room: rank.sender_cls(mgr=rank.mgr, bootstrap_addr=addr, bootstrap_room=r.room) for r in reqs}
     phase = {r.room: "boot" for r in reqs}
     clock = Clock(rank)
-    emit("READY", role="prefill", tp_rank=a.tp_rank)
+    emit("READY", role="prefill", tp_rank=a.tp_rank, dp_rank=rank.dp_rank, rooms=[r.room for r in reqs])
     deadline = time.monotonic() + a.timeout
     while any(p != "done" for p in phase.values()) and time.monotonic() < deadline:
         live = [r for r in reqs if phase[r.room] != "done"]
@@ -163,8 +168,10 @@ def run_decode(a) -> None:
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.utils import poll_and_all_reduce
 
-    rank, group = Rank(a), gloo_group(a)
-    reqs = requests_of(a.scenario)
+    rank = Rank(a)
+    group = gloo_group(rank)
+    # decode's DP controller spreads requests over its DP ranks (round robin here)
+    reqs = [r for i, r in enumerate(requests_of(a.scenario)) if i % a.dp_size == rank.dp_rank]
     addr = f"127.0.0.1:{a.port}"
     deadline = time.monotonic() + a.timeout
     while not rank.mgr.try_ensure_parallel_info(addr):
@@ -312,6 +319,7 @@ def main(argv=None) -> int:
     p.add_argument("--gloo-port", type=int, default=0)
     p.add_argument("--tp-rank", type=int, default=0)
     p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--dp-size", type=int, default=1, help="attention DP groups among the TP ranks")
     p.add_argument("--pool", choices=["mha", "mla"], default="mha")
     p.add_argument("--draft", action="store_true")
     p.add_argument("--scenario", default="main")

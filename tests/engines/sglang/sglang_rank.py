@@ -60,11 +60,14 @@ class Rank:
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
         self.a = a
+        #: attention DP (SGLang's --enable-dp-attention): the TP ranks split into dp_size attention groups
+        self.attn_tp = a.tp_size // a.dp_size
+        self.attn_tp_rank, self.dp_rank = a.tp_rank % self.attn_tp, a.tp_rank // self.attn_tp
         self.backend = TransferBackend(a.backend)
         self.server_args = server_args_of(a)
         self.is_mla = a.pool == "mla"
         self.total_heads = 1 if self.is_mla else a.heads
-        heads = self.total_heads // a.tp_size if not self.is_mla else 1
+        heads = self.total_heads // self.attn_tp if not self.is_mla else 1
         common = dict(size=a.pool_pages * a.page_size - a.page_size, page_size=a.page_size, dtype=torch.bfloat16,
                       device="cpu", enable_memory_saver=False)
         if self.is_mla:
@@ -72,7 +75,7 @@ class Rank:
                                          layer_num=a.layers, **common)
         else:
             self.pool = MHATokenToKVPool(head_num=heads, head_dim=a.head_dim, layer_num=a.layers, **common)
-        self.draft = MHATokenToKVPool(head_num=max(1, 2 // a.tp_size), head_dim=a.head_dim, layer_num=1, **common) \
+        self.draft = MHATokenToKVPool(head_num=max(1, 2 // self.attn_tp), head_dim=a.head_dim, layer_num=1, **common) \
             if a.draft else None
         kv_args = get_kv_class(self.backend, KVClassType.KVARGS)()
         kv_args.engine_rank, kv_args.pp_rank, kv_args.system_dp_rank = a.tp_rank, 0, 0
@@ -130,7 +133,7 @@ class Rank:
         if key.startswith("target.latent"):
             return 0, 1, 1  # MLA: the same latent on every rank
         total = self.total_heads if key.startswith("target") else 2
-        return self.a.tp_rank * local, local, total
+        return self.attn_tp_rank * local, local, total
 
     def digest(self, pages) -> int:
         """The KV checksum of ``pages``: Adler-32 over every buffer's items of
@@ -156,7 +159,8 @@ def server_args_of(a):
     from sglang.srt.server_args import ServerArgs
 
     sa = ServerArgs(model_path=a.model_dir or "unused", disaggregation_mode=a.role if a.role != "bootstrap" else
-                    "prefill", tp_size=a.tp_size, disaggregation_transfer_backend=a.backend, host="127.0.0.1",
+                    "prefill", tp_size=a.tp_size, dp_size=a.dp_size, enable_dp_attention=a.dp_size > 1,
+                    disaggregation_transfer_backend=a.backend, host="127.0.0.1",
                     disaggregation_bootstrap_port=a.port, device="cpu", skip_tokenizer_init=True)
     if a.backend != "kvferry":
         from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish

@@ -92,7 +92,7 @@ def _check_main(run: Run) -> None:
     assert all(not p.events("DONE")[0]["timed_out"] for p in run.prefill + run.decode)
     for req in requests_of("main"):
         d, ps = decode[req.room][0], prefill[req.room]
-        assert len(ps) == run.prefill_tp
+        assert len(ps) == run.prefill_tp // run.prefill_dp  # the ranks of the room's prefill DP group
         if req.action:
             assert d["state"] == "Failed", (req.tags, d)
             assert all(p["state"] == "Failed" for p in ps), (req.tags, ps)
@@ -120,6 +120,20 @@ def _check_main(run: Run) -> None:
 def test_mha_with_draft_prefill_tp2_to_decode_tp1_staged():
     with Run("main", pool="mha", draft=True, prefill_tp=2, timeout_s=150) as run:
         _check_main(run)
+
+
+def test_attention_dp2_on_both_sides_routes_each_room_to_its_prefill_dp_rank():
+    """SGLang's DP attention: prefill TP 2 as two DP groups of one rank, decode
+    likewise. A room sits on prefill DP rank room % 2 (follow_bootstrap_room,
+    SGLang's PD prefill default); decode learns the prefill's DP size at the
+    bootstrap lookup and asks that DP rank, and every room lands exact."""
+    with Run("main", pool="mha", prefill_tp=2, prefill_dp=2, decode_tp=2, decode_dp=2, timeout_s=150) as run:
+        _check_main(run)
+        for p in run.prefill:  # each DP rank served the rooms of its own residue, and only those
+            ready = p.events("READY")[0]
+            served = {r["room"] for r in p.events("RESULT")}
+            assert served == set(ready["rooms"]) and all(room % 2 == ready["dp_rank"] for room in served), ready
+        assert {e["prefill_dp"] for d in run.decode for e in d.events("READY")} == {2}
 
 
 def test_mla_prefill_tp2_to_decode_tp1_direct_descriptors():
