@@ -172,9 +172,18 @@ class Run:
         return self
 
     def finish(self) -> None:
-        """Wait (bounded) for every rank's DONE line."""
+        """Wait (bounded) for every rank's DONE line; on a timeout, the error
+        shows what every rank printed last (a stuck room shows on its peers)."""
         for p in self.prefill + self.decode:
-            p.wait_for("DONE", self.timeout_s)
+            try:
+                p.wait_for("DONE", self.timeout_s)
+            except TimeoutError as exc:
+                for q in self.prefill + self.decode:  # what they printed and nobody read yet
+                    while not q.lines.empty():
+                        q.log.append(q.lines.get_nowait())
+                others = "\n".join(f"--- {q.name}:\n" + "\n".join(q.log[-15:])
+                                   for q in self.prefill + self.decode if q is not p)
+                raise TimeoutError(f"{exc}\n{others}") from None
 
     def close(self) -> None:
         for p in self.procs:

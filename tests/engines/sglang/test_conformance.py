@@ -90,8 +90,9 @@ def _check_main(run: Run) -> None:
     run.finish()
     decode, prefill = _results(run.decode), _results(run.prefill)
     assert all(not p.events("DONE")[0]["timed_out"] for p in run.prefill + run.decode)
-    for req in requests_of("main"):
-        d, ps = decode[req.room][0], prefill[req.room]
+    for req, d in ((req, d) for req in requests_of("main") for d in decode[req.room]):  # every decode rank's
+        ps = prefill[req.room]
+        assert len(decode[req.room]) == run.decode_tp // run.decode_dp  # the ranks of the room's decode DP group
         assert len(ps) == run.prefill_tp // run.prefill_dp  # the ranks of the room's prefill DP group
         if req.action:
             assert d["state"] == "Failed", (req.tags, d)
@@ -134,6 +135,13 @@ def test_attention_dp2_on_both_sides_routes_each_room_to_its_prefill_dp_rank():
             served = {r["room"] for r in p.events("RESULT")}
             assert served == set(ready["rooms"]) and all(room % 2 == ready["dp_rank"] for room in served), ready
         assert {e["prefill_dp"] for d in run.decode for e in d.events("READY")} == {2}
+
+
+def test_mha_prefill_tp1_to_decode_tp2_each_decode_rank_gets_its_heads():
+    """Decode TP > prefill TP: the one prefill rank sends each decode rank its half of the heads."""
+    with Run("main", pool="mha", prefill_tp=1, decode_tp=2, timeout_s=150,
+             env={"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE": "1"}) as run:
+        _check_main(run)  # each decode rank's pages (its half of the heads) byte for byte
 
 
 def test_mla_prefill_tp2_to_decode_tp1_direct_descriptors():
