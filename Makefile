@@ -83,7 +83,7 @@ bench: setup
 
 # The serving engines' own environments and tests (mk/*.mk): real vLLM servers,
 # and SGLang's own classes driving kvferry across processes. Never part of `make test`.
-test-engines: test-sglang test-vllm
+test-engines: test-sglang test-sglang-server test-vllm
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

