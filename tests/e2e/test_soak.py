@@ -32,7 +32,7 @@ def test_soak_with_random_aborts():
         prefill, decode = Rank("prefill", spec, FAST), Rank("decode", spec, FAST)
         try:
             counts = {"success": 0, "aborted": 0}
-            baseline = None
+            baseline = halfway = None
             room = 1
             batches = -(-ROOMS // BATCH)
             for b in range(batches):
@@ -59,17 +59,24 @@ def test_soak_with_random_aborts():
                     counts["success"] += 1
                 if b == 3:  # after warm-up: the steady state to compare with
                     baseline = (p, d)
+                if b == 3 + (batches - 3) // 2:  # halfway from there to the end
+                    halfway = (p, d)
             p_end, d_end = prefill.stats(), decode.stats()
             print(f"soak: {ROOMS} requests, {counts}; prefill {baseline[0]['threads']}->{p_end['threads']} threads, "
                   f"{baseline[0]['fds']}->{p_end['fds']} fds, {baseline[0]['rss'] >> 20}->{p_end['rss'] >> 20} MiB; "
                   f"decode {baseline[1]['threads']}->{d_end['threads']} threads, {baseline[1]['fds']}->{d_end['fds']} "
                   f"fds, {baseline[1]['rss'] >> 20}->{d_end['rss'] >> 20} MiB")
             assert counts["success"] > 0.7 * ROOMS and counts["aborted"] > 0.05 * ROOMS, counts
-            for name, start, end in (("prefill", baseline[0], p_end), ("decode", baseline[1], d_end)):
+            for name, start, mid, end in (("prefill", baseline[0], halfway[0], p_end),
+                                          ("decode", baseline[1], halfway[1], d_end)):
                 assert end["threads"] == start["threads"], (name, start["threads"], end["threads"])
                 assert end["fds"] <= start["fds"] + 2, (name, start["fds"], end["fds"])
-                growth = end["rss"] - start["rss"]
-                assert growth < 64 << 20, f"{name}: RSS grew by {growth / 2**20:.0f} MiB over {ROOMS} requests"
+                # A leak grows memory in both halves of the run, as requests go by; a one-time rise
+                # (an allocator's high-water mark when a loaded machine lets more rooms pile up at
+                # once) shows in one half only. 16 KiB leaked per request is 16 MiB per half here.
+                halves = ((mid["rss"] - start["rss"]) >> 20, (end["rss"] - mid["rss"]) >> 20)
+                assert min(halves) < 16 and sum(halves) < 256, \
+                    f"{name}: RSS grew by {halves[0]} then {halves[1]} MiB over two halves of {ROOMS} requests"
         finally:
             prefill.close()
             decode.close()
