@@ -5,6 +5,9 @@ prefetch; several aux regions per request slot, byte-exact, through storage
 too, and refused naming the region when they differ; the prefill topology
 query."""
 
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -200,3 +203,38 @@ def test_a_decode_that_holds_every_page_still_ends_the_room(cluster, aux):
                receiver.poll() in (KVPoll.Success, KVPoll.Failed), what="room terminal", timeout_s=10)
     assert (sender.poll(), receiver.poll()) == (KVPoll.Success, KVPoll.Success), receiver.failure_exception()
     assert decode.page_bytes(dst) == before
+
+
+def test_a_room_failing_during_its_storage_prefetch_waits_for_the_batch_in_progress(cluster, tmp_path):
+    """A decode room aborted while the storage tier loads its pages: the
+    batch being loaded still writes them, so the room reports Failed (and
+    its pages may be reused) only once that batch ended."""
+    store = dict(storage_url=f"file://{tmp_path / 'kv'}", model_name="test-model")
+    prefill = cluster.rank(Role.PREFILL, **store)
+    decode = cluster.rank(Role.DECODE, storage_prefetch="wait_complete", **store)
+    rng = np.random.default_rng(25)
+    num_pages = 8
+    tokens = rng.integers(0, 50000, num_pages * 4)
+    src = random_pages(rng, num_pages)
+    sender, receiver = run_room(prefill, decode, 65, src, random_pages(rng, num_pages), token_ids=tokens)
+    assert (sender.poll(), receiver.poll()) == (KVPoll.Success, KVPoll.Success)
+    backend = decode.mgr.storage.backend
+    loading, release = threading.Event(), threading.Event()
+    real_get_into = backend.get_into
+
+    def held_get_into(keys, segments):
+        loading.set()
+        release.wait(10)
+        return real_get_into(keys, segments)
+
+    backend.get_into = held_get_into
+    receiver = KVReceiver(decode.mgr, prefill.mgr.config.bootstrap_addr, 66)
+    receiver.init(random_pages(rng, num_pages), 2, token_ids=tokens)
+    assert loading.wait(5), "the prefetch never started"
+    receiver.abort()
+    time.sleep(0.2)
+    assert receiver.poll() is KVPoll.Transferring, "Failed while a storage batch may still write the pages"
+    assert not receiver.released()
+    release.set()
+    wait_until(decode.mgr, lambda: receiver.poll() is KVPoll.Failed, what="failed once the batch ended")
+    assert receiver.released()

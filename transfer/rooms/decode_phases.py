@@ -7,7 +7,8 @@ reports (:class:`~transfer.state.KVPoll`)::
     WAITING_FOR_INPUT  WaitingForInput  link ready, init() not called yet
     PREFETCHING        WaitingForInput  init() done, loading leading pages from storage
     TRANSFERRING       Transferring     requests out, waiting for every prefill rank
-    DRAINING           Transferring     failed; waiting for prefill ranks to stop writing
+    DRAINING           Transferring     failed; waiting for prefill ranks (and its own scatters
+                                        and storage prefetch) to stop writing
     RESTORING          (unchanged)      failed; loading the room from storage
     SUCCESS            Success          terminal
     FAILED             Failed           terminal
@@ -17,6 +18,7 @@ Moves::
     BOOTSTRAPPING -> WAITING_FOR_INPUT -> PREFETCHING -> TRANSFERRING -> SUCCESS
                                       \\---------------> TRANSFERRING
     TRANSFERRING -> DRAINING -> RESTORING -> SUCCESS
+    PREFETCHING -> DRAINING (failed while a storage batch still loads the pages)
     any live phase -> RESTORING (a failure with nothing left writing)
     any non-terminal phase -> FAILED
 
@@ -64,7 +66,7 @@ TERMINAL = frozenset({P.SUCCESS, P.FAILED})
 _NEXT: dict[DecodePhase, frozenset[DecodePhase]] = {
     P.BOOTSTRAPPING: frozenset({P.WAITING_FOR_INPUT, P.RESTORING}),
     P.WAITING_FOR_INPUT: frozenset({P.PREFETCHING, P.TRANSFERRING, P.RESTORING}),
-    P.PREFETCHING: frozenset({P.TRANSFERRING, P.RESTORING}),
+    P.PREFETCHING: frozenset({P.TRANSFERRING, P.DRAINING, P.RESTORING}),
     P.TRANSFERRING: frozenset({P.SUCCESS, P.DRAINING, P.RESTORING}),
     P.DRAINING: frozenset({P.RESTORING}),
     P.RESTORING: frozenset({P.SUCCESS}),

@@ -141,10 +141,12 @@ class KVReceiver:
         with ctx.lock:
             ph = self._phases
             now = time.monotonic()
-            if ph.phase is P.DRAINING and not self._scattering and self._drain.overdue(now):
+            if ph.phase is P.DRAINING and not self._local_writes() and self._drain.overdue(now):
                 log.info("%s: prefill ranks %s did not confirm they stopped writing within %g s",
                          self.where, sorted(self._drain.ranks), ctx.config.peer_timeout_s)
                 self._finish_fail(self._drain.error)
+            elif ph.phase is P.DRAINING and not self._local_writes() and not self._drain.ranks:
+                self._finish_fail(self._drain.error)  # the last local write (a storage prefetch) ended
             if ph.phase not in LIVE:
                 return ph.poll
             if ph.phase is P.BOOTSTRAPPING:
@@ -190,10 +192,11 @@ class KVReceiver:
 
     def released(self) -> bool:
         """Whether no write may land in this room's pages any more: it ended
-        (Failed only once its prefill ranks stopped writing) and no scatter runs."""
+        (Failed only once its prefill ranks and its own scatters and storage
+        prefetch stopped writing)."""
         self.update()
         with self._ctx.lock:
-            return self._phases.phase not in LIVE | ENDING and not self._scattering
+            return self._phases.phase not in LIVE | ENDING and not self._local_writes()
 
     def progress(self) -> str:
         """Where the room stands, for a failure's message (under the lock)."""
@@ -284,7 +287,7 @@ class KVReceiver:
             self.fail(TransferError(f"{self.where}: scattering staged part {msg.part}: {error}"))
         elif self._phases.phase is P.TRANSFERRING:
             self._counts.staged(msg.prefill_tp_rank, self._link.routes[msg.prefill_tp_rank], msg.num_pages)
-        if self._phases.phase is P.DRAINING and not self._scattering and \
+        if self._phases.phase is P.DRAINING and not self._local_writes() and \
                 (not self._drain.ranks or self._drain.overdue(time.monotonic())):
             self._finish_fail(self._drain.error)
 
@@ -328,7 +331,7 @@ class KVReceiver:
             elif notify and link is None:  # not looked up yet: told once it is (a failed lookup has nobody to tell)
                 self._table.abort_when_resolved(self.bootstrap_addr, self.prefill_node, self.prefill_dp_rank, abort)
             self._drain.writers_lost |= bool(writing) and not drain
-            if (writing or self._scattering) and drain:  # a scatter in progress: wait for it too
+            if (writing or self._local_writes()) and drain:  # a scatter or a prefetch batch: wait for it too
                 log.debug("%s failing, waiting for prefill ranks %s to stop writing: %s", self.where,
                           sorted(writing), error)
                 self._drain.start(error, writing, time.monotonic() + ctx.config.peer_timeout_s)
@@ -394,8 +397,13 @@ class KVReceiver:
     def _stopped_writing(self, tp_rank: int, *, lost: bool = False) -> None:
         """A draining room's prefill rank writes no more (``lost``: it was
         found dead, not told)."""
-        if tp_rank in self._drain.ranks and self._drain.stopped(tp_rank, lost=lost) and not self._scattering:
+        if tp_rank in self._drain.ranks and self._drain.stopped(tp_rank, lost=lost) and not self._local_writes():
             self._finish_fail(self._drain.error)
+
+    def _local_writes(self) -> bool:
+        """Whether this rank itself may still write into the room's pages: a
+        staged part being scattered, or a storage prefetch's batch (under the lock)."""
+        return bool(self._scattering) or (self._storage is not None and self._storage.loading)
 
     # --- the end: storage, restore, failure ----------------------------------------
 

@@ -47,6 +47,12 @@ class RoomStorage:
         to the first missing one (``done(job)`` on the tier's thread)."""
         self._prefetch = self.tier.read(self.items(start), None, done)
 
+    @property
+    def loading(self) -> bool:
+        """Whether the prefetch may still write into the pages: started, and
+        its job not finished (a cancelled job ends its batch in progress first)."""
+        return self._prefetch is not None and not self._prefetch.finished
+
     def cancel_prefetch(self) -> None:
         if self._prefetch is not None:
             self._prefetch.cancel()
