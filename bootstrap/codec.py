@@ -34,7 +34,8 @@ that does (``unexpected field``, naming it) instead of misreading it.
 Version 5: ``PeerPong.acks`` (a pong now acknowledges the requests taken
 since the last one; a version-4 peer would seem to lose every request); the
 status reply's rank and pool views carry every descriptor field but the
-withheld ones (:mod:`bootstrap.status`).
+withheld ones (:mod:`bootstrap.status`). Version 6: ``RoomStatus.exposed_s``
+(prefill's last ``send()`` to its success, for decode's exposed transfer time).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ import msgpack
 
 from bootstrap.errors import AuthError, ProtocolError
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 #: Largest encoded message accepted, in bytes. Control messages carry page
 #: lists and buffer descriptors, never KV bytes.

@@ -137,7 +137,10 @@ class RoomStatus:
     ``sent`` lists the pools it actually wrote. ``aborted``: the prefill
     scheduler cancelled the request (decode does not restore it from storage).
     ``aux_row``: for a fenced decode rank (nothing of its memory but staging
-    is writable), the aux row itself, which decode copies into the room's slot."""
+    is writable), the aux row itself, which decode copies into the room's slot.
+    ``exposed_s``: with a success, the seconds from the rank's last ``send()``
+    (the end of its forward pass) to this status (every write landed); decode
+    adds its own time to Success: the room's exposed transfer time."""
 
     room: int
     request_id: int
@@ -147,6 +150,7 @@ class RoomStatus:
     reason: str
     aborted: bool = False
     aux_row: bytes = b""
+    exposed_s: float = 0.0
 
 
 @message("room_abort")

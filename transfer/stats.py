@@ -143,6 +143,9 @@ class RoomStats:
     first_byte_wall: float | None = None
     done_at: float | None = None
     done_wall: float | None = None
+    #: decode, successful rooms sent by prefill: from the last prefill rank's last send() (the end of its
+    #: forward pass) to Success, the transfer time a request's first token waits for (None: not measured)
+    exposed_transfer_s: float | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -188,6 +191,7 @@ class ManagerStats:
     room_seconds: Histogram
     first_byte_seconds: Histogram
     prefetch_wait_seconds: Histogram
+    exposed_transfer_seconds: Histogram
     live_rooms: int = 0
     peers_live: int = 0
     peers_lost: int = 0
@@ -220,6 +224,7 @@ class RankTotals:
         self.num_unhandshaken = 0
         self.num_peers_lost = 0
         self.room_seconds, self.first_byte_seconds, self.prefetch_wait_seconds = _Hist(), _Hist(), _Hist()
+        self.exposed_transfer_seconds = _Hist()
 
     def room(self, room: int) -> "RoomCounter":
         return RoomCounter(self, room)
@@ -232,6 +237,7 @@ class RankTotals:
                             room_seconds=self.room_seconds.snapshot(),
                             first_byte_seconds=self.first_byte_seconds.snapshot(),
                             prefetch_wait_seconds=self.prefetch_wait_seconds.snapshot(),
+                            exposed_transfer_seconds=self.exposed_transfer_seconds.snapshot(),
                             control_unhandshaken=self.num_unhandshaken, peers_lost=self.num_peers_lost, **live)
 
 
@@ -239,7 +245,8 @@ class RoomCounter:
     """One room's counts; its owner calls it under ``ctx.lock``."""
 
     __slots__ = ("totals", "room", "bytes", "descriptors", "num_parts", "pages_from_storage", "requested_at",
-                 "requested_wall", "first_byte_at", "first_byte_wall", "done_at", "done_wall", "reason")
+                 "requested_wall", "first_byte_at", "first_byte_wall", "done_at", "done_wall", "reason",
+                 "exposed_transfer_s")
 
     @property
     def total_bytes(self) -> int:
@@ -254,6 +261,12 @@ class RoomCounter:
         self.requested_at, self.requested_wall = time.monotonic(), time.time()
         self.first_byte_at = self.first_byte_wall = self.done_at = self.done_wall = None
         self.reason: FailureReason | None = None
+        self.exposed_transfer_s: float | None = None
+
+    def exposed(self, seconds: float) -> None:
+        """The room's exposed transfer time (decode, at Success; see :class:`RoomStats`)."""
+        self.exposed_transfer_s = max(0.0, seconds)
+        self.totals.exposed_transfer_seconds.observe(self.exposed_transfer_s)
 
     def add(self, pool: str, path: str, num_bytes: int, num_descriptors: int = 0) -> None:
         """Bytes (and descriptors) of ``pool`` that landed by ``path``."""
@@ -298,7 +311,8 @@ class RoomCounter:
                          descriptors=dict(self.descriptors), num_parts=self.num_parts,
                          pages_from_storage=self.pages_from_storage, requested_at=self.requested_at,
                          requested_wall=self.requested_wall, first_byte_at=self.first_byte_at,
-                         first_byte_wall=self.first_byte_wall, done_at=self.done_at, done_wall=self.done_wall)
+                         first_byte_wall=self.first_byte_wall, done_at=self.done_at, done_wall=self.done_wall,
+                         exposed_transfer_s=self.exposed_transfer_s)
 
 
 def failure_line(*, side: str, config, room: int, peer: str, reason: FailureReason, error: BaseException) -> str:

@@ -87,6 +87,10 @@ def test_rank_metrics_match_what_moved():
             assert _sum(dm, "kvferry_descriptors_total", path="staged") == parts
             assert _sum(pm, "kvferry_descriptors_total", pool="aux") == len(rooms)
             assert _sum(pm, "kvferry_bytes_total") == sent
+            # Exposed transfer time: one per decode room prefill sent, within the rooms' own durations.
+            assert _sum(dm, "kvferry_exposed_transfer_seconds_count") == len(rooms)
+            assert 0 < _sum(dm, "kvferry_exposed_transfer_seconds_sum") <= _sum(dm, "kvferry_room_seconds_sum")
+            assert _sum(pm, "kvferry_exposed_transfer_seconds_count") == 0
 
             # An abort from prefill mid-room: both sides count it, with its reason.
             p, d = _both(prefill, decode, [10, 11], p_opts={"abort": {10: 0.2}, "chunk_delay_s": 0.3})

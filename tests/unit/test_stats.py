@@ -3,6 +3,7 @@ checked against the pages sent), failure reasons, the one-line failure log,
 the log level setting, and a rank's /metrics scraped over HTTP."""
 
 import logging
+import time
 import re
 import socket
 import urllib.request
@@ -192,3 +193,29 @@ def test_a_metrics_port_without_prometheus_client_is_a_clear_error(cluster, monk
     monkeypatch.setitem(sys.modules, "prometheus_client", None)
     with pytest.raises(ValueError, match="needs prometheus-client"):
         cluster.rank(Role.DECODE, metrics_port=_free_port())
+
+
+def test_exposed_transfer_time_runs_from_prefills_last_send_to_decodes_success(cluster):
+    """Writes held for 0.4 s after the last send(): decode's exposed transfer
+    time covers the hold, and not the time before that send (the room waited
+    0.3 s between init and its one send, as a forward pass would)."""
+    prefill, decode = cluster.rank(Role.PREFILL), cluster.rank(Role.DECODE)
+    rng = np.random.default_rng(31)
+    src, dst = random_pages(rng, 8), random_pages(rng, 8)
+    receiver = KVReceiver(decode.mgr, prefill.mgr.config.bootstrap_addr, 52)
+    receiver.init(dst, 2)
+    sender = KVSender(prefill.mgr, None, 52)
+    wait_until(prefill.mgr, lambda: sender.poll() is KVPoll.WaitingForInput)
+    sender.init(len(src), 1)
+    time.sleep(0.3)  # "the forward pass"
+    cluster.fabric.hold_writes()
+    sender.send(src, last=True)
+    time.sleep(0.4)
+    cluster.fabric.release_writes()
+    wait_until(decode.mgr, lambda: receiver.poll() is KVPoll.Success, what="decode success")
+    d = receiver.stats()
+    assert d.exposed_transfer_s is not None and 0.4 <= d.exposed_transfer_s < d.seconds - 0.3, d
+    assert sender.stats().exposed_transfer_s is None  # a decode-side number
+    totals = decode.mgr.stats()
+    assert totals.exposed_transfer_seconds.num == 1 and totals.exposed_transfer_seconds.total == pytest.approx(
+        d.exposed_transfer_s)

@@ -80,6 +80,7 @@ class KVReceiver:
         self._awaiting: dict[int, set[PoolRole]] = {}  # TRANSFERRING: ranks not done yet, and their pools
         self._drain = Drain()  # DRAINING: ranks that may still write; DRAINING, RESTORING: why it failed
         self._scattering = 0  # staged parts being copied into the pages now (without the lock)
+        self._send_end = 0.0  # the latest prefill rank's last send(), on this clock (0: not known)
         self._storage: RoomStorage | None = None  # with a storage tier and the prompt
         self._prefix = 0  # leading pages the scheduler holds (init's skip_pages)
         self._skip = 0  # leading pages held or prefetched from storage: prefill does not send them
@@ -261,10 +262,14 @@ class KVReceiver:
             self.fail(ProtocolError(f"{self.where}: {where} {bad}"), stopped={msg.prefill_tp_rank})
             return
         del self._awaiting[msg.prefill_tp_rank]
+        if msg.exposed_s > 0:  # when the rank's forward ended, on this clock (the message's flight not counted)
+            self._send_end = max(self._send_end, time.monotonic() - msg.exposed_s)
         p = msg.prefill_tp_rank
         self._counts.rank_done(p, self._link.routes[p], len(self._pages) - self._skip,
                                with_aux=p == self._link.aux_rank and self._aux_index >= 0)
         if not self._awaiting:
+            if self._send_end > 0:
+                self._counter.exposed(time.monotonic() - self._send_end)
             self._counts.ended(None, side="decode", config=self._ctx.config)
             ph.move(P.SUCCESS)
             self._table.remove(self)

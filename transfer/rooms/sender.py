@@ -52,6 +52,7 @@ class KVSender:
         self._offset = 0
         self._last_sent = False
         self._num_inflight = 0
+        self._last_send_at: float | None = None  # the last send() call (the end of the scheduler's forward)
         self._next_part = 0
         self._jobs: list = []  # transport handles, cancelled if the room fails
         self._parts: list = []  # staged parts (transfer.rooms.staged_prefill.StagedPart), for progress()
@@ -117,6 +118,7 @@ class KVSender:
                 self.fail(exc if isinstance(exc, KVFerryError) else kind(f"{self._state.where}: {exc}"))
                 return
             first = self._offset
+            self._last_send_at = time.monotonic()
             self._offset += pages.size
             self._next_part += len(plan.parts)
             self._last_sent = last
@@ -354,6 +356,8 @@ class KVSender:
                                       f"{len(req.dst_pages) // 4} pages, this request has {self._num_pages}"))
 
     def _notify(self, status: Status, reason: str) -> None:
+        exposed = time.monotonic() - self._last_send_at \
+            if status is Status.SUCCESS and self._last_send_at is not None else 0.0
         for req in self._requests:
             sent = tuple(a.role for a in req.assignments if a.send)
             row, peer = b"", self._table.peers.get(req.decode_session)
@@ -363,7 +367,7 @@ class KVSender:
             self._ctx.channel.send(req.decode_endpoint, RoomStatus(
                 room=self.room, request_id=req.request_id, prefill_tp_rank=self._ctx.rank.tp_rank,
                 status=status, sent=sent if status is Status.SUCCESS else (), reason=reason,
-                aborted=self._aborted, aux_row=row))
+                aborted=self._aborted, aux_row=row, exposed_s=exposed))
 
     def _tell_failure_when_drained(self) -> None:
         if self._failure_note is None or self._num_inflight > 0:
