@@ -9,6 +9,7 @@ each with vLLM's labels (``model_name``, ``engine``)::
     vllm:kvferry_xfer_time_seconds           histogram: per successful room, request to done
     vllm:kvferry_bytes_transferred           histogram: per successful room, bytes
     vllm:kvferry_num_descriptors             histogram: per successful room, descriptors
+    vllm:kvferry_exposed_transfer_seconds    histogram: decode, per successful room, prefill's last send to done
     vllm:kvferry_bytes_total{path}           bytes of ended rooms (failed ones too): direct|staged|storage
     vllm:kvferry_failed_transfers_total{reason}   failed rooms by reason (FailureReason, lease_expired)
 
@@ -69,6 +70,9 @@ class KvferryPromMetrics(KVConnectorPromMetrics):
                                     "kvferry: bytes of each successful room.", _BYTES)
         self.xfer_descriptors = histogram("vllm:kvferry_num_descriptors",
                                           "kvferry: descriptors of each successful room.", _DESCRIPTORS)
+        self.exposed = histogram("vllm:kvferry_exposed_transfer_seconds",
+                                 "kvferry: decode, seconds from prefill's last send (its forward's end) to done "
+                                 "of each successful room.", _SECONDS)
         # Labelled beyond vLLM's labels: children made per observation.
         self.bytes_by_path = self._counter_cls(name="vllm:kvferry_bytes",
                                                documentation="kvferry: bytes of ended rooms by path "
@@ -81,7 +85,7 @@ class KvferryPromMetrics(KVConnectorPromMetrics):
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         data = transfer_stats_data
         for metric, key in ((self.xfer_seconds, "transfer_duration"), (self.xfer_bytes, "bytes_transferred"),
-                            (self.xfer_descriptors, "num_descriptors")):
+                            (self.xfer_descriptors, "num_descriptors"), (self.exposed, "exposed_transfer")):
             for value in data.get(key, ()):
                 metric[engine_idx].observe(value)
         labels = self.per_engine_labelvalues[engine_idx]

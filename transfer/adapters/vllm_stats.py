@@ -11,7 +11,8 @@ failure; vLLM takes what was recorded since its last call every step
 (:func:`merge`), logs a summary (:func:`summary`) and feeds its Prometheus
 metrics. Per successful room: seconds from request to done, bytes and
 descriptors (what the transfer numbers mean on each side:
-docs/observability.md); per ended room, successful or not, bytes by path
+docs/observability.md), and on decode the exposed transfer time (prefill's
+last send to Success: ``RoomStats.exposed_transfer_s``); per ended room, successful or not, bytes by path
 (``direct``, ``staged``, ``storage``); per failed room, one count under its
 reason (:class:`~transfer.stats.FailureReason`'s values, plus
 ``lease_expired``: a prefill room no decode asked for within the lease,
@@ -30,12 +31,12 @@ from transfer.stats import PATHS, RoomStats
 #: The reason of a prefill room the connector ended because its lease ran out.
 LEASE_EXPIRED = "lease_expired"
 
-_LISTS = ("transfer_duration", "bytes_transferred", "num_descriptors")
+_LISTS = ("transfer_duration", "bytes_transferred", "num_descriptors", "exposed_transfer")
 
 
 def empty() -> dict:
     """A payload with nothing recorded."""
-    return {"transfer_duration": [], "bytes_transferred": [], "num_descriptors": [],
+    return {"transfer_duration": [], "bytes_transferred": [], "num_descriptors": [], "exposed_transfer": [],
             "bytes_by_path": {}, "failures": {}}
 
 
@@ -47,6 +48,8 @@ def record_room(data: dict, room: RoomStats, *, reason: str | None = None) -> No
         data["transfer_duration"].append(room.seconds or 0.0)
         data["bytes_transferred"].append(room.total_bytes)
         data["num_descriptors"].append(room.total_descriptors)
+        if room.exposed_transfer_s is not None:
+            data["exposed_transfer"].append(room.exposed_transfer_s)
     else:
         record_failure(data, reason or room.reason or "other")
 
@@ -83,6 +86,9 @@ def summary(data: dict) -> dict[str, int | float]:
             "Throughput (MB/s)": round(sum(num_bytes) / 2**20 / total_s, 3) if total_s > 0 else 0.0,
             "Avg number of descriptors": round(statistics.fmean(data["num_descriptors"]), 1),
         })
+    exposed = data.get("exposed_transfer", [])
+    if exposed:
+        out["Avg exposed transfer (ms)"] = round(statistics.fmean(exposed) * 1e3, 3)
     for path in PATHS:
         if data["bytes_by_path"].get(path):
             out[f"MB {path}"] = round(data["bytes_by_path"][path] / 2**20, 3)

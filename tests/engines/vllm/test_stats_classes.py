@@ -24,7 +24,8 @@ from transfer.stats import RoomStats  # noqa: E402
 def room(state: str, staged: int, reason: str | None = None, seconds: float = 0.25) -> RoomStats:
     return RoomStats(side="decode", room=1, state=state, reason=reason, bytes={("target", "staged"): staged},
                      descriptors={("target", "staged"): 2}, num_parts=2, pages_from_storage=0, requested_at=10.0,
-                     requested_wall=0.0, done_at=10.0 + seconds)
+                     requested_wall=0.0, done_at=10.0 + seconds,
+                     exposed_transfer_s=seconds / 5 if state == "Success" else None)
 
 
 def sample(text: str, name: str, **labels: str) -> float:
@@ -55,7 +56,7 @@ def test_two_workers_payloads_reach_vllms_log_line_and_metrics():
     lines = []
     logging.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
     assert len(lines) == 1, lines
-    for part in ("Num successful transfers=2", "Avg MB per transfer=1.0", "MB staged=2.25",
+    for part in ("Num successful transfers=2", "Avg MB per transfer=1.0", "MB staged=2.25", "Avg exposed transfer (ms)=100.0",
                  "Num failed transfers=2", "Failed (peer_lost)=1", "Failed (lease_expired)=1"):
         assert part in lines[0], lines[0]
 
@@ -67,5 +68,7 @@ def test_two_workers_payloads_reach_vllms_log_line_and_metrics():
     assert sample(text, "vllm:kvferry_xfer_time_seconds_count", engine="0") == 2
     assert sample(text, "vllm:kvferry_xfer_time_seconds_sum", engine="0") == pytest.approx(1.0)
     assert sample(text, "vllm:kvferry_num_descriptors_sum", engine="0") == 4
+    assert sample(text, "vllm:kvferry_exposed_transfer_seconds_count", engine="0") == 2
+    assert sample(text, "vllm:kvferry_exposed_transfer_seconds_sum", engine="0") == pytest.approx(0.2)
     assert sample(text, "vllm:kvferry_failed_transfers_total", reason="peer_lost") == 1
     assert sample(text, "vllm:kvferry_failed_transfers_total", reason="lease_expired") == 1
