@@ -219,3 +219,25 @@ def test_dp_routing_that_matches_kvferrys_is_accepted(sglang, mode, method):
     kv_args = KVArgs()
     kv_args.state_types, kv_args.state_data_ptrs = [], []
     check_supported(kv_args, SimpleNamespace(disaggregation_mode=mode, dp_size=2, load_balance_method=method))
+
+
+def test_a_sliding_window_pool_built_as_sglang_builds_it_is_refused_naming_its_state(sglang):
+    """SGLang's own SWAKVPool (full and sliding-window layers) through its own
+    ``setup_state_kv_args``: the SWA state component is refused at start-up by
+    name, before anything is registered."""
+    import torch
+    from types import SimpleNamespace
+
+    from sglang.srt.disaggregation.base.conn import KVArgs
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    from transfer.adapters.sglang.kvargs import UnsupportedSetup
+    from transfer.adapters.sglang.manager import KvferryKVManager
+
+    pool = SWAKVPool(size=64, size_swa=32, page_size=4, dtype=torch.bfloat16, head_num=2, head_dim=8,
+                     swa_attention_layer_ids=[0, 2], full_attention_layer_ids=[1], device="cpu")
+    kv_args = KVArgs()
+    sglang.setup_state_kv_args(kv_args, pool, None, 3, req_to_token_pool=None)
+    assert [s.value for s in kv_args.state_types] == ["swa"]
+    with pytest.raises(UnsupportedSetup, match=r"state pools \(swa: hybrid, sliding-window"):
+        KvferryKVManager(kv_args, sglang.DisaggregationMode.DECODE, SimpleNamespace(pp_size=1), False)
