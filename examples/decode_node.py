@@ -142,7 +142,8 @@ def _generate(args, rooms: list[_Room], pools: RankPools, aux: torch.Tensor, sum
         summary.storage_kv_bytes += storage_bytes
         summary.network_kv_bytes += kv_bytes - storage_bytes
         summary.aux_bytes += row_bytes
-        summary.rooms.append(dict(room=req.room, prompt_tokens=prompt_tokens, pages=num_pages, kv_bytes=kv_bytes,
+        exposed = r.receiver.stats().exposed_transfer_s  # prefill's last send() to Success (None: nothing sent)
+        summary.rooms.append(dict(exposed_ms=None if exposed is None else exposed * 1e3, room=req.room, prompt_tokens=prompt_tokens, pages=num_pages, kv_bytes=kv_bytes,
                                   pages_from_storage=from_storage, prefetched_pages=r.prefetched,
                                   restored_pages=from_storage - r.prefetched, storage_kv_bytes=storage_bytes,
                                   network_kv_bytes=kv_bytes - storage_bytes,

@@ -180,8 +180,10 @@ def _print_report(first_room: int, runs: list[NodeRun], reference: list[list[int
             continue
         same = room["tokens"] == want
         matched += same
+        exposed = "" if room.get("exposed_ms") is None else \
+            f" ({room['exposed_ms']:.1f} ms after prefill's last send: the exposed transfer)"
         print(f"room {room['room']}: prompt of {room['prompt_tokens']} tokens, {room['pages']} pages, "
-              f"{room['kv_bytes']:,} KV bytes landed {room['transfer_ms']:.1f} ms after the request; "
+              f"{room['kv_bytes']:,} KV bytes landed {room['transfer_ms']:.1f} ms after the request{exposed}; "
               f"{room['accepted']} of {room['proposed']} draft tokens accepted")
         print(f"  after transfer  {' '.join(map(str, room['tokens']))}")
         print(f"  single process  {' '.join(map(str, want))}  {'(same)' if same else '(DIFFERENT)'}")
