@@ -221,23 +221,42 @@ def test_dp_routing_that_matches_kvferrys_is_accepted(sglang, mode, method):
     check_supported(kv_args, SimpleNamespace(disaggregation_mode=mode, dp_size=2, load_balance_method=method))
 
 
-def test_a_sliding_window_pool_built_as_sglang_builds_it_is_refused_naming_its_state(sglang):
-    """SGLang's own SWAKVPool (full and sliding-window layers) through its own
-    ``setup_state_kv_args``: the SWA state component is refused at start-up by
-    name, before anything is registered."""
+def _sliding_window_pool():
     import torch
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    return SWAKVPool(size=64, size_swa=32, page_size=4, dtype=torch.bfloat16, head_num=2, head_dim=8,
+                     swa_attention_layer_ids=[0, 2], full_attention_layer_ids=[1], device="cpu")
+
+
+def _hybrid_mamba_pool():
+    import torch
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MambaPool
+
+    shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=64, n_groups=1, num_heads=4, head_dim=16,
+                                    state_size=8, conv_kernel=4)
+    mamba = MambaPool(size=8, spec_state_size=0, cache_params=Mamba2CacheParams(shape=shape, layers=[0, 2]),
+                      mamba_layer_ids=[0, 2], device="cpu")
+    return HybridLinearKVPool(size=64, dtype=torch.bfloat16, page_size=4, head_num=2, head_dim=8,
+                              full_attention_layer_ids=[1], device="cpu", mamba_pool=mamba)
+
+
+@pytest.mark.parametrize("build, state", [(_sliding_window_pool, "swa"), (_hybrid_mamba_pool, "mamba")])
+def test_a_state_pool_built_as_sglang_builds_it_is_refused_naming_its_state(sglang, build, state):
+    """SGLang's own pools with state (a sliding-window SWAKVPool; a Mamba
+    hybrid's HybridLinearKVPool over a MambaPool) through its own
+    ``setup_state_kv_args``: the state component is refused at start-up by
+    name, before anything is registered."""
     from types import SimpleNamespace
 
     from sglang.srt.disaggregation.base.conn import KVArgs
-    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
     from transfer.adapters.sglang.kvargs import UnsupportedSetup
     from transfer.adapters.sglang.manager import KvferryKVManager
 
-    pool = SWAKVPool(size=64, size_swa=32, page_size=4, dtype=torch.bfloat16, head_num=2, head_dim=8,
-                     swa_attention_layer_ids=[0, 2], full_attention_layer_ids=[1], device="cpu")
     kv_args = KVArgs()
-    sglang.setup_state_kv_args(kv_args, pool, None, 3, req_to_token_pool=None)
-    assert [s.value for s in kv_args.state_types] == ["swa"]
-    with pytest.raises(UnsupportedSetup, match=r"state pools \(swa: hybrid, sliding-window"):
+    sglang.setup_state_kv_args(kv_args, build(), None, 3, req_to_token_pool=None)
+    assert [s.value for s in kv_args.state_types] == [state]
+    with pytest.raises(UnsupportedSetup, match=rf"state pools \({state}: hybrid, sliding-window"):
         KvferryKVManager(kv_args, sglang.DisaggregationMode.DECODE, SimpleNamespace(pp_size=1), False)
