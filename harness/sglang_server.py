@@ -16,16 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
-import time
-import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-from harness.vllm import REPO_ROOT, free_port
+from harness.vllm import REPO_ROOT, ServerProcess, free_port
 
 #: SGLang's test stand-in for torchvision (every PyPI build needs a CUDA torch)
 STUBS = os.path.join(REPO_ROOT, "tests", "engines", "sglang", "stubs")
@@ -45,8 +42,8 @@ class SGLangSpec:
     args: tuple = ()
 
 
-class SGLangServer:
-    """An SGLang server process (its own process group)."""
+class SGLangServer(ServerProcess):
+    """An SGLang server process (its own process group; see :class:`~harness.vllm.ServerProcess`)."""
 
     def __init__(self, spec: SGLangSpec, log_dir: str, python: str = sys.executable) -> None:
         self.spec = spec
@@ -72,44 +69,6 @@ class SGLangServer:
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
-
-    def wait_ready(self, timeout_s: float = 240.0) -> "SGLangServer":
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.spec.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"{self.spec.name} not ready within {timeout_s:g} s:\n{self.log_tail()}")
-
-    def log_tail(self, n: int = 4000) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                return f.read()[-n:].decode(errors="replace")
-        except OSError:
-            return ""
-
-    def kvferry_lines(self) -> str:
-        """kvferry's own lines in the server's log."""
-        return "\n".join(line for line in self.log_tail(10_000_000).splitlines() if "kvferry" in line)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(20)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait(30)
-        self._log.close()
 
 
 def generate(server: SGLangServer, input_ids: list[int], max_new_tokens: int, timeout_s: float = 120.0,

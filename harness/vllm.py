@@ -114,7 +114,69 @@ class ServerSpec:
     args: tuple = ()  # more vLLM arguments, e.g. ("--block-size", "64")
 
 
-class VLLMServer:
+class ServerProcess:
+    """A serving engine's server process in its own process group, its output
+    in ``log_path``: waiting (bounded) until ``/health`` answers, the log's
+    tail and kvferry's lines in it, and ``close()`` (SIGTERM, then SIGKILL)."""
+
+    spec: object  # has .name
+    proc: subprocess.Popen
+    url: str
+    log_path: str
+    _log: object
+
+    def wait_ready(self, timeout_s: float = 240.0) -> "ServerProcess":
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.spec.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.spec.name} not ready within {timeout_s:g} s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def kvferry_lines(self) -> str:
+        """kvferry's own lines in the server's log (rooms failed, requests failed)."""
+        return "\n".join(line for line in self.log_tail(10_000_000).splitlines()
+                         if "kvferry" in line and "kv_connector_extra_config" not in line)
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once (a crash, for fault tests)."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(30)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(20)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                self.kill()
+        self._log.close()
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class VLLMServer(ServerProcess):
     """A vLLM OpenAI server process; ``close()`` kills its process group."""
 
     def __init__(self, spec: ServerSpec, log_dir: str, python: str = sys.executable) -> None:
@@ -146,32 +208,6 @@ class VLLMServer:
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
 
-    def wait_ready(self, timeout_s: float = 240.0) -> "VLLMServer":
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.spec.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"{self.spec.name} not ready within {timeout_s:g} s:\n{self.log_tail()}")
-
-    def log_tail(self, n: int = 4000) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                return f.read()[-n:].decode(errors="replace")
-        except OSError:
-            return ""
-
-    def kvferry_lines(self) -> str:
-        """kvferry's own lines in the server's log (rooms failed, requests failed)."""
-        return "\n".join(line for line in self.log_tail(10_000_000).splitlines()
-                         if "kvferry" in line and "kv_connector_extra_config" not in line)
-
     def metrics(self) -> dict[str, float]:
         """``vllm:prompt_tokens_by_source`` per source, and the request counters."""
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
@@ -189,30 +225,6 @@ class VLLMServer:
             text = r.read().decode()
         pattern = re.compile(re.escape(name) + r"(\{[^}]*\})? ([0-9.e+-]+)$")
         return sum(float(m.group(2)) for line in text.splitlines() if (m := pattern.match(line)))
-
-    def kill(self) -> None:
-        """SIGKILL the whole process group at once (a crash, for fault tests)."""
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait(30)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(20)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                self.kill()
-        self._log.close()
-
-    def __enter__(self) -> "VLLMServer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def post(url: str, body: dict, timeout_s: float = 120.0) -> dict:
