@@ -118,6 +118,20 @@ def terminal(*rooms) -> bool:
     return all(r.poll() in (KVPoll.Success, KVPoll.Failed) for r in rooms)
 
 
+def transferring(prefill: Rank, decode: Rank, room: int, src: np.ndarray, dst: np.ndarray):
+    """(sender, receiver) of a room whose first chunk (half of ``src``) was
+    sent and whose decode side is Transferring (a test holding the writes
+    keeps that chunk in flight)."""
+    receiver = KVReceiver(decode.mgr, prefill.mgr.config.bootstrap_addr, room)
+    receiver.init(dst, 2)
+    sender = KVSender(prefill.mgr, None, room)
+    wait_until(prefill.mgr, lambda: sender.poll() is KVPoll.WaitingForInput)
+    sender.init(len(src), 1)
+    sender.send(src[:len(src) // 2])
+    wait_until(decode.mgr, lambda: receiver.poll() is KVPoll.Transferring)
+    return sender, receiver
+
+
 def run_room(prefill: Rank, decode: Rank, room: int, src: np.ndarray, dst: np.ndarray, *, chunks: int = 3,
              src_aux: int = 1, dst_aux: int = 2, token_ids=None) -> tuple[KVSender, KVReceiver]:
     """One room, decode first, prefill sending in ``chunks`` chunks; returns

@@ -15,18 +15,7 @@ from transfer import KVPoll, KVReceiver, KVSender
 from transfer.errors import ClosedError, MemoryReleasedError
 from transfer.plan import TransferPlan
 
-from ._rooms import Role, assert_landed, random_pages, run_room, wait_until
-
-
-def _transferring(prefill, decode, room, src, dst):
-    receiver = KVReceiver(decode.mgr, prefill.mgr.config.bootstrap_addr, room)
-    receiver.init(dst, 2)
-    sender = KVSender(prefill.mgr, None, room)
-    wait_until(prefill.mgr, lambda: sender.poll() is KVPoll.WaitingForInput)
-    sender.init(len(src), 1)
-    sender.send(src[:len(src) // 2])
-    wait_until(decode.mgr, lambda: receiver.poll() is KVPoll.Transferring)
-    return sender, receiver
+from ._rooms import Role, assert_landed, random_pages, run_room, transferring, wait_until
 
 
 @pytest.mark.parametrize("side", ["decode", "prefill"])
@@ -35,7 +24,7 @@ def test_a_room_in_flight_fails_and_nothing_lands_after_release(cluster, side):
     rng = np.random.default_rng(21)
     src, dst = random_pages(rng, 16), random_pages(rng, 16)
     cluster.fabric.hold_writes()
-    sender, receiver = _transferring(prefill, decode, 40, src, dst)
+    sender, receiver = transferring(prefill, decode, 40, src, dst)
     releasing = (decode if side == "decode" else prefill).mgr
     # The held write keeps the release waiting: it must not return while a write may still land.
     with pytest.raises(Exception, match="still had writes in flight"):

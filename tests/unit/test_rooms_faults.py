@@ -10,19 +10,7 @@ import pytest
 from transfer import KVPoll, KVReceiver, KVSender, KVTimeoutError, PeerError, StorageMissError
 from transfer.rooms.decode_phases import DecodePhase
 
-from ._rooms import Role, assert_landed, random_pages, run_room, wait_until
-
-
-def _transferring(prefill, decode, room, src, dst):
-    """A room whose first chunk is in flight (the test holds the writes)."""
-    receiver = KVReceiver(decode.mgr, prefill.mgr.config.bootstrap_addr, room)
-    receiver.init(dst, 2)
-    sender = KVSender(prefill.mgr, None, room)
-    wait_until(prefill.mgr, lambda: sender.poll() is KVPoll.WaitingForInput)
-    sender.init(len(src), 1)
-    sender.send(src[:len(src) // 2])
-    wait_until(decode.mgr, lambda: receiver.poll() is KVPoll.Transferring)
-    return sender, receiver
+from ._rooms import Role, assert_landed, random_pages, run_room, transferring, wait_until
 
 
 def test_a_request_after_the_sender_failed_is_refused_at_once(cluster):
@@ -43,7 +31,7 @@ def test_prefill_abort_fails_decode_once_the_writes_stopped(cluster):
     rng = np.random.default_rng(1)
     src, dst = random_pages(rng, 16), random_pages(rng, 16)
     cluster.fabric.hold_writes()
-    sender, receiver = _transferring(prefill, decode, 6, src, dst)
+    sender, receiver = transferring(prefill, decode, 6, src, dst)
     sender.abort()
     assert sender.poll() is KVPoll.Failed
     time.sleep(0.2)  # decode hears nothing while a write is in flight
@@ -59,7 +47,7 @@ def test_decode_abort_drains_before_it_reports_failed(cluster):
     rng = np.random.default_rng(2)
     src, dst = random_pages(rng, 16), random_pages(rng, 16)
     cluster.fabric.hold_writes()
-    sender, receiver = _transferring(prefill, decode, 8, src, dst)
+    sender, receiver = transferring(prefill, decode, 8, src, dst)
     receiver.abort()
     assert receiver.phase is DecodePhase.DRAINING and receiver.poll() is KVPoll.Transferring
     wait_until(prefill.mgr, lambda: sender.poll() is KVPoll.Failed, what="prefill hears the abort")
@@ -82,7 +70,7 @@ def test_a_lost_prefill_rank_ends_the_drain(cluster):
     rng = np.random.default_rng(3)
     src, dst = random_pages(rng, 16), random_pages(rng, 16)
     cluster.fabric.hold_writes()
-    sender, receiver = _transferring(prefill, decode, 9, src, dst)
+    sender, receiver = transferring(prefill, decode, 9, src, dst)
     cluster.fabric.cut(prefill.mgr.rank.control_endpoint)
     receiver.abort()
     assert receiver.phase is DecodePhase.DRAINING
@@ -142,7 +130,7 @@ def test_a_failure_with_a_write_in_flight_says_where_the_write_stands(cluster, p
     rng = np.random.default_rng(11)
     src, dst = random_pages(rng, 16), random_pages(rng, 16)
     cluster.fabric.hold_writes()
-    sender, receiver = _transferring(prefill, decode, 12, src, dst)
+    sender, receiver = transferring(prefill, decode, 12, src, dst)
     receiver.abort()
     wait_until(prefill.mgr, lambda: sender.poll() is KVPoll.Failed, what="prefill hears the abort")
     with pytest.raises(PeerError) as caught:
@@ -164,7 +152,7 @@ def test_a_decode_timeout_names_its_rooms_staging(cluster):
     rng = np.random.default_rng(12)
     src, dst = random_pages(rng, 16), random_pages(rng, 16)
     cluster.fabric.hold_writes()
-    sender, receiver = _transferring(prefill, decode, 13, src, dst)
+    sender, receiver = transferring(prefill, decode, 13, src, dst)
     wait_until(decode.mgr, lambda: receiver.poll() is KVPoll.Failed, what="decode's transfer timeout")
     with pytest.raises(KVTimeoutError) as caught:
         receiver.failure_exception()
