@@ -1,5 +1,5 @@
 """Descriptors of a rank's KV memory: pool roles, attention kinds, page
-layouts, buffer references, and the pool, aux and staging descriptors a
+layouts, buffer references, and the pool, state, aux and staging descriptors a
 rank registers (inside :class:`bootstrap.messages.RankInfo`). Re-exported
 from :mod:`bootstrap.messages`, their public import path."""
 
@@ -247,3 +247,60 @@ class StagingDescriptor:
     @property
     def arena_size(self) -> int:
         return self.arena_bytes or self.nbytes
+
+
+class StateSharding(str, enum.Enum):
+    """How a state pool lies across the attention TP ranks.
+    REPLICATED: the same bytes on every rank (an MLA model's indexer cache):
+    one prefill rank sends it to each decode rank. SHARDED: each rank holds
+    its own share (a Mamba layer's heads, an MHA sliding window's KV heads):
+    rank to rank, between equal TP sizes only."""
+
+    REPLICATED = "replicated"
+    SHARDED = "sharded"
+
+
+@struct
+@dataclass(frozen=True)
+class StateBuffer:
+    """One registered state buffer: ``num_items`` items of ``item_bytes`` at ``addr``."""
+
+    addr: int
+    item_bytes: int
+    num_items: int
+
+    def __post_init__(self) -> None:
+        _require(0 < self.addr < 1 << 64, "state buffer addr must be a non-null 64-bit pointer")
+        _require(self.item_bytes > 0 and self.num_items > 0, "state buffer item_bytes and num_items must be > 0")
+
+
+@struct
+@dataclass(frozen=True)
+class StatePoolDescriptor:
+    """A per-request state pool beside the KV pools (SGLang's state types:
+    Mamba slots, sliding-window pages, DSA indexer pages...): ``kind`` names
+    it (the engine's name), each request names its own item indices in it,
+    and item ``i`` of prefill's list goes to item ``i`` of decode's, in every
+    buffer, with the room's last chunk. ``exact``: the two lists must be as
+    long as each other (slot- and row-indexed states); otherwise the longer
+    is cut to the shorter (page-indexed states, whose two sides may count a
+    page more or less at a window's edge, as the engine's own backends allow)."""
+
+    kind: str
+    sharding: StateSharding
+    exact: bool
+    buffers: tuple[StateBuffer, ...]
+
+    def __post_init__(self) -> None:
+        _check_name(self.kind, "state kind")
+        _require(bool(self.buffers), f"state pool {self.kind}: no buffers")
+
+    @functools.cached_property
+    def item_bytes(self) -> int:
+        """Bytes of one item in all buffers together (what one item costs packed)."""
+        return sum(b.item_bytes for b in self.buffers)
+
+    @functools.cached_property
+    def num_items(self) -> int:
+        """Items every buffer holds (the smallest buffer's count)."""
+        return min(b.num_items for b in self.buffers)

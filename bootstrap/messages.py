@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from bootstrap.codec import message, struct
 from bootstrap.descriptors import (_MAX_NAME, OMIT_DEFAULT, AttentionKind, AuxDescriptor, BufferRef,  # noqa: F401
                                    Component, KVLayout, PageLayout, PoolDescriptor, PoolRole, StagingDescriptor,
+                                   StateBuffer, StatePoolDescriptor, StateSharding,
                                    _check_name, _components, _require, components_of)
 
 #: At most this many node ids are named in an unknown-node reply.
@@ -35,7 +36,9 @@ class RankInfo:
     ``fenced``: a decode rank whose pools are not writable by peers (the
     write fence): every byte for it goes through its staging arenas.
     ``transport``: the transfer engine its session belongs to (``mooncake``,
-    ``nixl``; both sides of a room must use the same one)."""
+    ``nixl``; both sides of a room must use the same one). ``states``: its
+    per-request state pools, in order (state pool ``i`` is sent to state
+    pool ``i``)."""
 
     node_id: str
     dp_rank: int
@@ -51,9 +54,12 @@ class RankInfo:
     staging: StagingDescriptor | None = None
     fenced: bool = False
     transport: str = field(default="mooncake", metadata=OMIT_DEFAULT)
+    states: tuple[StatePoolDescriptor, ...] = field(default=(), metadata=OMIT_DEFAULT)
 
     def __post_init__(self) -> None:
         _check_name(self.transport, "transport")
+        kinds = [s.kind for s in self.states]
+        _require(len(kinds) == len(set(kinds)), "at most one state pool per kind")
         if self.aux is None or isinstance(self.aux, AuxDescriptor):
             object.__setattr__(self, "aux", () if self.aux is None else (self.aux,))
         _check_name(self.node_id, "node_id")

@@ -25,6 +25,7 @@ _EXPORTS = {
     "KVReceiver": "transfer.rooms.receiver",
     "KVSender": "transfer.rooms.sender",
     "KVPoll": "transfer.state",
+    "StatePool": "transfer.state_pools", "StateSharding": "bootstrap.messages",
     "FailureReason": "transfer.stats", "ManagerStats": "transfer.stats", "RoomStats": "transfer.stats",
 }
 

@@ -2,7 +2,8 @@
 
 :func:`check_compatible` compares what must match between a prefill rank and
 a decode rank (per pool role: attention kind, dtype, page size, layer count,
-KV heads, head dim, K/V packing and page interior; the TP pair; the aux regions' number and row sizes) and raises
+KV heads, head dim, K/V packing and page interior; the TP pair; the aux regions' number and row sizes; the state
+pools' kinds, buffers and item sizes, and equal TP sizes for a sharded state) and raises
 :class:`~transfer.errors.IncompatibleLayoutError` naming the first field that
 differs. :func:`layout_fingerprint` hashes the same fields, for logs and for
 storage keys.
@@ -80,6 +81,7 @@ def check_compatible(local: RankInfo, remote: RankInfo, *, allow_missing_draft: 
                         f"{role.value}.num_kv_heads", pool.num_kv_heads, expect,
                         detail=f"{side} holds {pool.num_kv_heads} heads but tp_size {size} "
                                f"with {pool.total_kv_heads} heads gives {expect} per rank")
+    _check_states(prefill, decode, mismatch)
     if bool(prefill.aux) != bool(decode.aux):
         mismatch("aux", bool(prefill.aux), bool(decode.aux), "an aux buffer on one side only")
     if len(prefill.aux) != len(decode.aux):
@@ -88,6 +90,31 @@ def check_compatible(local: RankInfo, remote: RankInfo, *, allow_missing_draft: 
         if p.slot_bytes != d.slot_bytes:
             name = "aux" if len(prefill.aux) == 1 else f"aux[{i}]"  # one region: named as before regions came
             mismatch(f"{name}.slot_bytes", p.slot_bytes, d.slot_bytes, f"aux region {i}'s rows differ in size")
+
+
+def _check_states(prefill: RankInfo, decode: RankInfo, mismatch) -> None:
+    """State pool ``i`` goes to state pool ``i``: the same kinds in the same
+    order, the same buffers and item sizes, and a sharded state (each TP
+    rank holds its own share) between equal TP sizes: kvferry does not
+    reslice one."""
+    kinds = [s.kind for s in prefill.states], [s.kind for s in decode.states]
+    if kinds[0] != kinds[1]:
+        mismatch("states", ",".join(kinds[0]) or "none", ",".join(kinds[1]) or "none",
+                 "state pool i is sent to state pool i: both sides need the same state pools in the same order")
+    for p, d in zip(prefill.states, decode.states):
+        for name in ("sharding", "exact"):
+            if _value(p, name) != _value(d, name):
+                mismatch(f"states.{p.kind}.{name}", _value(p, name), _value(d, name))
+        if len(p.buffers) != len(d.buffers):
+            mismatch(f"states.{p.kind}.num_buffers", len(p.buffers), len(d.buffers))
+        for i, (pb, db) in enumerate(zip(p.buffers, d.buffers)):
+            if pb.item_bytes != db.item_bytes:
+                mismatch(f"states.{p.kind}[{i}].item_bytes", pb.item_bytes, db.item_bytes,
+                         f"buffer {i} of state {p.kind}: its items differ in size")
+        if p.sharding.value == "sharded" and prefill.tp_size != decode.tp_size:
+            mismatch(f"states.{p.kind}.tp_size", prefill.tp_size, decode.tp_size,
+                     f"state {p.kind} is sharded over the TP ranks (each holds its own heads); kvferry moves it "
+                     "rank to rank between equal TP sizes only, it does not reslice it")
 
 
 def layout_name(pool: PoolDescriptor) -> str:

@@ -28,6 +28,7 @@ from transfer.rooms.context import RoomContext
 from transfer.rooms.decode_table import DecodeRooms
 from transfer.rooms.prefill_table import PrefillRooms
 from transfer.staging.build import build_staging
+from transfer.state_pools import StatePool, describe_state, state_regions
 from transfer.stats import ManagerStats, RankTotals
 from transfer.storage.tier import StorageTier
 from transfer.transport.base import Transport
@@ -59,7 +60,10 @@ class KVManager:
     most one per role (target, draft). ``aux``: the metadata regions, one row
     per request slot, all sharing the slot index: None, one tensor, or a
     sequence of tensors and :class:`~transfer.pools.RawAuxRegion`; each is
-    sent as one descriptor per request.
+    sent as one descriptor per request. ``states``: per-request state pools
+    (:class:`~transfer.state_pools.StatePool`: Mamba slots, sliding-window
+    pages...), moved with a room's last chunk by the item indices each
+    request names (``KVSender.send(state_indices=)``, ``KVReceiver.init(state_indices=)``).
 
     Threads: the control receiver, the transport worker, the decode
     resolver, and ``kvferry-liveness`` (:mod:`transfer.rank.watch`: pings
@@ -89,7 +93,8 @@ class KVManager:
 
     def __init__(self, config: ManagerConfig, pools: Sequence[MHAPool | MLAPool],
                  aux: object | Sequence[object | RawAuxRegion] | None = None, *,
-                 transport: Transport | None = None, channel_factory: ChannelFactory | None = None) -> None:
+                 transport: Transport | None = None, channel_factory: ChannelFactory | None = None,
+                 states: Sequence[StatePool] = ()) -> None:
         self.config = config
         apply_log_level(config.log_level)
         self._totals = RankTotals(config.role.value)
@@ -101,7 +106,8 @@ class KVManager:
         # long as the manager, whatever the caller does with its references.
         #: the aux regions as tensors (empty: none)
         self.aux = aux = aux_tensors(aux)
-        self._tensors = (tuple(pools), aux)
+        self.states = states = tuple(states)
+        self._tensors = (tuple(pools), aux, states)
         self._lock = threading.RLock()
         self._progress = threading.Condition(self._lock)
         self._changes = ChangeLog()
@@ -118,6 +124,7 @@ class KVManager:
                                     self._unregister_arena)
             if staging is None or not staging.fenced:  # fenced: only the arenas, registered as they open
                 regions = registration_regions(pools, aux)  # views of one allocation: registered once
+                regions += state_regions(states)
                 self._pool_regions = list(regions)
                 if staging is not None:
                     regions.append((staging.tensor.data_ptr(), staging.tensor.numel()))
@@ -141,7 +148,7 @@ class KVManager:
             tp_rank=config.tp_rank, tp_size=config.tp_size, session=self.transport.session,
             control_endpoint=self.channel.endpoint, pools=tuple(describe_pool(p) for p in pools),
             aux=tuple(describe_aux(t) for t in aux), staging=staging.descriptor if staging is not None else None,
-            fenced=self.fenced, transport=self.transport.kind)
+            fenced=self.fenced, transport=self.transport.kind, states=tuple(describe_state(s) for s in states))
         self.storage = None
         if config.storage_url:
             try:
@@ -154,7 +161,7 @@ class KVManager:
         self.context = RoomContext(
             config=config, where=self.where, rank=self.rank, lock=self._lock, changed=self._changed,
             transport=self.transport, channel=self.channel, staging=staging, storage=self.storage,
-            bootstrap_client=self.bootstrap_client, stats=self._totals, aux=aux, pump=self.pump)
+            bootstrap_client=self.bootstrap_client, stats=self._totals, aux=aux, pump=self.pump, states=states)
         #: the room table (prefill or decode)
         self.rooms = PrefillRooms(self.context) if config.role is Role.PREFILL else DecodeRooms(self.context)
         self.watch = PeerWatch(config, self.rank.session, self.channel.endpoint, rooms=self.rooms,

@@ -96,7 +96,13 @@ class TransferRequest:
     (fenced) decode rank's staging, granted with the request for everything
     this prefill rank sends of the room, packed as staged parts are, from
     request page ``skip_pages`` on: its parts go there without a
-    StageRequest each (none when the staging had no room for it)."""
+    StageRequest each (none when the staging had no room for it).
+
+    ``dst_states``: per state pool of the rank (in order), decode's item
+    indices (little-endian int32) this prefill rank is to fill with the
+    room's last chunk; empty: it sends none of that state (every state pool
+    has exactly one sending rank per decode rank). Empty altogether without
+    state pools."""
 
     room: int
     request_id: int
@@ -111,10 +117,13 @@ class TransferRequest:
     prefix_pages: int = 0
     staging_offset: int = -1
     staging_nbytes: int = 0
+    dst_states: tuple[bytes, ...] = field(default=(), metadata=OMIT_DEFAULT)
 
     def __post_init__(self) -> None:
         if len(self.dst_pages) % 4:
             raise ValueError("dst_pages must be little-endian int32")
+        if any(len(s) % 4 for s in self.dst_states):
+            raise ValueError("dst_states must be little-endian int32")
         if self.num_requests < 1:
             raise ValueError("num_requests must be >= 1")
         if not 0 <= self.skip_pages <= len(self.dst_pages) // 4:
@@ -241,7 +250,9 @@ class ChunkStaged:
     """A part landed in decode's staging at ``offset``: pages
     ``page_start .. page_start + num_pages`` of the request (in request
     order), packed pool by pool as decode asked this prefill rank. Decode
-    scatters it into its pool and frees the region."""
+    scatters it into its pool and frees the region. ``state`` >= 0: the
+    part holds items ``page_start .. page_start + num_pages`` of the
+    request's list for state pool ``state`` instead, packed buffer by buffer."""
 
     room: int
     request_id: int
@@ -251,3 +262,4 @@ class ChunkStaged:
     nbytes: int
     page_start: int
     num_pages: int
+    state: int = field(default=-1, metadata=OMIT_DEFAULT)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bootstrap.messages import AuxDescriptor, PageLayout, PoolDescriptor
+from bootstrap.messages import AuxDescriptor, PageLayout, PoolDescriptor, StatePoolDescriptor
 
 _U64 = np.uint64
 
@@ -229,6 +229,56 @@ def plan_aux_regions(src: "list[AuxDescriptor] | tuple[AuxDescriptor, ...]",
             plans.append(plan_aux(s, d, src_slot, dst_slot))
         except (ValueError, IndexError) as exc:
             raise type(exc)(f"aux region {i}: {exc}") from None
+    return TransferPlan.concat(plans)
+
+
+def pair_state_items(pool: StatePoolDescriptor, src_items, dst_items) -> tuple[np.ndarray, np.ndarray]:
+    """A request's prefill and decode item indices of one state pool, paired
+    position by position: equally long for an ``exact`` pool (else
+    ValueError naming both lengths), the longer cut to the shorter for a
+    page-indexed one."""
+    src = np.asarray(src_items, dtype=np.int64).reshape(-1)
+    dst = np.asarray(dst_items, dtype=np.int64).reshape(-1)
+    if src.size != dst.size:
+        if pool.exact:
+            raise ValueError(f"state {pool.kind}: prefill names {src.size} item(s), decode {dst.size}; this state "
+                             "is slot- or row-indexed and must match item for item")
+        n = min(src.size, dst.size)
+        src, dst = src[:n], dst[:n]
+    return src, dst
+
+
+def check_state(src: StatePoolDescriptor, dst: StatePoolDescriptor, src_items: np.ndarray,
+                dst_items: np.ndarray) -> None:
+    """What moving items of a state pool must respect, checked before any byte
+    moves (direct and staged alike): the same kind, buffers and item sizes,
+    every index inside both sides' buffers. Raises ValueError or IndexError."""
+    if src.kind != dst.kind or len(src.buffers) != len(dst.buffers):
+        raise ValueError(f"state {src.kind} ({len(src.buffers)} buffers) vs {dst.kind} ({len(dst.buffers)} buffers)")
+    for i, (s, d) in enumerate(zip(src.buffers, dst.buffers)):
+        if s.item_bytes != d.item_bytes:
+            raise ValueError(f"state {src.kind} buffer {i}: items of {s.item_bytes} vs {d.item_bytes} bytes")
+    check_pages(src_items, src.num_items, f"state {src.kind} (source)")
+    check_pages(dst_items, dst.num_items, f"state {dst.kind} (destination)")
+
+
+def plan_state(src: StatePoolDescriptor, dst: StatePoolDescriptor, src_items, dst_items) -> TransferPlan:
+    """Plan moving state items (already paired, :func:`pair_state_items`):
+    item ``src_items[i]`` of each buffer to item ``dst_items[i]`` of the
+    same buffer on the other side; runs of items consecutive on both sides
+    become one descriptor per buffer."""
+    src_items = np.asarray(src_items, dtype=np.int64).reshape(-1)
+    dst_items = np.asarray(dst_items, dtype=np.int64).reshape(-1)
+    check_state(src, dst, src_items, dst_items)
+    runs = page_runs(src_items, dst_items)
+    if runs.lengths.size == 0:
+        return TransferPlan.empty()
+    plans = []
+    for s, d in zip(src.buffers, dst.buffers):
+        n = _U64(s.item_bytes)
+        plans.append(TransferPlan(_U64(s.addr) + runs.src_starts.astype(_U64) * n,
+                                  _U64(d.addr) + runs.dst_starts.astype(_U64) * n,
+                                  runs.lengths.astype(_U64) * n))
     return TransferPlan.concat(plans)
 
 

@@ -15,6 +15,7 @@ import torch
 
 from bootstrap.server import BootstrapServer
 from transfer import KVManager, KVPoll, KVReceiver, KVSender, ManagerConfig, MHAPool, Role
+from transfer.state_pools import StatePool
 from transfer.transport.loopback import LoopbackFabric
 
 NUM_PAGES = 64
@@ -37,6 +38,12 @@ class Rank:
     k: list[torch.Tensor]
     v: list[torch.Tensor]
     aux: torch.Tensor | list[torch.Tensor]  # a list: several aux regions
+    states: tuple = ()  # StatePools
+
+    def state_bytes(self, index: int, items) -> list[bytes]:
+        """Every buffer's bytes of ``items`` of state pool ``index`` (in order)."""
+        idx = torch.as_tensor(np.asarray(items, dtype=np.int64))
+        return [t.index_select(0, idx).view(torch.uint8).numpy().tobytes() for t in self.states[index].buffers]
 
     def page_bytes(self, pages) -> list[bytes]:
         """Every buffer's bytes of ``pages`` (in order), K and V of each layer."""
@@ -64,10 +71,13 @@ class Cluster:
     ranks: list[Rank] = field(default_factory=list)
 
     def rank(self, role: Role, *, heads: int = NUM_HEADS, total_heads: int | None = None,
-             page_size: int = PAGE_SIZE, aux_row_bytes: tuple[int, ...] | None = None, **overrides) -> Rank:
+             page_size: int = PAGE_SIZE, aux_row_bytes: tuple[int, ...] | None = None, states=(),
+             **overrides) -> Rank:
         """A manager with one MHA pool of ``heads`` KV heads (of ``total_heads``
         in the model) and an aux tensor (``aux_row_bytes``: one aux region of
-        each row size instead); prefill's are random, decode's zero."""
+        each row size instead); prefill's are random, decode's zero.
+        ``states``: (kind, sharding, exact, buffer shapes) of state pools to add
+        (each shape ``[num_items, ...]``, bfloat16), random or zero likewise."""
         gen = torch.Generator().manual_seed(self.seed + len(self.ranks))
         shape = (NUM_PAGES, page_size, heads, HEAD_DIM)
         fill = role is Role.PREFILL
@@ -79,10 +89,13 @@ class Cluster:
             aux = aux[0]
         cfg = ManagerConfig(role=role, bootstrap_addr=self.server.address, node_id="prefill",
                             **{**FAST, **overrides})
+        pools = tuple(StatePool(kind, [_random(sh, gen) if fill else torch.zeros(sh, dtype=torch.bfloat16)
+                                       for sh in shapes], sharding, exact)
+                      for kind, sharding, exact, shapes in states)
         mgr = KVManager(cfg, [MHAPool(k=k, v=v, total_kv_heads=total_heads)], aux=aux, transport=self.fabric.transport(),
-                        channel_factory=self.fabric.channel)
+                        channel_factory=self.fabric.channel, states=pools)
         self.stack.callback(mgr.close)
-        rank = Rank(mgr, k, v, aux)
+        rank = Rank(mgr, k, v, aux, pools)
         self.ranks.append(rank)
         return rank
 

@@ -15,6 +15,11 @@ For each decode request of the room a chunk becomes either
   first, or straight from the pools when its pages lie in long runs
   (``direct``).
 
+The last chunk also carries the room's state items (:mod:`transfer.state_pools`)
+to each decode rank that asked this rank for them (``TransferRequest.dst_states``):
+in the direct job, or, for a fenced decode rank, as staged parts of their own
+(``PartSpec.state``), items packed buffer by buffer.
+
 :func:`plan_chunk` raises :class:`~transfer.errors.RequestError` for pages
 beyond ``init()``'s count, and ``ValueError`` / ``IndexError`` from the
 plan's checks (page ids, sizes), before any byte moves.
@@ -27,19 +32,21 @@ from typing import Mapping
 
 import numpy as np
 
-from bootstrap.messages import PoolDescriptor, RankInfo
+from bootstrap.messages import PoolDescriptor, RankInfo, StatePoolDescriptor
 from transfer.config import ManagerConfig
 from transfer.errors import RequestError
 from transfer.messages import TransferRequest
-from transfer.plan import (PageSlice, TransferPlan, check_transfer, page_runs, page_slice, plan_aux_regions, plan_pool,
-                           staged_bytes)
+from transfer.plan import (PageSlice, TransferPlan, check_state, check_transfer, page_runs, page_slice,
+                           pair_state_items, plan_aux_regions, plan_pool, plan_state, staged_bytes)
 
 
 @dataclass(frozen=True)
 class SendingRoom:
     """What planning needs of a room: its rank (``local``), the decode
     requests and the handshaken decode ranks by session, ``init()``'s page
-    count and aux slot (None: no aux row); ``where`` names it in errors."""
+    count and aux slot (None: no aux row); ``where`` names it in errors.
+    ``states``: per state pool of the rank, the room's item indices given
+    with the last ``send()`` (None: none given)."""
 
     where: str
     local: RankInfo
@@ -47,6 +54,7 @@ class SendingRoom:
     peers: Mapping[str, RankInfo]
     num_pages: int
     aux_index: int | None
+    states: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -87,6 +95,10 @@ class PartSpec:
     nbytes: int
     direct: bool
     granted: int = -1
+    #: >= 0: a part of state pool ``state`` (``state_pool``): ``src_pages`` are its item indices, from
+    #: position ``page_start`` of the request's list, packed buffer by buffer; ``pools`` is empty
+    state: int = -1
+    state_pool: StatePoolDescriptor | None = None
 
 
 @dataclass(frozen=True)
@@ -129,10 +141,60 @@ def plan_chunk(room: SendingRoom, chunk: Chunk, config: ManagerConfig) -> ChunkP
             if not peer.fenced:  # a fenced rank gets the row in RoomStatus
                 plans.append(aux)
                 roles.append("aux")
+        if chunk.last and any(req.dst_states):
+            for i, kind, plan in _state_plans(room, req, peer, local, config, next_part, parts):
+                if plan is not None:
+                    plans.append(plan)
+                    roles.append(f"state:{kind}")
+            next_part = chunk.first_part + len(parts)
         moved = tuple((role, "direct", p.total_bytes, p.num_descriptors) for role, p in zip(roles, plans)
                       if p.num_descriptors)
         jobs.append(DirectJob(req.decode_session, TransferPlan.concat(plans), moved))
     return ChunkPlan(tuple(jobs), tuple(parts))
+
+
+def _state_plans(room: SendingRoom, req: TransferRequest, peer: RankInfo, local: RankInfo, config: ManagerConfig,
+                 next_part: int, parts: list):
+    """(state pool, kind, direct plan or None) for each state pool the
+    request asks of this rank; a fenced decode rank's go to ``parts``
+    instead (numbered from ``next_part``). Raises RequestError when the
+    room named no items of a state decode asks for, ValueError / IndexError
+    from the checks."""
+    out = []
+    for i, dst in enumerate(req.dst_states):
+        if not dst:
+            continue
+        if i >= len(local.states):
+            raise RequestError(f"{room.where}: decode asks for state pool {i}; this rank has {len(local.states)}")
+        pool, theirs = local.states[i], peer.states[i]
+        src = room.states[i] if i < len(room.states) else None
+        if src is None:
+            raise RequestError(f"{room.where}: decode asks for state {pool.kind}, but the last send() named no "
+                               "state indices for it")
+        src, dst = pair_state_items(pool, src, np.frombuffer(dst, dtype="<i4"))
+        if peer.fenced:
+            check_state(pool, theirs, src, dst)
+            new = _state_parts(req, i, pool, src, _part_bytes(local, peer, config), next_part, local.staging is None)
+            next_part += len(new)
+            parts.extend(new)
+            out.append((i, pool.kind, None))
+        else:
+            out.append((i, pool.kind, plan_state(pool, theirs, src, dst)))
+    return out
+
+
+def _state_parts(req: TransferRequest, index: int, pool: StatePoolDescriptor, items: np.ndarray, part_bytes: int,
+                 first_part: int, direct: bool) -> list[PartSpec]:
+    """A state pool's items for a fenced decode rank, cut into staged parts
+    of at most ``part_bytes`` (at least one item each); ``direct``: written
+    from the buffers (no local staging), else gathered first."""
+    if pool.item_bytes > part_bytes:
+        raise ValueError(f"state {pool.kind}: one item is {pool.item_bytes} bytes, more than a staged part can be "
+                         f"({part_bytes} bytes: decode's staging arena); raise the staging arena size")
+    step = max(1, part_bytes // pool.item_bytes)
+    return [PartSpec(req, first_part + k, items[o:o + step], o, (), pool.item_bytes * len(items[o:o + step]),
+                     direct=direct, state=index, state_pool=pool)
+            for k, o in enumerate(range(0, len(items), step))]
 
 
 def _staged(pages, dst, sent, local: RankInfo, peer: RankInfo, config: ManagerConfig) -> bool:
@@ -232,8 +294,20 @@ def source_entries(pages: np.ndarray, pools) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(srcs), np.concatenate(lengths)
 
 
+def state_source_entries(pool: StatePoolDescriptor, items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A state part's packed layout as (source address, bytes): buffer by
+    buffer, one per run of consecutive items."""
+    runs = page_runs(items, items)
+    srcs = [b.addr + runs.src_starts * b.item_bytes for b in pool.buffers]
+    lengths = [runs.lengths * b.item_bytes for b in pool.buffers]
+    return np.concatenate(srcs), np.concatenate(lengths)
+
+
 def source_plan(spec: PartSpec, dst_addr: int) -> TransferPlan:
     """A direct part's descriptors into the region at ``dst_addr``."""
-    src, lengths = source_entries(spec.src_pages, spec.pools)
+    if spec.state >= 0:
+        src, lengths = state_source_entries(spec.state_pool, spec.src_pages.astype(np.int64))
+    else:
+        src, lengths = source_entries(spec.src_pages, spec.pools)
     dst = dst_addr + np.concatenate(([0], np.cumsum(lengths)[:-1]))
     return TransferPlan(src.astype(np.uint64), dst.astype(np.uint64), lengths.astype(np.uint64))

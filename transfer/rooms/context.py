@@ -52,7 +52,9 @@ class RoomContext:
     server at ``addr`` (the caller closes it). ``stats``: the rank's running
     totals, which every room's counter adds into (under ``lock``). ``aux``:
     the rank's aux regions as tensors (empty without); with the write fence
-    a slot's rows travel in RoomStatus. ``pump()``: move the rank's control
+    a slot's rows travel in RoomStatus. ``states``: the rank's state pools
+    (:class:`~transfer.state_pools.StatePool`, in ``rank.states``' order), for
+    the staged path's copies. ``pump()``: move the rank's control
     messages and transfers along on the calling thread (never blocks; called
     by the scheduler-facing ``poll()`` of every room, without the lock held),
     so that a scheduler whose thread is busy in Python needs none of the
@@ -71,6 +73,7 @@ class RoomContext:
     stats: RankTotals = field(default_factory=lambda: RankTotals(""))
     aux: tuple = ()
     pump: Callable[[], None] = lambda: None
+    states: tuple = ()
 
 
 class RoomHost(Protocol):

@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Callable
 
-from bootstrap.messages import AttentionKind, PoolRole, RankInfo
+from bootstrap.messages import AttentionKind, PoolRole, RankInfo, StateSharding
 from transfer import tp
 from transfer.errors import (BootstrapError, BootstrapRefused, BootstrapUnavailable, IncompatibleLayoutError,
                              IncompatibleTransportError, KVFerryError, PeerError, ProtocolError, UnknownNodeError)
@@ -55,6 +55,7 @@ class Link:
         self.routes: dict[int, tuple[PoolAssignment, ...]] = {}
         self.num_requests: dict[int, int] = {}
         self.aux_rank = -1
+        self.state_ranks: tuple[int, ...] = ()  # per state pool: the prefill TP rank that sends it to this rank
         self.last_wanted = time.monotonic()
         self.created_at = time.monotonic()
         self.introduced: set[str] = set()  # sessions this rank's hello went to after a refused layout
@@ -382,6 +383,13 @@ class LinkResolver:
         link.num_requests = {p: tp.num_requests(p, prefill_tp, decode_tp, shapes) for p in routes}
         senders_of_target = [p for p, by_role in routes.items() if by_role.get(PoolRole.TARGET)]
         link.aux_rank = senders_of_target[0]
+        # A replicated state comes from the rank that sends the aux row; a sharded one (equal TP sizes,
+        # checked with the layouts) from the rank of this rank's TP rank, which sends it the target.
+        link.state_ranks = tuple(link.aux_rank if s.sharding is StateSharding.REPLICATED else local.tp_rank
+                                 for s in local.states)
+        if any(p not in routes for p in link.state_ranks):
+            raise IncompatibleLayoutError("states.tp_size", prefill_tp, decode_tp,
+                                          detail="a sharded state's prefill rank is not one this rank asks")
         return True
 
     def close(self) -> None:

@@ -76,6 +76,7 @@ class KVReceiver:
         self._link: Link | None = None
         self._pages: np.ndarray | None = None  # decode page ids, request order, and the aux slot: from init()
         self._aux_index, self._init_at = -1, 0.0
+        self._states: tuple = ()  # per state pool: decode item indices (int32), or None: from init()
         self._requested_at = 0.0  # when the requests went to prefill (TRANSFERRING)
         self._awaiting: dict[int, set[PoolRole]] = {}  # TRANSFERRING: ranks not done yet, and their pools
         self._drain = Drain()  # DRAINING: ranks that may still write; DRAINING, RESTORING: why it failed
@@ -95,8 +96,14 @@ class KVReceiver:
             self._table.add(self)
         log.debug("%s: created (prefill node %r)", self.where, self.prefill_node)
 
-    def init(self, page_indices, aux_index: int | None = None, token_ids=None, skip_pages: int = 0) -> None:
+    def init(self, page_indices, aux_index: int | None = None, token_ids=None, skip_pages: int = 0,
+             state_indices=None) -> None:
         """The decode pages (in request order) and aux slot to fill.
+        ``state_indices``: per state pool of the manager (in order), the
+        item indices to fill (a list, array or tensor; None: not this one),
+        each from the prefill rank that holds it, with the last chunk. A
+        room with state is never restored from storage (the tier keeps
+        pages, not state).
         ``token_ids`` (the prompt) lets the storage tier prefetch pages it
         has and restore the room if the transfer fails (when the manager has
         a storage tier). ``skip_pages``: leading pages this rank already
@@ -115,11 +122,16 @@ class KVReceiver:
             if not 0 <= int(skip_pages) <= pages.size:
                 self.fail(ValueError(f"{self.where}: skip_pages {skip_pages} outside the request's {pages.size} pages"))
                 return
+            try:
+                self._states = self._state_items(state_indices)
+            except (ValueError, IndexError) as exc:
+                self.fail(RequestError(f"{self.where}: {exc}"))
+                return
             self._pages = pages.astype("<i4")
             self._prefix = self._skip = int(skip_pages)
             self._aux_index = -1 if aux_index is None else int(aux_index)
             self._init_at = time.monotonic()
-            if ctx.storage is not None and token_ids is not None:
+            if ctx.storage is not None and token_ids is not None and not any(s is not None for s in self._states):
                 try:
                     self._storage = RoomStorage(ctx.storage, token_ids, self._pages, self._aux_index)
                 except ValueError as exc:
@@ -128,6 +140,26 @@ class KVReceiver:
                 if ctx.config.storage_prefetch != "off":
                     self._storage.prefetch(self._storage_done, start=self._prefix)
         self.update()
+
+    def _state_items(self, state_indices) -> tuple:
+        """``init``'s state indices as int32 arrays checked against the
+        rank's state pools (raises ValueError / IndexError)."""
+        states = self._ctx.rank.states
+        if state_indices is None:
+            return ()
+        given = list(state_indices)
+        if len(given) > len(states):
+            raise ValueError(f"{len(given)} state index lists for the rank's {len(states)} state pool(s)")
+        out = []
+        for pool, items in zip(states, given):
+            if items is None:
+                out.append(None)
+                continue
+            ids = host_page_ids(items)
+            if ids.size and (ids.min() < 0 or ids.max() >= pool.num_items):
+                raise IndexError(f"state {pool.kind}: item index outside its {pool.num_items} items")
+            out.append(ids.astype("<i4"))
+        return tuple(out)
 
     def poll(self) -> KVPoll:
         """The room's state now. Also moves this rank's control messages and
@@ -274,22 +306,25 @@ class KVReceiver:
             ph.move(P.SUCCESS)
             self._table.remove(self)
 
-    def begin_scatter(self, msg: ChunkStaged) -> tuple[np.ndarray, tuple[PoolAssignment, ...]] | None:
+    def begin_scatter(self, msg: ChunkStaged) -> tuple[np.ndarray, tuple[PoolAssignment, ...], tuple] | None:
         """Where a staged part from prefill rank ``msg.prefill_tp_rank`` goes:
-        the request's decode pages (request order) and what that rank sends;
+        the request's decode pages (request order), what that rank sends and
+        the room's state items;
         None unless the room is transferring. Until :meth:`end_scatter` the
         room cannot end: a failure waits for the copy like a draining rank
         (under ``ctx.lock``)."""
         if self._phases.phase is not P.TRANSFERRING or msg.prefill_tp_rank not in self._link.routes:
             return None
         self._scattering += 1
-        return self._pages, self._link.routes[msg.prefill_tp_rank]
+        return self._pages, self._link.routes[msg.prefill_tp_rank], self._states
 
     def end_scatter(self, msg: ChunkStaged, error: BaseException | None) -> None:
         """A scatter :meth:`begin_scatter` allowed ended (under ``ctx.lock``)."""
         self._scattering -= 1
         if error is not None:
             self.fail(TransferError(f"{self.where}: scattering staged part {msg.part}: {error}"))
+        elif self._phases.phase is P.TRANSFERRING and msg.state >= 0:
+            self._counts.land(f"state:{self._ctx.rank.states[msg.state].kind}", "staged", msg.nbytes, 1)
         elif self._phases.phase is P.TRANSFERRING:
             self._counts.staged(msg.prefill_tp_rank, self._link.routes[msg.prefill_tp_rank], msg.num_pages)
         if self._phases.phase is P.DRAINING and not self._local_writes() and \
@@ -379,10 +414,19 @@ class KVReceiver:
                     decode_endpoint=rank.control_endpoint, decode_tp_rank=rank.tp_rank,
                     dst_pages=pages, dst_aux_index=self._aux_index if p == link.aux_rank else -1,
                     assignments=assignments, num_requests=link.num_requests[p], skip_pages=self._skip,
-                    prefix_pages=self._prefix, staging_offset=offset, staging_nbytes=nbytes))
+                    prefix_pages=self._prefix, staging_offset=offset, staging_nbytes=nbytes,
+                    dst_states=self._dst_states(p)))
                 self._table.request_sent(self, p, link.ranks[p].session)
         except KVFerryError as exc:
             self.fail(exc)
+
+    def _dst_states(self, p: int) -> tuple[bytes, ...]:
+        """What prefill rank ``p`` fills of the room's state: per state pool,
+        the items if ``p`` is that pool's sender to this rank (empty: not)."""
+        if not any(s is not None for s in self._states):
+            return ()
+        return tuple(s.tobytes() if s is not None and p == self._link.state_ranks[i] else b""
+                     for i, s in enumerate(self._states))
 
     def request_lost(self, tp_rank: int) -> None:
         """Prefill rank ``tp_rank`` answered a liveness ping sent after this

@@ -45,7 +45,9 @@ class RoomCounts:
     # --- prefill ------------------------------------------------------------------------
 
     def part_landed(self, part) -> None:
-        """A staged part (:class:`~transfer.rooms.staged_prefill.StagedPart`) was written."""
+        """A staged part (:class:`~transfer.rooms.chunk_plan.PartSpec`) was written."""
+        if part.state >= 0:
+            self.land(f"state:{part.state_pool.kind}", "staged", part.nbytes, 1)
         for i, (pool, sl) in enumerate(part.pools):
             self.land(pool.role.value, "staged", staged_bytes(pool, sl, len(part.src_pages)), int(i == 0))
         self.counter.add_part()

@@ -82,9 +82,12 @@ class KVSender:
                                                    tier.aux_key(token_ids), self._state.where)
             self._check_sizes()
 
-    def send(self, page_indices, last: bool = False, ready=None) -> None:
+    def send(self, page_indices, last: bool = False, ready=None, state_indices=None) -> None:
         """Queue the next chunk's pages (prefill page ids, in request order:
-        a list, a numpy array or a tensor, CPU or CUDA). Allowed in
+        a list, a numpy array or a tensor, CPU or CUDA). ``state_indices``
+        (with the last chunk only): per state pool of the manager, in order,
+        the room's item indices (None: none), sent to the decode ranks that
+        ask for that state; item ``i`` goes to decode's item ``i``. Allowed in
         WaitingForInput or Transferring, before the last chunk; on a Failed
         room it does nothing. Returns at once; problems with the pages fail
         the room (see ``poll``).
@@ -108,9 +111,13 @@ class KVSender:
                 raise StateError(f"{self._state.where}: send() in state {self._state.state.name}"
                                  + (" after the last chunk" if self._last_sent else ""))
             pages = host_page_ids(page_indices)
+            if state_indices is not None and not last:
+                raise StateError(f"{self._state.where}: state indices go with the last chunk (last=True)")
+            states = () if state_indices is None else \
+                tuple(None if i is None else host_page_ids(i) for i in state_indices)
             gate = gate_for(ready, self._ctx.config.transfer_timeout_s, self._state.where)
             room = SendingRoom(self._state.where, self._ctx.rank, tuple(self._requests), self._table.peers,
-                               self._num_pages, self._aux_index)
+                               self._num_pages, self._aux_index, states)
             try:
                 plan = plan_chunk(room, Chunk(pages, self._offset, last, self._next_part), self._ctx.config)
             except (ValueError, IndexError) as exc:  # the plan's checks: page ids, sizes

@@ -38,7 +38,8 @@ from transfer.plan import TransferPlan
 from transfer.ready import ReadyWaiter
 from transfer.rooms.chunk_plan import PartSpec, source_plan
 from transfer.rooms.context import RoomContext
-from transfer.staging.copies import gather, page_tensor
+from transfer.staging.copies import gather, gather_state, page_tensor
+from transfer.state_pools import state_rows
 
 log = logging.getLogger("kvferry.staging")
 
@@ -202,6 +203,8 @@ class PrefillStaging:
         offset, spec = part.local_offset, part.spec
         mem = self.ctx.staging
         pages = page_tensor(spec.src_pages, mem.tensor.device)
+        if spec.state >= 0:
+            gather_state(mem.tensor, offset, state_rows(self.ctx.states[spec.state]), pages)
         for pool, sl in spec.pools:
             offset += gather(mem.tensor, offset, mem.buffers, pool, sl, pages, mem.word_views)
         return TransferPlan(np.asarray([self.ctx.rank.staging.addr + part.local_offset], dtype=np.uint64),
@@ -230,7 +233,7 @@ class PrefillStaging:
                 self.ctx.channel.send(spec.req.decode_endpoint, ChunkStaged(
                     room=part.sender.room, request_id=spec.req.request_id, prefill_tp_rank=self.ctx.rank.tp_rank,
                     part=spec.part, offset=remote_offset, nbytes=spec.nbytes, page_start=spec.page_start,
-                    num_pages=len(spec.src_pages)))
+                    num_pages=len(spec.src_pages), state=spec.state))
             except KVFerryError as exc:
                 error = exc
         self._finish(part, error)

@@ -164,6 +164,32 @@ def scatter(staging: torch.Tensor, offset: int, tensors: dict, pool: PoolDescrip
     return staged_bytes(pool, sl, pages.numel())
 
 
+def gather_state(staging: torch.Tensor, offset: int, rows, items: torch.Tensor) -> int:
+    """Pack ``items`` of every state buffer (``rows``: each ``uint8
+    [num_items, item_bytes]``, :func:`transfer.state_pools.state_rows`) into
+    ``staging[offset:]``, buffer by buffer; returns the bytes written."""
+    n, total = items.numel(), 0
+    with _on_copy_stream(staging):
+        for r in rows:
+            size = n * r.shape[1]
+            torch.index_select(r, 0, items, out=staging[offset + total:offset + total + size].view(n, r.shape[1]))
+            total += size
+    _sync(staging)
+    return total
+
+
+def scatter_state(staging: torch.Tensor, offset: int, rows, items: torch.Tensor) -> int:
+    """Unpack what :func:`gather_state` packed into ``items`` of this side's state buffers."""
+    n, total = items.numel(), 0
+    with _on_copy_stream(staging):
+        for r in rows:
+            size = n * r.shape[1]
+            r.index_copy_(0, items, staging[offset + total:offset + total + size].view(n, r.shape[1]))
+            total += size
+    _sync(staging)
+    return total
+
+
 _streams: dict = {}  # device -> its private copy stream
 _streams_lock = threading.Lock()
 
