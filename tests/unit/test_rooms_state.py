@@ -9,7 +9,7 @@ import pytest
 
 from transfer import KVPoll, KVReceiver, KVSender
 
-from ._rooms import NUM_PAGES, Role, assert_landed, random_pages, wait_until, terminal
+from ._rooms import Role, assert_landed, random_pages, wait_until, terminal
 
 # A Mamba-like state: one slot per request, two buffers of different item sizes (conv and SSM state).
 MAMBA = ("mamba", "sharded", True, ((8, 3, 16), (8, 2, 8, 4)))
@@ -142,8 +142,8 @@ def test_a_replicated_state_comes_from_one_prefill_rank_at_tp2_to_1(cluster, fen
     receiver = KVReceiver(decode.mgr, prefills[0].mgr.config.bootstrap_addr, 92)
     receiver.init(np.arange(4), 2, state_indices=items_dst)
     senders = [KVSender(p.mgr, None, 92) for p in prefills]
-    for s in senders:
-        wait_until(s._ctx and prefills[0].mgr, lambda s=s: s.poll() is KVPoll.WaitingForInput)
+    for p, s in zip(prefills, senders):
+        wait_until(p.mgr, lambda s=s: s.poll() is KVPoll.WaitingForInput)
         s.init(4, 1)
         s.send(np.arange(4), last=True, state_indices=items_src)
     wait_until(decode.mgr, lambda: terminal(receiver, *senders), what="room terminal")

@@ -7,8 +7,9 @@ import torch
 
 from bootstrap.messages import PoolRole
 from transfer.adapters.sglang.kvargs import (UnsupportedSetup, aux_regions_from_kv_args, check_supported,
-                                             pools_from_kv_args, torch_dtype_name)
+                                             pools_from_kv_args, states_from_kv_args, torch_dtype_name)
 from transfer.pools import aux_tensors, describe_pool
+from transfer.state_pools import describe_state
 
 
 def _kv_args(target, draft=(), **kw):
@@ -49,7 +50,9 @@ def test_a_draft_whose_item_size_is_no_whole_head_count_is_refused():
 
 
 @pytest.mark.parametrize("args, server, words", [
-    (dict(state_types=["swa"]), {}, "state pools (swa"),
+    (dict(state_types=["dsa_tail"], state_data_ptrs=[[1]]), {}, "state pools of type dsa_tail"),
+    (dict(state_types=["minimax_index_k", "swa"], state_data_ptrs=[[1], [2]]), {}, "of type minimax_index_k (kvferry"),
+    (dict(state_types=["swa"]), {}, "state buffers that do not match the state types (swa)"),
     (dict(is_hybrid_mla_backend=True), {}, "hybrid MLA"),
     ({}, dict(pp_size=4), "pipeline parallelism (--pp-size 4)"),
     ({}, dict(dcp_size=2), "context parallelism (dcp_size 2)"),
@@ -75,3 +78,24 @@ def test_aux_regions_are_sglang_regions_without_a_copy():
     assert aux_regions_from_kv_args(SimpleNamespace(aux_data_ptrs=[])) == []
     with pytest.raises(UnsupportedSetup, match="slot counts"):
         aux_regions_from_kv_args(SimpleNamespace(aux_data_ptrs=[1, 2], aux_data_lens=[64, 64], aux_item_lens=[8, 16]))
+
+@pytest.mark.parametrize("is_mla, sharding", [(False, ["sharded", "replicated", "sharded"]),
+                                              (True, ["replicated", "replicated", "sharded"])])
+def test_state_types_become_state_pools_over_sglangs_memory(is_mla, sharding):
+    """Each SGLang state component is one state pool over its memory (no
+    copy): an MLA model's states are the same on every TP rank (one prefill
+    rank sends them), DSA's indexer always is, Mamba's heads never are;
+    page-indexed states pair the shorter index list, slot-indexed ones match."""
+    bufs = [[torch.randint(0, 256, (9, n), dtype=torch.uint8) for n in sizes] for sizes in ((128, 128), (64,), (48, 96))]
+    args = SimpleNamespace(state_types=["swa", "dsa", "mamba"],
+                           state_data_ptrs=[[t.data_ptr() for t in b] for b in bufs],
+                           state_data_lens=[[t.nbytes + 5 for t in b] for b in bufs],  # a tail shorter than an item
+                           state_item_lens=[[t.shape[1] for t in b] for b in bufs])
+    pools = states_from_kv_args(args, is_mla=is_mla)
+    descs = [describe_state(p) for p in pools]
+    assert [d.sharding.value for d in descs] == sharding
+    assert [d.exact for d in descs] == [False, False, True]
+    assert [[(b.addr, b.item_bytes, b.num_items) for b in d.buffers] for d in descs] == \
+        [[(t.data_ptr(), t.shape[1], 9) for t in b] for b in bufs]
+    pools[2].buffers[1][4] = 7  # the same memory
+    assert bool((bufs[2][1][4] == 7).all())

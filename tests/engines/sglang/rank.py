@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 from tests.engines.sglang.scenarios import PAGE_SIZE, Request, requests_of
-from tests.engines.sglang.sglang_rank import NUM_SLOTS, SENTINEL, Clock, Rank, aux_row, pick_pages, server_args_of
+from tests.engines.sglang.sglang_rank import (NUM_SLOTS, SENTINEL, Clock, Rank, aux_row, logical_state, pick_pages,
+                                              server_args_of, state_items)
 
 
 def emit(kind: str, **fields) -> None:
@@ -64,8 +65,9 @@ def run_prefill(a) -> None:
     taken: set = set()
     addr = f"127.0.0.1:{a.port}"
     pages = {r.room: pick_pages(a, "prefill", r.room, r.num_pages, taken) for r in reqs}
+    items = _state_items(rank, "prefill", reqs)
     for r in reqs:
-        _fill(rank, r, pages[r.room])
+        _fill(rank, r, pages[r.room], items[r.room])
     senders = {r.room: rank.sender_cls(mgr=rank.mgr, bootstrap_addr=addr, bootstrap_room=r.room) for r in reqs}
     phase = {r.room: "boot" for r in reqs}
     clock = Clock(rank)
@@ -91,7 +93,7 @@ def run_prefill(a) -> None:
                 s.init(r.num_pages - prefix_pages, r.room % NUM_SLOTS)
                 phase[r.room] = "send"
                 emit("PREFIX", room=r.room, tokens=prefix_tokens)
-                _send(rank, r, s, pages[r.room], prefix_pages, clock)
+                _send(rank, r, s, pages[r.room], prefix_pages, clock, items[r.room])
                 phase[r.room] = "wait" if r.action != "kill" else "killme"
             elif phase[r.room] == "killme":
                 emit("KILLME", room=r.room)
@@ -100,15 +102,35 @@ def run_prefill(a) -> None:
     emit("DONE", role="prefill", timed_out=any(p != "done" for p in phase.values()), **clock.totals())
 
 
-def _fill(rank: Rank, r: Request, pages: list[int]) -> None:
-    """Write this rank's heads of the request's KV into its pages (before any
-    transfer: filling is not part of what is measured)."""
+def _state_items(rank: Rank, side: str, reqs) -> dict:
+    """room -> per state type (KVArgs order) the items the room names on this side."""
+    kinds = [str(getattr(st, "value", st)) for st in rank.kv_args.state_types]
+    sizes = [min(n // i for n, i in zip(lens, its))
+             for lens, its in zip(rank.kv_args.state_data_lens, rank.kv_args.state_item_lens)]
+    taken = {k: set() for k in kinds}
+    return {r.room: [state_items(rank.a, side, r.room, k, n, r.num_pages, taken[k]) for k, n in zip(kinds, sizes)]
+            for r in reqs}
+
+
+def _state_keys(rank: Rank):
+    """(state type index, key, buffer) for each state buffer."""
+    kinds = [str(getattr(st, "value", st)) for st in rank.kv_args.state_types]
+    return [(kinds.index(key.split(".")[1]), key, t) for key, t in rank.states]
+
+
+def _fill(rank: Rank, r: Request, pages: list[int], items: list) -> None:
+    """Write this rank's heads of the request's KV into its pages, and its
+    share of the request's state into its state items (before any transfer:
+    filling is not part of what is measured)."""
     for key, t in rank.buffers:
         view = t.view(-1, rank.a.page_size, t.shape[1], t.shape[2])
         view[torch.as_tensor(pages, dtype=torch.long)] = rank.expected(r, key, t, 0, r.num_pages)
+    for k, key, t in _state_keys(rank):
+        t[torch.as_tensor(items[k], dtype=torch.long)] = logical_state(rank.a.seed, r.room, key, rank.attn_tp_rank,
+                                                                      (len(items[k]), t.shape[1]))
 
 
-def _send(rank: Rank, r: Request, s, pages: list[int], prefix_pages: int, clock) -> None:
+def _send(rank: Rank, r: Request, s, pages: list[int], prefix_pages: int, clock, items: list) -> None:
     """SGLang's chunked sends of the pages after decode's prefix."""
     suffix = pages[prefix_pages:]
     clock.start(r.room)
@@ -137,8 +159,9 @@ def _send(rank: Rank, r: Request, s, pages: list[int], prefix_pages: int, clock)
     rank.meta.bootstrap_room[slot] = 0
     rank.meta.bootstrap_room[slot, 0] = r.room
     last = suffix[offset:]
-    if s.should_send_kv_chunk(len(last), True):
-        s.send(np.asarray(last, dtype=np.int32))
+    if s.should_send_kv_chunk(len(last), True):  # SGLang names the room's state items with its last chunk
+        s.send(np.asarray(last, dtype=np.int32),
+               state_indices=[np.asarray(i, dtype=np.int32) for i in items] if items else None)
 
 
 def _error_of(obj) -> str:
@@ -183,6 +206,7 @@ def run_decode(a) -> None:
     emit("READY", role="decode", prefill_tp=info.attn_tp_size, prefill_dp=info.dp_size)
     taken: set = set()
     pages = {r.room: pick_pages(a, "decode", r.room, r.num_pages, taken) for r in reqs}
+    items = _state_items(rank, "decode", reqs)
     receivers, slots = {}, {}
     clock = Clock(rank)
 
@@ -193,7 +217,8 @@ def run_decode(a) -> None:
         slots[r.room] = (r.room * 3 + 1) % NUM_SLOTS
         rank.meta.clear_slot(slots[r.room])
         suffix = pages[r.room][r.prefix_pages:]
-        recv.send_metadata(np.asarray(suffix, dtype=np.int32), slots[r.room], None,
+        states = [np.asarray(i, dtype=np.int32) for i in items[r.room]] or None
+        recv.send_metadata(np.asarray(suffix, dtype=np.int32), slots[r.room], states,
                            decode_prefix_len=r.prefix_pages * a.page_size)
         receivers[r.room] = recv
         return recv
@@ -222,7 +247,8 @@ def run_decode(a) -> None:
         for r, poll in zip(live, polls):
             if poll == KVPoll.Success:
                 done_s = clock.done(r.room)
-                checks = _verify(rank, r, pages[r.room], slots[r.room]) if not a.scenario.startswith("bench") else {}
+                checks = _verify(rank, r, pages[r.room], slots[r.room], items[r.room]) \
+                    if not a.scenario.startswith("bench") else {}
                 emit("RESULT", room=r.room, state="Success", e2e_s=done_s, **checks)
             elif poll == KVPoll.Failed:
                 before = [rank.pages_view(t, pages[r.room]).clone() for _, t in rank.buffers]
@@ -259,9 +285,11 @@ def _release_and_resume(rank: Rank, in_flight, later: list[Request], ask) -> lis
     return later
 
 
-def _verify(rank: Rank, r: Request, pages: list[int], slot: int) -> dict:
+def _verify(rank: Rank, r: Request, pages: list[int], slot: int, items: list) -> dict:
     """Count differing bytes: suffix pages vs the logical draw, prefix pages
-    and page 0 vs the sentinel, every aux region row vs its draw."""
+    and page 0 vs the sentinel, every aux region row vs its draw, the state
+    items vs the draw of the prefill rank of the same TP rank (equal TP: each
+    holds its own share; prefill named as many items, or a window page more)."""
     bad_pages = bad_prefix = 0
     for key, t in rank.buffers:
         got = rank.pages_view(t, pages[r.prefix_pages:])
@@ -277,7 +305,15 @@ def _verify(rank: Rank, r: Request, pages: list[int], slot: int) -> dict:
             want = np.frombuffer(np.asarray([r.room] + [0] * (region.shape[1] // 8 - 1), dtype="<u8").tobytes(),
                                  dtype=np.uint8)
         bad_aux += int((region[slot].numpy() != want).sum())
+    bad_state = state_checked = 0
+    for k, key, t in _state_keys(rank):
+        got = t[torch.as_tensor(items[k], dtype=torch.long)]
+        sent = len(items[k]) + (0 if key.split(".")[1] == "mamba" else 1)
+        want = logical_state(rank.a.seed, r.room, key, rank.attn_tp_rank, (sent, t.shape[1]))[:len(items[k])]
+        bad_state += int((got != want).sum())
+        state_checked += got.numel()
     out = {"bad_page_bytes": bad_pages, "bad_prefix_bytes": bad_prefix, "bad_aux_bytes": bad_aux,
+           "bad_state_bytes": bad_state, "state_bytes_checked": state_checked,
            "aux_regions": len(rank.regions), "page_bytes_checked": int(sum(
                rank.pages_view(t, pages[r.prefix_pages:]).numel() for _, t in rank.buffers))}
     if rank.checksum_region >= 0:
@@ -322,6 +358,8 @@ def main(argv=None) -> int:
     p.add_argument("--dp-size", type=int, default=1, help="attention DP groups among the TP ranks")
     p.add_argument("--pool", choices=["mha", "mla"], default="mha")
     p.add_argument("--draft", action="store_true")
+    p.add_argument("--state", choices=["", "swa", "mamba"], default="",
+                   help="SGLang state beside the MHA KV: a sliding-window or a Mamba hybrid's pool")
     p.add_argument("--scenario", default="main")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--poll-interval-s", type=float, default=0.005, help="scheduler loop sleep")

@@ -70,7 +70,9 @@ class Rank:
         heads = self.total_heads // self.attn_tp if not self.is_mla else 1
         common = dict(size=a.pool_pages * a.page_size - a.page_size, page_size=a.page_size, dtype=torch.bfloat16,
                       device="cpu", enable_memory_saver=False)
-        if self.is_mla:
+        if a.state:
+            self.pool = state_pool(a, heads, self.attn_tp, common)
+        elif self.is_mla:
             self.pool = MLATokenToKVPool(kv_lora_rank=2 * a.head_dim, qk_rope_head_dim=a.head_dim,
                                          layer_num=a.layers, **common)
         else:
@@ -89,8 +91,9 @@ class Rank:
             ptrs, lens, items, num_draft = ptrs + d_ptrs, lens + d_lens, items + d_items, len(d_ptrs)
         kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = ptrs, lens, items
         kv_args.num_draft_entries = num_draft
-        kv_args.kv_layer_ids = build_kv_layer_ids(token_to_kv_pool=self.pool, draft_token_to_kv_pool=self.draft,
-                                                  num_draft_entries=num_draft, num_hidden_layers=a.layers)
+        if not a.state:
+            kv_args.kv_layer_ids = build_kv_layer_ids(token_to_kv_pool=self.pool, draft_token_to_kv_pool=self.draft,
+                                                      num_draft_entries=num_draft, num_hidden_layers=a.layers)
         if not self.is_mla and a.role == "prefill":  # SGLang's decode sets them after the manager is built
             kv_args.kv_head_num, kv_args.total_kv_head_num = heads, self.total_heads
         kv_args.page_size = a.page_size
@@ -105,6 +108,13 @@ class Rank:
         assert [t.data_ptr() for _, t in self.buffers] == list(ptrs), "buffer order differs from KVArgs"
         for _, t in self.buffers:
             t.fill_(SENTINEL)
+        #: (key, state buffer as uint8 [items, item_bytes]) per buffer of each state type, in KVArgs order
+        self.states = [(f"state.{getattr(st, 'value', st)}.{j}", _wrap(p, n // i * i).view(n // i, i))
+                       for st, ptrs, lens, items in zip(kv_args.state_types, kv_args.state_data_ptrs,
+                                                        kv_args.state_data_lens, kv_args.state_item_lens)
+                       for j, (p, n, i) in enumerate(zip(ptrs, lens, items))]
+        for _, t in self.states:
+            t.fill_(SENTINEL)
         self.regions = [_wrap(p, n).view(n // i, i) for p, n, i in zip(*self.meta.get_buf_infos())]
         ptrs = [r.data_ptr() for r in self.regions]
         #: the aux regions SGLang writes itself: the room id, and the KV checksum row (-1: none)
@@ -117,7 +127,7 @@ class Rank:
 
     def _buffers(self):
         out = []
-        for name, pool in (("target", self.pool), ("draft", self.draft)):
+        for name, pool in (("target", getattr(self.pool, "full_kv_pool", self.pool)), ("draft", self.draft)):
             if pool is None:
                 continue
             parts = [("latent", pool.kv_buffer)] if self.is_mla and name == "target" else \
@@ -151,6 +161,50 @@ class Rank:
         h0, local, total = self.head_range(key, t)
         data = logical_kv(self.a.seed, req.room, key, (req.num_pages, self.a.page_size, total, t.shape[2]))
         return data[first_page:first_page + num_pages, :, h0:h0 + local]
+
+
+def state_pool(a, heads: int, attn_tp: int, common: dict):
+    """A pool with SGLang state, built as its model runner builds them: ``swa``
+    a sliding-window model's SWAKVPool (layers 0 and 2 windowed, layer 1
+    full), ``mamba`` a hybrid's HybridLinearKVPool over a MambaPool (layers 0
+    and 2 Mamba2, sharded over the attention TP ranks; layer 1 attention)."""
+    import torch
+
+    if a.state == "swa":
+        from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+        return SWAKVPool(size=common["size"], size_swa=common["size"] // 2, page_size=a.page_size,
+                         dtype=torch.bfloat16, head_num=heads, head_dim=a.head_dim, swa_attention_layer_ids=[0, 2],
+                         full_attention_layer_ids=[1], device="cpu")
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MambaPool
+
+    shape = Mamba2StateShape.create(tp_world_size=attn_tp, intermediate_size=64, n_groups=attn_tp, num_heads=4,
+                                    head_dim=16, state_size=8, conv_kernel=4)
+    mamba = MambaPool(size=NUM_SLOTS, spec_state_size=0, cache_params=Mamba2CacheParams(shape=shape, layers=[0, 2]),
+                      mamba_layer_ids=[0, 2], device="cpu")
+    return HybridLinearKVPool(size=common["size"], dtype=torch.bfloat16, page_size=a.page_size, head_num=heads,
+                              head_dim=a.head_dim, full_attention_layer_ids=[1], device="cpu", mamba_pool=mamba)
+
+
+def state_items(a, side: str, room: int, kind: str, num_items: int, num_pages: int, taken: set) -> list[int]:
+    """The items a room names in a state pool on one side, none of ``taken``
+    (rooms are in flight together): one Mamba slot; sliding-window pages for
+    the window (two; prefill names one page more than decode, which SGLang's
+    backends allow: the first ones pair up)."""
+    rng = np.random.default_rng([a.seed, room, 13 if side == "prefill" else 17])
+    count = 1 if kind == "mamba" else min(2, num_pages) + (1 if side == "prefill" else 0)
+    chosen = [i for i in rng.permutation(np.arange(1, num_items)).tolist() if i not in taken][:count]
+    if len(chosen) < count:
+        raise ValueError(f"state {kind}: {num_items} items too few for the scenario")
+    taken.update(chosen)
+    return chosen
+
+
+def logical_state(seed: int, room: int, key: str, tp_rank: int, shape: tuple) -> torch.Tensor:
+    """A room's state items (over one rank's share: sharded states differ per TP rank)."""
+    rng = np.random.default_rng([seed, room, zlib.crc32(key.encode()), tp_rank])
+    return torch.from_numpy(rng.integers(0, 256, size=shape, dtype=np.uint8))
 
 
 def server_args_of(a):

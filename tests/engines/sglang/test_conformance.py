@@ -53,7 +53,7 @@ def test_the_plugin_selects_kvferry_with_no_sglang_change(sglang):
 
 
 @pytest.mark.parametrize("change, words", [
-    (dict(state_types=["mamba"], state_data_ptrs=[[1]]), "state pools (mamba"),
+    (dict(state_types=["dsa_tail"], state_data_ptrs=[[1]]), "state pools of type dsa_tail"),
     (dict(pp_size=2), "pipeline parallelism"),
     (dict(attn_cp_size=2), "context parallelism"),
     (dict(disaggregation_mode="prefill", dp_size=2, load_balance_method="round_robin"),
@@ -86,7 +86,7 @@ def _results(procs) -> dict[int, list[dict]]:
     return out
 
 
-def _check_main(run: Run) -> None:
+def _check_main(run: Run, *, state: bool = False) -> None:
     run.finish()
     decode, prefill = _results(run.decode), _results(run.prefill)
     assert all(not p.events("DONE")[0]["timed_out"] for p in run.prefill + run.decode)
@@ -104,7 +104,9 @@ def _check_main(run: Run) -> None:
                 assert "aborted by the prefill scheduler" in d["error"]
             continue
         assert d["state"] == "Success" and all(p["state"] == "Success" for p in ps), (req.tags, d, ps)
-        assert (d["bad_page_bytes"], d["bad_prefix_bytes"], d["bad_aux_bytes"]) == (0, 0, 0), (req.tags, d)
+        assert (d["bad_page_bytes"], d["bad_prefix_bytes"], d["bad_aux_bytes"], d["bad_state_bytes"]) == \
+            (0, 0, 0, 0), (req.tags, d)
+        assert (d["state_bytes_checked"] > 0) == state, (req.tags, d)
         assert d["aux_regions"] >= 10
         suffix = req.num_pages - req.prefix_pages
         assert (d["page_bytes_checked"] > 0) == (suffix > 0), (req.tags, d)
@@ -150,6 +152,21 @@ def test_mla_prefill_tp2_to_decode_tp1_direct_descriptors():
         _check_main(run)
         senders = [sum(r["bytes"] > 0 for r in p.events("RESULT") if r["state"] == "Success") for p in run.prefill]
         assert sorted(senders)[0] == 0 and sorted(senders)[1] > 0, senders
+
+
+@pytest.mark.parametrize("state, tp, fence", [("swa", 1, "1"), ("mamba", 1, "1"), ("mamba", 2, "0"),
+                                             ("swa", 2, "0")])
+def test_state_built_by_sglang_moves_item_exact(state, tp, fence):
+    """SGLang's own state pools (a sliding-window SWAKVPool; a Mamba hybrid's
+    HybridLinearKVPool over a MambaPool, sharded over the TP ranks) through
+    its setup_state_kv_args, the state indices SGLang passes to send and
+    send_metadata: every room's window pages / Mamba slot land byte-exact
+    with the last chunk (the decode prefix, the empty last chunk and the
+    aborts of the main scenario included), through the write fence's staging
+    (fence 1) and direct (fence 0), at TP 1 and TP 2 on both sides."""
+    with Run("main", pool="mha", prefill_tp=tp, decode_tp=tp, timeout_s=150, extra_args=["--state", state],
+             env={"KVFERRY_WRITE_FENCE": fence}) as run:
+        _check_main(run, state=True)
 
 
 def test_a_killed_prefill_fails_the_room_and_frees_its_pages_safely():
@@ -242,21 +259,28 @@ def _hybrid_mamba_pool():
                               full_attention_layer_ids=[1], device="cpu", mamba_pool=mamba)
 
 
-@pytest.mark.parametrize("build, state", [(_sliding_window_pool, "swa"), (_hybrid_mamba_pool, "mamba")])
-def test_a_state_pool_built_as_sglang_builds_it_is_refused_naming_its_state(sglang, build, state):
+@pytest.mark.parametrize("build, kind, sharding, exact", [(_sliding_window_pool, "swa", "sharded", False),
+                                                         (_hybrid_mamba_pool, "mamba", "sharded", True)])
+def test_a_state_pool_built_as_sglang_builds_it_becomes_a_kvferry_state_pool(sglang, build, kind, sharding, exact):
     """SGLang's own pools with state (a sliding-window SWAKVPool; a Mamba
     hybrid's HybridLinearKVPool over a MambaPool) through its own
-    ``setup_state_kv_args``: the state component is refused at start-up by
-    name, before anything is registered."""
-    from types import SimpleNamespace
-
+    ``setup_state_kv_args``: each state component is one kvferry state pool
+    over the same memory (no copy), its items SGLang's item sizes."""
     from sglang.srt.disaggregation.base.conn import KVArgs
 
-    from transfer.adapters.sglang.kvargs import UnsupportedSetup
-    from transfer.adapters.sglang.manager import KvferryKVManager
+    from transfer.adapters.sglang.kvargs import check_supported, states_from_kv_args
+    from transfer.state_pools import describe_state
 
     kv_args = KVArgs()
     sglang.setup_state_kv_args(kv_args, build(), None, 3, req_to_token_pool=None)
-    assert [s.value for s in kv_args.state_types] == [state]
-    with pytest.raises(UnsupportedSetup, match=rf"state pools \({state}: hybrid, sliding-window"):
-        KvferryKVManager(kv_args, sglang.DisaggregationMode.DECODE, SimpleNamespace(pp_size=1), False)
+    assert [s.value for s in kv_args.state_types] == [kind]
+    from types import SimpleNamespace
+
+    check_supported(kv_args, SimpleNamespace(pp_size=1))
+    (pool,) = states_from_kv_args(kv_args, is_mla=False)
+    desc = describe_state(pool)
+    assert (desc.kind, desc.sharding.value, desc.exact) == (kind, sharding, exact)
+    assert [b.addr for b in desc.buffers] == kv_args.state_data_ptrs[0]
+    assert [b.item_bytes for b in desc.buffers] == kv_args.state_item_lens[0]
+    assert [b.num_items for b in desc.buffers] == [n // i for n, i in zip(kv_args.state_data_lens[0],
+                                                                          kv_args.state_item_lens[0])]

@@ -10,6 +10,21 @@ count: the head dim follows from the item size and the dtype
 (``kv_cache_dtype_str``); the draft's heads from its item size, taking the
 target's head dim (EAGLE drafts share it).
 
+State pools. SGLang's ``setup_state_kv_args`` appends one component per
+state type (``state_types``, with ``state_data_ptrs/lens/item_lens``): each
+becomes a kvferry state pool (:func:`states_from_kv_args`) whose items move
+as SGLang's own backends move that type's generic components, item ``i`` of
+prefill's indices to item ``i`` of decode's in every buffer, with the last
+chunk. Sharded over the TP ranks: Mamba state (heads), and an MHA model's
+sliding-window KV and block scales; replicated (one prefill rank sends):
+DSA's indexer pages, Qwen's QSA state, and every state of an MLA model.
+Page-indexed states (``swa``, ``dsa``, ``block_scale*``) pair the shorter
+of the two index lists, as SGLang's backends do; slot- and row-indexed ones
+must match. Refused, naming the type: ``dsa_tail`` and the MiniMax states
+(their indices are not item ids: ring segments, layer groups), a hybrid
+MLA backend, and a sharded state between different TP sizes (at the
+handshake: kvferry does not reslice a state).
+
 Aux rows. Every aux region is handed to kvferry as it is
 (:func:`aux_regions_from_kv_args`, one :class:`~transfer.pools.RawAuxRegion`
 each): kvferry registers them and moves a request slot's row of each region
@@ -33,12 +48,15 @@ class UnsupportedSetup(ValueError):
 def check_supported(args, server_args) -> None:
     """Raise :class:`UnsupportedSetup` naming the first set-up kvferry does not serve."""
     problems = []
-    state_types = list(getattr(args, "state_types", None) or [])
-    if state_types or any(getattr(args, "state_data_ptrs", None) or []):
-        names = ", ".join(str(getattr(s, "value", s)) for s in state_types) or "state buffers"
-        problems.append(f"state pools ({names}: hybrid, sliding-window, Mamba or DSA models)")
+    state_types = [str(getattr(s, "value", s)) for s in getattr(args, "state_types", None) or []]
+    if len(state_types) != len(getattr(args, "state_data_ptrs", None) or []):
+        problems.append(f"state buffers that do not match the state types ({', '.join(state_types) or 'none'})")
+    refused = [t for t in state_types if t not in STATE_KINDS]
+    if refused:
+        problems.append(f"state pools of type {', '.join(refused)} (kvferry moves "
+                        f"{', '.join(sorted(STATE_KINDS))}; see docs/sglang.md)")
     if getattr(args, "is_hybrid_mla_backend", False):
-        problems.append("a hybrid MLA backend")
+        problems.append("a hybrid MLA backend (Mamba state beside an MLA KV pool)")
     if int(getattr(server_args, "pp_size", 1) or 1) > 1:
         problems.append(f"pipeline parallelism (--pp-size {server_args.pp_size})")
     for name in ("attn_cp_size", "dcp_size"):
@@ -63,6 +81,34 @@ def check_supported(args, server_args) -> None:
     if problems:
         raise UnsupportedSetup("kvferry transfer backend: unsupported SGLang set-up: " + "; ".join(problems)
                                + ". Use --disaggregation-transfer-backend mooncake for it.")
+
+
+#: SGLang state type -> whether its index lists must match item for item (slot- and row-indexed)
+#: rather than pair the shorter (page-indexed: SGLang's backends let a window's edge differ by a page)
+STATE_KINDS = {"mamba": True, "swa": False, "dsa": False, "block_scale": False, "block_scale_swa": False,
+               "swa_ring": True, "c128_state": True, "request_row": True, "qsa_pending": True,
+               "qsa_compressed": True}
+#: state types that are the same on every attention TP rank whatever the model (else: only an MLA model's)
+_REPLICATED = {"dsa", "qsa_pending", "qsa_compressed"}
+
+
+def states_from_kv_args(args, *, is_mla: bool, device: str = "cpu") -> list:
+    """SGLang's state components as kvferry state pools
+    (:class:`~transfer.state_pools.StatePool`), in ``state_types`` order."""
+    from transfer.state_pools import RawStatePool, state_pool_from_pointers
+
+    out = []
+    types = [str(getattr(s, "value", s)) for s in getattr(args, "state_types", None) or []]
+    for kind, ptrs, lens, items in zip(types, args.state_data_ptrs, args.state_data_lens, args.state_item_lens):
+        replicated = kind != "mamba" and (is_mla or kind in _REPLICATED)
+        try:
+            raw = RawStatePool(kind=kind, addrs=list(ptrs), nbytes=list(lens), item_bytes=list(items),
+                               sharding="replicated" if replicated else "sharded", exact=STATE_KINDS[kind],
+                               device=device)
+        except ValueError as exc:
+            raise UnsupportedSetup(f"KVArgs: {exc}") from None
+        out.append(state_pool_from_pointers(raw))
+    return out
 
 
 def torch_dtype_name(args) -> str:

@@ -11,7 +11,7 @@ from sglang.srt.disaggregation.base.conn import BaseKVManager
 
 from transfer.adapters.sglang.bootstrap import bind_host
 from transfer.adapters.sglang.kvargs import (aux_regions_from_kv_args, check_supported, device_of, kv_heads_of_model,
-                                             pools_from_kv_args)
+                                             pools_from_kv_args, states_from_kv_args)
 from transfer.config import Role, manager_config_from_env
 from transfer.errors import KVFerryError
 from transfer.manager import KVManager
@@ -88,7 +88,8 @@ class KvferryKVManager(BaseKVManager):
             kv_heads = kv_heads_of_model(server_args, tp_size)
         pools = pools_from_kv_args(args, is_mla=self.is_mla_backend, device=device_of(server_args, args),
                                    kv_heads=kv_heads)
-        self.core = KVManager(config, pools, aux=aux_regions_from_kv_args(args))
+        states = states_from_kv_args(args, is_mla=self.is_mla_backend, device=device_of(server_args, args))
+        self.core = KVManager(config, pools, aux=aux_regions_from_kv_args(args), states=states)
         #: decode: bootstrap address -> SGLang's PrefillServerInfo (DP/TP sizes)
         self.prefill_info_table: dict = {}
         #: decode: room -> the live KvferryKVReceiver (deferred release)

@@ -26,7 +26,7 @@ import numpy as np
 from sglang.srt.disaggregation.base.conn import BaseKVReceiver
 
 from transfer.adapters.sglang.manager import PREFILL_NODE
-from transfer.adapters.sglang.sender import FailedOnAnotherRank, state_pools_refused
+from transfer.adapters.sglang.sender import FailedOnAnotherRank
 from transfer.errors import KVFerryError, StateError, TransferError
 from transfer.rooms.receiver import KVReceiver
 from transfer.state import KVPoll
@@ -69,10 +69,6 @@ class KvferryKVReceiver(BaseKVReceiver):
         if self._core is None:
             self._fail(StateError(f"room {self.bootstrap_room}: send_metadata() before init()"))
             return
-        refused = state_pools_refused(self.bootstrap_room, state_indices)
-        if refused is not None:
-            self._fail(refused)
-            return
         if destination is not None and str(getattr(destination, "value", destination)) != "device":
             self._fail(TransferError(f"room {self.bootstrap_room}: {destination} destinations are not supported"))
             return
@@ -86,7 +82,7 @@ class KvferryKVReceiver(BaseKVReceiver):
         # Placeholders for the pages decode holds: never written (skip_pages).
         pages = np.concatenate([np.zeros(prefix_pages, dtype=np.int64), pages])
         try:
-            self._core.init(pages, aux_index, skip_pages=prefix_pages)
+            self._core.init(pages, aux_index, skip_pages=prefix_pages, state_indices=state_indices)
         except KVFerryError as exc:
             self._fail(exc)
 

@@ -5,7 +5,8 @@ WaitingForInput (every decode rank's request arrived), ``pop_decode_prefix_len``
 (tokens decode already holds: SGLang then sends only what follows), ``init``
 with the page count of that suffix and the aux slot, ``send`` per chunk (no
 last flag: the chunk that completes the page count is the last; an empty one
-works), ``poll`` until Success or Failed.
+works; the last one names the room's state items per state type,
+``state_indices``), ``poll`` until Success or Failed.
 
 Decode's prefix maps onto kvferry's "decode holds the leading N pages"
 request field: decode adds N placeholder pages before its suffix pages and
@@ -29,15 +30,6 @@ from transfer.state import KVPoll
 log = logging.getLogger("kvferry.sglang")
 
 
-def state_pools_refused(room: int, state_indices) -> TransferError | None:
-    """The error for a request that names state-pool indices (kvferry moves
-    no state pools: hybrid, SWA and Mamba set-ups are refused at start-up),
-    or None."""
-    if state_indices and any(s is not None for s in state_indices):
-        return TransferError(f"room {room}: state indices given; kvferry does not move state pools")
-    return None
-
-
 class FailedOnAnotherRank(TransferError):
     """SGLang's MIN all-reduce failed the room because another rank failed."""
 
@@ -57,6 +49,7 @@ class KvferryKVSender(BaseKVSender):
         self._prefix_pages = 0
         self._num_sent = 0
         self._last_sent = False
+        self._state_indices = None  # per SGLang state type: this room's items (with the last chunk)
         self._started_s: float | None = None
         self._latency_s: float | None = None
         try:
@@ -97,10 +90,8 @@ class KvferryKVSender(BaseKVSender):
         if self._num_pages is None:
             self._fail(StateError(f"room {self.bootstrap_room}: send() before init()"))
             return
-        refused = state_pools_refused(self.bootstrap_room, state_indices)
-        if refused is not None:
-            self._fail(refused)
-            return
+        if state_indices is not None:  # SGLang names them with the last chunk; kept if it named them earlier
+            self._state_indices = state_indices
         pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
         if self._num_sent == 0 and self._prefix_pages:
             pages = np.concatenate([np.zeros(self._prefix_pages, dtype=np.int64), pages])
@@ -115,7 +106,7 @@ class KvferryKVSender(BaseKVSender):
         if last:  # the aux rows go with it: SGLang wrote them right before this call
             self._last_sent = True
         try:
-            self._core.send(pages, last=last)
+            self._core.send(pages, last=last, state_indices=self._state_indices if last else None)
         except KVFerryError as exc:
             self._fail(exc)
 
