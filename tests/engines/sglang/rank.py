@@ -113,9 +113,16 @@ def _state_items(rank: Rank, side: str, reqs) -> dict:
 
 
 def _state_keys(rank: Rank):
-    """(state type index, key, buffer) for each state buffer."""
+    """(state type index, key, buffer, share) for each state buffer; ``share``:
+    the TP rank whose draw it holds (0 for a state the same on every rank:
+    DSA's indexer, any state of an MLA model but Mamba's)."""
     kinds = [str(getattr(st, "value", st)) for st in rank.kv_args.state_types]
-    return [(kinds.index(key.split(".")[1]), key, t) for key, t in rank.states]
+    out = []
+    for key, t in rank.states:
+        kind = key.split(".")[1]
+        replicated = kind != "mamba" and (rank.is_mla or kind == "dsa")
+        out.append((kinds.index(kind), key, t, 0 if replicated else rank.attn_tp_rank))
+    return out
 
 
 def _fill(rank: Rank, r: Request, pages: list[int], items: list) -> None:
@@ -125,8 +132,8 @@ def _fill(rank: Rank, r: Request, pages: list[int], items: list) -> None:
     for key, t in rank.buffers:
         view = t.view(-1, rank.a.page_size, t.shape[1], t.shape[2])
         view[torch.as_tensor(pages, dtype=torch.long)] = rank.expected(r, key, t, 0, r.num_pages)
-    for k, key, t in _state_keys(rank):
-        t[torch.as_tensor(items[k], dtype=torch.long)] = logical_state(rank.a.seed, r.room, key, rank.attn_tp_rank,
+    for k, key, t, share in _state_keys(rank):
+        t[torch.as_tensor(items[k], dtype=torch.long)] = logical_state(rank.a.seed, r.room, key, share,
                                                                       (len(items[k]), t.shape[1]))
 
 
@@ -288,8 +295,9 @@ def _release_and_resume(rank: Rank, in_flight, later: list[Request], ask) -> lis
 def _verify(rank: Rank, r: Request, pages: list[int], slot: int, items: list) -> dict:
     """Count differing bytes: suffix pages vs the logical draw, prefix pages
     and page 0 vs the sentinel, every aux region row vs its draw, the state
-    items vs the draw of the prefill rank of the same TP rank (equal TP: each
-    holds its own share; prefill named as many items, or a window page more)."""
+    items vs the draw of the prefill rank of the same TP rank (a sharded
+    state, equal TP: each holds its own share) or the one draw (replicated);
+    prefill named as many items, or a page more."""
     bad_pages = bad_prefix = 0
     for key, t in rank.buffers:
         got = rank.pages_view(t, pages[r.prefix_pages:])
@@ -306,10 +314,10 @@ def _verify(rank: Rank, r: Request, pages: list[int], slot: int, items: list) ->
                                  dtype=np.uint8)
         bad_aux += int((region[slot].numpy() != want).sum())
     bad_state = state_checked = 0
-    for k, key, t in _state_keys(rank):
+    for k, key, t, share in _state_keys(rank):
         got = t[torch.as_tensor(items[k], dtype=torch.long)]
         sent = len(items[k]) + (0 if key.split(".")[1] == "mamba" else 1)
-        want = logical_state(rank.a.seed, r.room, key, rank.attn_tp_rank, (sent, t.shape[1]))[:len(items[k])]
+        want = logical_state(rank.a.seed, r.room, key, share, (sent, t.shape[1]))[:len(items[k])]
         bad_state += int((got != want).sum())
         state_checked += got.numel()
     out = {"bad_page_bytes": bad_pages, "bad_prefix_bytes": bad_prefix, "bad_aux_bytes": bad_aux,
@@ -358,8 +366,9 @@ def main(argv=None) -> int:
     p.add_argument("--dp-size", type=int, default=1, help="attention DP groups among the TP ranks")
     p.add_argument("--pool", choices=["mha", "mla"], default="mha")
     p.add_argument("--draft", action="store_true")
-    p.add_argument("--state", choices=["", "swa", "mamba"], default="",
-                   help="SGLang state beside the MHA KV: a sliding-window or a Mamba hybrid's pool")
+    p.add_argument("--state", choices=["", "swa", "mamba", "dsa"], default="",
+                   help="SGLang state beside the KV: a sliding-window or a Mamba hybrid's pool (MHA), "
+                        "DeepSeek's sparse attention (MLA, --page-size 64)")
     p.add_argument("--scenario", default="main")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--poll-interval-s", type=float, default=0.005, help="scheduler loop sleep")

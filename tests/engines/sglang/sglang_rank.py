@@ -167,9 +167,20 @@ def state_pool(a, heads: int, attn_tp: int, common: dict):
     """A pool with SGLang state, built as its model runner builds them: ``swa``
     a sliding-window model's SWAKVPool (layers 0 and 2 windowed, layer 1
     full), ``mamba`` a hybrid's HybridLinearKVPool over a MambaPool (layers 0
-    and 2 Mamba2, sharded over the attention TP ranks; layer 1 attention)."""
+    and 2 Mamba2, sharded over the attention TP ranks; layer 1 attention),
+    ``dsa`` DeepSeek's sparse-attention MLA pool with its indexer cache
+    (DSATokenToKVPool: 64-token pages, the same on every TP rank)."""
     import torch
 
+    if a.state == "dsa":
+        from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+        from sglang.srt.runtime_context import get_parallel
+
+        get_parallel().override_permanently(attn_dcp_size=1)  # what SGLang's process groups set
+        return DSATokenToKVPool(size=common["size"], page_size=a.page_size, dtype=torch.bfloat16,
+                                kv_lora_rank=2 * a.head_dim, qk_rope_head_dim=a.head_dim, layer_num=a.layers,
+                                device="cpu", index_head_dim=128, enable_memory_saver=False,
+                                kv_cache_dim=3 * a.head_dim)
     if a.state == "swa":
         from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
@@ -189,9 +200,9 @@ def state_pool(a, heads: int, attn_tp: int, common: dict):
 
 def state_items(a, side: str, room: int, kind: str, num_items: int, num_pages: int, taken: set) -> list[int]:
     """The items a room names in a state pool on one side, none of ``taken``
-    (rooms are in flight together): one Mamba slot; sliding-window pages for
-    the window (two; prefill names one page more than decode, which SGLang's
-    backends allow: the first ones pair up)."""
+    (rooms are in flight together): one Mamba slot; sliding-window or indexer
+    pages (two; prefill names one page more than decode, which SGLang's
+    backends allow for paged states: the first ones pair up)."""
     rng = np.random.default_rng([a.seed, room, 13 if side == "prefill" else 17])
     count = 1 if kind == "mamba" else min(2, num_pages) + (1 if side == "prefill" else 0)
     chosen = [i for i in rng.permutation(np.arange(1, num_items)).tolist() if i not in taken][:count]
@@ -202,7 +213,8 @@ def state_items(a, side: str, room: int, kind: str, num_items: int, num_pages: i
 
 
 def logical_state(seed: int, room: int, key: str, tp_rank: int, shape: tuple) -> torch.Tensor:
-    """A room's state items (over one rank's share: sharded states differ per TP rank)."""
+    """A room's state items (over one rank's share: sharded states differ per
+    TP rank; pass 0 for a replicated one, the same on every rank)."""
     rng = np.random.default_rng([seed, room, zlib.crc32(key.encode()), tp_rank])
     return torch.from_numpy(rng.integers(0, 256, size=shape, dtype=np.uint8))
 

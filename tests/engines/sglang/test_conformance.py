@@ -86,7 +86,7 @@ def _results(procs) -> dict[int, list[dict]]:
     return out
 
 
-def _check_main(run: Run, *, state: bool = False) -> None:
+def _check_main(run: Run, *, state: bool = False, page_size: int = PAGE_SIZE) -> None:
     run.finish()
     decode, prefill = _results(run.decode), _results(run.prefill)
     assert all(not p.events("DONE")[0]["timed_out"] for p in run.prefill + run.decode)
@@ -117,7 +117,7 @@ def _check_main(run: Run, *, state: bool = False) -> None:
     prefixes = {e["room"]: e["tokens"] for p in run.prefill for e in p.events("PREFIX")}
     for req in requests_of("main"):
         if req.action != "decode_abort" and req.room in prefixes:
-            assert prefixes[req.room] == req.prefix_pages * PAGE_SIZE
+            assert prefixes[req.room] == req.prefix_pages * page_size
 
 
 def test_mha_with_draft_prefill_tp2_to_decode_tp1_staged():
@@ -167,6 +167,24 @@ def test_state_built_by_sglang_moves_item_exact(state, tp, fence):
     with Run("main", pool="mha", prefill_tp=tp, decode_tp=tp, timeout_s=150, extra_args=["--state", state],
              env={"KVFERRY_WRITE_FENCE": fence}) as run:
         _check_main(run, state=True)
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp, fence", [(2, 1, "1"), (2, 1, "0"), (1, 2, "1")])
+def test_dsa_indexer_state_of_an_mla_model_moves_from_one_prefill_rank(prefill_tp, decode_tp, fence):
+    """DeepSeek's sparse attention: SGLang's DSATokenToKVPool (MLA latent
+    cache plus the indexer's K cache, 64-token pages) through its
+    setup_state_kv_args. The latent and the indexer pages are the same on
+    every TP rank: at prefill TP 2 -> decode TP 1 one prefill rank sends
+    them; at 1 -> 2 the one prefill rank sends each decode rank its copy.
+    Every room's indexer pages land byte-exact, fenced and direct."""
+    with Run("main", pool="mla", prefill_tp=prefill_tp, decode_tp=decode_tp, timeout_s=150,
+             extra_args=["--state", "dsa", "--page-size", "64"],
+             env={"KVFERRY_WRITE_FENCE": fence, "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE": "1"}) as run:
+        _check_main(run, state=True, page_size=64)
+        if prefill_tp == 2:
+            senders = [sum(r["bytes"] > 0 for r in p.events("RESULT") if r["state"] == "Success")
+                       for p in run.prefill]
+            assert sorted(senders)[0] == 0 and sorted(senders)[1] > 0, senders
 
 
 def test_a_killed_prefill_fails_the_room_and_frees_its_pages_safely():
