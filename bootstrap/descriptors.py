@@ -263,15 +263,37 @@ class StateSharding(str, enum.Enum):
 @struct
 @dataclass(frozen=True)
 class StateBuffer:
-    """One registered state buffer: ``num_items`` items of ``item_bytes`` at ``addr``."""
+    """One registered state buffer: ``num_items`` items of ``item_bytes`` at ``addr``.
+
+    How a sharded state's item splits over the TP ranks (its slice axis),
+    for a move between different TP sizes: ``slice_outer`` rows, each of
+    ``slice_dim`` units of this rank's share of the axis (a unit is
+    ``item_bytes / (slice_outer * slice_dim)`` bytes: a head's bytes of one
+    token of a sliding-window page, a Mamba head's state); ``slice_groups``:
+    the axis' sub-blocks over all ranks, each split over the ranks on its
+    own (a GDN conv state's query, key and value channels; empty: one block).
+    ``slice_dim`` 0: no slice axis: the item moves whole (from one rank)."""
 
     addr: int
     item_bytes: int
     num_items: int
+    slice_dim: int = field(default=0, metadata=OMIT_DEFAULT)
+    slice_outer: int = field(default=1, metadata=OMIT_DEFAULT)
+    slice_groups: tuple[int, ...] = field(default=(), metadata=OMIT_DEFAULT)
 
     def __post_init__(self) -> None:
         _require(0 < self.addr < 1 << 64, "state buffer addr must be a non-null 64-bit pointer")
         _require(self.item_bytes > 0 and self.num_items > 0, "state buffer item_bytes and num_items must be > 0")
+        _require(self.slice_dim >= 0 and self.slice_outer >= 1 and all(g > 0 for g in self.slice_groups),
+                 "state buffer slice_dim >= 0, slice_outer >= 1 and slice_groups > 0")
+        _require(self.slice_dim == 0 or self.item_bytes % (self.slice_dim * self.slice_outer) == 0,
+                 f"state buffer: items of {self.item_bytes} bytes are not {self.slice_outer} rows of "
+                 f"{self.slice_dim} units")
+
+    @property
+    def unit_bytes(self) -> int:
+        """Bytes of one unit of the slice axis (0 without one)."""
+        return self.item_bytes // (self.slice_dim * self.slice_outer) if self.slice_dim else 0
 
 
 @struct

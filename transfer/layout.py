@@ -17,6 +17,7 @@ import enum
 
 from bootstrap.messages import KVLayout, PageLayout, PoolDescriptor, PoolRole, RankInfo
 from transfer import tp
+from transfer.state_slices import check_slices
 from transfer.errors import IncompatibleLayoutError, IncompatibleTransportError
 
 _POOL_FIELDS = ("attention", "dtype", "itemsize", "page_size", "num_layers", "total_kv_heads", "head_dim",
@@ -94,9 +95,8 @@ def check_compatible(local: RankInfo, remote: RankInfo, *, allow_missing_draft: 
 
 def _check_states(prefill: RankInfo, decode: RankInfo, mismatch) -> None:
     """State pool ``i`` goes to state pool ``i``: the same kinds in the same
-    order, the same buffers and item sizes, and a sharded state (each TP
-    rank holds its own share) between equal TP sizes: kvferry does not
-    reslice one."""
+    order, the same buffers, items of one size (a sharded state between
+    different TP sizes: slice axes that reslice, :func:`~transfer.state_slices.check_slices`)."""
     kinds = [s.kind for s in prefill.states], [s.kind for s in decode.states]
     if kinds[0] != kinds[1]:
         mismatch("states", ",".join(kinds[0]) or "none", ",".join(kinds[1]) or "none",
@@ -107,14 +107,21 @@ def _check_states(prefill: RankInfo, decode: RankInfo, mismatch) -> None:
                 mismatch(f"states.{p.kind}.{name}", _value(p, name), _value(d, name))
         if len(p.buffers) != len(d.buffers):
             mismatch(f"states.{p.kind}.num_buffers", len(p.buffers), len(d.buffers))
+        sliced = p.sharding.value == "sharded" and prefill.tp_size != decode.tp_size
+        if sliced and not any(b.slice_dim for b in (*p.buffers, *d.buffers)):
+            mismatch(f"states.{p.kind}.tp_size", prefill.tp_size, decode.tp_size,
+                     f"state {p.kind} is sharded over the TP ranks and kvferry cannot reslice it: its buffers name "
+                     "no slice axis")
         for i, (pb, db) in enumerate(zip(p.buffers, d.buffers)):
-            if pb.item_bytes != db.item_bytes:
+            if not sliced and pb.item_bytes != db.item_bytes:
                 mismatch(f"states.{p.kind}[{i}].item_bytes", pb.item_bytes, db.item_bytes,
                          f"buffer {i} of state {p.kind}: its items differ in size")
-        if p.sharding.value == "sharded" and prefill.tp_size != decode.tp_size:
-            mismatch(f"states.{p.kind}.tp_size", prefill.tp_size, decode.tp_size,
-                     f"state {p.kind} is sharded over the TP ranks (each holds its own heads); kvferry moves it "
-                     "rank to rank between equal TP sizes only, it does not reslice it")
+            if sliced:
+                try:
+                    check_slices(pb, db, prefill.tp_size, decode.tp_size, f"buffer {i} of state {p.kind}")
+                except ValueError as exc:
+                    mismatch(f"states.{p.kind}.tp_size", prefill.tp_size, decode.tp_size,
+                             f"state {p.kind} is sharded over the TP ranks and kvferry cannot reslice it: {exc}")
 
 
 def layout_name(pool: PoolDescriptor) -> str:

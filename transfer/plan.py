@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from bootstrap.messages import AuxDescriptor, PageLayout, PoolDescriptor, StatePoolDescriptor
+from transfer.state_slices import block_entries
 
 _U64 = np.uint64
 
@@ -251,30 +252,38 @@ def pair_state_items(pool: StatePoolDescriptor, src_items, dst_items) -> tuple[n
 def check_state(src: StatePoolDescriptor, dst: StatePoolDescriptor, src_items: np.ndarray,
                 dst_items: np.ndarray) -> None:
     """What moving items of a state pool must respect, checked before any byte
-    moves (direct and staged alike): the same kind, buffers and item sizes,
-    every index inside both sides' buffers. Raises ValueError or IndexError."""
+    moves (direct and staged alike): the same kind and buffers, every index
+    inside both sides' buffers (item sizes: at the handshake, and by the
+    row blocks). Raises ValueError or IndexError."""
     if src.kind != dst.kind or len(src.buffers) != len(dst.buffers):
         raise ValueError(f"state {src.kind} ({len(src.buffers)} buffers) vs {dst.kind} ({len(dst.buffers)} buffers)")
-    for i, (s, d) in enumerate(zip(src.buffers, dst.buffers)):
-        if s.item_bytes != d.item_bytes:
-            raise ValueError(f"state {src.kind} buffer {i}: items of {s.item_bytes} vs {d.item_bytes} bytes")
     check_pages(src_items, src.num_items, f"state {src.kind} (source)")
     check_pages(dst_items, dst.num_items, f"state {dst.kind} (destination)")
 
 
-def plan_state(src: StatePoolDescriptor, dst: StatePoolDescriptor, src_items, dst_items) -> TransferPlan:
+def plan_state(src: StatePoolDescriptor, dst: StatePoolDescriptor, src_items, dst_items, blocks=None) -> TransferPlan:
     """Plan moving state items (already paired, :func:`pair_state_items`):
     item ``src_items[i]`` of each buffer to item ``dst_items[i]`` of the
-    same buffer on the other side; runs of items consecutive on both sides
-    become one descriptor per buffer."""
+    same buffer on the other side. ``blocks``: per buffer, what this rank
+    sends of an item (a :class:`~transfer.state_slices.RowBlocks`, for a
+    sharded state between different TP sizes); None: whole items, runs of
+    items consecutive on both sides as one descriptor per buffer."""
     src_items = np.asarray(src_items, dtype=np.int64).reshape(-1)
     dst_items = np.asarray(dst_items, dtype=np.int64).reshape(-1)
     check_state(src, dst, src_items, dst_items)
-    runs = page_runs(src_items, dst_items)
-    if runs.lengths.size == 0:
+    if src_items.size == 0:
         return TransferPlan.empty()
     plans = []
+    if blocks is not None:
+        for s, d, rb in zip(src.buffers, dst.buffers, blocks):
+            so, n = block_entries(rb, src_items, s.item_bytes)
+            do, _ = block_entries(rb, dst_items, d.item_bytes, dst=True)
+            plans.append(TransferPlan(_U64(s.addr) + so.astype(_U64), _U64(d.addr) + do.astype(_U64), n.astype(_U64)))
+        return coalesce(TransferPlan.concat(plans))
+    runs = page_runs(src_items, dst_items)
     for s, d in zip(src.buffers, dst.buffers):
+        if s.item_bytes != d.item_bytes:
+            raise ValueError(f"state {src.kind}: items of {s.item_bytes} vs {d.item_bytes} bytes")
         n = _U64(s.item_bytes)
         plans.append(TransferPlan(_U64(s.addr) + runs.src_starts.astype(_U64) * n,
                                   _U64(d.addr) + runs.dst_starts.astype(_U64) * n,

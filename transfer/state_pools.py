@@ -37,6 +37,9 @@ class StatePool:
     buffers: Sequence[Any]
     sharding: StateSharding | str = StateSharding.SHARDED
     exact: bool = True
+    #: per buffer (or empty: none), its slice axis ``(slice_dim, slice_outer, slice_groups)`` or None (see
+    #: :class:`~bootstrap.messages.StateBuffer`): lets a sharded state move between different TP sizes
+    slicing: Sequence[tuple | None] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +54,7 @@ class RawStatePool:
     sharding: StateSharding | str = StateSharding.SHARDED
     exact: bool = True
     device: str = "cpu"
+    slicing: Sequence[tuple | None] = ()
 
     def __post_init__(self) -> None:
         n = len(self.addrs)
@@ -70,7 +74,8 @@ def state_pool_from_pointers(raw: RawStatePool) -> StatePool:
     for a, nb, ib in zip(raw.addrs, raw.nbytes, raw.item_bytes):
         items = nb // ib
         buffers.append(wrap_pointer(a, items * ib, "uint8", raw.device).view(items, ib))
-    return StatePool(kind=raw.kind, buffers=tuple(buffers), sharding=raw.sharding, exact=raw.exact)
+    return StatePool(kind=raw.kind, buffers=tuple(buffers), sharding=raw.sharding, exact=raw.exact,
+                     slicing=tuple(raw.slicing))
 
 
 def state_rows(pool: StatePool) -> tuple:
@@ -88,10 +93,16 @@ def state_rows(pool: StatePool) -> tuple:
 def describe_state(pool: StatePool) -> StatePoolDescriptor:
     """The wire descriptor of a state pool; ValueError on an unusable buffer."""
     rows = state_rows(pool)
-    return StatePoolDescriptor(
-        kind=pool.kind, sharding=StateSharding(pool.sharding), exact=bool(pool.exact),
-        buffers=tuple(StateBuffer(addr=r.data_ptr(), item_bytes=int(r.shape[1]), num_items=int(r.shape[0]))
-                      for r in rows))
+    slicing = list(pool.slicing) or [None] * len(rows)
+    if len(slicing) != len(rows):
+        raise ValueError(f"state pool {pool.kind}: {len(slicing)} slicings for {len(rows)} buffers")
+    buffers = []
+    for r, sl in zip(rows, slicing):
+        dim, outer, groups = sl if sl is not None else (0, 1, ())
+        buffers.append(StateBuffer(addr=r.data_ptr(), item_bytes=int(r.shape[1]), num_items=int(r.shape[0]),
+                                   slice_dim=int(dim), slice_outer=int(outer), slice_groups=tuple(int(g) for g in groups or ())))
+    return StatePoolDescriptor(kind=pool.kind, sharding=StateSharding(pool.sharding), exact=bool(pool.exact),
+                               buffers=tuple(buffers))
 
 
 def state_regions(states: Sequence[StatePool]) -> list[tuple[int, int]]:

@@ -76,8 +76,9 @@ class Cluster:
         """A manager with one MHA pool of ``heads`` KV heads (of ``total_heads``
         in the model) and an aux tensor (``aux_row_bytes``: one aux region of
         each row size instead); prefill's are random, decode's zero.
-        ``states``: (kind, sharding, exact, buffer shapes) of state pools to add
-        (each shape ``[num_items, ...]``, bfloat16), random or zero likewise."""
+        ``states``: (kind, sharding, exact, buffer shapes[, slicing]) of state
+        pools to add (each shape ``[num_items, ...]``, bfloat16), random or zero
+        likewise."""
         gen = torch.Generator().manual_seed(self.seed + len(self.ranks))
         shape = (NUM_PAGES, page_size, heads, HEAD_DIM)
         fill = role is Role.PREFILL
@@ -90,8 +91,8 @@ class Cluster:
         cfg = ManagerConfig(role=role, bootstrap_addr=self.server.address, node_id="prefill",
                             **{**FAST, **overrides})
         pools = tuple(StatePool(kind, [_random(sh, gen) if fill else torch.zeros(sh, dtype=torch.bfloat16)
-                                       for sh in shapes], sharding, exact)
-                      for kind, sharding, exact, shapes in states)
+                                       for sh in shapes], sharding, exact, *rest)
+                      for kind, sharding, exact, shapes, *rest in states)
         mgr = KVManager(cfg, [MHAPool(k=k, v=v, total_kv_heads=total_heads)], aux=aux, transport=self.fabric.transport(),
                         channel_factory=self.fabric.channel, states=pools)
         self.stack.callback(mgr.close)

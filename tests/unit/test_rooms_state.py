@@ -6,6 +6,7 @@ request whose state lists do not pair fails naming the state."""
 
 import numpy as np
 import pytest
+import torch
 
 from transfer import KVPoll, KVReceiver, KVSender
 
@@ -125,7 +126,7 @@ def test_a_sharded_state_between_different_tp_sizes_is_refused_naming_it(cluster
     receiver = KVReceiver(decode.mgr, prefills[0].mgr.config.bootstrap_addr, 91)
     receiver.init(np.arange(4), 2, state_indices=[[1]])
     wait_until(decode.mgr, lambda: receiver.poll() is KVPoll.Failed, what="refused")
-    with pytest.raises(Exception, match=r"states\.mamba\.tp_size.*does not reslice"):
+    with pytest.raises(Exception, match=r"states\.mamba\.tp_size.*cannot reslice it: its buffers name no slice axis"):
         receiver.failure_exception()
 
 
@@ -155,3 +156,79 @@ def test_a_replicated_state_comes_from_one_prefill_rank_at_tp2_to_1(cluster, fen
     path = "staged" if fenced else "direct"
     sent = [s.stats().bytes.get(("state:dsa", path), 0) for s in senders]
     assert sorted(sent) == [0, 3 * 4 * 64 * 2], sent
+
+
+def _states(tp: int):
+    """A sliding-window-like state (pages of 4 tokens x KV heads x 8 dims,
+    sliced by heads) and a Mamba-like one (a conv state whose channels are
+    three sub-blocks, each split over the ranks on its own, as a GDN layer's
+    query/key/value; an SSM state sliced by heads; a per-slot row the same
+    on every rank) at TP ``tp``, with their slice axes."""
+    heads, conv, ssm_heads = 2 // tp, 16 // tp, 4 // tp
+    swa = ("swa", "sharded", False, ((16, 4, heads, 8),), ((heads, 4, ()),))
+    mamba = ("mamba", "sharded", True, ((8, conv, 3), (8, ssm_heads, 4, 2), (8, 5)),
+             ((conv, 1, (4, 4, 8)), (ssm_heads, 1, ()), None))
+    return swa, mamba
+
+
+def _units(t, item: int, outer: int, dim: int) -> np.ndarray:
+    """Item ``item`` of a state tensor as bytes [outer rows, dim units, unit bytes]."""
+    b = t[item].contiguous().view(torch.uint8).numpy().reshape(-1)
+    return b.reshape(outer, dim, -1)
+
+
+def _assembled(shards: list, groups) -> np.ndarray:
+    """The whole slice axis from each rank's share (rank order), sub-block by sub-block."""
+    tp = len(shards)
+    out, off = [], [0] * tp
+    for g in groups:
+        for r in range(tp):
+            out.append(shards[r][:, off[r]:off[r] + g // tp])
+            off[r] += g // tp
+    return np.concatenate(out, axis=1)
+
+
+def _share(whole: np.ndarray, groups, r: int, tp: int) -> np.ndarray:
+    out, off = [], 0
+    for g in groups:
+        out.append(whole[:, off + r * (g // tp):off + (r + 1) * (g // tp)])
+        off += g
+    return np.concatenate(out, axis=1)
+
+
+@pytest.mark.parametrize("fenced", [False, True], ids=["direct", "fenced"])
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2)])
+def test_a_sharded_state_is_resliced_between_different_tp_sizes(cluster, prefill_tp, decode_tp, fenced):
+    """Between TP 2 and 1 (both ways) each decode rank's state items hold
+    its share of every prefill rank's: the window pages' heads, each conv
+    sub-block's channels and the SSM heads, assembled as one rank at the
+    larger size would hold them; a buffer without a slice axis comes whole
+    from the first prefill rank."""
+    prefills = [cluster.rank(Role.PREFILL, heads=2 // prefill_tp, total_heads=2, tp_rank=p, tp_size=prefill_tp,
+                             states=_states(prefill_tp), **STAGED) for p in range(prefill_tp)]
+    decodes = [cluster.rank(Role.DECODE, heads=2 // decode_tp, total_heads=2, tp_rank=d, tp_size=decode_tp,
+                            states=_states(decode_tp), **{**STAGED, "write_fence": fenced}) for d in range(decode_tp)]
+    room, pages = 95, np.arange(4)
+    src_items, dst_items = [[3, 9, 4], [5]], [[7, 0, 2], [6]]
+    receivers = [KVReceiver(d.mgr, prefills[0].mgr.config.bootstrap_addr, room) for d in decodes]
+    for r in receivers:
+        r.init(pages, 2, state_indices=dst_items)
+    senders = [KVSender(p.mgr, None, room) for p in prefills]
+    for p, s in zip(prefills, senders):
+        wait_until(p.mgr, lambda s=s: s.poll() is KVPoll.WaitingForInput)
+        s.init(4, 1)
+        s.send(pages, last=True, state_indices=src_items)
+    wait_until(decodes[0].mgr, lambda: terminal(*receivers, *senders), what="room terminal")
+    assert all(x.poll() is KVPoll.Success for x in (*receivers, *senders)), \
+        [str(getattr(x, "_state", "")) for x in senders]
+    # (state, buffer, slice axis: (outer, groups)) of every sliced buffer; the whole axis from the prefill shares
+    sliced = [(0, 0, 4, (2,)), (1, 0, 1, (4, 4, 8)), (1, 1, 1, (4,))]
+    for s, b, outer, groups in sliced:
+        for src_i, dst_i in zip(src_items[s], dst_items[s]):
+            shares = [_units(p.states[s].buffers[b], src_i, outer, sum(groups) // prefill_tp) for p in prefills]
+            whole = _assembled(shares, groups)
+            for d, dec in enumerate(decodes):
+                got = _units(dec.states[s].buffers[b], dst_i, outer, sum(groups) // decode_tp)
+                assert np.array_equal(got, _share(whole, groups, d, decode_tp)), (s, b, src_i, d)
+    for dec in decodes:  # the row the same on every rank: whole, from the first prefill rank of the decode rank's
+        assert dec.state_bytes(1, [6])[2] == prefills[0].state_bytes(1, [5])[2]

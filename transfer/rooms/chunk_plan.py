@@ -32,10 +32,12 @@ from typing import Mapping
 
 import numpy as np
 
-from bootstrap.messages import PoolDescriptor, RankInfo, StatePoolDescriptor
+from bootstrap.messages import PoolDescriptor, RankInfo, StatePoolDescriptor, StateSharding
 from transfer.config import ManagerConfig
 from transfer.errors import RequestError
 from transfer.messages import TransferRequest
+from transfer.state_slices import RowBlocks, block_entries, row_blocks
+from transfer.state_slices import senders as slice_senders
 from transfer.plan import (PageSlice, TransferPlan, check_state, check_transfer, page_runs, page_slice,
                            pair_state_items, plan_aux_regions, plan_pool, plan_state, staged_bytes)
 
@@ -99,6 +101,7 @@ class PartSpec:
     #: position ``page_start`` of the request's list, packed buffer by buffer; ``pools`` is empty
     state: int = -1
     state_pool: StatePoolDescriptor | None = None
+    state_blocks: tuple = ()  # per buffer of the state pool: what is sent of an item (RowBlocks)
 
 
 @dataclass(frozen=True)
@@ -172,28 +175,46 @@ def _state_plans(room: SendingRoom, req: TransferRequest, peer: RankInfo, local:
             raise RequestError(f"{room.where}: decode asks for state {pool.kind}, but the last send() named no "
                                "state indices for it")
         src, dst = pair_state_items(pool, src, np.frombuffer(dst, dtype="<i4"))
+        blocks = state_blocks(pool, theirs, local, peer, req.decode_tp_rank)
         if peer.fenced:
             check_state(pool, theirs, src, dst)
-            new = _state_parts(req, i, pool, src, _part_bytes(local, peer, config), next_part, local.staging is None)
+            new = _state_parts(req, i, pool, blocks, src, _part_bytes(local, peer, config), next_part,
+                               local.staging is None)
             next_part += len(new)
             parts.extend(new)
             out.append((i, pool.kind, None))
         else:
-            out.append((i, pool.kind, plan_state(pool, theirs, src, dst)))
+            out.append((i, pool.kind, plan_state(pool, theirs, src, dst, blocks)))
     return out
 
 
-def _state_parts(req: TransferRequest, index: int, pool: StatePoolDescriptor, items: np.ndarray, part_bytes: int,
-                 first_part: int, direct: bool) -> list[PartSpec]:
+def state_blocks(src: StatePoolDescriptor, dst: StatePoolDescriptor, prefill: RankInfo, decode: RankInfo,
+                 decode_rank: int) -> tuple[RowBlocks, ...]:
+    """What prefill rank ``prefill`` sends of each item of each buffer of a
+    state pool to decode rank ``decode_rank`` (of ``decode``'s TP size):
+    whole items, or a sharded state's slices between different TP sizes."""
+    first = slice_senders(src, prefill.tp_rank, prefill.tp_size, decode_rank, decode.tp_size)[0] == prefill.tp_rank
+    if src.sharding is StateSharding.REPLICATED:
+        return tuple(RowBlocks(1, s.item_bytes, d.item_bytes, ((0, 0, s.item_bytes),))
+                     for s, d in zip(src.buffers, dst.buffers))
+    return tuple(row_blocks(s, d, prefill.tp_rank, prefill.tp_size, decode_rank, decode.tp_size, first)
+                 for s, d in zip(src.buffers, dst.buffers))
+
+
+def _state_parts(req: TransferRequest, index: int, pool: StatePoolDescriptor, blocks: tuple[RowBlocks, ...],
+                 items: np.ndarray, part_bytes: int, first_part: int, direct: bool) -> list[PartSpec]:
     """A state pool's items for a fenced decode rank, cut into staged parts
     of at most ``part_bytes`` (at least one item each); ``direct``: written
     from the buffers (no local staging), else gathered first."""
-    if pool.item_bytes > part_bytes:
-        raise ValueError(f"state {pool.kind}: one item is {pool.item_bytes} bytes, more than a staged part can be "
+    per_item = sum(rb.item_bytes for rb in blocks)
+    if per_item == 0:
+        return []
+    if per_item > part_bytes:
+        raise ValueError(f"state {pool.kind}: one item is {per_item} bytes, more than a staged part can be "
                          f"({part_bytes} bytes: decode's staging arena); raise the staging arena size")
-    step = max(1, part_bytes // pool.item_bytes)
-    return [PartSpec(req, first_part + k, items[o:o + step], o, (), pool.item_bytes * len(items[o:o + step]),
-                     direct=direct, state=index, state_pool=pool)
+    step = max(1, part_bytes // per_item)
+    return [PartSpec(req, first_part + k, items[o:o + step], o, (), per_item * len(items[o:o + step]),
+                     direct=direct, state=index, state_pool=pool, state_blocks=blocks)
             for k, o in enumerate(range(0, len(items), step))]
 
 
@@ -294,19 +315,22 @@ def source_entries(pages: np.ndarray, pools) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(srcs), np.concatenate(lengths)
 
 
-def state_source_entries(pool: StatePoolDescriptor, items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def state_source_entries(pool: StatePoolDescriptor, blocks, items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """A state part's packed layout as (source address, bytes): buffer by
-    buffer, one per run of consecutive items."""
-    runs = page_runs(items, items)
-    srcs = [b.addr + runs.src_starts * b.item_bytes for b in pool.buffers]
-    lengths = [runs.lengths * b.item_bytes for b in pool.buffers]
+    buffer, each block by block, item by item, row by row
+    (:func:`~transfer.state_slices.block_entries`)."""
+    srcs, lengths = [], []
+    for b, rb in zip(pool.buffers, blocks):
+        offs, n = block_entries(rb, items, b.item_bytes)
+        srcs.append(b.addr + offs)
+        lengths.append(n)
     return np.concatenate(srcs), np.concatenate(lengths)
 
 
 def source_plan(spec: PartSpec, dst_addr: int) -> TransferPlan:
     """A direct part's descriptors into the region at ``dst_addr``."""
     if spec.state >= 0:
-        src, lengths = state_source_entries(spec.state_pool, spec.src_pages.astype(np.int64))
+        src, lengths = state_source_entries(spec.state_pool, spec.state_blocks, spec.src_pages.astype(np.int64))
     else:
         src, lengths = source_entries(spec.src_pages, spec.pools)
     dst = dst_addr + np.concatenate(([0], np.cumsum(lengths)[:-1]))

@@ -11,12 +11,13 @@ import threading
 import time
 from typing import Callable
 
-from bootstrap.messages import AttentionKind, PoolRole, RankInfo, StateSharding
+from bootstrap.messages import AttentionKind, PoolRole, RankInfo
 from transfer import tp
 from transfer.errors import (BootstrapError, BootstrapRefused, BootstrapUnavailable, IncompatibleLayoutError,
                              IncompatibleTransportError, KVFerryError, PeerError, ProtocolError, UnknownNodeError)
 from transfer.layout import check_compatible
 from transfer.messages import PeerHello, PeerHelloReply, PoolAssignment
+from transfer.state_slices import senders as state_senders
 from transfer.rooms.context import LookupClient, RoomContext
 from transfer.stats import FailureReason, tag_reason
 
@@ -55,7 +56,7 @@ class Link:
         self.routes: dict[int, tuple[PoolAssignment, ...]] = {}
         self.num_requests: dict[int, int] = {}
         self.aux_rank = -1
-        self.state_ranks: tuple[int, ...] = ()  # per state pool: the prefill TP rank that sends it to this rank
+        self.state_ranks: tuple[tuple[int, ...], ...] = ()  # per state pool: the prefill TP ranks that send it here
         self.last_wanted = time.monotonic()
         self.created_at = time.monotonic()
         self.introduced: set[str] = set()  # sessions this rank's hello went to after a refused layout
@@ -383,13 +384,15 @@ class LinkResolver:
         link.num_requests = {p: tp.num_requests(p, prefill_tp, decode_tp, shapes) for p in routes}
         senders_of_target = [p for p, by_role in routes.items() if by_role.get(PoolRole.TARGET)]
         link.aux_rank = senders_of_target[0]
-        # A replicated state comes from the rank that sends the aux row; a sharded one (equal TP sizes,
-        # checked with the layouts) from the rank of this rank's TP rank, which sends it the target.
-        link.state_ranks = tuple(link.aux_rank if s.sharding is StateSharding.REPLICATED else local.tp_rank
+        # A replicated state comes from the rank that sends the aux row; a sharded one from the prefill
+        # ranks whose share of it overlaps this rank's (transfer.state_slices).
+        link.state_ranks = tuple(state_senders(s, link.aux_rank, prefill_tp, local.tp_rank, decode_tp)
                                  for s in local.states)
-        if any(p not in routes for p in link.state_ranks):
-            raise IncompatibleLayoutError("states.tp_size", prefill_tp, decode_tp,
-                                          detail="a sharded state's prefill rank is not one this rank asks")
+        for s, ranks in zip(local.states, link.state_ranks):
+            if any(p not in routes for p in ranks):
+                raise IncompatibleLayoutError(f"states.{s.kind}.tp_size", prefill_tp, decode_tp,
+                                              detail=f"state {s.kind} would come from prefill ranks {list(ranks)}, "
+                                                     f"this rank asks {sorted(routes)} for the target")
         return True
 
     def close(self) -> None:

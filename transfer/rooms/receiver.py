@@ -306,17 +306,18 @@ class KVReceiver:
             ph.move(P.SUCCESS)
             self._table.remove(self)
 
-    def begin_scatter(self, msg: ChunkStaged) -> tuple[np.ndarray, tuple[PoolAssignment, ...], tuple] | None:
+    def begin_scatter(self, msg: ChunkStaged) -> tuple[np.ndarray, tuple[PoolAssignment, ...], tuple, object] | None:
         """Where a staged part from prefill rank ``msg.prefill_tp_rank`` goes:
-        the request's decode pages (request order), what that rank sends and
-        the room's state items;
+        the request's decode pages (request order), what that rank sends,
+        the room's state items and that rank's RankInfo;
         None unless the room is transferring. Until :meth:`end_scatter` the
         room cannot end: a failure waits for the copy like a draining rank
         (under ``ctx.lock``)."""
         if self._phases.phase is not P.TRANSFERRING or msg.prefill_tp_rank not in self._link.routes:
             return None
         self._scattering += 1
-        return self._pages, self._link.routes[msg.prefill_tp_rank], self._states
+        p = msg.prefill_tp_rank
+        return self._pages, self._link.routes[p], self._states, self._link.ranks[p]
 
     def end_scatter(self, msg: ChunkStaged, error: BaseException | None) -> None:
         """A scatter :meth:`begin_scatter` allowed ended (under ``ctx.lock``)."""
@@ -425,7 +426,7 @@ class KVReceiver:
         the items if ``p`` is that pool's sender to this rank (empty: not)."""
         if not any(s is not None for s in self._states):
             return ()
-        return tuple(s.tobytes() if s is not None and p == self._link.state_ranks[i] else b""
+        return tuple(s.tobytes() if s is not None and p in self._link.state_ranks[i] else b""
                      for i, s in enumerate(self._states))
 
     def request_lost(self, tp_rank: int) -> None:

@@ -26,9 +26,11 @@ from typing import Callable, Protocol
 
 import numpy as np
 
+from bootstrap.messages import RankInfo
 from transfer.errors import KVFerryError
 from transfer.messages import ChunkStaged, PoolAssignment, StageGrant, StageRequest
 from transfer.plan import page_slice, staged_bytes
+from transfer.rooms.chunk_plan import state_blocks
 from transfer.rooms.context import RoomContext
 from transfer.staging.copies import page_tensor, scatter, scatter_state, write_aux_row
 from transfer.state_pools import state_rows
@@ -43,9 +45,10 @@ class StagedReceiver(Protocol):
     @property
     def where(self) -> str: ...
 
-    def begin_scatter(self, msg: ChunkStaged) -> tuple[np.ndarray, tuple[PoolAssignment, ...], tuple] | None:
-        """The request's decode pages, what the part's rank sends and the
-        room's state item indices (per state pool; None: none), once
+    def begin_scatter(self, msg: ChunkStaged) -> tuple[np.ndarray, tuple[PoolAssignment, ...], tuple, RankInfo] | None:
+        """The request's decode pages, what the part's rank sends, the
+        room's state item indices (per state pool; None: none) and the
+        part's prefill rank, once
         the room counts a scatter in progress (it cannot end before
         :meth:`end_scatter`); None when it takes no more parts."""
 
@@ -163,7 +166,7 @@ class DecodeStaging:
         try:
             if target is not None:
                 if msg.state >= 0:
-                    scatter_state_part(self.ctx, target[2], msg, grant[0])
+                    scatter_state_part(self.ctx, target[2], target[3], msg, grant[0])
                 else:
                     scatter_part(self.ctx, target[0], msg, grant[0], target[1])
         except Exception as exc:
@@ -218,21 +221,24 @@ def scatter_part(ctx: RoomContext, dst_pages: np.ndarray, msg: ChunkStaged, offs
                               page_slice(pool, a.dst_head_offset, a.num_heads), pages, mem.word_views)
 
 
-def scatter_state_part(ctx: RoomContext, states: tuple, msg: ChunkStaged, offset: int) -> None:
-    """Unpack a staged part of state items (``msg.state``) that landed at
-    ``offset`` into the room's decode items of that state pool."""
+def scatter_state_part(ctx: RoomContext, states: tuple, prefill: RankInfo, msg: ChunkStaged, offset: int) -> None:
+    """Unpack a staged part of state items (``msg.state``) from prefill rank
+    ``prefill`` that landed at ``offset`` into the room's decode items of
+    that state pool (what that rank sends of each item: its row blocks)."""
     items = states[msg.state] if 0 <= msg.state < len(states) else None
     if items is None or not (0 <= msg.page_start and msg.num_pages > 0
                              and msg.page_start + msg.num_pages <= len(items)):
         raise IndexError(f"staged items [{msg.page_start}, +{msg.num_pages}) of state pool {msg.state} outside the "
                          f"{0 if items is None else len(items)} item(s) this room named for it")
     pool = ctx.rank.states[msg.state]
-    if msg.nbytes != msg.num_pages * pool.item_bytes:
+    blocks = state_blocks(prefill.states[msg.state], pool, prefill, ctx.rank, ctx.rank.tp_rank)
+    per_item = sum(rb.item_bytes for rb in blocks)
+    if msg.nbytes != msg.num_pages * per_item:
         raise ValueError(f"staged part of {msg.nbytes} bytes, but {msg.num_pages} item(s) of state {pool.kind} "
-                         f"take {msg.num_pages * pool.item_bytes}")
+                         f"from prefill rank {prefill.tp_rank} take {msg.num_pages * per_item}")
     mem = ctx.staging
     dst = page_tensor(items[msg.page_start:msg.page_start + msg.num_pages], mem.tensor.device)
-    scatter_state(mem.tensor, offset, state_rows(ctx.states[msg.state]), dst)
+    scatter_state(mem.tensor, offset, state_rows(ctx.states[msg.state]), dst, blocks)
 
 
 def take_aux_row(ctx: RoomContext, slot: int, row: bytes) -> str | None:

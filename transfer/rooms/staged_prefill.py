@@ -204,7 +204,7 @@ class PrefillStaging:
         mem = self.ctx.staging
         pages = page_tensor(spec.src_pages, mem.tensor.device)
         if spec.state >= 0:
-            gather_state(mem.tensor, offset, state_rows(self.ctx.states[spec.state]), pages)
+            gather_state(mem.tensor, offset, state_rows(self.ctx.states[spec.state]), pages, spec.state_blocks)
         for pool, sl in spec.pools:
             offset += gather(mem.tensor, offset, mem.buffers, pool, sl, pages, mem.word_views)
         return TransferPlan(np.asarray([self.ctx.rank.staging.addr + part.local_offset], dtype=np.uint64),

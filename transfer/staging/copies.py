@@ -164,27 +164,42 @@ def scatter(staging: torch.Tensor, offset: int, tensors: dict, pool: PoolDescrip
     return staged_bytes(pool, sl, pages.numel())
 
 
-def gather_state(staging: torch.Tensor, offset: int, rows, items: torch.Tensor) -> int:
+def _block_views(rows, blocks, *, dst: bool):
+    """(view, rows, bytes) per block of each buffer: the buffer ``uint8
+    [num_items, item_bytes]`` viewed ``[num_items, rows, row bytes]`` and cut
+    to the block's bytes of each row (no copy), in the packed order."""
+    for r, rb in zip(rows, blocks):
+        row = rb.dst_row if dst else rb.src_row
+        shaped = r[:, :rb.rows * row].view(r.shape[0], rb.rows, row)
+        for so, do, n in rb.blocks:
+            off = do if dst else so
+            yield shaped[:, :, off:off + n], rb.rows, n
+
+
+def gather_state(staging: torch.Tensor, offset: int, rows, items: torch.Tensor, blocks) -> int:
     """Pack ``items`` of every state buffer (``rows``: each ``uint8
     [num_items, item_bytes]``, :func:`transfer.state_pools.state_rows`) into
-    ``staging[offset:]``, buffer by buffer; returns the bytes written."""
-    n, total = items.numel(), 0
+    ``staging[offset:]``: buffer by buffer, each of its ``blocks``
+    (:class:`~transfer.state_slices.RowBlocks`) block by block, item by item,
+    row by row. Returns the bytes written."""
+    k, total = items.numel(), 0
     with _on_copy_stream(staging):
-        for r in rows:
-            size = n * r.shape[1]
-            torch.index_select(r, 0, items, out=staging[offset + total:offset + total + size].view(n, r.shape[1]))
+        for view, nrows, n in _block_views(rows, blocks, dst=False):
+            size = k * nrows * n
+            torch.index_select(view, 0, items, out=staging[offset + total:offset + total + size].view(k, nrows, n))
             total += size
     _sync(staging)
     return total
 
 
-def scatter_state(staging: torch.Tensor, offset: int, rows, items: torch.Tensor) -> int:
-    """Unpack what :func:`gather_state` packed into ``items`` of this side's state buffers."""
-    n, total = items.numel(), 0
+def scatter_state(staging: torch.Tensor, offset: int, rows, items: torch.Tensor, blocks) -> int:
+    """Unpack what :func:`gather_state` packed into ``items`` of this side's
+    state buffers (``blocks``: the same, with this side's offsets)."""
+    k, total = items.numel(), 0
     with _on_copy_stream(staging):
-        for r in rows:
-            size = n * r.shape[1]
-            r.index_copy_(0, items, staging[offset + total:offset + total + size].view(n, r.shape[1]))
+        for view, nrows, n in _block_views(rows, blocks, dst=True):
+            size = k * nrows * n
+            view.index_copy_(0, items, staging[offset + total:offset + total + size].view(k, nrows, n))
             total += size
     _sync(staging)
     return total
