@@ -113,16 +113,45 @@ def _state_items(rank: Rank, side: str, reqs) -> dict:
 
 
 def _state_keys(rank: Rank):
-    """(state type index, key, buffer, share) for each state buffer; ``share``:
-    the TP rank whose draw it holds (0 for a state the same on every rank:
-    DSA's indexer, any state of an MLA model but Mamba's)."""
-    kinds = [str(getattr(st, "value", st)) for st in rank.kv_args.state_types]
-    out = []
+    """(state type index, key, buffer, axis) for each state buffer; ``axis``:
+    how the buffer's items split over the attention TP ranks as SGLang lays
+    them out, (rows, units on this rank, sub-blocks over all ranks), or None
+    for an item the same on every rank (DSA's indexer, any state of an MLA
+    model but Mamba's, a Mamba tensor SGLang marks replicated)."""
+    args = rank.kv_args
+    kinds = [str(getattr(st, "value", st)) for st in args.state_types]
+    out, seen = [], {}
     for key, t in rank.states:
         kind = key.split(".")[1]
-        replicated = kind != "mamba" and (rank.is_mla or kind == "dsa")
-        out.append((kinds.index(kind), key, t, 0 if replicated else rank.attn_tp_rank))
+        k = kinds.index(kind)
+        j = seen[k] = seen.get(k, -1) + 1
+        axis = None
+        if kind == "mamba" and args.state_dim_per_tensor[k][j]:
+            dim = args.state_dim_per_tensor[k][j]
+            groups = (args.state_conv_shard_groups[k] or [None] * (j + 1))[j] or [dim * rank.attn_tp]
+            axis = (args.state_slice_outer_counts[k][j], dim, tuple(groups))
+        elif kind == "swa" and not rank.is_mla:  # nhd pages: token rows of this rank's KV heads
+            heads = rank.pool.swa_kv_pool.k_buffer[0].shape[1]
+            axis = (rank.a.page_size, heads, (heads * rank.attn_tp,))
+        out.append((k, key, t, axis))
     return out
+
+
+def _state_share(rank: Rank, room: int, key: str, t, axis, count: int) -> torch.Tensor:
+    """This rank's share of ``count`` items of a room's state buffer: the
+    items are drawn whole (over all ranks' shares), and a rank holds, of each
+    sub-block of the slice axis, its own part (SGLang's layout)."""
+    if axis is None:
+        return logical_state(rank.a.seed, room, key, 0, (count, t.shape[1]))
+    rows, dim, groups = axis
+    unit = t.shape[1] // (rows * dim)
+    whole = logical_state(rank.a.seed, room, key, 0, (count, rows, sum(groups), unit))
+    parts, off = [], 0
+    for g in groups:
+        n = g // rank.attn_tp
+        parts.append(whole[:, :, off + rank.attn_tp_rank * n:off + (rank.attn_tp_rank + 1) * n])
+        off += g
+    return torch.cat(parts, dim=2).reshape(count, -1)
 
 
 def _fill(rank: Rank, r: Request, pages: list[int], items: list) -> None:
@@ -132,9 +161,8 @@ def _fill(rank: Rank, r: Request, pages: list[int], items: list) -> None:
     for key, t in rank.buffers:
         view = t.view(-1, rank.a.page_size, t.shape[1], t.shape[2])
         view[torch.as_tensor(pages, dtype=torch.long)] = rank.expected(r, key, t, 0, r.num_pages)
-    for k, key, t, share in _state_keys(rank):
-        t[torch.as_tensor(items[k], dtype=torch.long)] = logical_state(rank.a.seed, r.room, key, share,
-                                                                      (len(items[k]), t.shape[1]))
+    for k, key, t, axis in _state_keys(rank):
+        t[torch.as_tensor(items[k], dtype=torch.long)] = _state_share(rank, r.room, key, t, axis, len(items[k]))
 
 
 def _send(rank: Rank, r: Request, s, pages: list[int], prefix_pages: int, clock, items: list) -> None:
@@ -295,9 +323,8 @@ def _release_and_resume(rank: Rank, in_flight, later: list[Request], ask) -> lis
 def _verify(rank: Rank, r: Request, pages: list[int], slot: int, items: list) -> dict:
     """Count differing bytes: suffix pages vs the logical draw, prefix pages
     and page 0 vs the sentinel, every aux region row vs its draw, the state
-    items vs the draw of the prefill rank of the same TP rank (a sharded
-    state, equal TP: each holds its own share) or the one draw (replicated);
-    prefill named as many items, or a page more."""
+    items vs this rank's share of the draw (prefill named as many items, or
+    a page more)."""
     bad_pages = bad_prefix = 0
     for key, t in rank.buffers:
         got = rank.pages_view(t, pages[r.prefix_pages:])
@@ -314,10 +341,10 @@ def _verify(rank: Rank, r: Request, pages: list[int], slot: int, items: list) ->
                                  dtype=np.uint8)
         bad_aux += int((region[slot].numpy() != want).sum())
     bad_state = state_checked = 0
-    for k, key, t, share in _state_keys(rank):
+    for k, key, t, axis in _state_keys(rank):
         got = t[torch.as_tensor(items[k], dtype=torch.long)]
         sent = len(items[k]) + (0 if key.split(".")[1] == "mamba" else 1)
-        want = logical_state(rank.a.seed, r.room, key, share, (sent, t.shape[1]))[:len(items[k])]
+        want = _state_share(rank, r.room, key, t, axis, sent)[:len(items[k])]
         bad_state += int((got != want).sum())
         state_checked += got.numel()
     out = {"bad_page_bytes": bad_pages, "bad_prefix_bytes": bad_prefix, "bad_aux_bytes": bad_aux,

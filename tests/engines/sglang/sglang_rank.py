@@ -190,7 +190,7 @@ def state_pool(a, heads: int, attn_tp: int, common: dict):
     from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MambaPool
 
-    shape = Mamba2StateShape.create(tp_world_size=attn_tp, intermediate_size=64, n_groups=attn_tp, num_heads=4,
+    shape = Mamba2StateShape.create(tp_world_size=attn_tp, intermediate_size=64, n_groups=2, num_heads=4,
                                     head_dim=16, state_size=8, conv_kernel=4)
     mamba = MambaPool(size=NUM_SLOTS, spec_state_size=0, cache_params=Mamba2CacheParams(shape=shape, layers=[0, 2]),
                       mamba_layer_ids=[0, 2], device="cpu")
@@ -213,8 +213,7 @@ def state_items(a, side: str, room: int, kind: str, num_items: int, num_pages: i
 
 
 def logical_state(seed: int, room: int, key: str, tp_rank: int, shape: tuple) -> torch.Tensor:
-    """A room's state items (over one rank's share: sharded states differ per
-    TP rank; pass 0 for a replicated one, the same on every rank)."""
+    """A room's state items, drawn whole (see ``rank._state_share``)."""
     rng = np.random.default_rng([seed, room, zlib.crc32(key.encode()), tp_rank])
     return torch.from_numpy(rng.integers(0, 256, size=shape, dtype=np.uint8))
 

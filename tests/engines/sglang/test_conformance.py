@@ -154,18 +154,23 @@ def test_mla_prefill_tp2_to_decode_tp1_direct_descriptors():
         assert sorted(senders)[0] == 0 and sorted(senders)[1] > 0, senders
 
 
-@pytest.mark.parametrize("state, tp, fence", [("swa", 1, "1"), ("mamba", 1, "1"), ("mamba", 2, "0"),
-                                             ("swa", 2, "0")])
-def test_state_built_by_sglang_moves_item_exact(state, tp, fence):
-    """SGLang's own state pools (a sliding-window SWAKVPool; a Mamba hybrid's
-    HybridLinearKVPool over a MambaPool, sharded over the TP ranks) through
-    its setup_state_kv_args, the state indices SGLang passes to send and
-    send_metadata: every room's window pages / Mamba slot land byte-exact
+@pytest.mark.parametrize("state, prefill_tp, decode_tp, fence", [
+    ("swa", 1, 1, "1"), ("mamba", 2, 2, "0"),
+    ("swa", 2, 1, "1"), ("swa", 1, 2, "0"), ("mamba", 2, 1, "1"), ("mamba", 1, 2, "0")])
+def test_state_built_by_sglang_moves_item_exact(state, prefill_tp, decode_tp, fence):
+    """SGLang's own state pools (a sliding-window SWAKVPool; a Mamba2
+    hybrid's HybridLinearKVPool over a MambaPool, sharded over the TP ranks)
+    through its setup_state_kv_args, the state indices SGLang passes to send
+    and send_metadata: every room's window pages / Mamba slot land byte-exact
     with the last chunk (the decode prefix, the empty last chunk and the
     aborts of the main scenario included), through the write fence's staging
-    (fence 1) and direct (fence 0), at TP 1 and TP 2 on both sides."""
-    with Run("main", pool="mha", prefill_tp=tp, decode_tp=tp, timeout_s=150, extra_args=["--state", state],
-             env={"KVFERRY_WRITE_FENCE": fence}) as run:
+    (fence 1) and direct (fence 0); at equal TP rank to rank, and between TP
+    2 and 1 resliced as SGLang slices them (window pages by KV heads, Mamba
+    conv channels and SSM heads): each decode rank holds its share of the
+    state the prefill ranks held together."""
+    with Run("main", pool="mha", prefill_tp=prefill_tp, decode_tp=decode_tp, timeout_s=150,
+             extra_args=["--state", state],
+             env={"KVFERRY_WRITE_FENCE": fence, "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE": "1"}) as run:
         _check_main(run, state=True)
 
 

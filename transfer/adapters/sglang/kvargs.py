@@ -92,23 +92,59 @@ STATE_KINDS = {"mamba": True, "swa": False, "dsa": False, "block_scale": False, 
 _REPLICATED = {"dsa", "qsa_pending", "qsa_compressed"}
 
 
-def states_from_kv_args(args, *, is_mla: bool, device: str = "cpu") -> list:
+def states_from_kv_args(args, *, is_mla: bool, device: str = "cpu", kv_heads: int = 0, attn_tp: int = 1) -> list:
     """SGLang's state components as kvferry state pools
-    (:class:`~transfer.state_pools.StatePool`), in ``state_types`` order."""
+    (:class:`~transfer.state_pools.StatePool`), in ``state_types`` order, with
+    the slice axes SGLang's backends reslice between TP sizes: a Mamba
+    tensor's (``state_dim_per_tensor``, ``state_slice_outer_counts``,
+    ``state_conv_shard_groups``; dim 0: the same on every rank) and an MHA
+    sliding-window page's KV heads (``kv_heads`` per rank; its token rows
+    for SGLang's ``nhd`` layout)."""
     from transfer.state_pools import RawStatePool, state_pool_from_pointers
 
     out = []
     types = [str(getattr(s, "value", s)) for s in getattr(args, "state_types", None) or []]
-    for kind, ptrs, lens, items in zip(types, args.state_data_ptrs, args.state_data_lens, args.state_item_lens):
+    for k, (kind, ptrs, lens, items) in enumerate(zip(types, args.state_data_ptrs, args.state_data_lens,
+                                                      args.state_item_lens)):
         replicated = kind != "mamba" and (is_mla or kind in _REPLICATED)
+        slicing = () if replicated else _slicing(args, k, kind, len(ptrs), kv_heads, attn_tp)
         try:
             raw = RawStatePool(kind=kind, addrs=list(ptrs), nbytes=list(lens), item_bytes=list(items),
                                sharding="replicated" if replicated else "sharded", exact=STATE_KINDS[kind],
-                               device=device)
+                               device=device, slicing=slicing)
         except ValueError as exc:
             raise UnsupportedSetup(f"KVArgs: {exc}") from None
         out.append(state_pool_from_pointers(raw))
     return out
+
+
+def _slicing(args, k: int, kind: str, num_buffers: int, kv_heads: int, attn_tp: int) -> tuple:
+    """Per buffer of state component ``k``: (slice dim, rows before it, sub-blocks) or None."""
+    if kind == "mamba":
+        dims = _entry(getattr(args, "state_dim_per_tensor", None), k)
+        outers = _entry(getattr(args, "state_slice_outer_counts", None), k)
+        groups = _entry(getattr(args, "state_conv_shard_groups", None), k)
+        if not dims:
+            return ()
+        out = []
+        for j in range(num_buffers):
+            dim = int(dims[j]) if j < len(dims) else 0
+            sub = groups[j] if groups and j < len(groups) and groups[j] else ()
+            if sub and sum(sub) != dim * attn_tp:  # as SGLang: sub-blocks only when they cover the whole axis
+                sub = ()
+            out.append((dim, int(outers[j]) if outers and j < len(outers) else 1, tuple(sub)) if dim else None)
+        return tuple(out)
+    if kind == "swa" and kv_heads > 0:
+        layout = str(getattr(args, "swa_kv_cache_layout", None) or "nhd").lower()
+        if layout == "nhd":
+            return tuple((kv_heads, int(args.page_size), ()) for _ in range(num_buffers))
+        if layout == "hnd":
+            return tuple((kv_heads, 1, ()) for _ in range(num_buffers))
+    return ()
+
+
+def _entry(table, k: int):
+    return table[k] if table and k < len(table) else None
 
 
 def torch_dtype_name(args) -> str:

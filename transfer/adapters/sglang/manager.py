@@ -88,7 +88,9 @@ class KvferryKVManager(BaseKVManager):
             kv_heads = kv_heads_of_model(server_args, tp_size)
         pools = pools_from_kv_args(args, is_mla=self.is_mla_backend, device=device_of(server_args, args),
                                    kv_heads=kv_heads)
-        states = states_from_kv_args(args, is_mla=self.is_mla_backend, device=device_of(server_args, args))
+        local_heads = int(getattr(args, "kv_head_num", 0) or (kv_heads[0] if kv_heads else 0))
+        states = states_from_kv_args(args, is_mla=self.is_mla_backend, device=device_of(server_args, args),
+                                     kv_heads=0 if self.is_mla_backend else local_heads, attn_tp=tp_size)
         self.core = KVManager(config, pools, aux=aux_regions_from_kv_args(args), states=states)
         #: decode: bootstrap address -> SGLang's PrefillServerInfo (DP/TP sizes)
         self.prefill_info_table: dict = {}
