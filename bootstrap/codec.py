@@ -35,7 +35,9 @@ Version 5: ``PeerPong.acks`` (a pong now acknowledges the requests taken
 since the last one; a version-4 peer would seem to lose every request); the
 status reply's rank and pool views carry every descriptor field but the
 withheld ones (:mod:`bootstrap.status`). Version 6: ``RoomStatus.exposed_s``
-(prefill's last ``send()`` to its success, for decode's exposed transfer time).
+(prefill's last ``send()`` to its success, for decode's exposed transfer time);
+then, omitted while unused, ``RankInfo.states``, ``TransferRequest.dst_states`` and
+``ChunkStaged.state`` (per-request state pools).
 """
 
 from __future__ import annotations

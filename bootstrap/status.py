@@ -26,11 +26,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import typing
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from bootstrap.codec import message, struct
 from bootstrap.descriptors import OMIT_DEFAULT
-from bootstrap.messages import AttentionKind, KVLayout, PoolDescriptor, RankInfo
+from bootstrap.messages import AttentionKind, KVLayout, PoolDescriptor, RankInfo, StatePoolDescriptor
 
 #: At most this many ranks are listed in a status reply (the rest are counted).
 MAX_STATUS_RANKS = 4096
@@ -41,6 +41,7 @@ MAX_STATUS_RANKS = 4096
 WITHHELD: dict[type, frozenset[str]] = {
     PoolDescriptor: frozenset({"buffers", "itemsize"}),
     RankInfo: frozenset({"aux", "staging"}),
+    StatePoolDescriptor: frozenset({"buffers"}),
 }
 
 
@@ -95,18 +96,34 @@ class PoolSummary(_fields_of(PoolDescriptor)):
 
 @struct
 @dataclass(frozen=True, kw_only=True)
-class RankStatus(_fields_of(RankInfo, declared=("pools",))):
+class StateSummary(_fields_of(StatePoolDescriptor)):
+    """A state pool: the fields of its :class:`StatePoolDescriptor` but the
+    buffers (their addresses), with their number and one item's bytes."""
+
+    num_buffers: int
+    item_bytes: int
+
+    @classmethod
+    def of(cls, state: StatePoolDescriptor) -> StateSummary:
+        return cls(**cls._copied(state), num_buffers=len(state.buffers), item_bytes=state.item_bytes)
+
+
+@struct
+@dataclass(frozen=True, kw_only=True)
+class RankStatus(_fields_of(RankInfo, declared=("pools", "states"))):
     """One registered rank: the fields of its :class:`RankInfo` but the
-    :data:`WITHHELD` ones, with ``pools`` summarised; ``age_s``: seconds
-    since it last registered."""
+    :data:`WITHHELD` ones, with ``pools`` and ``states`` summarised;
+    ``age_s``: seconds since it last registered."""
 
     age_s: float
     pools: tuple[PoolSummary, ...]
+    states: tuple[StateSummary, ...] = field(default=(), metadata=OMIT_DEFAULT)
 
     @classmethod
     def of(cls, rank: RankInfo, age_s: float) -> RankStatus:
         """The status of ``rank``, last registered ``age_s`` seconds ago."""
-        return cls(**cls._copied(rank), age_s=age_s, pools=tuple(PoolSummary.of(p) for p in rank.pools))
+        return cls(**cls._copied(rank), age_s=age_s, pools=tuple(PoolSummary.of(p) for p in rank.pools),
+                   states=tuple(StateSummary.of(s) for s in rank.states))
 
 
 @message("status_reply")
@@ -161,7 +178,9 @@ def status_table(reply: StatusReply, address: str) -> str:
     rows = [("NODE", "DP", "TP", "AGE_S", "SESSION", "CONTROL", "POOLS")]
     for r in reply.ranks:
         rows.append((r.node_id, f"{r.dp_rank}/{r.dp_size}", f"{r.tp_rank}/{r.tp_size}", f"{r.age_s:.1f}",
-                     r.session, r.control_endpoint, "; ".join(_pool_text(p) for p in r.pools)))
+                     r.session, r.control_endpoint, "; ".join([*(_pool_text(p) for p in r.pools),
+                                                               *(f"state {x.kind} {x.sharding.value} x {x.num_buffers} "
+                                                                 f"buffers" for x in r.states)])))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1] for row in rows]
     if reply.num_omitted:

@@ -12,8 +12,8 @@ import pytest
 
 import bootstrap.messages as bm
 from bootstrap import codec
-from bootstrap.status import (MAX_STATUS_RANKS, WITHHELD, PoolSummary, RankStatus, StatusReply, status_json,
-                              status_table)
+from bootstrap.status import (MAX_STATUS_RANKS, WITHHELD, PoolSummary, RankStatus, StateSummary, StatusReply,
+                              status_json, status_table)
 
 from ._fixtures import make_pool, make_rank
 
@@ -68,13 +68,15 @@ def _fused_pool() -> bm.PoolDescriptor:
 
 
 @pytest.mark.parametrize("view, descriptor, own", [(PoolSummary, bm.PoolDescriptor, set()),
-                                                   (RankStatus, bm.RankInfo, {"age_s"})])
+                                                   (RankStatus, bm.RankInfo, {"age_s"}),
+                                                   (StateSummary, bm.StatePoolDescriptor,
+                                                    {"num_buffers", "item_bytes"})])
 def test_a_view_holds_every_field_of_its_descriptor_but_the_withheld(view, descriptor, own):
     view_fields = {f.name: f for f in dataclasses.fields(view)}
     source_fields = {f.name: f for f in dataclasses.fields(descriptor)}
     assert set(view_fields) == set(source_fields) - WITHHELD[descriptor] | own
     view_types, source_types = typing.get_type_hints(view), typing.get_type_hints(descriptor)
-    for name in set(view_fields) & set(source_fields) - {"pools"}:  # pools: summarised
+    for name in set(view_fields) & set(source_fields) - {"pools", "states"}:  # summarised
         assert view_types[name] == source_types[name], name
         assert view_fields[name].default == source_fields[name].default, name
 
@@ -82,7 +84,7 @@ def test_a_view_holds_every_field_of_its_descriptor_but_the_withheld(view, descr
 def test_of_copies_every_field_by_name():
     rank = make_rank(pools=(make_pool(), make_pool(role=bm.PoolRole.DRAFT, base=0x6000_0000_0000)))
     status = RankStatus.of(rank, age_s=2.0)
-    for name in {f.name for f in dataclasses.fields(RankStatus)} - {"age_s", "pools"}:
+    for name in {f.name for f in dataclasses.fields(RankStatus)} - {"age_s", "pools", "states"}:
         assert getattr(status, name) == getattr(rank, name), name
     for summary, pool in zip(status.pools, rank.pools, strict=True):
         for f in dataclasses.fields(PoolSummary):
@@ -113,3 +115,15 @@ def test_fields_off_their_defaults_reach_the_status():
     doc = json.loads(status_json(reply, "h:1"))
     assert doc["ranks"][0]["transport"] == "nixl" and doc["ranks"][0]["fenced"] is False
     assert "2/2 heads x 8 hnd fused_cells" in status_table(reply, "h:1").splitlines()[2]
+
+
+def test_a_ranks_state_pools_show_without_their_addresses():
+    buf = bm.StateBuffer(addr=0x7000_0000_0000, item_bytes=480, num_items=9, slice_dim=96)
+    state = bm.StatePoolDescriptor(kind="mamba", sharding=bm.StateSharding.SHARDED, exact=True, buffers=(buf, buf))
+    rank = dataclasses.replace(make_rank(pools=(make_pool(),)), states=(state,))
+    (summary,) = RankStatus.of(rank, age_s=1.0).states
+    assert (summary.kind, summary.sharding, summary.exact, summary.num_buffers, summary.item_bytes) == \
+        ("mamba", bm.StateSharding.SHARDED, True, 2, 960)
+    reply = StatusReply(**{**_reply().__dict__, "ranks": (RankStatus.of(rank, age_s=1.0),)})
+    assert str(0x7000_0000_0000) not in status_json(reply, "x") and "state mamba sharded x 2 buffers" in \
+        status_table(reply, "x")
