@@ -133,6 +133,9 @@ def _state_keys(rank: Rank):
         elif kind == "swa" and not rank.is_mla:  # nhd pages: token rows of this rank's KV heads
             heads = rank.pool.swa_kv_pool.k_buffer[0].shape[1]
             axis = (rank.a.page_size, heads, (heads * rank.attn_tp,))
+        elif kind == "block_scale":  # per page: token rows of this rank's KV heads' scales
+            heads = rank.pool.k_buffer[0].shape[1]
+            axis = (rank.a.page_size, heads, (heads * rank.attn_tp,))
         out.append((k, key, t, axis))
     return out
 
@@ -393,9 +396,9 @@ def main(argv=None) -> int:
     p.add_argument("--dp-size", type=int, default=1, help="attention DP groups among the TP ranks")
     p.add_argument("--pool", choices=["mha", "mla"], default="mha")
     p.add_argument("--draft", action="store_true")
-    p.add_argument("--state", choices=["", "swa", "mamba", "dsa"], default="",
+    p.add_argument("--state", choices=["", "swa", "mamba", "dsa", "mxfp8"], default="",
                    help="SGLang state beside the KV: a sliding-window or a Mamba hybrid's pool (MHA), "
-                        "DeepSeek's sparse attention (MLA, --page-size 64)")
+                        "DeepSeek's sparse attention (MLA, --page-size 64), MXFP8 block scales (--head-dim 32)")
     p.add_argument("--scenario", default="main")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--poll-interval-s", type=float, default=0.005, help="scheduler loop sleep")

@@ -81,7 +81,7 @@ class Rank:
             if a.draft else None
         kv_args = get_kv_class(self.backend, KVClassType.KVARGS)()
         kv_args.engine_rank, kv_args.pp_rank, kv_args.system_dp_rank = a.tp_rank, 0, 0
-        kv_args.kv_cache_dtype_str = "bfloat16"
+        kv_args.kv_cache_dtype_str = "fp8_e4m3" if a.state == "mxfp8" else "bfloat16"
         kv_args.kv_layout = get_pd_kv_layout(self.pool)
         kv_args.prefill_start_layer, kv_args.prefill_end_layer = 0, a.layers
         ptrs, lens, items = get_kv_transfer_buf_infos(self.pool)
@@ -169,7 +169,9 @@ def state_pool(a, heads: int, attn_tp: int, common: dict):
     full), ``mamba`` a hybrid's HybridLinearKVPool over a MambaPool (layers 0
     and 2 Mamba2, sharded over the attention TP ranks; layer 1 attention),
     ``dsa`` DeepSeek's sparse-attention MLA pool with its indexer cache
-    (DSATokenToKVPool: 64-token pages, the same on every TP rank)."""
+    (DSATokenToKVPool: 64-token pages, the same on every TP rank), ``mxfp8``
+    an MXFP8 KV pool with its per-block scales (MHATokenToKVPoolMXFP8: head
+    dims of 32s; a scale per 32 elements of each token's head, by page)."""
     import torch
 
     if a.state == "dsa":
@@ -181,6 +183,12 @@ def state_pool(a, heads: int, attn_tp: int, common: dict):
                                 kv_lora_rank=2 * a.head_dim, qk_rope_head_dim=a.head_dim, layer_num=a.layers,
                                 device="cpu", index_head_dim=128, enable_memory_saver=False,
                                 kv_cache_dim=3 * a.head_dim)
+    if a.state == "mxfp8":  # MXFP8 KV: fp8 K/V pages and their per-block scales (SGLang's BLOCK_SCALE state)
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolMXFP8
+
+        return MHATokenToKVPoolMXFP8(size=common["size"], page_size=a.page_size, dtype=torch.float8_e4m3fn,
+                                     head_num=heads, head_dim=a.head_dim, layer_num=a.layers, device="cpu",
+                                     enable_memory_saver=False)
     if a.state == "swa":
         from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 

@@ -156,10 +156,12 @@ def test_mla_prefill_tp2_to_decode_tp1_direct_descriptors():
 
 @pytest.mark.parametrize("state, prefill_tp, decode_tp, fence", [
     ("swa", 1, 1, "1"), ("mamba", 2, 2, "0"),
-    ("swa", 2, 1, "1"), ("swa", 1, 2, "0"), ("mamba", 2, 1, "1"), ("mamba", 1, 2, "0")])
+    ("swa", 2, 1, "1"), ("swa", 1, 2, "0"), ("mamba", 2, 1, "1"), ("mamba", 1, 2, "0"),
+    ("mxfp8", 1, 1, "1"), ("mxfp8", 2, 1, "0")])
 def test_state_built_by_sglang_moves_item_exact(state, prefill_tp, decode_tp, fence):
     """SGLang's own state pools (a sliding-window SWAKVPool; a Mamba2
-    hybrid's HybridLinearKVPool over a MambaPool, sharded over the TP ranks)
+    hybrid's HybridLinearKVPool over a MambaPool, sharded over the TP ranks;
+    an MXFP8 KV pool's block scales, MHATokenToKVPoolMXFP8)
     through its setup_state_kv_args, the state indices SGLang passes to send
     and send_metadata: every room's window pages / Mamba slot land byte-exact
     with the last chunk (the decode prefix, the empty last chunk and the
@@ -169,7 +171,7 @@ def test_state_built_by_sglang_moves_item_exact(state, prefill_tp, decode_tp, fe
     conv channels and SSM heads): each decode rank holds its share of the
     state the prefill ranks held together."""
     with Run("main", pool="mha", prefill_tp=prefill_tp, decode_tp=decode_tp, timeout_s=150,
-             extra_args=["--state", state],
+             extra_args=["--state", state] + (["--head-dim", "32"] if state == "mxfp8" else []),
              env={"KVFERRY_WRITE_FENCE": fence, "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE": "1"}) as run:
         _check_main(run, state=True)
 

@@ -97,9 +97,9 @@ def states_from_kv_args(args, *, is_mla: bool, device: str = "cpu", kv_heads: in
     (:class:`~transfer.state_pools.StatePool`), in ``state_types`` order, with
     the slice axes SGLang's backends reslice between TP sizes: a Mamba
     tensor's (``state_dim_per_tensor``, ``state_slice_outer_counts``,
-    ``state_conv_shard_groups``; dim 0: the same on every rank) and an MHA
-    sliding-window page's KV heads (``kv_heads`` per rank; its token rows
-    for SGLang's ``nhd`` layout)."""
+    ``state_conv_shard_groups``; dim 0: the same on every rank) and the KV
+    heads of an MHA sliding-window page or of a page's MXFP8 block scales
+    (``kv_heads`` per rank; its token rows for SGLang's ``nhd`` layout)."""
     from transfer.state_pools import RawStatePool, state_pool_from_pointers
 
     out = []
@@ -134,8 +134,8 @@ def _slicing(args, k: int, kind: str, num_buffers: int, kv_heads: int, attn_tp: 
                 sub = ()
             out.append((dim, int(outers[j]) if outers and j < len(outers) else 1, tuple(sub)) if dim else None)
         return tuple(out)
-    if kind == "swa" and kv_heads > 0:
-        layout = str(getattr(args, "swa_kv_cache_layout", None) or "nhd").lower()
+    if kind in ("swa", "block_scale") and kv_heads > 0:  # pages of KV heads (a block scale: per 32 elements)
+        layout = str(getattr(args, "swa_kv_cache_layout" if kind == "swa" else "kv_layout", None) or "nhd").lower()
         if layout == "nhd":
             return tuple((kv_heads, int(args.page_size), ()) for _ in range(num_buffers))
         if layout == "hnd":
