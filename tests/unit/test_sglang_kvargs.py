@@ -52,6 +52,8 @@ def test_a_draft_whose_item_size_is_no_whole_head_count_is_refused():
 @pytest.mark.parametrize("args, server, words", [
     (dict(state_types=["dsa_tail"], state_data_ptrs=[[1]]), {}, "state pools of type dsa_tail"),
     (dict(state_types=["minimax_index_k", "swa"], state_data_ptrs=[[1], [2]]), {}, "of type minimax_index_k (kvferry"),
+    (dict(state_types=["swa_ring"], state_data_ptrs=[[1]]), {}, "swa_ring: DeepSeek-V4 state"),
+    (dict(mla_compression_ratios=[0, 4, 128]), {}, "DeepSeek-V4's compressed KV pools"),
     (dict(state_types=["swa"]), {}, "state buffers that do not match the state types (swa)"),
     (dict(is_hybrid_mla_backend=True), {}, "hybrid MLA"),
     ({}, dict(pp_size=4), "pipeline parallelism (--pp-size 4)"),

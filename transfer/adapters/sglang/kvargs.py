@@ -17,13 +17,14 @@ as SGLang's own backends move that type's generic components, item ``i`` of
 prefill's indices to item ``i`` of decode's in every buffer, with the last
 chunk. Sharded over the TP ranks: Mamba state (heads), and an MHA model's
 sliding-window KV and block scales; replicated (one prefill rank sends):
-DSA's indexer pages, Qwen's QSA state, and every state of an MLA model.
+DSA's indexer pages, and every state of an MLA model.
 Page-indexed states (``swa``, ``dsa``, ``block_scale*``) pair the shorter
 of the two index lists, as SGLang's backends do; slot- and row-indexed ones
-must match. Refused, naming the type: ``dsa_tail`` and the MiniMax states
-(their indices are not item ids: ring segments, layer groups), a hybrid
-MLA backend, and a sharded state between different TP sizes (at the
-handshake: kvferry does not reslice a state).
+must match. Refused, naming the type and why: ``dsa_tail`` and the MiniMax
+states (their indices are not item ids: ring segments, layer groups),
+DeepSeek-V4's (its KV pools are refused as a whole), Qwen's QSA state (not
+verified); a hybrid MLA backend; and, at the handshake, a sharded state
+between different TP sizes without a slice axis.
 
 Aux rows. Every aux region is handed to kvferry as it is
 (:func:`aux_regions_from_kv_args`, one :class:`~transfer.pools.RawAuxRegion`
@@ -53,8 +54,11 @@ def check_supported(args, server_args) -> None:
         problems.append(f"state buffers that do not match the state types ({', '.join(state_types) or 'none'})")
     refused = [t for t in state_types if t not in STATE_KINDS]
     if refused:
+        why = "; ".join(f"{t}: {_REFUSED_STATES[t]}" for t in refused if t in _REFUSED_STATES)
         problems.append(f"state pools of type {', '.join(refused)} (kvferry moves "
-                        f"{', '.join(sorted(STATE_KINDS))}; see docs/sglang.md)")
+                        f"{', '.join(sorted(STATE_KINDS))}{'; ' + why if why else ''}; see docs/sglang.md)")
+    if getattr(args, "mla_compression_ratios", None):
+        problems.append("DeepSeek-V4's compressed KV pools (buffers organised by compression ratio, not by layer)")
     if getattr(args, "is_hybrid_mla_backend", False):
         problems.append("a hybrid MLA backend (Mamba state beside an MLA KV pool)")
     if int(getattr(server_args, "pp_size", 1) or 1) > 1:
@@ -85,11 +89,16 @@ def check_supported(args, server_args) -> None:
 
 #: SGLang state type -> whether its index lists must match item for item (slot- and row-indexed)
 #: rather than pair the shorter (page-indexed: SGLang's backends let a window's edge differ by a page)
-STATE_KINDS = {"mamba": True, "swa": False, "dsa": False, "block_scale": False, "block_scale_swa": False,
-               "swa_ring": True, "c128_state": True, "request_row": True, "qsa_pending": True,
-               "qsa_compressed": True}
+STATE_KINDS = {"mamba": True, "swa": False, "dsa": False, "block_scale": False, "block_scale_swa": False}
 #: state types that are the same on every attention TP rank whatever the model (else: only an MLA model's)
-_REPLICATED = {"dsa", "qsa_pending", "qsa_compressed"}
+_REPLICATED = {"dsa"}
+#: why the other state types are refused
+_REFUSED_STATES = {
+    "dsa_tail": "its indices encode ring segments, not item ids",
+    "minimax_index_k": "SGLang moves it by layer groups of its own", "minimax_dense_kv": "SGLang moves it by "
+    "layer groups of its own",
+    "swa_ring": "DeepSeek-V4 state", "c128_state": "DeepSeek-V4 state", "request_row": "DeepSeek-V4 state",
+    "qsa_pending": "not verified with SGLang's QSA pool", "qsa_compressed": "not verified with SGLang's QSA pool"}
 
 
 def states_from_kv_args(args, *, is_mla: bool, device: str = "cpu", kv_heads: int = 0, attn_tp: int = 1) -> list:
