@@ -36,10 +36,10 @@ from bootstrap.messages import PoolDescriptor, RankInfo, StatePoolDescriptor, St
 from transfer.config import ManagerConfig
 from transfer.errors import RequestError
 from transfer.messages import TransferRequest
-from transfer.state_slices import RowBlocks, block_entries, row_blocks
-from transfer.state_slices import senders as slice_senders
 from transfer.plan import (PageSlice, TransferPlan, check_state, check_transfer, page_runs, page_slice,
                            pair_state_items, plan_aux_regions, plan_pool, plan_state, staged_bytes)
+from transfer.state_slices import RowBlocks, block_entries, row_blocks
+from transfer.state_slices import senders as slice_senders
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ def plan_chunk(room: SendingRoom, chunk: Chunk, config: ManagerConfig) -> ChunkP
                 plans.append(aux)
                 roles.append("aux")
         if chunk.last and any(req.dst_states):
-            for i, kind, plan in _state_plans(room, req, peer, local, config, next_part, parts):
+            for kind, plan in _state_plans(room, req, peer, local, config, next_part, parts):
                 if plan is not None:
                     plans.append(plan)
                     roles.append(f"state:{kind}")
@@ -158,7 +158,7 @@ def plan_chunk(room: SendingRoom, chunk: Chunk, config: ManagerConfig) -> ChunkP
 
 def _state_plans(room: SendingRoom, req: TransferRequest, peer: RankInfo, local: RankInfo, config: ManagerConfig,
                  next_part: int, parts: list):
-    """(state pool, kind, direct plan or None) for each state pool the
+    """(kind, direct plan or None) for each state pool the
     request asks of this rank; a fenced decode rank's go to ``parts``
     instead (numbered from ``next_part``). Raises RequestError when the
     room named no items of a state decode asks for, ValueError / IndexError
@@ -182,9 +182,9 @@ def _state_plans(room: SendingRoom, req: TransferRequest, peer: RankInfo, local:
                                local.staging is None)
             next_part += len(new)
             parts.extend(new)
-            out.append((i, pool.kind, None))
+            out.append((pool.kind, None))
         else:
-            out.append((i, pool.kind, plan_state(pool, theirs, src, dst, blocks)))
+            out.append((pool.kind, plan_state(pool, theirs, src, dst, blocks)))
     return out
 
 
