@@ -79,8 +79,10 @@ def run_prefill(a) -> None:
         for r, poll in zip(live, polls):
             s = senders[r.room]
             if poll == KVPoll.Failed:
-                err = _error_of(s)
-                emit("RESULT", room=r.room, state="Failed", error=err, phase=phase[r.room])
+                err = _error_of(s)  # as SGLang's prefill: a room failed on another rank is aborted on this one
+                core = getattr(s, "_core", None)  # kvferry's own room on this rank (None: another backend)
+                emit("RESULT", room=r.room, state="Failed", error=err, phase=phase[r.room],
+                     core_state=core.poll().name if core is not None else None)
                 phase[r.room] = "done"
             elif poll == KVPoll.Success:
                 m = s.get_transfer_metric()
@@ -172,7 +174,7 @@ def _send(rank: Rank, r: Request, s, pages: list[int], prefix_pages: int, clock,
     """SGLang's chunked sends of the pages after decode's prefix."""
     suffix = pages[prefix_pages:]
     clock.start(r.room)
-    if r.action == "decode_abort":
+    if r.action.startswith("decode_abort"):
         return  # decode aborts this room before any chunk: wait for the Failed poll
     offset = 0
     for i, size in enumerate(r.chunks):
@@ -210,11 +212,19 @@ def _error_of(obj) -> str:
     return ""
 
 
-def _release_safe(receiver) -> bool | None:
-    try:
-        return bool(receiver.is_abort_release_safe())
-    except NotImplementedError:  # backends without deferred-release support
-        return None
+def _wait_release_safe(receiver, timeout_s: float) -> float | None:
+    """Seconds until ``is_abort_release_safe()`` (None: not within
+    ``timeout_s``, or a backend without deferred-release support)."""
+    start = time.monotonic()
+    while True:
+        try:
+            if receiver.is_abort_release_safe():
+                return time.monotonic() - start
+        except NotImplementedError:
+            return None
+        if time.monotonic() - start > timeout_s:
+            return None
+        time.sleep(0.01)
 
 
 def _extra_stats(sender) -> dict:
@@ -264,7 +274,9 @@ def run_decode(a) -> None:
     for r in reqs:
         if not r.after_release:
             ask(r)
-    to_abort = {r.room for r in reqs if r.action == "decode_abort"}
+    # decode_abort_one: only the first TP rank aborts; SGLang fails the room on the others (MIN over the ranks)
+    to_abort = {r.room for r in reqs if r.action == "decode_abort" or
+                (r.action == "decode_abort_one" and rank.attn_tp_rank == 0)}
     to_release = {r.room: None for r in reqs if r.action == "release"}  # room -> when it was seen in flight
     live = [r for r in reqs if not r.after_release]
     while live and time.monotonic() < deadline:
@@ -289,13 +301,18 @@ def run_decode(a) -> None:
                     if not a.scenario.startswith("bench") else {}
                 emit("RESULT", room=r.room, state="Success", e2e_s=done_s, **checks)
             elif poll == KVPoll.Failed:
+                # As SGLang's decode: failure_exception() first (a room that failed on another rank is
+                # aborted on this one), then, with the deferred release, the pages are reused only once
+                # is_abort_release_safe(): from then on nothing may write them.
+                error = _error_of(receivers[r.room])
+                waited = _wait_release_safe(receivers[r.room], 10.0)
                 before = [rank.pages_view(t, pages[r.room]).clone() for _, t in rank.buffers]
-                time.sleep(0.5)  # pages are free now: nothing may write them afterwards
+                time.sleep(0.5)
                 after = [rank.pages_view(t, pages[r.room]) for _, t in rank.buffers]
-                emit("RESULT", room=r.room, state="Failed", error=_error_of(receivers[r.room]),
+                emit("RESULT", room=r.room, state="Failed", error=error,
                      written_after_failure=sum(int((x != y).sum()) for x, y in zip(before, after)),
                      pages_untouched=all(bool((x == SENTINEL).all()) for x in after),
-                     release_safe=_release_safe(receivers[r.room]))
+                     release_safe=waited is not None, release_wait_s=waited)
             else:
                 still.append(r)
         live = still

@@ -17,7 +17,8 @@ class Request:
     num_pages: int
     chunks: tuple[int, ...] = ()
     prefix_pages: int = 0
-    action: str = ""  # "", "decode_abort", "prefill_abort", "kill", "release" (see below)
+    action: str = ""  # "", "decode_abort" (every decode rank), "decode_abort_one" (its first TP rank),
+    # "prefill_abort", "kill", "release" (see below)
     corrupt: bool = False  # decode flips a landed byte before it checks the KV checksum
     after_release: bool = False  # decode asks for it only after its memory release and resume
     tags: tuple[str, ...] = field(default=())
@@ -33,6 +34,7 @@ def requests_of(name: str) -> list[Request]:
             Request(_BASE + 5, 4, action="decode_abort", tags=("abort on decode",)),
             Request(_BASE + 6, 5, (2,), action="prefill_abort", tags=("abort on prefill",)),
             Request(_BASE + 7, 3, prefix_pages=3, tags=("decode holds every page", "empty last chunk")),
+            Request(_BASE + 8, 5, (2,), action="decode_abort_one", tags=("abort on the first decode TP rank",)),
         ]
     if name == "checksum":  # --kv-checksum: SGLang's digest row travels with the aux rows
         return [

@@ -124,10 +124,20 @@ class KvferryKVSender(BaseKVSender):
         return self.poll()
 
     def failure_exception(self) -> None:
+        """Raise why the room failed. SGLang calls it once its poll, a MIN
+        over the TP ranks, said Failed: when this rank's own room is still
+        live (another rank failed), it is aborted here, so that its peers
+        stop and its drain starts at once (``is_abort_release_safe`` turns
+        true as soon as no write may land), not at a timeout."""
         if self._error is not None:
             raise self._error
-        if self._core is not None and self._core.poll() is KVPoll.Failed:
-            self._core.failure_exception()
+        if self._core is not None:
+            state = self._core.poll()
+            if state is KVPoll.Failed:
+                self._core.failure_exception()
+            if state is not KVPoll.Success:
+                self._core.abort("failed on another rank of this SGLang prefill server (SGLang fails a room "
+                                 "on all its TP ranks)")
         raise FailedOnAnotherRank(f"room {self.bootstrap_room}: failed on another rank")
 
     def abort(self) -> None:
