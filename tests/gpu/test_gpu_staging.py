@@ -70,3 +70,28 @@ def test_page_ids_go_pinned_to_the_device():
     t = copies.page_tensor(np.array([5, 1, 9]), device)
     copies.copy_stream(device).synchronize()
     assert t.device.type == "cuda" and t.dtype == torch.int64 and t.cpu().tolist() == [5, 1, 9]
+
+
+@pytest.mark.parametrize("sliced", [False, True], ids=["whole", "resliced"])
+def test_device_state_gather_scatter_equals_the_cpu_result(sliced):
+    """State items (transfer.state_pools) through staging on the device: a
+    Mamba-like slot state, whole or resliced from prefill rank 1 of 2 into
+    decode rank 0 of 1 (three conv sub-blocks), as on the CPU."""
+    from bootstrap.messages import StateBuffer
+    from transfer.state_pools import StatePool, state_rows
+    from transfer.state_slices import row_blocks
+
+    out = {}
+    for device in ("cpu", "cuda"):
+        g = torch.Generator().manual_seed(5)
+        src = StatePool("mamba", [torch.randint(0, 255, (8, 8, 3), dtype=torch.uint8, generator=g).to(device)])
+        dst = StatePool("mamba", [torch.zeros((9, 16 if sliced else 8, 3), dtype=torch.uint8, device=device)])
+        s_buf = StateBuffer(addr=1, item_bytes=24, num_items=8, slice_dim=8, slice_groups=(4, 4, 8))
+        d_buf = StateBuffer(addr=1, item_bytes=48 if sliced else 24, num_items=9, slice_dim=16 if sliced else 8,
+                            slice_groups=(4, 4, 8))
+        blocks = (row_blocks(s_buf, d_buf, 1, 2, 0, 1 if sliced else 2, first_sender=False),)
+        staging = torch.zeros(4096, dtype=torch.uint8, device=device)
+        copies.gather_state(staging, 0, state_rows(src), copies.page_tensor(np.array([5, 2]), staging.device), blocks)
+        copies.scatter_state(staging, 0, state_rows(dst), copies.page_tensor(np.array([7, 0]), staging.device), blocks)
+        out[device] = (dst.buffers[0].cpu().numpy().tobytes(), staging.cpu().numpy().tobytes())
+    assert out["cuda"] == out["cpu"]
