@@ -3,7 +3,8 @@
 :func:`check_compatible` compares what must match between a prefill rank and
 a decode rank (per pool role: attention kind, dtype, page size, layer count,
 KV heads, head dim, K/V packing and page interior; the TP pair; the aux regions' number and row sizes; the state
-pools' kinds, buffers and item sizes, and equal TP sizes for a sharded state) and raises
+pools' kinds, buffers and item sizes, and for a sharded state between different TP sizes, slice axes that
+reslice) and raises
 :class:`~transfer.errors.IncompatibleLayoutError` naming the first field that
 differs. :func:`layout_fingerprint` hashes the same fields, for logs and for
 storage keys.
@@ -17,8 +18,8 @@ import enum
 
 from bootstrap.messages import KVLayout, PageLayout, PoolDescriptor, PoolRole, RankInfo
 from transfer import tp
-from transfer.state_slices import check_slices
 from transfer.errors import IncompatibleLayoutError, IncompatibleTransportError
+from transfer.state_slices import check_slices
 
 _POOL_FIELDS = ("attention", "dtype", "itemsize", "page_size", "num_layers", "total_kv_heads", "head_dim",
                 "page_layout")

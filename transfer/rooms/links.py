@@ -17,8 +17,8 @@ from transfer.errors import (BootstrapError, BootstrapRefused, BootstrapUnavaila
                              IncompatibleTransportError, KVFerryError, PeerError, ProtocolError, UnknownNodeError)
 from transfer.layout import check_compatible
 from transfer.messages import PeerHello, PeerHelloReply, PoolAssignment
-from transfer.state_slices import senders as state_senders
 from transfer.rooms.context import LookupClient, RoomContext
+from transfer.state_slices import senders as state_senders
 from transfer.stats import FailureReason, tag_reason
 
 log = logging.getLogger("kvferry.receiver")
