@@ -61,7 +61,7 @@ def run_prefill(a) -> None:
     rank = Rank(a)
     group = gloo_group(rank)
     # SGLang's DP controller puts a room on prefill DP rank room % dp_size (follow_bootstrap_room)
-    reqs = [r for r in requests_of(a.scenario) if r.room % a.dp_size == rank.dp_rank]
+    reqs = [r for i, r in enumerate(requests_of(a.scenario)) if _prefill_dp_of(a, i, r.room) == rank.dp_rank]
     taken: set = set()
     addr = f"127.0.0.1:{a.port}"
     pages = {r.room: pick_pages(a, "prefill", r.room, r.num_pages, taken) for r in reqs}
@@ -159,6 +159,35 @@ def _state_share(rank: Rank, room: int, key: str, t, axis, count: int) -> torch.
     return torch.cat(parts, dim=2).reshape(count, -1)
 
 
+def _prefill_dp_of(a, i: int, room: int) -> int:
+    """The prefill DP rank SGLang's DP controller gives the ``i``-th room:
+    room % dp_size under follow_bootstrap_room (the PD prefill default);
+    under another method (round_robin) a rank of its own choosing, here
+    never room % dp_size, so that a decode that guessed would ask the wrong rank."""
+    if a.load_balance in ("auto", "follow_bootstrap_room"):
+        return room % a.dp_size
+    return (room + 1) % a.dp_size
+
+
+def _decode_dp_of(rank: Rank, addr: str, info, room: int, deadline: float) -> int | None:
+    """The prefill DP rank of a room as SGLang's decode resolves it
+    (``_resolve_prefill_dp_rank``): room % dp_size when the prefill follows
+    the bootstrap room, else SGLang's own HTTP query of the bootstrap port's
+    registry (``CommonKVReceiver.query_prefill_dp_ranks``), until it knows."""
+    if info.dp_size == 1:
+        return 0
+    if info.follow_bootstrap_room:
+        return room % info.dp_size
+    from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+
+    while time.monotonic() < deadline:
+        found = CommonKVReceiver.query_prefill_dp_ranks(addr, [room])
+        if str(room) in found:
+            return int(found[str(room)])
+        time.sleep(0.1)
+    return None
+
+
 def _fill(rank: Rank, r: Request, pages: list[int], items: list) -> None:
     """Write this rank's heads of the request's KV into its pages, and its
     share of the request's state into its state items (before any transfer:
@@ -251,7 +280,8 @@ def run_decode(a) -> None:
             return
         time.sleep(0.2)
     info = rank.mgr.prefill_info_table[addr]
-    emit("READY", role="decode", prefill_tp=info.attn_tp_size, prefill_dp=info.dp_size)
+    emit("READY", role="decode", prefill_tp=info.attn_tp_size, prefill_dp=info.dp_size,
+         follow_bootstrap_room=info.follow_bootstrap_room)
     taken: set = set()
     pages = {r.room: pick_pages(a, "decode", r.room, r.num_pages, taken) for r in reqs}
     items = _state_items(rank, "decode", reqs)
@@ -261,7 +291,7 @@ def run_decode(a) -> None:
     def ask(r: Request):
         clock.start(r.room)
         recv = rank.receiver_cls(mgr=rank.mgr, bootstrap_addr=addr, bootstrap_room=r.room)
-        recv.init(r.room % info.dp_size)
+        recv.init(_decode_dp_of(rank, addr, info, r.room, deadline))
         slots[r.room] = (r.room * 3 + 1) % NUM_SLOTS
         rank.meta.clear_slot(slots[r.room])
         suffix = pages[r.room][r.prefix_pages:]
@@ -411,6 +441,7 @@ def main(argv=None) -> int:
     p.add_argument("--tp-rank", type=int, default=0)
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--dp-size", type=int, default=1, help="attention DP groups among the TP ranks")
+    p.add_argument("--load-balance", default="auto", help="the prefill's --load-balance-method")
     p.add_argument("--pool", choices=["mha", "mla"], default="mha")
     p.add_argument("--draft", action="store_true")
     p.add_argument("--state", choices=["", "swa", "mamba", "dsa", "mxfp8"], default="",

@@ -233,6 +233,7 @@ def server_args_of(a):
 
     sa = ServerArgs(model_path=a.model_dir or "unused", disaggregation_mode=a.role if a.role != "bootstrap" else
                     "prefill", tp_size=a.tp_size, dp_size=a.dp_size, enable_dp_attention=a.dp_size > 1,
+                    load_balance_method=a.load_balance if a.role == "prefill" else "auto",
                     disaggregation_transfer_backend=a.backend, host="127.0.0.1",
                     disaggregation_bootstrap_port=a.port, device="cpu", skip_tokenizer_init=True)
     if a.backend != "kvferry":

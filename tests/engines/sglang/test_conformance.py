@@ -56,8 +56,6 @@ def test_the_plugin_selects_kvferry_with_no_sglang_change(sglang):
     (dict(state_types=["dsa_tail"], state_data_ptrs=[[1]]), "state pools of type dsa_tail"),
     (dict(pp_size=2), "pipeline parallelism"),
     (dict(attn_cp_size=2), "context parallelism"),
-    (dict(disaggregation_mode="prefill", dp_size=2, load_balance_method="round_robin"),
-     "a prefill with DP 2 and --load-balance-method round_robin"),
 ])
 def test_unsupported_setups_are_refused_at_start_up(sglang, change, words):
     from types import SimpleNamespace
@@ -131,18 +129,27 @@ def test_mha_with_draft_prefill_tp2_to_decode_tp1_staged():
         _check_main(run)
 
 
-def test_attention_dp2_on_both_sides_routes_each_room_to_its_prefill_dp_rank():
+@pytest.mark.parametrize("method", ["auto", "round_robin"])
+def test_attention_dp2_on_both_sides_routes_each_room_to_its_prefill_dp_rank(method):
     """SGLang's DP attention: prefill TP 2 as two DP groups of one rank, decode
-    likewise. A room sits on prefill DP rank room % 2 (follow_bootstrap_room,
-    SGLang's PD prefill default); decode learns the prefill's DP size at the
-    bootstrap lookup and asks that DP rank, and every room lands exact."""
-    with Run("main", pool="mha", prefill_tp=2, prefill_dp=2, decode_tp=2, decode_dp=2, timeout_s=150) as run:
+    likewise. Under follow_bootstrap_room (``auto``, SGLang's PD prefill
+    default) a room sits on prefill DP rank room % 2, and decode asks that
+    rank; under round_robin the prefill's DP controller puts it elsewhere
+    (here on the other rank), the prefill's senders register each room's DP
+    rank with the bootstrap port's registry, and SGLang's decode asks it
+    over HTTP (``/query_dp_ranks``, SGLang's own code). Decode learns the
+    prefill's method at the bootstrap lookup; every room lands exact."""
+    with Run("main", pool="mha", prefill_tp=2, prefill_dp=2, decode_tp=2, decode_dp=2, timeout_s=150,
+             extra_args=["--load-balance", method]) as run:
         _check_main(run)
+        follows = method == "auto"
         for p in run.prefill:  # each DP rank served the rooms of its own residue, and only those
             ready = p.events("READY")[0]
             served = {r["room"] for r in p.events("RESULT")}
-            assert served == set(ready["rooms"]) and all(room % 2 == ready["dp_rank"] for room in served), ready
-        assert {e["prefill_dp"] for d in run.decode for e in d.events("READY")} == {2}
+            assert served == set(ready["rooms"]) and served, ready
+            assert all((room % 2 == ready["dp_rank"]) == follows for room in served), ready
+        assert {(e["prefill_dp"], e["follow_bootstrap_room"]) for d in run.decode for e in d.events("READY")} == \
+            {(2, follows)}
 
 
 def test_mha_prefill_tp1_to_decode_tp2_each_decode_rank_gets_its_heads():
@@ -252,22 +259,6 @@ def test_memory_release_fails_the_room_in_flight_and_a_room_after_resume_lands_e
         (d,) = decode[later.room]
         assert d["state"] == "Success", d
         assert (d["bad_page_bytes"], d["bad_prefix_bytes"], d["bad_aux_bytes"]) == (0, 0, 0), d
-
-
-@pytest.mark.parametrize("mode, method", [("prefill", "follow_bootstrap_room"), ("prefill", "auto"),
-                                          ("decode", "round_robin")])
-def test_dp_routing_that_matches_kvferrys_is_accepted(sglang, mode, method):
-    """A prefill that places rooms by follow_bootstrap_room (the PD prefill
-    default, what ``auto`` resolves to), and a decode of any method, pass."""
-    from types import SimpleNamespace
-
-    from sglang.srt.disaggregation.base.conn import KVArgs
-
-    from transfer.adapters.sglang.kvargs import check_supported
-
-    kv_args = KVArgs()
-    kv_args.state_types, kv_args.state_data_ptrs = [], []
-    check_supported(kv_args, SimpleNamespace(disaggregation_mode=mode, dp_size=2, load_balance_method=method))
 
 
 def _sliding_window_pool():

@@ -70,15 +70,6 @@ def check_supported(args, server_args) -> None:
         problems.append("host KV destinations")
     if getattr(server_args, "disaggregation_decode_enable_offload_kvcache", False):
         problems.append("decode KV offload")
-    mode = str(getattr(getattr(server_args, "disaggregation_mode", ""), "value",
-                       getattr(server_args, "disaggregation_mode", "")))
-    method = str(getattr(server_args, "load_balance_method", "auto") or "auto")
-    dp_size = int(getattr(server_args, "dp_size", 1) or 1)
-    if mode == "prefill" and dp_size > 1 and method not in ("auto", "follow_bootstrap_room"):
-        # Decode asks prefill DP rank room % dp_size for a room (follow_bootstrap_room); another
-        # method would put the room on another DP rank, and decode would wait for it in vain.
-        problems.append(f"a prefill with DP {dp_size} and --load-balance-method {method} (kvferry routes a "
-                        "room to prefill DP rank room % DP size: follow_bootstrap_room, the PD prefill default)")
     layout = getattr(args, "kv_layout", None)
     if layout not in (None, "nhd", "hnd", "NHD", "HND"):
         problems.append(f"KV layout {layout!r}")

@@ -9,7 +9,8 @@ from typing import Optional
 
 from sglang.srt.disaggregation.base.conn import BaseKVManager
 
-from transfer.adapters.sglang.bootstrap import bind_host
+from transfer.adapters.sglang.bootstrap import (RoomRegistrar, bind_host, front_info, kvferry_address, post,
+                                               wait_kvferry_address)
 from transfer.adapters.sglang.kvargs import (aux_regions_from_kv_args, check_supported, device_of, kv_heads_of_model,
                                              pools_from_kv_args, states_from_kv_args)
 from transfer.config import Role, manager_config_from_env
@@ -33,6 +34,13 @@ def parallel_ranks(args, server_args) -> tuple[int, int, int, int]:
         return rank % attn_tp, attn_tp, rank // attn_tp, dp_size
     dp_rank = int(getattr(args, "system_dp_rank", 0) or 0)
     return rank % tp_size, tp_size, dp_rank if dp_rank < dp_size else 0, dp_size
+
+
+def _follows_bootstrap_room(server_args) -> bool:
+    """Whether a prefill puts room r on DP rank r % dp_size (SGLang's
+    ``follow_bootstrap_room``, what ``auto`` means for a PD prefill)."""
+    method = str(getattr(server_args, "load_balance_method", "auto") or "auto")
+    return method in ("auto", "follow_bootstrap_room")
 
 
 def _engine_host(server_args) -> str:
@@ -75,11 +83,22 @@ class KvferryKVManager(BaseKVManager):
         self.page_size = int(args.page_size)
         tp_rank, tp_size, dp_rank, dp_size = parallel_ranks(args, server_args)
         host = bind_host(getattr(server_args, "host", None))
+        #: SGLang's bootstrap address (HTTP, see .bootstrap), and the routing of this prefill's DP ranks
+        self.sglang_bootstrap = f"{host}:{int(server_args.disaggregation_bootstrap_port)}"
+        self.follow_bootstrap_room = _follows_bootstrap_room(server_args)
         config = manager_config_from_env(
             self.role, tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank, dp_size=dp_size,
             node_id=PREFILL_NODE if self.role is Role.PREFILL else "sglang-decode",
-            bootstrap_addr=f"{host}:{int(server_args.disaggregation_bootstrap_port)}",
+            bootstrap_addr=self.sglang_bootstrap,
             **({} if _env_sets("host") else {"host": _engine_host(server_args)}), **_sglang_timeouts())
+        self.rooms_registrar = None
+        if self.role is Role.PREFILL:  # kvferry's bootstrap server sits behind SGLang's HTTP port
+            config = dataclasses.replace(config, bootstrap_addr=wait_kvferry_address(
+                self.sglang_bootstrap, config.register_timeout_s))
+            post(self.sglang_bootstrap, "/kvferry", {"follow_bootstrap_room": self.follow_bootstrap_room,
+                                                     "dp_size": dp_size})
+            if dp_size > 1 and not self.follow_bootstrap_room:  # decode asks the registry where a room is
+                self.rooms_registrar = RoomRegistrar(self.sglang_bootstrap, dp_rank)
         ib_device = getattr(args, "ib_device", None)
         if ib_device and not config.engine.device_name:  # --disaggregation-ib-device, unless KVFERRY_DEVICE_NAME
             config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, device_name=str(ib_device)))
@@ -104,11 +123,19 @@ class KvferryKVManager(BaseKVManager):
         re-registering; nothing to do here."""
 
     # --- decode scheduler members outside the ABC -------------------------------------------
+    def kvferry_address(self, bootstrap_addr: str) -> str | None:
+        """kvferry's bootstrap server behind SGLang's bootstrap address (None:
+        it does not answer yet). Blocks at most 1 s, once per address."""
+        return kvferry_address(bootstrap_addr, _LOOKUP_TIMEOUT_S)
+
     def prefill_topology(self, bootstrap_addr: str) -> tuple[int, int] | None:
-        """(dp_size, tp_size) of the prefill node at ``bootstrap_addr``, once
-        its DP group 0 registered; None if unknown yet. Blocks at most 1 s."""
+        """(dp_size, tp_size) of the prefill node at (SGLang's) ``bootstrap_addr``,
+        once its DP group 0 registered; None if unknown yet. Blocks at most 1 s."""
+        addr = self.kvferry_address(bootstrap_addr)
+        if addr is None:
+            return None
         try:
-            topology = self.core.prefill_topology(bootstrap_addr, PREFILL_NODE, timeout_s=_LOOKUP_TIMEOUT_S)
+            topology = self.core.prefill_topology(addr, PREFILL_NODE, timeout_s=_LOOKUP_TIMEOUT_S)
         except KVFerryError as exc:
             log.debug("prefill topology of %s not known yet: %s", bootstrap_addr, exc)
             return None
@@ -123,9 +150,15 @@ class KvferryKVManager(BaseKVManager):
         from sglang.srt.disaggregation.common.conn import PrefillServerInfo
 
         dp_size, tp_size = topology
+        info = front_info(bootstrap_addr, _LOOKUP_TIMEOUT_S) or {}
+        if "follow_bootstrap_room" not in info:
+            return False  # the prefill has not said how it routes rooms to its DP ranks yet
+        # follow_bootstrap_room: a room sits on prefill DP rank room % dp_size; otherwise SGLang's decode asks
+        # the bootstrap port's registry (/query_dp_ranks), where the prefill's senders registered their rooms
         self.prefill_info_table[bootstrap_addr] = PrefillServerInfo(
             attn_tp_size=tp_size, attn_cp_size=1, dp_size=dp_size, pp_size=1, page_size=self.page_size,
-            kv_cache_dtype=getattr(self.kv_args, "kv_cache_dtype_str", None), follow_bootstrap_room=True)
+            kv_cache_dtype=getattr(self.kv_args, "kv_cache_dtype_str", None),
+            follow_bootstrap_room=bool(info["follow_bootstrap_room"]))
         return True
 
     def is_abort_release_safe(self, room: int, required_acks: int = 0) -> bool:

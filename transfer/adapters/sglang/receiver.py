@@ -54,8 +54,15 @@ class KvferryKVReceiver(BaseKVReceiver):
     def init(self, prefill_dp_rank: int) -> None:
         if self._core is not None or self.conclude_state is not None:
             return
+        addr = self.kv_mgr.kvferry_address(self.bootstrap_addr)
+        if addr is None:
+            from transfer.errors import BootstrapUnavailable
+
+            self._fail(BootstrapUnavailable(f"room {self.bootstrap_room}: SGLang bootstrap {self.bootstrap_addr} "
+                                            "does not say where kvferry's bootstrap server is (GET /kvferry)"))
+            return
         try:
-            self._core = KVReceiver(self.kv_mgr.core, self.bootstrap_addr, self.bootstrap_room,
+            self._core = KVReceiver(self.kv_mgr.core, addr, self.bootstrap_room,
                                     prefill_node=PREFILL_NODE, prefill_dp_rank=int(prefill_dp_rank))
         except KVFerryError as exc:
             self._fail(exc)

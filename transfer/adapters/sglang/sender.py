@@ -52,6 +52,8 @@ class KvferryKVSender(BaseKVSender):
         self._state_indices = None  # per SGLang state type: this room's items (with the last chunk)
         self._started_s: float | None = None
         self._latency_s: float | None = None
+        if mgr.rooms_registrar is not None:  # the prefill routes rooms to DP ranks by another rule than room % dp
+            mgr.rooms_registrar.register(self.bootstrap_room)
         try:
             self._core = KVSender(mgr.core, bootstrap_addr, self.bootstrap_room)
         except KVFerryError as exc:  # a live sender holds the room id, or the manager closed
