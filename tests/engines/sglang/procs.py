@@ -154,7 +154,7 @@ class Run:
     procs: list = field(default_factory=list)
 
     def __enter__(self) -> "Run":
-        env = child_env(self.env)
+        env = child_env({"KVFERRY_SGLANG_BOOTSTRAP_PORT": str(free_port()), **self.env})
         port = free_port()
         pgloo, dgloo = free_ports(self.prefill_dp), free_ports(self.decode_dp)
         self._model = tempfile.TemporaryDirectory(prefix="sglang-model-")

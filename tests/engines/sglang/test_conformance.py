@@ -307,3 +307,42 @@ def test_a_state_pool_built_as_sglang_builds_it_becomes_a_kvferry_state_pool(sgl
     assert [b.item_bytes for b in desc.buffers] == kv_args.state_item_lens[0]
     assert [b.num_items for b in desc.buffers] == [n // i for n, i in zip(kv_args.state_data_lens[0],
                                                                           kv_args.state_item_lens[0])]
+
+
+def test_the_bootstrap_port_speaks_sglangs_http_and_names_kvferrys_port(sglang, monkeypatch):
+    """The bootstrap port serves SGLang's room registry (its own
+    CommonKVReceiver.query_prefill_dp_ranks reads what a prefill registered)
+    and GET /kvferry names kvferry's bootstrap server, by default on the
+    next port; a malformed request gets 400 and the server keeps serving."""
+    import json
+    import time
+    import urllib.error
+    import urllib.request
+
+    from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+
+    from tests.engines.sglang.procs import free_ports
+    from transfer.adapters.sglang.bootstrap import KvferryKVBootstrapServer, RoomRegistrar, kvferry_address, post
+
+    monkeypatch.delenv("KVFERRY_SGLANG_BOOTSTRAP_PORT", raising=False)
+    port = free_ports(2)
+    server = KvferryKVBootstrapServer("127.0.0.1", port)
+    try:
+        addr = f"127.0.0.1:{port}"
+        assert kvferry_address(addr, 2.0) == f"127.0.0.1:{port + 1}" == server.server.address
+        with pytest.raises(urllib.error.HTTPError, match="400"):
+            urllib.request.urlopen(urllib.request.Request(f"http://{addr}/query_dp_ranks", data=b"{", method="POST"),
+                                   timeout=2)
+        RoomRegistrar(addr, 1).register(7_000_000_000_123)
+        assert post(addr, "/register_dp_rank", {"bootstrap_room": 42, "dp_rank": 0})
+        for _ in range(50):
+            found = CommonKVReceiver.query_prefill_dp_ranks(addr, [42, 7_000_000_000_123, 5])
+            if len(found) == 2:
+                break
+            time.sleep(0.05)
+        assert found == {"42": 0, "7000000000123": 1}
+        assert post(addr, "/kvferry", {"follow_bootstrap_room": False, "dp_size": 2})
+        with urllib.request.urlopen(f"http://{addr}/kvferry", timeout=2) as reply:
+            assert json.loads(reply.read()) == {"port": port + 1, "follow_bootstrap_room": False, "dp_size": 2}
+    finally:
+        server.close()

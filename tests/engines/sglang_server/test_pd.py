@@ -40,7 +40,9 @@ def servers(tmp_path_factory):
     root = tmp_path_factory.mktemp("sglang-server")
     model = build_tiny_model(str(root / "model"))
     bootstrap = free_port()
-    specs = [SGLangSpec("reference", model), SGLangSpec("prefill", model, "prefill", bootstrap_port=bootstrap),
+    # kvferry's own bootstrap port (beside SGLang's HTTP one): a free one, not the default next port
+    specs = [SGLangSpec("reference", model), SGLangSpec("prefill", model, "prefill", bootstrap_port=bootstrap,
+                                                        env={"KVFERRY_SGLANG_BOOTSTRAP_PORT": str(free_port())}),
              SGLangSpec("decode", model, "decode")]
     started = []
     try:

@@ -7,8 +7,8 @@ The prefill TokenizerManager starts it on ``--disaggregation-bootstrap-port``
 ``--load-balance-method`` is not ``follow_bootstrap_room``), so the port
 serves HTTP (:class:`FrontDoor`): SGLang's ``/register_dp_rank`` and
 ``/query_dp_ranks``, and ``/kvferry``, where kvferry's ranks learn the port
-of kvferry's own bootstrap server (ZMQ, a port of its own) and the prefill's
-DP routing. Prefill ranks register there, decode ranks look them up
+of kvferry's own bootstrap server (ZMQ, by default the next port) and the
+prefill's DP routing. Prefill ranks register there, decode ranks look them up
 (:func:`kvferry_address` maps a request's ``bootstrap_host:bootstrap_port``
 to it).
 """
@@ -120,14 +120,16 @@ class FrontDoor:
 
 class KvferryKVBootstrapServer(BaseKVBootstrapServer):
     """SGLang's HTTP on its bootstrap port (:class:`FrontDoor`), kvferry's
-    bootstrap server on ``KVFERRY_SGLANG_BOOTSTRAP_PORT`` (default: any free
-    port; set it where a firewall must name the port)."""
+    bootstrap server on ``KVFERRY_SGLANG_BOOTSTRAP_PORT`` (default: the next
+    port, so that a restarted prefill server keeps the address decode
+    learned; 0: any free port)."""
 
     def __init__(self, host: str, port: int) -> None:
         import os
 
         secret = manager_config_from_env(Role.PREFILL).secret or None
-        own_port = int(os.environ.get("KVFERRY_SGLANG_BOOTSTRAP_PORT", "0") or 0)
+        own_port = os.environ.get("KVFERRY_SGLANG_BOOTSTRAP_PORT", "")
+        own_port = int(port) + 1 if own_port.strip() == "" else int(own_port)
         self.server = BootstrapServer(bind_host(host), own_port, secret=secret).start()
         try:
             self.door = FrontDoor(bind_host(host), int(port), self.server.port)
