@@ -193,10 +193,10 @@ def state_blocks(src: StatePoolDescriptor, dst: StatePoolDescriptor, prefill: Ra
     """What prefill rank ``prefill`` sends of each item of each buffer of a
     state pool to decode rank ``decode_rank`` (of ``decode``'s TP size):
     whole items, or a sharded state's slices between different TP sizes."""
-    first = slice_senders(src, prefill.tp_rank, prefill.tp_size, decode_rank, decode.tp_size)[0] == prefill.tp_rank
     if src.sharding is StateSharding.REPLICATED:
         return tuple(RowBlocks(1, s.item_bytes, d.item_bytes, ((0, 0, s.item_bytes),))
                      for s, d in zip(src.buffers, dst.buffers))
+    first = slice_senders(src, prefill.tp_rank, prefill.tp_size, decode_rank, decode.tp_size)[0] == prefill.tp_rank
     return tuple(row_blocks(s, d, prefill.tp_rank, prefill.tp_size, decode_rank, decode.tp_size, first)
                  for s, d in zip(src.buffers, dst.buffers))
 

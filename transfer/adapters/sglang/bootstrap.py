@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -28,6 +29,7 @@ from sglang.srt.disaggregation.base.conn import BaseKVBootstrapServer
 
 from bootstrap.server import BootstrapServer
 from transfer.config import Role, manager_config_from_env
+from transfer.errors import BootstrapUnavailable
 
 log = logging.getLogger("kvferry.sglang")
 
@@ -125,8 +127,6 @@ class KvferryKVBootstrapServer(BaseKVBootstrapServer):
     learned; 0: any free port)."""
 
     def __init__(self, host: str, port: int) -> None:
-        import os
-
         secret = manager_config_from_env(Role.PREFILL).secret or None
         own_port = os.environ.get("KVFERRY_SGLANG_BOOTSTRAP_PORT", "")
         own_port = int(port) + 1 if own_port.strip() == "" else int(own_port)
@@ -185,8 +185,6 @@ def wait_kvferry_address(addr: str, timeout_s: float) -> str:
         if found is not None:
             return found
         if time.monotonic() > deadline:
-            from transfer.errors import BootstrapUnavailable
-
             raise BootstrapUnavailable(f"SGLang bootstrap port {addr}: no kvferry bootstrap server answered "
                                        f"GET /kvferry within {timeout_s:g} s")
         time.sleep(0.2)

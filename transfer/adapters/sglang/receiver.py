@@ -26,8 +26,8 @@ import numpy as np
 from sglang.srt.disaggregation.base.conn import BaseKVReceiver
 
 from transfer.adapters.sglang.manager import PREFILL_NODE
-from transfer.adapters.sglang.sender import FailedOnAnotherRank
-from transfer.errors import KVFerryError, StateError, TransferError
+from transfer.adapters.sglang.sender import raise_failure
+from transfer.errors import BootstrapUnavailable, KVFerryError, StateError, TransferError
 from transfer.rooms.receiver import KVReceiver
 from transfer.state import KVPoll
 
@@ -56,8 +56,6 @@ class KvferryKVReceiver(BaseKVReceiver):
             return
         addr = self.kv_mgr.kvferry_address(self.bootstrap_addr)
         if addr is None:
-            from transfer.errors import BootstrapUnavailable
-
             self._fail(BootstrapUnavailable(f"room {self.bootstrap_room}: SGLang bootstrap {self.bootstrap_addr} "
                                             "does not say where kvferry's bootstrap server is (GET /kvferry)"))
             return
@@ -104,21 +102,7 @@ class KvferryKVReceiver(BaseKVReceiver):
         return state
 
     def failure_exception(self) -> None:
-        """Raise why the room failed. SGLang calls it once its poll, a MIN
-        over the TP ranks, said Failed: when this rank's own room is still
-        live (another rank failed), it is aborted here, so that its peers
-        stop and its drain starts at once (``is_abort_release_safe`` turns
-        true as soon as no write may land), not at a timeout."""
-        if self._error is not None:
-            raise self._error
-        if self._core is not None:
-            state = self._core.poll()
-            if state is KVPoll.Failed:
-                self._core.failure_exception()
-            if state is not KVPoll.Success:
-                self._core.abort("failed on another rank of this SGLang decode server (SGLang fails a room "
-                                 "on all its TP ranks)")
-        raise FailedOnAnotherRank(f"room {self.bootstrap_room}: failed on another rank")
+        raise_failure(self._error, self._core, self.bootstrap_room, "decode")
 
     def abort(self) -> None:
         self.abort_notified = True

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import List, Optional
+from typing import List, NoReturn, Optional
 
 import numpy as np
 from sglang.srt.disaggregation.base.conn import BaseKVSender, KVTransferMetric
@@ -34,6 +34,26 @@ class FailedOnAnotherRank(TransferError):
     """SGLang's MIN all-reduce failed the room because another rank failed."""
 
     is_from_another_rank = True
+
+
+def raise_failure(error: BaseException | None, core, room: int, side: str) -> NoReturn:
+    """Raise why a room failed: the adapter's own ``error``, else its kvferry
+    room's (``core``: a KVSender or KVReceiver, None if never built), else
+    :class:`FailedOnAnotherRank`. SGLang asks once its poll, a MIN over the
+    TP ranks, said Failed: when this rank's own room is still live (another
+    rank failed it), it is aborted here, so that its peers stop and its
+    drain starts at once (``is_abort_release_safe`` turns true as soon as no
+    write may land), not at a timeout."""
+    if error is not None:
+        raise error
+    if core is not None:
+        state = core.poll()
+        if state is KVPoll.Failed:
+            core.failure_exception()
+        if state is not KVPoll.Success:
+            core.abort(f"failed on another rank of this SGLang {side} server (SGLang fails a room on all its "
+                       "TP ranks)")
+    raise FailedOnAnotherRank(f"room {room}: failed on another rank")
 
 
 class KvferryKVSender(BaseKVSender):
@@ -126,21 +146,7 @@ class KvferryKVSender(BaseKVSender):
         return self.poll()
 
     def failure_exception(self) -> None:
-        """Raise why the room failed. SGLang calls it once its poll, a MIN
-        over the TP ranks, said Failed: when this rank's own room is still
-        live (another rank failed), it is aborted here, so that its peers
-        stop and its drain starts at once (``is_abort_release_safe`` turns
-        true as soon as no write may land), not at a timeout."""
-        if self._error is not None:
-            raise self._error
-        if self._core is not None:
-            state = self._core.poll()
-            if state is KVPoll.Failed:
-                self._core.failure_exception()
-            if state is not KVPoll.Success:
-                self._core.abort("failed on another rank of this SGLang prefill server (SGLang fails a room "
-                                 "on all its TP ranks)")
-        raise FailedOnAnotherRank(f"room {self.bootstrap_room}: failed on another rank")
+        raise_failure(self._error, self._core, self.bootstrap_room, "prefill")
 
     def abort(self) -> None:
         if self._core is not None:
