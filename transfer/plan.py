@@ -237,7 +237,10 @@ def pair_state_items(pool: StatePoolDescriptor, src_items, dst_items) -> tuple[n
     """A request's prefill and decode item indices of one state pool, paired
     position by position: equally long for an ``exact`` pool (else
     ValueError naming both lengths), the longer cut to the shorter for a
-    page-indexed one."""
+    page-indexed one. A negative index is a position that side does not
+    hold (a sliding window's blocks before the window): decode's are not
+    moved; one of prefill's where decode wants the item is a ValueError
+    naming the position (never a silent gap)."""
     src = np.asarray(src_items, dtype=np.int64).reshape(-1)
     dst = np.asarray(dst_items, dtype=np.int64).reshape(-1)
     if src.size != dst.size:
@@ -246,6 +249,13 @@ def pair_state_items(pool: StatePoolDescriptor, src_items, dst_items) -> tuple[n
                              "is slot- or row-indexed and must match item for item")
         n = min(src.size, dst.size)
         src, dst = src[:n], dst[:n]
+    wanted = dst >= 0
+    if not wanted.all() or (src < 0).any():
+        missing = np.flatnonzero(wanted & (src < 0))
+        if missing.size:
+            raise ValueError(f"state {pool.kind}: decode wants item position(s) {missing[:8].tolist()} "
+                             f"({missing.size} in all) that prefill does not hold")
+        src, dst = src[wanted], dst[wanted]
     return src, dst
 
 

@@ -187,6 +187,24 @@ def registration_regions(pools: Sequence[MHAPool | MLAPool], aux=()) -> list[tup
     return regions
 
 
+def unique_regions(regions: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``regions`` without those inside another (a state buffer that views
+    a KV pool's memory, as vLLM's KV-cache groups share their tensors): the
+    engine registers each byte once. Order kept otherwise."""
+    spans = sorted(set(regions), key=lambda r: (r[0], -r[1]))
+    kept, end = set(), -1
+    for addr, nbytes in spans:
+        if addr + nbytes > end:
+            kept.add((addr, nbytes))
+            end = addr + nbytes
+    out, seen = [], set()
+    for r in regions:
+        if r in kept and r not in seen:
+            seen.add(r)
+            out.append(r)
+    return out
+
+
 def pools_device(pools: Sequence[MHAPool | MLAPool]) -> str:
     """The device type every pool tensor lies on (``cpu``, ``cuda``); raises
     ValueError when they differ (the staging buffer needs one). The aux

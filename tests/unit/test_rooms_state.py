@@ -75,6 +75,41 @@ def test_a_room_whose_decode_holds_every_page_still_gets_its_state(cluster):
     assert decode.state_bytes(0, [5]) == prefill.state_bytes(0, [6])
 
 
+@pytest.mark.parametrize("fenced", [False, True], ids=["direct", "fenced"])
+def test_a_windows_freed_positions_are_neither_sent_nor_written(cluster, fenced):
+    """vLLM's sliding-window group: both sides list a block per position, -1
+    where the window freed it; decode's -1 positions are not moved and their
+    items untouched, prefill's extra blocks before decode's window ignored."""
+    prefill = cluster.rank(Role.PREFILL, states=(SWA,), **STAGED)
+    decode = cluster.rank(Role.DECODE, states=(SWA,), **{**STAGED, "write_fence": fenced})
+    rng = np.random.default_rng(11)
+    items = rng.permutation(32)
+    src_win = [-1, -1] + [int(i) for i in items[:6]]  # prefill freed the first two positions
+    dst_win = [-1, -1, -1, -1] + [int(i) for i in items[10:14]]  # decode wants the last four
+    before = decode.state_bytes(0, range(32))
+    src, dst = random_pages(rng, 8), random_pages(rng, 8)
+    sender, receiver = _run(prefill, decode, 90, src, dst, [src_win], [dst_win])
+    assert (sender.poll(), receiver.poll()) == (KVPoll.Success, KVPoll.Success), (sender.stats(), receiver.stats())
+    assert decode.state_bytes(0, dst_win[4:]) == prefill.state_bytes(0, src_win[4:])
+    others = sorted(set(range(32)) - set(dst_win[4:]))
+    after = decode.state_bytes(0, others)
+    assert after == [b"".join(b[i * len(b) // 32:(i + 1) * len(b) // 32] for i in others) for b in before]
+    moved = sender.stats().bytes
+    assert moved.get(("state:swa", "staged" if fenced else "direct")) == 4 * 2 * 4 * 2 * 16 * 2, moved
+
+
+def test_a_position_decode_wants_but_prefill_freed_fails_the_room_naming_it(cluster):
+    prefill = cluster.rank(Role.PREFILL, states=(SWA,))
+    decode = cluster.rank(Role.DECODE, states=(SWA,), write_fence=False)
+    rng = np.random.default_rng(12)
+    src, dst = random_pages(rng, 4), random_pages(rng, 4)
+    sender, receiver = _run(prefill, decode, 91, src, dst, [[-1, -1, 5, 6]], [[-1, 3, 4, 7]])
+    assert sender.poll() is KVPoll.Failed
+    with pytest.raises(Exception, match=r"state swa: decode wants item position\(s\) \[1\].*prefill does not hold"):
+        sender.failure_exception()
+    assert receiver.poll() is KVPoll.Failed
+
+
 def test_slot_lists_of_different_lengths_fail_the_room_naming_the_state(cluster):
     prefill = cluster.rank(Role.PREFILL, states=(MAMBA,))
     decode = cluster.rank(Role.DECODE, states=(MAMBA,), write_fence=False)

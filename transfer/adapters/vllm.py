@@ -37,10 +37,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                               KVConnectorRole)
+                                                               KVConnectorRole, SupportsHMA)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
+from transfer.adapters.vllm_groups import GroupPlan, plan_groups
 from transfer.adapters.vllm_metrics import KvferryConnectorStats, KvferryPromMetrics
 from transfer.adapters.vllm_params import (ConnectorConfig, RecvSpec, SendSpec, check_parallel, decode_params,
                                            num_pages, room_of, source_of)
@@ -73,7 +74,7 @@ class KvferryConnectorMetadata(KVConnectorMetadata):
     cancels: list[RecvSpec] = field(default_factory=list)  # decode requests finished before they had a room
 
 
-def _cache_layout(vllm_config):
+def _cache_layout(vllm_config, block_size: int | None = None):
     """The model's KV heads and vLLM's cache layout, for the worker's pool
     (the layout name is vLLM's resolved one where it is known already)."""
     from vllm.platforms import current_platform
@@ -83,11 +84,26 @@ def _cache_layout(vllm_config):
     return CacheLayout(total_kv_heads=mc.get_total_num_kv_heads(),
                        kv_layout="fused_rows" if current_platform.is_cpu() else "fused_cells",
                        vllm_layout=getattr(vllm_config.cache_config, "kv_cache_layout", None),
-                       mla=bool(getattr(mc, "use_mla", False)), block_size=vllm_config.cache_config.block_size)
+                       mla=bool(getattr(mc, "use_mla", False)),
+                       block_size=block_size or vllm_config.cache_config.block_size)
 
 
-class KvferryConnector(KVConnectorBase_V1):
-    """vLLM's ``KVConnectorBase_V1`` over kvferry rooms (push from prefill)."""
+def _group_plan(vllm_config, kv_cache_config) -> GroupPlan | None:
+    """How vLLM's KV-cache groups map onto kvferry's pools
+    (:mod:`transfer.adapters.vllm_groups`; None: vLLM gave no cache config,
+    every layer is one group). Raises ValueError for what is not moved."""
+    if kv_cache_config is None:
+        return None
+    hma = not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+    groups = kv_cache_config.kv_cache_groups
+    ids = getattr(kv_cache_config, "transfer_group_ids", range(len(groups)))
+    return plan_groups([(i, groups[i].layer_names, groups[i].kv_cache_spec) for i in ids], hma, len(groups))
+
+
+class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM's ``KVConnectorBase_V1`` over kvferry rooms (push from prefill).
+    With vLLM's hybrid KV-cache manager each KV-cache group moves as a pool
+    of its own (:mod:`transfer.adapters.vllm_groups`)."""
 
     _cache_hit_source = CacheHitSource.P2P
 
@@ -101,7 +117,9 @@ class KvferryConnector(KVConnectorBase_V1):
         pc = vllm_config.parallel_config
         check_parallel(pipeline_parallel_size=pc.pipeline_parallel_size, data_parallel_size=pc.data_parallel_size,
                        decode_context_parallel_size=getattr(pc, "decode_context_parallel_size", 1))
-        self.block_size = vllm_config.cache_config.block_size
+        self.groups = _group_plan(vllm_config, kv_cache_config)
+        # the block ids' tokens (the KV pool's group: vLLM may raise it to unify a hybrid model's pages)
+        self.block_size = vllm_config.cache_config.block_size if self.groups is None else self.groups.main.block_size
         self._engine_id = str(tc.engine_id)
         # scheduler state
         self._sends: list[SendSpec] = []
@@ -118,9 +136,30 @@ class KvferryConnector(KVConnectorBase_V1):
             pc = vllm_config.parallel_config
             self.worker = KvferryWorker(self.config, role=Role.PREFILL if self.is_producer else Role.DECODE,
                                         tp_rank=pc.rank % pc.tensor_parallel_size,
-                                        tp_size=pc.tensor_parallel_size, layout=_cache_layout(vllm_config))
+                                        tp_size=pc.tensor_parallel_size,
+                                        layout=_cache_layout(vllm_config, self.block_size), groups=self.groups)
 
     # --- scheduler side ---------------------------------------------------------
+
+    def _transferred(self, num_prompt_tokens: int) -> int:
+        """The prompt tokens a room carries (a model with Mamba/GDN state: all but the last)."""
+        return num_prompt_tokens if self.groups is None else self.groups.transferred_tokens(num_prompt_tokens)
+
+    def on_new_request(self, request: "Request") -> None:
+        """Prefill of a model with recurrent state: compute the prompt but its
+        last token, which decode computes (its state then continues from
+        prefill's; see :mod:`transfer.adapters.vllm_groups`)."""
+        params = request.kv_transfer_params
+        if not (self.is_producer and params and params.get("do_remote_decode") and self.groups is not None
+                and self.groups.replay_last) or params.get("_kvferry_replay_last") or request.num_prompt_tokens < 2:
+            return
+        if request.prompt_token_ids is None or request.get_skip_reading_prefix_cache():
+            return  # prompt embeddings, or a request decode recomputes whole (prompt logprobs)
+        request.prompt_token_ids.pop()
+        request._all_token_ids.pop()
+        request.num_prompt_tokens -= 1
+        request.max_tokens = 1
+        params["_kvferry_replay_last"] = True
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
@@ -131,7 +170,7 @@ class KvferryConnector(KVConnectorBase_V1):
         except ValueError as exc:
             log.warning("kvferry: request %s computes its prompt here: %s", request.request_id, exc)
             return 0, False
-        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        count = self._transferred(len(request.prompt_token_ids or ())) - num_computed_tokens
         if count > 0:
             # Decode's own prefix cache holds the first num_computed_tokens (whole blocks): those
             # blocks may be shared with other requests and are never written (skip_pages).
@@ -148,11 +187,15 @@ class KvferryConnector(KVConnectorBase_V1):
             self._cancel(request, params)
             return
         source = source_of(params)  # checked in get_num_new_matched_tokens
-        pages = tuple(blocks.get_block_ids()[0][:num_pages(len(request.prompt_token_ids), self.block_size)])
+        ids, n = blocks.get_block_ids(), self._transferred(len(request.prompt_token_ids))
+        if self.groups is None:
+            pages, states = tuple(ids[0][:num_pages(n, self.block_size)]), ()
+        else:
+            pages, states = self.groups.pages(ids, n), self.groups.state_items(ids, n, local)
         self._open_recvs.add(request.request_id)
         spec = RecvSpec(req_id=request.request_id, room=source.room, bootstrap_addr=source.bootstrap_addr,
                         node_id=source.node_id, pages=pages, token_ids=self._prompt(request),
-                        skip_pages=local // self.block_size)
+                        skip_pages=local // self.block_size, states=states)
         if not self._start_here(recvs=[spec]):
             self._recvs.append(spec)
 
@@ -162,7 +205,16 @@ class KvferryConnector(KVConnectorBase_V1):
         self._sends, self._recvs, self._aborts, self._cancels = [], [], [], []
         return meta
 
+    def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
+        """A room restores every transferred group (not only the prefix-cacheable ones)."""
+        return tuple(self._kv_cache_config.transfer_group_ids)
+
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM (with ``SupportsHMA``) calls this one, with every group's blocks."""
         if request.request_id in self._open_recvs:
             # Finished (aborted) while its KV is still coming: vLLM holds the
             # blocks until the room reports; make it end now.
@@ -178,13 +230,19 @@ class KvferryConnector(KVConnectorBase_V1):
         if request.status not in _SENDABLE:
             return False, None  # aborted: nothing to send, free now
         room = room_of(str(params.get("transfer_id") or request.request_id))
-        n = num_pages(request.num_prompt_tokens, self.block_size)
-        if len(block_ids) < n:
-            log.warning("kvferry: request %s holds %d blocks for %d prompt tokens; not sent",
-                        request.request_id, len(block_ids), request.num_prompt_tokens)
+        n = request.num_prompt_tokens
+        if self.groups is None:
+            why = None if len(block_ids[0]) >= num_pages(n, self.block_size) else \
+                f"{len(block_ids[0])} blocks for {n} prompt tokens"
+            pages, states = tuple(block_ids[0][:num_pages(n, self.block_size)]), ()
+        else:
+            why = self.groups.check_lengths(block_ids, n)
+            pages, states = self.groups.pages(block_ids, n), self.groups.state_items(block_ids, n)
+        if why is not None:
+            log.warning("kvferry: request %s not sent: it holds %s", request.request_id, why)
             return False, None
-        spec = SendSpec(req_id=request.request_id, room=room, pages=tuple(block_ids[:n]),
-                        token_ids=self._prompt(request))
+        spec = SendSpec(req_id=request.request_id, room=room, pages=pages, token_ids=self._prompt(request),
+                        states=states)
         self._pending_sends.add(request.request_id)
         if not self._start_here(sends=[spec]):
             self._sends.append(spec)
@@ -234,7 +292,7 @@ class KvferryConnector(KVConnectorBase_V1):
     # --- worker side ------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict) -> None:
-        self.worker.layout = _cache_layout(self._vllm_config)  # the layout is resolved by now
+        self.worker.layout = _cache_layout(self._vllm_config, self.block_size)  # the layout is resolved by now
         self.worker.register_kv_caches(kv_caches)
         pc = self._vllm_config.parallel_config
         if pc.world_size == 1:  # the engine's only worker: rooms may open here (several: each its own process)

@@ -167,6 +167,7 @@ class SendSpec:
     room: int
     pages: tuple[int, ...]
     token_ids: tuple[int, ...] = ()  # the prompt: keys the storage tier's pages
+    states: tuple[tuple[int, ...], ...] = ()  # per state pool (HMA's other groups): block ids, -1: freed
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,7 @@ class RecvSpec:
     pages: tuple[int, ...]
     token_ids: tuple[int, ...] = ()
     skip_pages: int = 0  # leading pages decode's prefix cache holds: listed, never written
+    states: tuple[tuple[int, ...], ...] = ()  # per state pool (HMA's other groups): block ids, -1: not wanted
 
 
 @dataclass(frozen=True)

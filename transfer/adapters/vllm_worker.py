@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass, replace
 
 from transfer.adapters import vllm_stats
+from transfer.adapters.vllm_groups import Group, GroupPlan
 from transfer.adapters.vllm_params import ConnectorConfig, RecvSpec, SendSpec, query_reply
 from transfer.config import EngineConfig, ManagerConfig, Role
 from transfer.errors import KVFerryError
@@ -95,6 +96,61 @@ def mla_layers(layers: list, block_size: int | None) -> list:
     return out
 
 
+def group_state_pool(group: Group, layers: list, mla: bool):
+    """A KV-cache group beside the main one (HMA) as a page-indexed state
+    pool: one buffer per layer, a block of the group one item (K and V of
+    this rank's heads). MHA is sharded by heads (the item's head axis is
+    its slice axis, so prefill and decode TP may differ); MLA's latent is
+    the same on every rank (replicated)."""
+    from transfer.state_pools import StatePool
+
+    if group.kind == "mamba":
+        return mamba_state_pool(group, layers)
+    buffers, slicing = [], []
+    for i, t in enumerate(layers):
+        if t.dim() != 4 or not t.is_contiguous():
+            raise ValueError(f"kvferry vLLM worker: KV-cache group {group.index} layer {i} ({group.layers[i]}): "
+                             f"expected a contiguous [blocks, heads, block_size, width] cache, got shape "
+                             f"{tuple(t.shape)} strides {t.stride()}")
+        heads = int(t.shape[1])
+        buffers.append(t.view(t.shape[0], -1))  # a block per row: a view
+        slicing.append(None if mla else (heads, 1, ()))  # [B, H, N, C]: this rank's heads outermost
+    return StatePool(kind=f"vllm-group{group.index}", buffers=tuple(buffers),
+                     sharding="replicated" if mla else "sharded", exact=False, slicing=tuple(slicing))
+
+
+def mamba_state_pool(group: Group, layers: list):
+    """A Mamba/GDN group as a slot state pool: per layer, a buffer of its
+    blocks, a block (the request's conv and SSM state, vLLM's padded page)
+    one item. vLLM hands each layer a view of its pages (``[blocks, ...]``,
+    a block's stride the padded page); kvferry takes the whole page, a view
+    of the same memory. Sharded by TP rank without a slice axis: prefill and
+    decode TP must be equal (the handshake refuses others by name)."""
+    import torch
+
+    from transfer.state_pools import StatePool
+
+    buffers = []
+    for i, t in enumerate(layers):
+        if isinstance(t, (list, tuple)):  # per-state views: the page starts at the first one
+            t = t[0]
+        page = t.stride(0) * t.element_size() if t.dim() else 0
+        if t.dim() < 2 or page < t[0].numel() * t.element_size() or not t[0].is_contiguous():
+            raise ValueError(f"kvferry vLLM worker: Mamba group {group.index} layer {i} ({group.layers[i]}): "
+                             f"expected [blocks, ...] with contiguous blocks, got shape {tuple(t.shape)} strides "
+                             f"{t.stride()}")
+        rows = torch.empty(0, dtype=torch.uint8, device=t.device)  # the same memory, a page per row
+        rows.set_(t.untyped_storage(), t.storage_offset() * t.element_size(), (t.shape[0], page), (page, 1))
+        buffers.append(rows)
+    return StatePool(kind=f"vllm-group{group.index}", buffers=tuple(buffers), sharding="sharded", exact=True)
+
+
+def _written(r: RecvSpec) -> list[int]:
+    """The blocks a decode room writes (its load errors if it fails): the
+    pages after the prefix cache's, and every wanted state block."""
+    return list(r.pages[r.skip_pages:]) + [b for items in r.states for b in items if b >= 0]
+
+
 def check_block_size(page_size: int, block_size: int | None) -> None:
     """vLLM's block ids name logical blocks; a fused K/V cache whose kernel
     block differs (its pages are not one logical block each) would move the
@@ -110,6 +166,7 @@ class _Room:
     req_id: str
     handle: object  # KVSender or KVReceiver
     pages: tuple[int, ...]
+    states: tuple[tuple[int, ...], ...] = ()  # prefill: per state pool (HMA's other groups), its items
     pushed: bool = False
     aborted: bool = False  # by vLLM: its blocks are no one's load errors
     expired: bool = False  # prefill: its lease ran out before a decode asked
@@ -119,11 +176,12 @@ class KvferryWorker:
     """Sends (prefill) or receives (decode) rooms for one vLLM worker rank."""
 
     def __init__(self, config: ConnectorConfig, *, role: Role, tp_rank: int, tp_size: int,
-                 layout: CacheLayout | None = None) -> None:
+                 layout: CacheLayout | None = None, groups: GroupPlan | None = None) -> None:
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"kvferry vLLM worker: tp_rank {tp_rank} not in [0, {tp_size})")
         self.config, self.role, self.tp_rank, self.tp_size = config, role, tp_rank, tp_size
         self.layout = layout or CacheLayout()
+        self.groups = groups  # vLLM's KV-cache groups (None: every layer in one)
         self.mgr = None
         self.server = None  # the bootstrap server (kvferry_serve_bootstrap)
         self.query = None  # GET /query for vLLM's Mooncake routers (kvferry_query_port)
@@ -145,11 +203,16 @@ class KvferryWorker:
 
     def register_kv_caches(self, kv_caches: dict) -> None:
         """Describe vLLM's per-layer caches as one fused K/V pool (this rank's
-        heads of ``layout.total_kv_heads``) and build the manager."""
+        heads of ``layout.total_kv_heads``), each other KV-cache group (HMA)
+        as a state pool, and build the manager."""
         from transfer.manager import KVManager  # lazily: Mooncake and zmq load here only
 
-        layers = [kv_caches[name] for name in sorted(kv_caches, key=_layer_order)]
+        plan = self.groups
+        names = sorted(kv_caches if plan is None else plan.main.layers, key=_layer_order)
+        layers = [kv_caches[name] for name in names]
         lay = self.layout
+        states = [] if plan is None else \
+            [group_state_pool(g, [kv_caches[n] for n in g.layers], lay.mla) for g in plan.states]
         if lay.mla:  # identical on every TP rank: one prefill rank sends it (selective send)
             layers = mla_layers(layers, lay.block_size)
             pool = MLAPool(latent=layers)
@@ -170,7 +233,7 @@ class KvferryWorker:
                                 engine=replace(EngineConfig(), protocol=c.protocol, hostname=c.host),
                                 **c.manager_fields(prefill=self.role is Role.PREFILL))
         try:
-            self.attach(KVManager(mconfig, [pool]))
+            self.attach(KVManager(mconfig, [pool], states=states))
         except BaseException:
             self._close_servers()
             raise
@@ -218,22 +281,23 @@ class KvferryWorker:
                     self._done.add(s.req_id)
                     vllm_stats.record_failure(self._stats, failure_reason(exc).value)
                 continue
-            opened.append(self._list(_Room(s.req_id, sender, s.pages)))
+            opened.append(self._list(_Room(s.req_id, sender, s.pages, s.states)))
             with self._lock:
                 heapq.heappush(self._leases, (time.monotonic() + self.config.lease_s, s.req_id))
         for r in recvs:
             try:
                 receiver = KVReceiver(self.mgr, r.bootstrap_addr, r.room, prefill_node=r.node_id)
-                receiver.init(r.pages, token_ids=list(r.token_ids) or None, skip_pages=r.skip_pages)
+                receiver.init(r.pages, token_ids=list(r.token_ids) or None, skip_pages=r.skip_pages,
+                              state_indices=list(r.states) or None)
             except KVFerryError as exc:
                 log.warning("kvferry: request %s (room %d) not received: %s", r.req_id, r.room, exc)
                 with self._lock:
                     self._done.add(r.req_id)
-                    self._load_errors.update(r.pages[r.skip_pages:])
+                    self._load_errors.update(_written(r))
                     vllm_stats.record_failure(self._stats, failure_reason(exc).value)
                 continue
             # its load errors, if it fails: the blocks it writes (never the prefix cache's)
-            opened.append(self._list(_Room(r.req_id, receiver, r.pages[r.skip_pages:])))
+            opened.append(self._list(_Room(r.req_id, receiver, tuple(_written(r)))))
         if opened:  # a decode request may have come first (concurrent protocol): push now
             try:
                 self._poll(opened)
@@ -357,7 +421,7 @@ class KvferryWorker:
                 with self._lock:  # two pollers (the driver, and start()): one push
                     push, room.pushed = not room.pushed, True
                 if push:
-                    room.handle.send(list(room.pages), last=True)
+                    room.handle.send(list(room.pages), last=True, state_indices=list(room.states) or None)
                     state = room.handle.poll()
             if state not in (KVPoll.Success, KVPoll.Failed):
                 continue

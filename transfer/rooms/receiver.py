@@ -100,8 +100,10 @@ class KVReceiver:
              state_indices=None) -> None:
         """The decode pages (in request order) and aux slot to fill.
         ``state_indices``: per state pool of the manager (in order), the
-        item indices to fill (a list, array or tensor; None: not this one),
-        each from the prefill rank that holds it, with the last chunk. A
+        item indices to fill (a list, array or tensor; None: not this one;
+        a negative index: a position not wanted, e.g. a sliding window's
+        blocks before the window), each from the prefill rank that holds it,
+        with the last chunk. A
         room with state is never restored from storage (the tier keeps
         pages, not state).
         ``token_ids`` (the prompt) lets the storage tier prefetch pages it
@@ -156,8 +158,8 @@ class KVReceiver:
                 out.append(None)
                 continue
             ids = host_page_ids(items)
-            if ids.size and (ids.min() < 0 or ids.max() >= pool.num_items):
-                raise IndexError(f"state {pool.kind}: item index outside its {pool.num_items} items")
+            if ids.size and (ids.min() < -1 or ids.max() >= pool.num_items):
+                raise IndexError(f"state {pool.kind}: item index outside its {pool.num_items} items (-1: not wanted)")
             out.append(ids.astype("<i4"))
         return tuple(out)
 

@@ -86,8 +86,9 @@ class KVSender:
         """Queue the next chunk's pages (prefill page ids, in request order:
         a list, a numpy array or a tensor, CPU or CUDA). ``state_indices``
         (with the last chunk only): per state pool of the manager, in order,
-        the room's item indices (None: none), sent to the decode ranks that
-        ask for that state; item ``i`` goes to decode's item ``i``. Allowed in
+        the room's item indices (None: none; -1: a position this rank no
+        longer holds), sent to the decode ranks that ask for that state; item
+        ``i`` goes to decode's item ``i``. Allowed in
         WaitingForInput or Transferring, before the last chunk; on a Failed
         room it does nothing. Returns at once; problems with the pages fail
         the room (see ``poll``).

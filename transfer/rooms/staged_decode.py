@@ -226,6 +226,8 @@ def scatter_state_part(ctx: RoomContext, states: tuple, prefill: RankInfo, msg: 
     ``prefill`` that landed at ``offset`` into the room's decode items of
     that state pool (what that rank sends of each item: its row blocks)."""
     items = states[msg.state] if 0 <= msg.state < len(states) else None
+    if items is not None:  # positions not wanted (-1) were dropped where prefill paired the lists
+        items = items[items >= 0]
     if items is None or not (0 <= msg.page_start and msg.num_pages > 0
                              and msg.page_start + msg.num_pages <= len(items)):
         raise IndexError(f"staged items [{msg.page_start}, +{msg.num_pages}) of state pool {msg.state} outside the "

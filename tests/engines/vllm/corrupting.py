@@ -14,7 +14,11 @@ With ``KVFERRY_TEST_DIGEST=1`` in its environment it also logs, for every
 room that ended on this side (prefill: sent; decode: landed, before the step
 that reads it), one digest per block over all layers: ``kvferry-test: digest
 side=<prefill|decode> room=<room> blocks=<n> skip=<k> sha=<d0>,<d1>,...``
-(decode's blocks before ``skip`` are its own prefix cache's). The test compares
+(decode's blocks before ``skip`` are its own prefix cache's), and with vLLM's
+hybrid KV-cache manager one line per other KV-cache group (a kvferry state
+pool): ``kvferry-test: group-digest side=... room=... group=<g> sha=...``, a
+block by position, ``-`` where this side does not hold or want it (a sliding
+window's freed blocks). The test compares
 prefill's and decode's digests of the same room: the bytes that moved, page by
 page, in real servers.
 
@@ -86,6 +90,8 @@ class CorruptingKvferryConnector(KvferryConnector):
     def register_kv_caches(self, kv_caches: dict) -> None:
         super().register_kv_caches(kv_caches)
         self._layers = [kv_caches[name] for name in sorted(kv_caches, key=_layer_order)]
+        self._group_layers = [] if self.groups is None else \
+            [(g.index, [kv_caches[n] for n in sorted(g.layers, key=_layer_order)]) for g in self.groups.states]
         if os.environ.get("KVFERRY_TEST_DIGEST") == "1":
             self._specs: dict = {}  # request id -> its SendSpec or RecvSpec, until it ends
             start = self.worker.start
@@ -133,12 +139,16 @@ class CorruptingKvferryConnector(KvferryConnector):
     def _digest(self, spec) -> None:
         import torch
 
-        digests = []
-        for block in spec.pages:
+        def digest(layers, block) -> str:
             h = hashlib.sha256()
-            for layer in self._layers:
+            for layer in layers:
                 h.update(layer[block].contiguous().view(torch.uint8).numpy().tobytes())
-            digests.append(h.hexdigest()[:16])
-        log.warning("kvferry-test: digest side=%s room=%d blocks=%d skip=%d sha=%s",
-                    "prefill" if self.is_producer else "decode", spec.room, len(spec.pages),
-                    getattr(spec, "skip_pages", 0), ",".join(digests))
+            return h.hexdigest()[:16]
+
+        side = "prefill" if self.is_producer else "decode"
+        log.warning("kvferry-test: digest side=%s room=%d blocks=%d skip=%d sha=%s", side, spec.room,
+                    len(spec.pages), getattr(spec, "skip_pages", 0),
+                    ",".join(digest(self._layers, b) for b in spec.pages))
+        for (index, layers), items in zip(self._group_layers, spec.states):
+            log.warning("kvferry-test: group-digest side=%s room=%d group=%d sha=%s", side, spec.room, index,
+                        ",".join(digest(layers, b) if b >= 0 else "-" for b in items))
