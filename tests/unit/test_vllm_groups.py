@@ -24,6 +24,12 @@ class SlidingWindowSpec(FullAttentionSpec):
 
 
 class MambaSpec:
+    def __init__(self, mamba_cache_mode="none"):
+        self.block_size = 2048
+        self.mamba_cache_mode = mamba_cache_mode
+
+
+class CrossAttentionSpec:
     block_size = 16
 
 
@@ -48,8 +54,21 @@ def test_without_the_hybrid_manager_one_group_of_every_layer_moves_whole():
     assert plan.pages(([1, 2, 3],), 40) == (1, 2, 3)
 
 
+def test_a_mamba_group_is_a_slot_state_and_decode_computes_the_prompts_last_token():
+    plan = plan_groups([(0, ("g0", "g2"), MambaSpec()), (1, ("a1", "a3"), FullAttentionSpec(block_size=160))], True, 2)
+    assert (plan.main.index, [g.kind for g in plan.states], plan.replay_last) == (1, ["mamba"], True)
+    assert plan.transferred_tokens(300) == 299 and plan.transferred_tokens(1) == 1
+    ids = ([NULL_BLOCK, 7], [3, 5])
+    assert plan.pages(ids, 299) == (3, 5)
+    assert plan.state_items(ids, 299) == ((7,),)  # its state block, a null placeholder dropped
+    assert plan.check_lengths(ids, 299) is None
+    assert "no state block in group 0" in plan.check_lengths(([NULL_BLOCK], [3, 5]), 299)
+    assert not plan_groups([(0, ("a",), FullAttentionSpec())], True, 1).replay_last
+
+
 @pytest.mark.parametrize("groups, named", [
-    ([(0, ("a",), FullAttentionSpec()), (1, ("m",), MambaSpec())], "group 1 holds Mamba/GDN state"),
+    ([(0, ("a",), FullAttentionSpec()), (1, ("m",), MambaSpec("align"))], "group 1 caches Mamba state by prefix"),
+    ([(0, ("a",), FullAttentionSpec()), (1, ("x",), CrossAttentionSpec())], "group 1 holds CrossAttentionSpec"),
     ([(0, ("a",), SlidingWindowSpec()), (1, ("b",), SlidingWindowSpec(sliding_window=8))],
      "every layer of this model is windowed"),
     ([], "no KV-cache group"),
