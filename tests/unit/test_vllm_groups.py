@@ -4,7 +4,7 @@ blocks as -1, and the refusals. Pure: vLLM's specs stand in by class name."""
 
 import pytest
 
-from transfer.adapters.vllm_groups import NULL_BLOCK, plan_groups
+from transfer.adapters.vllm_groups import NULL_BLOCK, plan_groups, split_draft
 from transfer.pools import unique_regions
 
 
@@ -81,3 +81,11 @@ def test_groups_kvferry_does_not_move_are_refused_at_start_up_by_name(groups, na
 def test_regions_inside_another_are_registered_once():
     regions = [(1000, 100), (2000, 50), (1000, 100), (1010, 20), (2040, 30), (500, 10)]
     assert unique_regions(regions) == [(1000, 100), (2000, 50), (2040, 30), (500, 10)]
+
+
+def test_a_speculative_drafts_layers_are_told_from_the_targets():
+    names = ["draft_model.model.layers.0.self_attn.attn", "model.layers.0.self_attn.attn",
+             "model.layers.1.self_attn.attn", "model.layers.2.self_attn.attn"]
+    assert split_draft(names, None) == (names, [])  # no draft: every layer the target's
+    assert split_draft(names, 4) == (names[1:], names[:1])  # vLLM's draft_model method
+    assert split_draft(names, 2) == (names[1:3], [names[0], names[3]])  # EAGLE/MTP: layers after the target's

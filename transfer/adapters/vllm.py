@@ -81,7 +81,14 @@ def _cache_layout(vllm_config, block_size: int | None = None):
 
     from transfer.adapters.vllm_worker import CacheLayout
     mc = vllm_config.model_config
-    return CacheLayout(total_kv_heads=mc.get_total_num_kv_heads(),
+    spec = getattr(vllm_config, "speculative_config", None)
+    draft = getattr(spec, "draft_model_config", None) if spec is not None else None
+    target_layers = draft_heads = None
+    if draft is not None:  # a draft with KV of its own (draft_model, EAGLE, MTP): kvferry's draft pool
+        target_layers = mc.hf_text_config.num_hidden_layers
+        draft_heads = draft.get_total_num_kv_heads()
+    return CacheLayout(total_kv_heads=mc.get_total_num_kv_heads(), target_layers=target_layers,
+                       draft_kv_heads=draft_heads,
                        kv_layout="fused_rows" if current_platform.is_cpu() else "fused_cells",
                        vllm_layout=getattr(vllm_config.cache_config, "kv_cache_layout", None),
                        mla=bool(getattr(mc, "use_mla", False)),

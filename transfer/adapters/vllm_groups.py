@@ -30,6 +30,7 @@ full-attention group (every layer windowed: run it with
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -156,3 +157,17 @@ def plan_groups(groups: Sequence, hma: bool, num_groups: int) -> GroupPlan:
                          "KV-cache group to carry the request's pages); run it with "
                          "--disable-hybrid-kv-cache-manager")
     return GroupPlan(main=main, states=tuple(g for g in made if g is not main), num_groups=int(num_groups))
+
+
+def split_draft(names: Sequence[str], num_target_layers: int | None) -> tuple[list[str], list[str]]:
+    """A KV-cache group's layer names as (target, draft): vLLM names a
+    speculative draft's attention layers ``draft_model.…`` (method
+    ``draft_model``) or numbers them after the target's
+    ``num_target_layers`` layers (EAGLE, MTP: ``model.layers.<N>`` with N
+    at least that). ``num_target_layers`` None: no draft."""
+    target, draft = [], []
+    for name in names:
+        m = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+        late = num_target_layers is not None and m is not None and int(m.group(1)) >= num_target_layers
+        (draft if num_target_layers is not None and (name.startswith("draft_model.") or late) else target).append(name)
+    return target, draft

@@ -39,10 +39,11 @@ import time
 from dataclasses import dataclass, replace
 
 from transfer.adapters import vllm_stats
-from transfer.adapters.vllm_groups import Group, GroupPlan
+from transfer.adapters.vllm_groups import Group, GroupPlan, split_draft
 from transfer.adapters.vllm_params import ConnectorConfig, RecvSpec, SendSpec, query_reply
 from transfer.config import EngineConfig, ManagerConfig, Role
 from transfer.errors import KVFerryError
+from bootstrap.messages import PoolRole
 from transfer.pools import FusedKVPool, MLAPool, describe_fused
 from transfer.state import KVPoll
 from transfer.stats import failure_reason
@@ -70,6 +71,9 @@ class CacheLayout:
     vllm_layout: str | None = None
     mla: bool = False  # one latent tensor per layer (DeepSeek-style MLA)
     block_size: int | None = None  # vLLM's logical block (the scheduler's block ids); None: the tensors'
+    #: with a speculative draft: the target model's layers (later ones and ``draft_model.*`` are the draft's)
+    target_layers: int | None = None
+    draft_kv_heads: int | None = None  # the draft model's KV heads (its pool's ``total_kv_heads``)
 
 
 def mla_layers(layers: list, block_size: int | None) -> list:
@@ -208,18 +212,16 @@ class KvferryWorker:
         from transfer.manager import KVManager  # lazily: Mooncake and zmq load here only
 
         plan = self.groups
-        names = sorted(kv_caches if plan is None else plan.main.layers, key=_layer_order)
-        layers = [kv_caches[name] for name in names]
         lay = self.layout
+        names, draft_names = split_draft(sorted(kv_caches if plan is None else plan.main.layers, key=_layer_order),
+                                         lay.target_layers)
+        layers = [kv_caches[name] for name in names]
         states = [] if plan is None else \
             [group_state_pool(g, [kv_caches[n] for n in g.layers], lay.mla) for g in plan.states]
-        if lay.mla:  # identical on every TP rank: one prefill rank sends it (selective send)
-            layers = mla_layers(layers, lay.block_size)
-            pool = MLAPool(latent=layers)
-        else:
-            pool = FusedKVPool(kv=layers, total_kv_heads=lay.total_kv_heads, kv_layout=lay.kv_layout,
-                               vllm_layout=lay.vllm_layout)
-            check_block_size(describe_fused(pool).page_size, lay.block_size)
+        pools = [self._pool(layers, PoolRole.TARGET, lay.total_kv_heads)]
+        if draft_names:  # a speculative draft's own KV: kvferry's draft pool, checked on its own
+            pools.append(self._pool([kv_caches[n] for n in draft_names], PoolRole.DRAFT,
+                                    lay.draft_kv_heads or lay.total_kv_heads))
         c = self.config
         if c.serve_bootstrap and self.role is Role.PREFILL and self.tp_rank == 0:
             from bootstrap.server import BootstrapServer
@@ -233,14 +235,26 @@ class KvferryWorker:
                                 engine=replace(EngineConfig(), protocol=c.protocol, hostname=c.host),
                                 **c.manager_fields(prefill=self.role is Role.PREFILL))
         try:
-            self.attach(KVManager(mconfig, [pool], states=states))
+            self.attach(KVManager(mconfig, pools, states=states))
         except BaseException:
             self._close_servers()
             raise
-        log.info("kvferry %s worker (TP rank %d of %d): %d layers, %d blocks of %d bytes per layer, %s, "
-                 "bootstrap %s", self.role.value, self.tp_rank, self.tp_size, len(layers), layers[0].shape[0],
-                 layers[0][0].numel() * layers[0].element_size(), lay.vllm_layout or lay.kv_layout,
+        log.info("kvferry %s worker (TP rank %d of %d): %d layers (%d of a draft), %d blocks of %d bytes per layer, "
+                 "%s, %d state pool(s), bootstrap %s", self.role.value, self.tp_rank, self.tp_size, len(layers),
+                 len(draft_names), layers[0].shape[0],
+                 layers[0][0].numel() * layers[0].element_size(), lay.vllm_layout or lay.kv_layout, len(states),
                  c.bootstrap_addr)
+
+    def _pool(self, layers: list, role: PoolRole, total_kv_heads: int | None):
+        """One pool of vLLM's layers: MLA's latent (identical on every TP
+        rank: one prefill rank sends it, the selective send) or fused K/V."""
+        lay = self.layout
+        if lay.mla:
+            return MLAPool(latent=mla_layers(layers, lay.block_size), role=role)
+        pool = FusedKVPool(kv=layers, role=role, total_kv_heads=total_kv_heads, kv_layout=lay.kv_layout,
+                           vllm_layout=lay.vllm_layout)
+        check_block_size(describe_fused(pool).page_size, lay.block_size)
+        return pool
 
     def attach(self, mgr) -> None:
         """Work through ``mgr`` (register_kv_caches builds it; a test may
