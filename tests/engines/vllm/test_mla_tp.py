@@ -1,0 +1,102 @@
+"""DeepSeek-style MLA from a prefill at TP 2 to a decode at TP 1 through
+kvferry's vLLM connector, with real vLLM servers.
+
+MLA's latent cache is the same on every TP rank: one prefill rank sends it
+and the other answers without sending (the selective send). Prefill runs
+vLLM's TP 2 (two worker processes, both bound to core 0: a TP worker and a
+decode sharing a core starve each other on this 2-core machine), decode TP 1
+on core 1, the single instance (the reference) on core 1 too.
+
+Checked on 3 prompts of 37-1000 tokens: both prefill ranks hold the same
+latent blocks and decode's equal them byte for byte (the test connector's
+digests); the bytes moved, on prefill's and on decode's ``/metrics``, are one
+copy of the prompt's blocks (not one per prefill rank); every prompt token
+external on decode; decode's first token equals a single instance's (a TP 2
+prefill sums its all-reduces in another order than a TP 1 one, so later
+tokens of this random model may turn, as they may across connectors: see
+``test_mla.py``).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from harness.vllm import (VOCAB, ServerSpec, VLLMServer, build_tiny_mla_model, complete, free_port,  # noqa: E402
+                          pd_complete)
+from tests.engines.vllm.test_mla import MLA_BLOCK, MLA_BLOCK_BYTES, kv_config  # noqa: E402
+from tests.engines.vllm.test_pd import stats_of  # noqa: E402
+
+MAX_TOKENS = 4
+LENGTHS = (37, 300, 1000)
+
+
+def all_digests(server: VLLMServer, side: str) -> dict[int, list[list[str]]]:
+    """room -> the block digests each of ``side``'s ranks logged for it."""
+    out: dict[int, list[list[str]]] = {}
+    for m in re.finditer(rf"kvferry-test: digest side={side} room=(\d+) blocks=\d+ skip=\d+ sha=([0-9a-f,]+)",
+                         server.log_tail(10_000_000)):
+        out.setdefault(int(m.group(1)), []).append(m.group(2).split(","))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-mla-tp")
+    model = build_tiny_mla_model(str(root / "model"))
+    bootstrap = f"127.0.0.1:{free_port()}"
+    env = {"KVFERRY_TEST_DIGEST": "1"}
+    servers = {"reference": VLLMServer(ServerSpec("reference", model, 1), str(root)),
+               "prefill": VLLMServer(ServerSpec("prefill", model, 0, kv_config("kv_producer", bootstrap),
+                                                env={**env, "VLLM_CPU_OMP_THREADS_BIND": "0|0"},
+                                                args=("--tensor-parallel-size", "2")), str(root)),
+               "decode": VLLMServer(ServerSpec("decode", model, 1, kv_config("kv_consumer", bootstrap), env=env),
+                                    str(root))}
+    try:
+        for server in servers.values():
+            server.wait_ready(300)
+        yield model, servers
+    finally:
+        for server in servers.values():
+            server.close()
+
+
+def test_mla_from_prefill_tp2_to_decode_tp1_is_sent_once_byte_exact(tp2):
+    model, servers = tp2
+    prefill, decode = servers["prefill"], servers["decode"]
+    before = decode.metrics()
+    moved_before = {name: stats_of(s) for name, s in (("prefill", prefill), ("decode", decode))}
+    rooms = []
+    for i, n in enumerate(LENGTHS):
+        rng = random.Random(900 + i)
+        prompt = [rng.randrange(4, VOCAB) for _ in range(n)]
+        want = complete(servers["reference"], model, prompt, MAX_TOKENS).tokens
+        got = pd_complete(prefill, decode, model, prompt, MAX_TOKENS)
+        assert got.tokens[0] == want[0], f"{n} tokens: decode {got.tokens} != single instance {want}"
+        rooms.append((n, int(got.kv_params["kvferry_room"])))
+    after = decode.metrics()
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert delta.get("external_kv_transfer") == sum(LENGTHS), (delta, decode.kvferry_lines())
+    assert delta.get("local_compute", 0) == 0, delta
+    sent, landed = all_digests(prefill, "prefill"), all_digests(decode, "decode")
+    for n, room in rooms:
+        assert len(sent.get(room, [])) == 2, f"{n} tokens: {len(sent.get(room, []))} prefill ranks ended the room"
+        assert sent[room][0] == sent[room][1], f"{n} tokens: the two prefill ranks' latent blocks differ"
+        assert landed[room] == [sent[room][0]] and len(landed[room][0]) == -(-n // MLA_BLOCK), \
+            f"{n} tokens: decode's blocks differ from prefill's"
+    one_copy = sum(-(-n // MLA_BLOCK) for n in LENGTHS) * MLA_BLOCK_BYTES
+    for name, server in (("prefill", prefill), ("decode", decode)):
+        started = time.monotonic()
+        while True:  # a rank reports a room at its engine's next step after the room ended
+            now = stats_of(server)
+            rooms_ended = now["bytes_transferred_count"] - moved_before[name]["bytes_transferred_count"]
+            if rooms_ended >= len(LENGTHS) * (2 if name == "prefill" else 1) or time.monotonic() - started > 10:
+                break
+            time.sleep(0.2)
+        moved = sum(now[p] - moved_before[name][p] for p in ("direct", "staged"))
+        assert moved == one_copy, f"{name} counted {moved} bytes moved ({rooms_ended} rooms), one copy is {one_copy}"
