@@ -145,6 +145,8 @@ class MooncakeTransport:
         self._inflight: dict[str, int] = collections.defaultdict(int)
         self._outstanding: dict[str, collections.deque[tuple[int, _Job, int]]] = \
             collections.defaultdict(collections.deque)
+        #: peers whose segment the engine opened (a first write took); racy reads for diagnostics
+        self._opened: set[str] = set()
         self._worker = PollingWorker(self)
         close_at_exit(self)
 
@@ -214,7 +216,11 @@ class MooncakeTransport:
 
     def describe_job(self, job: _Job) -> str:
         """Where a plan :meth:`submit` took stands, and the worker's health (for a failure's message)."""
-        return f"{job.status()}; {self._worker.health()}"
+        first = "" if job.peer in self._opened else (
+            f"; no write to {job.peer} was taken yet: the engine's first one opens the peer's segment by a P2P "
+            "handshake with the peer engine's RPC port, whose listener serves one connection at a time (each "
+            "idle connection ahead holds it 5 s), inside the submit call")
+        return f"{job.status()}; {self._worker.health()}{first}"
 
     # --- the worker's side (transfer.transport.worker.EngineSide) -------------------
 
@@ -265,6 +271,7 @@ class MooncakeTransport:
                             f"(descriptor {i} of {n})", peer=peer)
                         job.next_index = n
                         break
+                    self._opened.add(peer)
                     outstanding[peer].append((tid, job, job.lengths[i]))
                     self._inflight_bytes += job.lengths[i]
                     job.next_index += 1
