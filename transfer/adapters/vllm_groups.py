@@ -57,7 +57,7 @@ def _kind(spec) -> str:
 @dataclass(frozen=True)
 class Group:
     """One transferred KV-cache group: its index among vLLM's groups, its
-    layers, its kind (``full``, ``window`` or ``mamba``) and its block size
+    layers (in :func:`layer_order`), its kind (``full``, ``window`` or ``mamba``) and its block size
     (a Mamba group's: the tokens its one block per request stands for)."""
 
     index: int
@@ -123,6 +123,11 @@ class GroupPlan:
         return None
 
 
+def layer_order(name: str) -> tuple:
+    """A sort key: ``model.layers.10.self_attn.attn`` after ``model.layers.9...``."""
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
+
+
 def _num_pages(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
@@ -149,7 +154,7 @@ def plan_groups(groups: Sequence, hma: bool, num_groups: int) -> GroupPlan:
             raise ValueError(f"kvferry vLLM connector: KV-cache group {index} caches Mamba state by prefix "
                              f"(mamba_cache_mode {mode!r}), which kvferry does not move; run the PD servers "
                              "without prefix caching (--no-enable-prefix-caching)")
-        made.append(Group(index=int(index), layers=tuple(layers), kind=kind, block_size=int(spec.block_size),
+        made.append(Group(index=int(index), layers=tuple(sorted(layers, key=layer_order)), kind=kind, block_size=int(spec.block_size),
                           window=int(getattr(spec, "sliding_window", 0) or 0) if kind == "window" else 0))
     main = next((g for g in made if g.kind == "full"), None)
     if main is None:

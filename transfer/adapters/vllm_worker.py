@@ -33,17 +33,17 @@ from __future__ import annotations
 
 import heapq
 import logging
-import re
 import threading
 import time
 from dataclasses import dataclass, replace
 
+from bootstrap.messages import PoolRole
 from transfer.adapters import vllm_stats
 from transfer.adapters.vllm_groups import Group, GroupPlan, split_draft
+from transfer.adapters.vllm_groups import layer_order as _layer_order
 from transfer.adapters.vllm_params import ConnectorConfig, RecvSpec, SendSpec, query_reply
 from transfer.config import EngineConfig, ManagerConfig, Role
 from transfer.errors import KVFerryError
-from bootstrap.messages import PoolRole
 from transfer.pools import FusedKVPool, MLAPool, describe_fused
 from transfer.state import KVPoll
 from transfer.stats import failure_reason
@@ -51,11 +51,6 @@ from transfer.stats import failure_reason
 log = logging.getLogger("kvferry.vllm")
 
 _WAKE_S = 0.05  # the driver's longest sleep (its stop flag and the lease deadlines)
-
-
-def _layer_order(name: str) -> tuple:
-    """``model.layers.10.self_attn.attn`` after ``model.layers.9...``."""
-    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
 
 
 @dataclass(frozen=True)
