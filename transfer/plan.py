@@ -103,16 +103,19 @@ def check_transfer(src: PoolDescriptor, dst: PoolDescriptor, src_pages: np.ndarr
 
 
 def plan_pool(src: PoolDescriptor, dst: PoolDescriptor, src_pages: np.ndarray, dst_pages: np.ndarray,
-              *, src_head_offset: int = 0, dst_head_offset: int = 0, num_heads: int | None = None) -> TransferPlan:
+              *, src_head_offset: int = 0, dst_head_offset: int = 0, num_heads: int | None = None,
+              layers=None) -> TransferPlan:
     """Plan moving pages of one pool. Buffers are paired by (layer,
     component), never by position. With ``num_heads`` smaller than a side's
-    heads per token, only that head slice moves, token by token."""
+    heads per token, only that head slice moves, token by token.
+    ``layers``: only these layers of the pool (a layer-wise send); None: all."""
     src_pages = np.asarray(src_pages, dtype=np.int64)
     dst_pages = np.asarray(dst_pages, dtype=np.int64)
     heads = check_transfer(src, dst, src_pages, dst_pages, src_head_offset=src_head_offset,
                            dst_head_offset=dst_head_offset, num_heads=num_heads)
     runs = page_runs(src_pages, dst_pages)
-    if runs.lengths.size == 0:
+    layers = range(src.num_layers) if layers is None else layers
+    if runs.lengths.size == 0 or not len(layers):
         return TransferPlan.empty()
     whole_pages = heads == src.num_kv_heads == dst.num_kv_heads
     if whole_pages and src.dense and dst.dense:
@@ -147,7 +150,7 @@ def plan_pool(src: PoolDescriptor, dst: PoolDescriptor, src_pages: np.ndarray, d
         dst_off = dst_page * dst.page_stride + in_page * dst.token_bytes + dst_head_offset * head_bytes
         lengths = np.full(tok.size, heads * head_bytes, dtype=np.int64)
     src_bases, dst_bases = [], []
-    for layer in range(src.num_layers):
+    for layer in layers:
         for comp in src.components:
             src_bases.append(src.buffer(layer, comp).addr)
             dst_bases.append(dst.buffer(layer, comp).addr)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from bootstrap.messages import PoolRole
 from bootstrap.server import BootstrapServer
 from transfer import KVManager, KVPoll, KVReceiver, KVSender, ManagerConfig, MHAPool, Role
 from transfer.state_pools import StatePool
@@ -39,6 +40,7 @@ class Rank:
     v: list[torch.Tensor]
     aux: torch.Tensor | list[torch.Tensor]  # a list: several aux regions
     states: tuple = ()  # StatePools
+    draft: tuple = ()  # a draft pool's K and V tensors (layer by layer), when the rank has one
 
     def state_bytes(self, index: int, items) -> list[bytes]:
         """Every buffer's bytes of ``items`` of state pool ``index`` (in order)."""
@@ -46,9 +48,9 @@ class Rank:
         return [t.index_select(0, idx).view(torch.uint8).numpy().tobytes() for t in self.states[index].buffers]
 
     def page_bytes(self, pages) -> list[bytes]:
-        """Every buffer's bytes of ``pages`` (in order), K and V of each layer."""
+        """Every buffer's bytes of ``pages`` (in order), K and V of each layer (the draft pool's after)."""
         idx = torch.as_tensor(np.asarray(pages, dtype=np.int64))
-        return [t.index_select(0, idx).view(torch.uint8).numpy().tobytes() for t in (*self.k, *self.v)]
+        return [t.index_select(0, idx).view(torch.uint8).numpy().tobytes() for t in (*self.k, *self.v, *self.draft)]
 
     def aux_bytes(self, slot: int) -> bytes:
         regions = self.aux if isinstance(self.aux, list) else [self.aux]
@@ -72,13 +74,13 @@ class Cluster:
 
     def rank(self, role: Role, *, heads: int = NUM_HEADS, total_heads: int | None = None,
              page_size: int = PAGE_SIZE, aux_row_bytes: tuple[int, ...] | None = None, states=(),
-             **overrides) -> Rank:
+             draft_layers: int = 0, **overrides) -> Rank:
         """A manager with one MHA pool of ``heads`` KV heads (of ``total_heads``
         in the model) and an aux tensor (``aux_row_bytes``: one aux region of
         each row size instead); prefill's are random, decode's zero.
         ``states``: (kind, sharding, exact, buffer shapes[, slicing]) of state
         pools to add (each shape ``[num_items, ...]``, bfloat16), random or zero
-        likewise."""
+        likewise. ``draft_layers``: a draft pool of that many layers (same heads)."""
         gen = torch.Generator().manual_seed(self.seed + len(self.ranks))
         shape = (NUM_PAGES, page_size, heads, HEAD_DIM)
         fill = role is Role.PREFILL
@@ -93,10 +95,15 @@ class Cluster:
         pools = tuple(StatePool(kind, [_random(sh, gen) if fill else torch.zeros(sh, dtype=torch.bfloat16)
                                        for sh in shapes], sharding, exact, *rest)
                       for kind, sharding, exact, shapes, *rest in states)
-        mgr = KVManager(cfg, [MHAPool(k=k, v=v, total_kv_heads=total_heads)], aux=aux, transport=self.fabric.transport(),
-                        channel_factory=self.fabric.channel, states=pools)
+        dk, dv = ([_random(shape, gen) if fill else torch.zeros(shape, dtype=torch.bfloat16)
+                   for _ in range(draft_layers)] for _ in range(2))
+        kv = [MHAPool(k=k, v=v, total_kv_heads=total_heads)]
+        if draft_layers:
+            kv.append(MHAPool(k=dk, v=dv, total_kv_heads=total_heads, role=PoolRole.DRAFT))
+        mgr = KVManager(cfg, kv, aux=aux, transport=self.fabric.transport(), channel_factory=self.fabric.channel,
+                        states=pools)
         self.stack.callback(mgr.close)
-        rank = Rank(mgr, k, v, aux, pools)
+        rank = Rank(mgr, k, v, aux, pools, (*dk, *dv))
         self.ranks.append(rank)
         return rank
 

@@ -32,7 +32,7 @@ from typing import Mapping
 
 import numpy as np
 
-from bootstrap.messages import PoolDescriptor, RankInfo, StatePoolDescriptor, StateSharding
+from bootstrap.messages import PoolDescriptor, PoolRole, RankInfo, StatePoolDescriptor, StateSharding
 from transfer.config import ManagerConfig
 from transfer.errors import RequestError
 from transfer.messages import TransferRequest
@@ -62,12 +62,22 @@ class SendingRoom:
 @dataclass(frozen=True)
 class Chunk:
     """One ``send()``: prefill page ids from request position ``offset``;
-    staged parts are numbered from ``first_part`` (the room's next)."""
+    staged parts are numbered from ``first_part`` (the room's next).
+    ``layers``: a layer group of the chunk (:mod:`transfer.rooms.layer_groups`),
+    each pool's layers this call sends; None: every layer. ``last``: the
+    call ends the room (for a layer group: it completes the last chunk)."""
 
     pages: np.ndarray
     offset: int
     last: bool
     first_part: int
+    layers: Mapping[PoolRole, tuple[int, ...]] | None = None
+
+
+class StagedChunk(Exception):
+    """A layer group of a chunk that a decode rank takes through staging:
+    the sender keeps the chunk's groups and sends the chunk whole once it is
+    complete (staged parts pack every layer of their pages)."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +138,8 @@ def plan_chunk(room: SendingRoom, chunk: Chunk, config: ManagerConfig) -> ChunkP
         sent = [a for a in req.assignments if a.send] if src.size else []
         plans, roles = [], []
         if sent and _staged(src, dst, sent, local, peer, config):
+            if chunk.layers is not None:
+                raise StagedChunk(req.decode_session)
             for a in sent:  # the same checks as the direct path, before any byte moves
                 check_transfer(local.pool(a.role), peer.pool(a.role), src, dst.astype(np.int64),
                                src_head_offset=a.src_head_offset, dst_head_offset=a.dst_head_offset,
@@ -137,7 +149,9 @@ def plan_chunk(room: SendingRoom, chunk: Chunk, config: ManagerConfig) -> ChunkP
             parts.extend(new)
         else:
             plans = [plan_pool(local.pool(a.role), peer.pool(a.role), src, dst, src_head_offset=a.src_head_offset,
-                               dst_head_offset=a.dst_head_offset, num_heads=a.num_heads) for a in sent]
+                               dst_head_offset=a.dst_head_offset, num_heads=a.num_heads,
+                               layers=None if chunk.layers is None else chunk.layers.get(a.role, ()))
+                     for a in sent]
             roles = [a.role.value for a in sent]
         if chunk.last and local.aux and room.aux_index is not None and req.dst_aux_index >= 0:
             aux = plan_aux_regions(local.aux, peer.aux, room.aux_index, req.dst_aux_index)  # checks the slots

@@ -14,7 +14,8 @@ from transfer.errors import KVFerryError, KVTimeoutError, PageIndexError, PeerEr
 from transfer.messages import RoomAbort, RoomStatus, Status, TransferRequest
 from transfer.pools import host_page_ids
 from transfer.ready import gate_for
-from transfer.rooms.chunk_plan import Chunk, PartSpec, SendingRoom, plan_chunk
+from transfer.rooms.chunk_plan import Chunk, PartSpec, SendingRoom, StagedChunk, plan_chunk
+from transfer.rooms.layer_groups import ChunkGroups, by_pool, layer_spans, num_layers, parse_layers
 from transfer.rooms.context import RoomHost
 from transfer.rooms.room_stats import RoomCounts
 from transfer.rooms.write_through import WriteThrough
@@ -51,6 +52,7 @@ class KVSender:
         self._aux_index: int | None = None
         self._offset = 0
         self._last_sent = False
+        self._groups: ChunkGroups | None = None  # the chunk whose layer groups are being sent (layer-wise)
         self._num_inflight = 0
         self._last_send_at: float | None = None  # the last send() call (the end of the scheduler's forward)
         self._next_part = 0
@@ -82,9 +84,19 @@ class KVSender:
                                                    tier.aux_key(token_ids), self._state.where)
             self._check_sizes()
 
-    def send(self, page_indices, last: bool = False, ready=None, state_indices=None) -> None:
+    def send(self, page_indices, last: bool = False, ready=None, state_indices=None, layers=None) -> None:
         """Queue the next chunk's pages (prefill page ids, in request order:
-        a list, a numpy array or a tensor, CPU or CUDA). ``state_indices``
+        a list, a numpy array or a tensor, CPU or CUDA).
+
+        ``layers`` (layer-wise sends, :mod:`transfer.rooms.layer_groups`):
+        send only these layers of the chunk (a range or ints over the room's
+        layers: the target pool's, then the draft pool's), as the forward
+        pass finishes them, each group with its own ``ready`` event. Call
+        again with the same pages and ``last`` for the chunk's other layers,
+        in any order; the chunk is complete when every layer was sent, and
+        the room moves on to its next chunk only then. A decode rank that
+        takes the chunk through staging (a fenced one) gets it whole when it
+        is complete. ``state_indices``
         (with the last chunk only): per state pool of the manager, in order,
         the room's item indices (None: none; -1: a position this rank no
         longer holds), sent to the decode ranks that ask for that state; item
@@ -114,36 +126,84 @@ class KVSender:
             pages = host_page_ids(page_indices)
             if state_indices is not None and not last:
                 raise StateError(f"{self._state.where}: state indices go with the last chunk (last=True)")
+            if layers is None and self._groups is not None:
+                raise StateError(f"{self._state.where}: send() of a whole chunk while the chunk at page "
+                                 f"{self._offset} still lacks layer(s) {self._groups.missing()[:8]}")
             states = () if state_indices is None else \
                 tuple(None if i is None else host_page_ids(i) for i in state_indices)
             gate = gate_for(ready, self._ctx.config.transfer_timeout_s, self._state.where)
-            room = SendingRoom(self._state.where, self._ctx.rank, tuple(self._requests), self._table.peers,
-                               self._num_pages, self._aux_index, states)
-            try:
-                plan = plan_chunk(room, Chunk(pages, self._offset, last, self._next_part), self._ctx.config)
-            except (ValueError, IndexError) as exc:  # the plan's checks: page ids, sizes
-                kind = PageIndexError if isinstance(exc, IndexError) else RequestError
-                self.fail(exc if isinstance(exc, KVFerryError) else kind(f"{self._state.where}: {exc}"))
+            if layers is not None:
+                self._send_group(pages, last, gate, states, layers)
                 return
-            first = self._offset
             self._last_send_at = time.monotonic()
+            plan = self._plan(Chunk(pages, self._offset, last, self._next_part), states)
+            if plan is not None:
+                self._submit(plan, pages, last, gate, complete=True)
+
+    def _plan(self, chunk: Chunk, states):
+        """``chunk`` planned (None: the plan's checks failed the room).
+        StagedChunk passes through (a layer group some decode rank stages)."""
+        room = SendingRoom(self._state.where, self._ctx.rank, tuple(self._requests), self._table.peers,
+                           self._num_pages, self._aux_index, states)
+        try:
+            return plan_chunk(room, chunk, self._ctx.config)
+        except (ValueError, IndexError) as exc:  # the plan's checks: page ids, sizes
+            kind = PageIndexError if isinstance(exc, IndexError) else RequestError
+            self.fail(exc if isinstance(exc, KVFerryError) else kind(f"{self._state.where}: {exc}"))
+            return None
+
+    def _send_group(self, pages, last: bool, gate, states, layers) -> None:
+        """One layer group of the current chunk (under the lock)."""
+        spans = layer_spans(self._ctx.rank.pools)
+        try:
+            wanted = parse_layers(layers, num_layers(spans))
+            if self._groups is None:
+                self._groups = ChunkGroups(pages, last, num_layers(spans))
+            self._groups.add(pages, last, wanted)
+        except ValueError as exc:
+            raise StateError(f"{self._state.where}: {exc}") from None
+        groups = self._groups
+        groups.states = states or groups.states  # state items go with the completing group of the last chunk
+        states = groups.states
+        self._last_send_at = time.monotonic()
+        complete = groups.complete
+        if not groups.deferred:
+            chunk = Chunk(pages, self._offset, last and complete, self._next_part, layers=by_pool(wanted, spans))
+            try:
+                plan = self._plan(chunk, states)
+            except StagedChunk:
+                groups.deferred = True  # the same for every group of the chunk: the pages decide it
+            else:
+                if plan is not None:
+                    self._submit(plan, pages, last, gate, complete)
+                return
+        if complete:  # a deferred chunk goes whole, gated on its completing group's event
+            plan = self._plan(Chunk(pages, self._offset, last, self._next_part), states)
+            if plan is not None:
+                self._submit(plan, pages, last, gate, complete=True)
+
+    def _submit(self, plan, pages, last: bool, gate, complete: bool) -> None:
+        """Hand a planned chunk (or layer group) to the transport and the
+        staged flow; a ``complete`` chunk moves the room on (under the lock)."""
+        first = self._offset
+        if complete:
+            self._groups = None
             self._offset += pages.size
-            self._next_part += len(plan.parts)
             self._last_sent = last
-            self._num_inflight += len(plan.jobs) + len(plan.parts)
-            if self._state.state is KVPoll.WaitingForInput:
-                self._state.move(KVPoll.Transferring)
-            if self._write_through is not None:  # queued first: the room's success waits for it
-                self._write_through.write(pages, first, self._aux_index if last else None, self._on_storage_done,
-                                          ready=gate)
-            for job in plan.jobs:
-                handle = self._ctx.transport.submit(job.session, job.plan,
-                                                    lambda error, m=job.moved: self.on_chunk_done(error, m),
-                                                    ready=gate)
-                if handle is not None:
-                    self._jobs.append(handle)
-            if plan.parts:
-                self._parts.extend(self._table.staging.submit(self, plan.parts, ready=gate))
+        self._next_part += len(plan.parts)
+        self._num_inflight += len(plan.jobs) + len(plan.parts)
+        if self._state.state is KVPoll.WaitingForInput:
+            self._state.move(KVPoll.Transferring)
+        if self._write_through is not None and complete:  # queued first: the room's success waits for it
+            self._write_through.write(pages, first, self._aux_index if last else None, self._on_storage_done,
+                                      ready=gate)
+        for job in plan.jobs:
+            handle = self._ctx.transport.submit(job.session, job.plan,
+                                                lambda error, m=job.moved: self.on_chunk_done(error, m), ready=gate)
+            if handle is not None:
+                self._jobs.append(handle)
+        if plan.parts:
+            self._parts.extend(self._table.staging.submit(self, plan.parts, ready=gate))
 
     def poll(self) -> KVPoll:
         """The room's state now. Also moves this rank's control messages and

@@ -1,0 +1,130 @@
+"""Layer-wise sends over the loopback pair (transfer.rooms.layer_groups): a
+chunk sent as layer groups, in any order, target and draft layers alike;
+the layers of a group land while the chunk's other layers are still to come
+(direct path); a fenced decode rank gets the chunk whole once complete;
+decode reaches Success only when every layer of every page landed; a group
+that does not fit its chunk is refused by name; an abort mid-stream fails
+both sides."""
+
+import numpy as np
+import pytest
+
+from transfer import KVPoll, KVReceiver, KVSender
+from transfer.errors import StateError
+
+from ._rooms import NUM_LAYERS, Role, assert_landed, random_pages, terminal, wait_until
+
+STAGED = dict(staging_bytes=1 << 20, stage_part_bytes=64 << 10, stage_below_bytes=0)
+DRAFT = 1
+LAYERS = NUM_LAYERS + DRAFT  # the room's layers: the target's, then the draft's
+
+
+def _open(prefill, decode, room, src, dst):
+    receiver = KVReceiver(decode.mgr, prefill.mgr.config.bootstrap_addr, room)
+    receiver.init(dst, 2)
+    sender = KVSender(prefill.mgr, None, room)
+    wait_until(prefill.mgr, lambda: sender.poll() is KVPoll.WaitingForInput)
+    sender.init(len(src), 1)
+    return sender, receiver
+
+
+def _layer_bytes(rank, pages, layer: int) -> list[bytes]:
+    """K and V bytes of room layer ``layer`` (target layers, then draft) of ``pages``."""
+    every = rank.page_bytes(pages)  # target K..., target V..., draft K..., draft V...
+    if layer < NUM_LAYERS:
+        return [every[layer], every[NUM_LAYERS + layer]]
+    d = layer - NUM_LAYERS
+    return [every[2 * NUM_LAYERS + d], every[2 * NUM_LAYERS + DRAFT + d]]
+
+
+@pytest.mark.parametrize("fenced", [False, True], ids=["direct", "fenced"])
+def test_layer_groups_in_any_order_land_every_layer_and_the_room_ends_with_the_last(cluster, fenced):
+    prefill = cluster.rank(Role.PREFILL, draft_layers=DRAFT, **STAGED)
+    decode = cluster.rank(Role.DECODE, draft_layers=DRAFT, **{**STAGED, "write_fence": fenced})
+    rng = np.random.default_rng(21)
+    src, dst = random_pages(rng, 12), random_pages(rng, 12)
+    sender, receiver = _open(prefill, decode, 40, src, dst)
+    chunks = np.array_split(np.arange(12), 2)
+    for c, idx in enumerate(chunks):
+        last = c == len(chunks) - 1
+        order = [[2], [0], [1]] if c == 0 else [[1, 2], [0]]
+        for g, group in enumerate(order):
+            sender.send(src[idx], last=last, layers=group)
+            if g == 0 and not fenced:  # streamed: this group's layers land before the chunk is complete
+                wait_until(decode.mgr, lambda: _layer_bytes(decode, dst[idx], group[0])
+                           == _layer_bytes(prefill, src[idx], group[0]), what="the first group's layer landed")
+            if g < len(order) - 1 or not last:
+                assert receiver.poll() is not KVPoll.Success and sender.poll() is not KVPoll.Success
+            if g == 0 and fenced:  # a fenced decode rank gets the chunk whole: nothing of it yet
+                zero = [bytes(len(b)) for b in _layer_bytes(decode, dst[idx], group[0])]
+                assert _layer_bytes(decode, dst[idx], group[0]) == zero
+    wait_until(decode.mgr, lambda: terminal(sender, receiver), what="room terminal")
+    assert (sender.poll(), receiver.poll()) == (KVPoll.Success, KVPoll.Success), (sender.stats(), receiver.stats())
+    assert_landed(prefill, decode, src, dst)
+    moved = sender.stats().bytes
+    pools = sum(n for (pool, _), n in moved.items() if pool in ("target", "draft"))
+    assert pools == sum(len(b) for b in prefill.page_bytes(src)), moved  # each layer of each page once
+
+
+def test_a_group_that_does_not_fit_its_chunk_is_refused_by_name(cluster):
+    prefill = cluster.rank(Role.PREFILL, draft_layers=DRAFT)
+    decode = cluster.rank(Role.DECODE, draft_layers=DRAFT, write_fence=False)
+    rng = np.random.default_rng(22)
+    src, dst = random_pages(rng, 8), random_pages(rng, 8)
+    sender, receiver = _open(prefill, decode, 41, src, dst)
+    with pytest.raises(StateError, match="outside the room's 3 layers"):
+        sender.send(src[:4], layers=[3])
+    sender.send(src[:4], layers=range(0, 2))
+    with pytest.raises(StateError, match=r"layer\(s\) \[1\] of this chunk were sent already"):
+        sender.send(src[:4], layers=[1, 2])
+    with pytest.raises(StateError, match="names other pages"):
+        sender.send(src[4:], layers=[2])
+    with pytest.raises(StateError, match="last=True, its chunk's first group last=False"):
+        sender.send(src[:4], last=True, layers=[2])
+    with pytest.raises(StateError, match=r"whole chunk while the chunk at page 0 still lacks layer\(s\) \[2\]"):
+        sender.send(src[4:], last=True)
+    sender.send(src[:4], layers=[2])  # the chunk is complete: the next one starts at page 4
+    sender.send(src[4:], last=True)
+    wait_until(decode.mgr, lambda: terminal(sender, receiver), what="room terminal")
+    assert (sender.poll(), receiver.poll()) == (KVPoll.Success, KVPoll.Success)
+    assert_landed(prefill, decode, src, dst)
+
+
+def test_an_abort_mid_stream_fails_both_sides(cluster):
+    prefill = cluster.rank(Role.PREFILL)
+    decode = cluster.rank(Role.DECODE, write_fence=False)
+    rng = np.random.default_rng(23)
+    src, dst = random_pages(rng, 6), random_pages(rng, 6)
+    sender, receiver = _open(prefill, decode, 42, src, dst)
+    sender.send(src, last=True, layers=[0])
+    sender.abort("the scheduler dropped the request mid-forward")
+    wait_until(decode.mgr, lambda: terminal(sender, receiver), what="room terminal")
+    assert (sender.poll(), receiver.poll()) == (KVPoll.Failed, KVPoll.Failed)
+    with pytest.raises(Exception, match="dropped the request mid-forward"):
+        receiver.failure_exception()
+
+
+@pytest.mark.parametrize("fenced", [False, True], ids=["direct", "fenced"])
+def test_layer_groups_between_prefill_tp2_and_decode_tp1(cluster, fenced):
+    """Each prefill rank sends its heads of each layer group; decode holds the whole."""
+    prefills = [cluster.rank(Role.PREFILL, heads=1, total_heads=2, tp_rank=p, tp_size=2, **STAGED) for p in range(2)]
+    decode = cluster.rank(Role.DECODE, heads=2, total_heads=2, **{**STAGED, "write_fence": fenced})
+    room, src, dst = 43, np.arange(8), np.arange(8)[::-1].copy()
+    receiver = KVReceiver(decode.mgr, prefills[0].mgr.config.bootstrap_addr, room)
+    receiver.init(dst, 2)
+    senders = [KVSender(p.mgr, None, room) for p in prefills]
+    for p, s in zip(prefills, senders):
+        wait_until(p.mgr, lambda s=s: s.poll() is KVPoll.WaitingForInput)
+        s.init(8, 1)
+    for group in ([1], [0]):
+        for s in senders:
+            s.send(src, last=True, layers=group)
+    wait_until(decode.mgr, lambda: terminal(receiver, *senders), what="room terminal")
+    assert all(x.poll() is KVPoll.Success for x in (receiver, *senders))
+    for layer in range(NUM_LAYERS):
+        for part, (dk, pk) in enumerate(zip(_layer_bytes(decode, dst, layer), zip(*[
+                _layer_bytes(p, src, layer) for p in prefills]))):
+            # decode's page of 2 heads: token-major (NHD), each token's heads from the two ranks in order
+            whole = np.frombuffer(dk, dtype=np.uint8).reshape(8, 4, 2, -1)
+            for r, shard in enumerate(pk):
+                assert np.array_equal(whole[:, :, r], np.frombuffer(shard, dtype=np.uint8).reshape(8, 4, 1, -1)[:, :, 0])
