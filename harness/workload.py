@@ -71,6 +71,7 @@ class Spec:
     min_tokens: int = 256
     max_tokens: int = 2048
     chunk_pages: int = 0  # 0: one send per room; else chunks of this many pages
+    layer_groups: int = 0  # 0: whole chunks; else each chunk as this many layer groups, the last layers first
     page_placement: str = "scattered"  # or "contiguous"
     seed: int = 1234
     timeout_s: float = 120.0
@@ -189,6 +190,16 @@ def dp_group(spec: Spec, room: int) -> int:
 def prefill_side(dp_rank: int) -> str:
     """The seed name of a prefill DP group's pool content."""
     return f"prefill-dp{dp_rank}"
+
+
+def layer_groups(spec: Spec) -> list:
+    """The ``layers`` of each ``send()`` call of a chunk: [None] (whole
+    chunks), or ``spec.layer_groups`` groups of the room's layers (the
+    target's, then the draft's), the last group first (any order is allowed)."""
+    if not spec.layer_groups:
+        return [None]
+    total = sum(p.num_layers for p in spec.prefill_pools)
+    return [g.tolist() for g in reversed(np.array_split(np.arange(total), spec.layer_groups)) if g.size]
 
 
 def room_plan(spec: Spec, room: int) -> tuple[np.ndarray, list[int]]:
@@ -341,7 +352,9 @@ def run_prefill(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
                     if not (slow and len(sizes) == 1 and time.monotonic() - ready_at < spec.slow_delay_s):
                         n = sizes.pop(0)  # one chunk per poll round, like chunked prefill
                         ready = producer.write(pages[off:off + n]) if producer is not None else None
-                        sender.send(pages[off:off + n], last=not sizes, ready=ready if spec.pass_ready else None)
+                        for layers in layer_groups(spec):  # one call per group, the last layers first
+                            sender.send(pages[off:off + n], last=not sizes, ready=ready if spec.pass_ready else None,
+                                        layers=layers)
                         chunks[2] = off + n
                     busy = busy or bool(sizes)
                     if sizes:
