@@ -176,7 +176,9 @@ class PrefillRank:
     def rooms(self, cmd: dict) -> dict:
         spec, mgr = self.spec, self.mgr
         abort = {int(k): v for k, v in cmd.get("abort", {}).items()}
-        delay = float(cmd.get("chunk_delay_s", 0.0))
+        delay = float(cmd.get("chunk_delay_s", 0.0))  # between sends (with layer groups: between groups)
+        groups = int(cmd.get("layer_groups", 0))  # each chunk as this many layer groups (0: whole chunks)
+        layers = sum(p.num_layers for p in mgr.rank.pools)
         deadline = time.monotonic() + float(cmd.get("timeout_s", 60.0))
         if cmd.get("stop_after_descriptors"):
             _stop_after(mgr, int(cmd["stop_after_descriptors"]), deadline)
@@ -206,9 +208,18 @@ class PrefillRank:
                 if r["chunks"] is not None and r["chunks"][1] and now >= r["next_at"] \
                         and state in (KVPoll.WaitingForInput, KVPoll.Transferring):
                     pages, sizes, off = r["chunks"]
-                    n = sizes.pop(0)
-                    s.send(pages[off:off + n], last=not sizes)
-                    r["chunks"][2] = off + n
+                    n = sizes[0]
+                    if groups:  # layer-wise: the chunk's layer groups one per round, the last layers first
+                        if not r.get("groups"):
+                            r["groups"] = [g.tolist() for g in reversed(np.array_split(np.arange(layers), groups))]
+                        s.send(pages[off:off + n], last=len(sizes) == 1, layers=r["groups"].pop(0))
+                        chunk_done = not r["groups"]
+                    else:
+                        s.send(pages[off:off + n], last=len(sizes) == 1)
+                        chunk_done = True
+                    if chunk_done:
+                        sizes.pop(0)
+                        r["chunks"][2] = off + n
                     r["next_at"] = now + delay
                 if state in (KVPoll.Success, KVPoll.Failed):
                     kind, msg = _error(s)

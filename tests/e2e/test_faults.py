@@ -79,13 +79,14 @@ def _kill_into_rooms(victim, survivor, kill_after_s: float) -> None:
     assert failed, "the kill landed after every room finished"
 
 
+@pytest.mark.parametrize("layer_groups", [0, 2], ids=["whole-chunks", "layer-wise"])
 @pytest.mark.parametrize("kill_after_s", [0.0, 0.8], ids=["at-request", "mid-transfer"])
-def test_prefill_killed(cluster, kill_after_s):
+def test_prefill_killed(cluster, kill_after_s, layer_groups):
     prefill, decode = cluster.rank("prefill"), cluster.rank("decode")
     _warm(prefill, decode)
     threads = decode.stats()["threads"]
     rooms = [10, 11, 12, 13]
-    prefill.send(op="rooms", rooms=rooms, timeout_s=60, chunk_delay_s=0.3)
+    prefill.send(op="rooms", rooms=rooms, timeout_s=60, chunk_delay_s=0.3, layer_groups=layer_groups)
     decode.send(op="rooms", rooms=rooms, timeout_s=60)
     _kill_into_rooms(prefill, decode, kill_after_s)
 
@@ -106,8 +107,9 @@ def test_prefill_killed_while_idle(cluster):
     _served(prefill2, decode, [30, 31, 32])
 
 
+@pytest.mark.parametrize("layer_groups", [0, 2], ids=["whole-chunks", "layer-wise"])
 @pytest.mark.parametrize("kill_after_s", [0.0, 0.8], ids=["at-request", "mid-transfer"])
-def test_decode_killed(cluster, kill_after_s):
+def test_decode_killed(cluster, kill_after_s, layer_groups):
     prefill, decode = cluster.rank("prefill"), cluster.rank("decode")
     _warm(prefill, decode)
     threads = prefill.stats()["threads"]
@@ -117,7 +119,7 @@ def test_decode_killed(cluster, kill_after_s):
     while prefill.stats()["early_rooms"] < len(rooms):
         assert time.monotonic() < deadline, "decode's requests never reached prefill"
         time.sleep(0.05)
-    prefill.send(op="rooms", rooms=rooms, timeout_s=60, chunk_delay_s=0.3)
+    prefill.send(op="rooms", rooms=rooms, timeout_s=60, chunk_delay_s=0.3, layer_groups=layer_groups)
     _kill_into_rooms(decode, prefill, kill_after_s)
 
     decode2 = cluster.rank("decode")
@@ -278,12 +280,13 @@ def test_abort_from_decode(placement):
             decode.close()
 
 
-def test_abort_from_prefill(cluster):
+@pytest.mark.parametrize("layer_groups", [0, 2], ids=["whole-chunks", "layer-wise"])
+def test_abort_from_prefill(cluster, layer_groups):
     prefill, decode = cluster.rank("prefill"), cluster.rank("decode")
     _warm(prefill, decode)
     rooms = [10, 11, 12]
     aborts = {10: 0.2, 11: 0.8}
-    p, d = _both(prefill, decode, rooms, chunk_delay_s=0.3, p_opts={"abort": aborts})
+    p, d = _both(prefill, decode, rooms, chunk_delay_s=0.3, p_opts={"abort": aborts, "layer_groups": layer_groups})
     for room in aborts:
         assert p["results"][str(room)]["state"] == "Failed"
         assert d["results"][str(room)]["state"] == "Failed", d["results"][str(room)]
