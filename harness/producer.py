@@ -18,12 +18,15 @@ class SideStreamProducer:
     def __init__(self, tensors: dict, sleep_cycles: int) -> None:
         """``tensors``: role -> component -> [per-layer CUDA tensor], as
         :func:`harness.workload.build_pools` returns them."""
-        self._pairs = []
+        self._pairs, self._layers = [], []  # (pool tensor, its true content); its layer in the room's numbering
+        first = 0  # the room's layers: the target pool's, then the draft pool's (transfer.rooms.layer_groups)
         for bufs in tensors.values():
             for ts in bufs.values():
-                for t in ts:
+                for layer, t in enumerate(ts):
                     self._pairs.append((t, t.clone()))
+                    self._layers.append(first + layer)
                     t.zero_()
+            first += max((len(ts) for ts in bufs.values()), default=0)
         device = self._pairs[0][0].device
         torch.cuda.synchronize(device)  # the zeros are in place before any transfer
         self._stream = torch.cuda.Stream(device=device)
@@ -43,3 +46,24 @@ class SideStreamProducer:
             event = torch.cuda.Event()
             event.record(self._stream)
         return event
+
+    def write_groups(self, pages, groups) -> list:
+        """Queue the late write of ``pages`` layer group by layer group (a
+        forward pass finishing its layers in order): per group, a busy
+        kernel and then the copy of its layers; returns one event per group,
+        recorded after its copy."""
+        idx = torch.as_tensor(pages, dtype=torch.int64).to(self._device)
+        self._stream.wait_stream(torch.cuda.current_stream(self._device))
+        idx.record_stream(self._stream)
+        events = []
+        with torch.cuda.stream(self._stream):
+            for group in groups:
+                wanted = set(group)
+                torch.cuda._sleep(self._cycles // max(1, len(groups)))
+                for (t, truth), layer in zip(self._pairs, self._layers):
+                    if layer in wanted:
+                        t.index_copy_(0, idx, truth.index_select(0, idx))
+                event = torch.cuda.Event()
+                event.record(self._stream)
+                events.append(event)
+        return events

@@ -351,8 +351,15 @@ def run_prefill(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
                     pages, sizes, off, ready_at = chunks
                     if not (slow and len(sizes) == 1 and time.monotonic() - ready_at < spec.slow_delay_s):
                         n = sizes.pop(0)  # one chunk per poll round, like chunked prefill
-                        ready = producer.write(pages[off:off + n]) if producer is not None else None
-                        for layers in layer_groups(spec):  # one call per group, the last layers first
+                        groups = layer_groups(spec)  # one call per group
+                        if producer is None:
+                            events = [None] * len(groups)
+                        elif groups == [None]:
+                            events = [producer.write(pages[off:off + n])]
+                        else:  # a forward pass: the first layers first, each group with its own event
+                            groups = sorted(groups)
+                            events = producer.write_groups(pages[off:off + n], groups)
+                        for layers, ready in zip(groups, events):
                             sender.send(pages[off:off + n], last=not sizes, ready=ready if spec.pass_ready else None,
                                         layers=layers)
                         chunks[2] = off + n

@@ -95,3 +95,18 @@ def test_without_the_event_the_race_is_real(monkeypatch):
     decode = [r.result for r in runs if r.role == "decode"]
     assert decode and all(d is not None for d in decode)
     assert sum(len(d["mismatches"]) for d in decode) > 0, "no mismatch without the event: the race did not happen"
+
+
+@pytest.mark.parametrize("path", ["direct", "staged"])
+def test_layer_groups_each_with_its_own_event_land_when_their_events_complete(path, monkeypatch):
+    """Layer-wise sends on the device: each chunk's layers written late, group
+    by group, on a side stream, and each group sent with its own CUDA event
+    (transfer.rooms.layer_groups); decode checks every byte. Direct: each
+    group goes when its event completes; staged: the chunk goes whole, on its
+    last group's event."""
+    for key, value in (STAGED if path == "staged" else DIRECT).items():
+        monkeypatch.setenv(key, value)
+    spec = cuda_spec(MIXES["mha+mha"], num_rooms=2, producer_sleep_cycles=SLEEP_CYCLES, pass_ready=True,
+                     layer_groups=2)
+    runs = run_pd(spec, timeout_s=240, rank_processes=False)
+    assert_all_succeeded(runs, 2)
