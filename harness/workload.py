@@ -72,6 +72,10 @@ class Spec:
     max_tokens: int = 2048
     chunk_pages: int = 0  # 0: one send per room; else chunks of this many pages
     layer_groups: int = 0  # 0: whole chunks; else each chunk as this many layer groups, the last layers first
+    #: > 0: a modelled GPU forward pass (benchmarks.layerwise; one chunk per room): a room's layers are computed
+    #: one after another from the moment its decode request arrived, each taking this long (a wait: on a GPU
+    #: it costs the CPU nothing), and each layer group is sent when its last layer is done (whole: at the end)
+    forward_layer_s: float = 0.0
     page_placement: str = "scattered"  # or "contiguous"
     seed: int = 1234
     timeout_s: float = 120.0
@@ -192,6 +196,27 @@ def prefill_side(dp_rank: int) -> str:
     return f"prefill-dp{dp_rank}"
 
 
+def _forward_sends(spec: Spec, sender, chunks: list, total_layers: int) -> float | None:
+    """The modelled forward pass of a room (``spec.forward_layer_s``): send
+    the layer groups whose layers are done by now (the whole chunk once the
+    last layer is); returns when the next group is due (None: all sent)."""
+    pages, sizes, _, started = chunks[:4]
+    if len(chunks) == 4:  # the forward's schedule: (due time, layers) per group, the first layers first
+        done, schedule = 0, []
+        for layers in sorted(layer_groups(spec), key=lambda g: -1 if g is None else g[0]):
+            done += total_layers if layers is None else len(layers)
+            schedule.append((started + done * spec.forward_layer_s, layers))
+        chunks.append(schedule)
+    schedule = chunks[4]
+    while schedule and time.monotonic() >= schedule[0][0]:
+        _, layers = schedule.pop(0)
+        sender.send(pages, last=True, layers=layers)  # one chunk per room: every group is of the last chunk
+    if schedule:
+        return schedule[0][0]
+    sizes.clear()
+    return None
+
+
 def layer_groups(spec: Spec) -> list:
     """The ``layers`` of each ``send()`` call of a chunk: [None] (whole
     chunks), or ``spec.layer_groups`` groups of the room's layers (the
@@ -257,6 +282,7 @@ class Result:
     mismatches: list = field(default_factory=list)
     bytes: int = 0
     latencies_ms: list = field(default_factory=list)
+    exposed_ms: list = field(default_factory=list)  # decode: per measured room, its exposed transfer time
     elapsed_s: float = 0.0  # from the first measured room's start to the last completion
     descriptors: int = 0
     cpu_s: float = 0.0  # process CPU time over the measured window
@@ -326,8 +352,12 @@ def run_prefill(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
         live: dict[int, tuple[KVSender, list | None, int]] = {}
         window = _Window(spec)
         mark, todo = mgr.progress, set()
+        total_layers = sum(p.num_layers for p in spec.prefill_pools)
+        if spec.forward_layer_s > 0 and spec.chunk_pages:
+            raise ValueError("forward_layer_s models one forward per room: chunk_pages must be 0")
         while rooms or live:
             busy, sending = False, set()  # sending: rooms with chunks left, visited every round
+            next_due = float("inf")  # the modelled forward's next layer group, if any
             while rooms and len(live) < spec.concurrency:
                 room = rooms.pop(0)
                 window.room_started(room)
@@ -347,7 +377,13 @@ def run_prefill(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
                     sender.init(len(pages), slot)
                     chunks = [pages, sizes, 0, time.monotonic()]
                     live[room] = (sender, chunks, slot)
-                if chunks is not None and chunks[1] and state in (KVPoll.WaitingForInput, KVPoll.Transferring):
+                if spec.forward_layer_s > 0 and chunks is not None and chunks[1] \
+                        and state in (KVPoll.WaitingForInput, KVPoll.Transferring):
+                    due = _forward_sends(spec, sender, chunks, total_layers)
+                    if due is not None:
+                        next_due = min(next_due, due)
+                        sending.add(room)
+                elif chunks is not None and chunks[1] and state in (KVPoll.WaitingForInput, KVPoll.Transferring):
                     pages, sizes, off, ready_at = chunks
                     if not (slow and len(sizes) == 1 and time.monotonic() - ready_at < spec.slow_delay_s):
                         n = sizes.pop(0)  # one chunk per poll round, like chunked prefill
@@ -373,7 +409,7 @@ def run_prefill(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
             # Like a scheduler's idle loop: wake on any room's change of state
             # (a sleep-poll loop costs a fifth of a core on this VM).
             if not busy:
-                mgr.wait_for_progress(mark, 0.005)
+                mgr.wait_for_progress(mark, max(0.0, min(0.005, next_due - time.monotonic())))
             mark, changed = mgr.changed_rooms(mark)  # None: fell behind, visit every room
             todo = set(live) if changed is None else {s.room for s, _ in changed} | sending
         res.elapsed_s, res.cpu_s = window.close()
@@ -438,6 +474,9 @@ def run_decode(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
                 if _count(res, room, receiver, state):
                     if window.measured(room):
                         res.latencies_ms.append((time.monotonic() - started) * 1e3)
+                        exposed = receiver.stats().exposed_transfer_s
+                        if exposed is not None:
+                            res.exposed_ms.append(exposed * 1e3)
                         res.bytes += _room_bytes(tensors, dst, prefill_roles)
                     if spec.verify:
                         _verify(spec, room, dst, slot, tensors, expected[dp_group(spec, room)], aux, res.mismatches)

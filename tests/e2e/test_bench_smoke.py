@@ -285,3 +285,14 @@ def test_agent_kills_its_children_when_the_prefill_side_goes_away():
             assert gone(reply["pid"], 20), "the agent left a child of a silent session running"
     finally:
         _stop(agent)
+
+
+@pytest.mark.parametrize("mode", ["whole", "layerwise"])
+def test_the_layerwise_benchmark_runs_a_cell_and_measures_the_exposed_transfer(mode):
+    """benchmarks.layerwise: a modelled forward, real processes and engine;
+    every room ends and decode reports an exposed transfer time per room
+    (how long is the benchmark's business, not this test's)."""
+    from benchmarks.layerwise import run_cell
+
+    row = run_cell("llama8b", 1024, 1, mode, "mooncake", False, 1)
+    assert row["rooms"] == 1 and row["exposed_p50_ms"] >= 0 and row["forward_ms"] > 0, row

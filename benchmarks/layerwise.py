@@ -1,0 +1,130 @@
+"""Layer-wise streaming against whole-request sends, with a modelled GPU
+prefill (issue 30): ``python -m benchmarks.layerwise [--rounds N] [--out F]``.
+
+Each room's forward pass is modelled on prefill as a wait per layer (on a
+GPU the forward costs the CPU nothing): the room's layers are computed one
+after another from the moment its decode request arrived, and
+
+- ``whole``: the room is sent once its last layer is done;
+- ``layerwise``: each of :data:`GROUPS` layer groups is sent (``send(...,
+  layers=...)``) as soon as its last layer is done.
+
+The figure is decode's **exposed transfer time** per room (from prefill's
+last ``send()``, the end of the forward, to decode's ``Success``; the
+``exposed_transfer_s`` of its room stats), and the modelled TTFT: forward
+plus exposed transfer. Real processes, the real engines (Mooncake over TCP,
+NIXL over UCX), real KV sizes of the stated models; bytes not verified (the
+suites do that).
+
+Per-layer compute, stated: ``(2 * P_layer * n + 4 * n^2 * d_attn) / F`` for
+``n`` prompt tokens (times the requests batched together), ``P_layer`` the
+active parameters of one layer, ``d_attn`` the attention width and ``F`` the
+effective FLOP/s (:data:`MODELS`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+from harness.launch import run_pd
+from harness.workload import PoolSpec, Spec
+
+#: name -> (pool, active parameters per layer, attention width, effective FLOP/s, what)
+MODELS = {
+    "llama8b": (PoolSpec(num_layers=32, total_heads=8, head_dim=128, dtype="bfloat16"), 218e6, 4096, 5e14,
+                "Llama-3-8B-like (32 layers, 8 KV heads x 128, bf16: 128 KiB of KV per token) on one H100 "
+                "(500 TFLOP/s effective, about half of bf16 peak)"),
+    "deepseek": (PoolSpec(attention="mla", num_layers=61, total_heads=1, head_dim=576, dtype="bfloat16"), 6.1e8,
+                 16384, 4e15, "DeepSeek-V3-like MLA (61 layers, a 576-value latent, bf16: 70 KiB per token, "
+                 "37 B active parameters) on 8 H100s (4 PFLOP/s effective)"),
+}
+#: layer groups per room in the layer-wise mode
+GROUPS = 8
+PAGE = 16
+
+
+def layer_s(model: str, tokens: int) -> float:
+    """Modelled seconds of one layer's forward over ``tokens`` prompt tokens."""
+    _, params, width, flops, _ = MODELS[model]
+    return (2 * params * tokens + 4 * tokens * tokens * width) / flops
+
+
+def run_cell(model: str, tokens: int, concurrency: int, mode: str, transport: str, fence: bool,
+             rooms: int) -> dict:
+    pool = MODELS[model][0]
+    pages = -(-tokens // PAGE)
+    per_layer = layer_s(model, tokens * concurrency)  # a batch of `concurrency` prompts computes together
+    spec = Spec(bootstrap="", prefill_pools=(pool,), decode_pools=(pool,), num_rooms=rooms + 1,
+                concurrency=concurrency, min_tokens=tokens, max_tokens=tokens, page_size=PAGE,
+                prefill_pages=pages * concurrency + 8, decode_pages=pages * concurrency + 8,
+                page_placement="contiguous", layer_groups=GROUPS if mode == "layerwise" else 0,
+                forward_layer_s=per_layer, fill="constant", verify=False, warmup_rooms=1, timeout_s=120)
+    env = {"KVFERRY_WRITE_FENCE": "1" if fence else "0", "KVFERRY_BACKEND": transport}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        runs = run_pd(spec, timeout_s=600)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    decode = next(r.result for r in runs if r.role == "decode")
+    if decode is None or decode["success"] != rooms + 1:
+        raise RuntimeError(f"{model} {tokens} x{concurrency} {mode} {transport}: {decode and decode['failed']}")
+    exposed = decode["exposed_ms"]
+    forward_ms = per_layer * pool.num_layers * 1e3
+    return {"model": model, "tokens": tokens, "concurrency": concurrency, "mode": mode, "transport": transport,
+            "fence": fence, "forward_ms": round(forward_ms, 1), "exposed_p50_ms": round(statistics.median(exposed), 1),
+            "exposed_max_ms": round(max(exposed), 1), "ttft_ms": round(forward_ms + statistics.median(exposed), 1),
+            "gib": round(tokens * pool_bytes_per_token(pool) / 2**30, 3), "rooms": len(exposed)}
+
+
+def pool_bytes_per_token(pool: PoolSpec) -> int:
+    per_layer = pool.head_dim * 2 if pool.attention == "mla" else 2 * pool.total_heads * pool.head_dim * 2
+    return per_layer * pool.num_layers
+
+
+CELLS = [("llama8b", 1024, 1), ("llama8b", 8192, 1), ("llama8b", 1024, 8), ("deepseek", 1024, 1),
+         ("deepseek", 8192, 1)]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rooms", type=int, default=6, help="measured rooms per cell (after one warm-up room)")
+    ap.add_argument("--transports", default="mooncake,nixl")
+    ap.add_argument("--fence", default="off,on")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+    rows = []
+    for model, tokens, conc in CELLS:
+        for transport in args.transports.split(","):
+            for fence in args.fence.split(","):
+                for mode in ("whole", "layerwise"):  # alternating, same cell back to back
+                    row = run_cell(model, tokens, conc, mode, transport, fence == "on", args.rooms)
+                    row["load"] = round(os.getloadavg()[0], 1)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    print("\n| model | tokens | concurrent | transport | fence | forward ms (modelled) | exposed p50 ms whole | "
+          "layer-wise | cut | TTFT ms whole | layer-wise |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for whole, lw in zip(rows[::2], rows[1::2]):
+        cut = 1 - lw["exposed_p50_ms"] / whole["exposed_p50_ms"] if whole["exposed_p50_ms"] else 0.0
+        print(f"| {whole['model']} | {whole['tokens']} | {whole['concurrency']} | {whole['transport']} | "
+              f"{'on' if whole['fence'] else 'off'} | {whole['forward_ms']} | {whole['exposed_p50_ms']} | "
+              f"{lw['exposed_p50_ms']} | {cut:.0%} | {whole['ttft_ms']} | {lw['ttft_ms']} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"when": time.strftime("%Y-%m-%d %H:%M"), "groups": GROUPS,
+                       "models": {k: v[4] for k, v in MODELS.items()}, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
