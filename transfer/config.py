@@ -180,6 +180,10 @@ class ManagerConfig:
     at most ``stage_part_bytes``, and scattered on decode; both sides need
     staging for it to be used.
 
+    Layer-wise sends (``KVSender.send(..., layers=...)``): a room of fewer
+    than ``layerwise_min_tokens`` prompt tokens (its pages times the page
+    size) sends its layer groups whole, once each chunk is complete.
+
     Write fence (``write_fence``, ``KVFERRY_WRITE_FENCE``; on by default,
     effective on a decode rank with staging memory only): decode registers
     none of its pools with the transport; every byte of every room lands in
@@ -218,6 +222,7 @@ class ManagerConfig:
     staging_bytes: int | None = None
     stage_below_bytes: int = 256 << 10
     stage_part_bytes: int = 64 << 20
+    layerwise_min_tokens: int = 0
     write_fence: bool = True
     heartbeat_interval_s: float = 0.5
     peer_timeout_s: float = 4.0
@@ -252,6 +257,8 @@ class ManagerConfig:
         if self.heartbeat_interval_s * 2 > self.peer_timeout_s:
             raise ValueError(f"ManagerConfig.peer_timeout_s ({self.peer_timeout_s}) must be at least twice "
                              f"heartbeat_interval_s ({self.heartbeat_interval_s})")
+        if self.layerwise_min_tokens < 0:
+            raise ValueError("ManagerConfig.layerwise_min_tokens must be >= 0")
         if (self.staging_bytes is not None and self.staging_bytes < 0) or self.stage_below_bytes < 0:
             raise ValueError("ManagerConfig.staging_bytes and stage_below_bytes must be >= 0")
         if self.staging_bytes and self.stage_part_bytes > self.staging_bytes:

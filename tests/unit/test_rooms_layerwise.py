@@ -6,6 +6,8 @@ decode reaches Success only when every layer of every page landed; a group
 that does not fit its chunk is refused by name; an abort mid-stream fails
 both sides."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -128,3 +130,22 @@ def test_layer_groups_between_prefill_tp2_and_decode_tp1(cluster, fenced):
             whole = np.frombuffer(dk, dtype=np.uint8).reshape(8, 4, 2, -1)
             for r, shard in enumerate(pk):
                 assert np.array_equal(whole[:, :, r], np.frombuffer(shard, dtype=np.uint8).reshape(8, 4, 1, -1)[:, :, 0])
+
+
+def test_a_room_shorter_than_the_threshold_sends_its_groups_whole(cluster):
+    """layerwise_min_tokens: a room of fewer prompt tokens holds its layer
+    groups until the chunk is complete, then sends it whole."""
+    prefill = cluster.rank(Role.PREFILL, layerwise_min_tokens=10_000, **STAGED)
+    decode = cluster.rank(Role.DECODE, **{**STAGED, "write_fence": False})
+    rng = np.random.default_rng(24)
+    src, dst = random_pages(rng, 6), random_pages(rng, 6)
+    sender, receiver = _open(prefill, decode, 44, src, dst)
+    sender.send(src, last=True, layers=[0])
+    time.sleep(0.3)  # streamed, layer 0 lands within milliseconds here (the first test waits for that)
+    sender.poll(), receiver.poll()
+    zero = [bytes(len(b)) for b in _layer_bytes(decode, dst, 0)]
+    assert _layer_bytes(decode, dst, 0) == zero and receiver.poll() is not KVPoll.Success
+    sender.send(src, last=True, layers=[1])
+    wait_until(decode.mgr, lambda: terminal(sender, receiver), what="room terminal")
+    assert (sender.poll(), receiver.poll()) == (KVPoll.Success, KVPoll.Success)
+    assert_landed(prefill, decode, src, dst)

@@ -159,6 +159,9 @@ class KVSender:
             wanted = parse_layers(layers, num_layers(spans))
             if self._groups is None:
                 self._groups = ChunkGroups(pages, last, num_layers(spans))
+                # a short room's groups go whole (layerwise_min_tokens): streaming would not pay for its calls
+                tokens = self._num_pages * self._ctx.rank.pools[0].page_size
+                self._groups.deferred = tokens < self._ctx.config.layerwise_min_tokens
             self._groups.add(pages, last, wanted)
         except ValueError as exc:
             raise StateError(f"{self._state.where}: {exc}") from None
