@@ -36,16 +36,21 @@ def test_chunked_sends_scattered_pages_byte_exact(monkeypatch, fence):
     assert prefill["bytes"] == decode["bytes"] + (0 if fence else 12 * spec.aux_slot_bytes)
 
 
+MLA = PoolSpec(attention="mla", num_layers=3, total_heads=1, head_dim=576, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("target", ["mha", "mla"])
 @pytest.mark.parametrize("fence", [False, True], ids=["unfenced", "fenced"])
-def test_layer_wise_sends_byte_exact(monkeypatch, fence):
+def test_layer_wise_sends_byte_exact(monkeypatch, fence, target):
     """Every chunk sent as 3 layer groups (the last layers first) over a
-    target and a draft pool: decode verifies every byte, and prefill wrote
-    each layer once. Unfenced, the pages go direct, group by group; the
-    fenced decode gets each chunk whole once complete."""
+    target (MHA or MLA) and a draft pool: decode verifies every byte, and
+    prefill wrote each layer once. Unfenced, the pages go direct, group by
+    group; the fenced decode gets each chunk whole once complete."""
     monkeypatch.setenv("KVFERRY_WRITE_FENCE", "1" if fence else "0")
     monkeypatch.setenv("KVFERRY_STAGE_BELOW_BYTES", "0")  # unfenced: direct descriptors, however small
     draft = PoolSpec(role="draft", num_layers=1, total_heads=8, head_dim=64, dtype="bfloat16")
-    spec = Spec(bootstrap="", prefill_pools=(MHA, draft), decode_pools=(MHA, draft), num_rooms=8, concurrency=4,
+    pools = (MHA if target == "mha" else MLA, draft)
+    spec = Spec(bootstrap="", prefill_pools=pools, decode_pools=pools, num_rooms=8, concurrency=4,
                 chunk_pages=6, layer_groups=3, min_tokens=100, max_tokens=1500, page_placement="scattered", seed=13)
     runs = run_pd(spec, timeout_s=180)
     assert_all_succeeded(runs, 8)
