@@ -183,6 +183,7 @@ def _transport(engine) -> MooncakeTransport:
     t._by_peer = collections.defaultdict(collections.deque)
     t._inflight = collections.defaultdict(int)
     t._outstanding = collections.defaultdict(collections.deque)
+    t._opened = set()
     return t
 
 
