@@ -27,7 +27,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from harness.vllm import (SLIDING_WINDOW, VOCAB, ServerSpec, VLLMServer, build_tiny_sliding_model,  # noqa: E402
-                          complete, free_port, pd_complete)
+                          complete, free_port, pd_complete, warm_up)
 
 MAX_TOKENS = 8
 LENGTHS = (37, 100, 257, 640, 1000)
@@ -74,6 +74,7 @@ def hma(tmp_path_factory):
     try:
         for server in servers.values():
             server.wait_ready(300)
+        print(f"warm-up request: {warm_up(servers['prefill'], servers['decode'], model)}")
         yield model, servers
     finally:
         for server in servers.values():

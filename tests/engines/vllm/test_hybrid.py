@@ -31,7 +31,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from harness.vllm import (VOCAB, ServerSpec, VLLMServer, build_tiny_gdn_model, complete, free_port,  # noqa: E402
-                          pd_complete)
+                          pd_complete, warm_up)
 from tests.engines.vllm.test_hma import digests, kv_config  # noqa: E402
 
 MAX_TOKENS = 8
@@ -59,6 +59,7 @@ def gdn(tmp_path_factory):
     try:
         for server in servers.values():
             server.wait_ready(300)
+        print(f"warm-up request: {warm_up(servers['prefill'], servers['decode'], model)}")
         yield model, servers
     finally:
         for server in servers.values():

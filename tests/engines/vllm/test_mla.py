@@ -26,7 +26,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from harness.vllm import (VOCAB, ServerSpec, VLLMServer, build_tiny_mla_model, complete, free_port,  # noqa: E402
-                          pd_complete)
+                          pd_complete, warm_up)
 
 MAX_TOKENS = 8
 LENGTHS = (37, 100, 257, 640, 1000)
@@ -74,6 +74,7 @@ def mla(tmp_path_factory):
     try:
         for server in servers.values():
             server.wait_ready(300)
+        print(f"warm-up request: {warm_up(servers['prefill'], servers['decode'], model)}")
         yield model, servers
     finally:
         for server in servers.values():

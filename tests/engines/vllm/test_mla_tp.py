@@ -34,7 +34,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from harness.vllm import (VOCAB, ServerSpec, VLLMServer, build_tiny_mla_model, complete, free_port,  # noqa: E402
-                          pd_complete)
+                          pd_complete, warm_up)
 from tests.engines.vllm.test_mla import MLA_BLOCK, MLA_BLOCK_BYTES, kv_config  # noqa: E402
 from tests.engines.vllm.test_pd import stats_of  # noqa: E402
 
@@ -75,11 +75,7 @@ def tp2(tmp_path_factory):
 def test_mla_from_prefill_tp2_to_decode_tp1_is_sent_once_byte_exact(tp2):
     model, servers = tp2
     prefill, decode = servers["prefill"], servers["decode"]
-    try:  # the warm-up (see the module's docstring)
-        pd_complete(prefill, decode, model, list(range(4, 40)), 1)
-        print("warm-up request: ok")
-    except Exception as exc:  # noqa: BLE001 - printed, not checked
-        print(f"warm-up request failed: {exc}; decode: {decode.kvferry_lines()[-600:]}")
+    print(f"warm-up request: {warm_up(prefill, decode, model)}")  # see the module's docstring
     before = decode.metrics()
     moved_before = {name: stats_of(s) for name, s in (("prefill", prefill), ("decode", decode))}
     rooms = []

@@ -35,7 +35,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from harness.vllm import (VOCAB, ServerSpec, VLLMServer, build_tiny_model, complete, free_port,  # noqa: E402
-                          pd_complete, post, tokens_of, _body)
+                          pd_complete, post, tokens_of, warm_up, _body)
 
 MAX_TOKENS = 12
 LENGTHS = (100, 257, 640, 1000)
@@ -166,6 +166,7 @@ def cluster(tmp_path_factory):
             c.start(name)
         for server in c.servers.values():
             server.wait_ready()
+        print(f"warm-up request: {warm_up(c.servers['prefill'], c.servers['decode'], model)}")
         yield c
     finally:
         c.close()

@@ -26,7 +26,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from harness.vllm import (VOCAB, ServerSpec, VLLMServer, build_tiny_model, complete, free_port,  # noqa: E402
-                          pd_complete)
+                          pd_complete, warm_up)
 from bootstrap.client import BootstrapClient  # noqa: E402
 from bootstrap.messages import PoolRole  # noqa: E402
 from tests.engines.vllm.test_hma import digests, kv_config  # noqa: E402
@@ -53,6 +53,7 @@ def spec(tmp_path_factory):
     try:
         for server in servers.values():
             server.wait_ready(300)
+        print(f"warm-up request: {warm_up(servers['prefill'], servers['decode'], model)}")
         yield model, servers, bootstrap
     finally:
         for server in servers.values():
