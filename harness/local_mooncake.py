@@ -18,15 +18,10 @@ import time
 import uuid
 from pathlib import Path
 
+from harness.vllm import free_port
 from transfer.storage.base import open_storage
 
 START_S = 15.0  # bound on the master listening and the holder's memory being usable
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tool(name: str) -> str | None:

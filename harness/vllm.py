@@ -150,10 +150,21 @@ def _save_tokenizer(path: str) -> None:
     fast.save_pretrained(path)
 
 
+_GIVEN: set[int] = set()  # ports free_port() handed out in this process
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nothing listens on now, never one this process was
+    given before: a port is only bound later (a server starting takes
+    seconds), and the kernel may offer a just-released one again, so two
+    calls in a row could name the same port for two servers."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 @dataclass

@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness.vllm import free_port
+
 # A config.json-only model: SGLang's own backends read the model config at start-up.
 MODEL_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32,
                 "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 8,
@@ -22,12 +24,6 @@ MODEL_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "h
                 "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16"}
 ROOT = Path(__file__).resolve().parents[3]
 STUBS = Path(__file__).resolve().parent / "stubs"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def model_config(extra_args) -> dict:
