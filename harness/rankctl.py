@@ -69,7 +69,7 @@ from transfer.rooms.receiver import KVReceiver
 from transfer.rooms.sender import KVSender
 from transfer.state import KVPoll
 from harness.workload import (Spec, _allocate, _components, aux_buffers, aux_row, build_pools, global_buffer,
-                              prefill_side, rank_slice, read_aux, room_plan, write_aux)
+                              prefill_side, rank_slice, read_aux, room_plan, split_layers, write_aux)
 
 SENTINEL = 0xA5
 
@@ -211,7 +211,7 @@ class PrefillRank:
                     n = sizes[0]
                     if groups:  # layer-wise: the chunk's layer groups one per round, the last layers first
                         if not r.get("groups"):
-                            r["groups"] = [g.tolist() for g in reversed(np.array_split(np.arange(layers), groups))]
+                            r["groups"] = split_layers(layers, groups)
                         s.send(pages[off:off + n], last=len(sizes) == 1, layers=r["groups"].pop(0))
                         chunk_done = not r["groups"]
                     else:

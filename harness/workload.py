@@ -217,14 +217,18 @@ def _forward_sends(spec: Spec, sender, chunks: list, total_layers: int) -> float
     return None
 
 
+def split_layers(total: int, groups: int) -> list[list[int]]:
+    """``total`` room layers (the target's, then the draft's) as ``groups``
+    groups, the last group first (any order is allowed)."""
+    return [g.tolist() for g in reversed(np.array_split(np.arange(total), groups)) if g.size]
+
+
 def layer_groups(spec: Spec) -> list:
     """The ``layers`` of each ``send()`` call of a chunk: [None] (whole
-    chunks), or ``spec.layer_groups`` groups of the room's layers (the
-    target's, then the draft's), the last group first (any order is allowed)."""
+    chunks), or ``spec.layer_groups`` groups (:func:`split_layers`)."""
     if not spec.layer_groups:
         return [None]
-    total = sum(p.num_layers for p in spec.prefill_pools)
-    return [g.tolist() for g in reversed(np.array_split(np.arange(total), spec.layer_groups)) if g.size]
+    return split_layers(sum(p.num_layers for p in spec.prefill_pools), spec.layer_groups)
 
 
 def room_plan(spec: Spec, room: int) -> tuple[np.ndarray, list[int]]:

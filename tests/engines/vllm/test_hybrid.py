@@ -31,8 +31,9 @@ import pytest
 pytest.importorskip("vllm")
 
 from harness.vllm import (VOCAB, ServerSpec, VLLMServer, build_tiny_gdn_model, complete, free_port,  # noqa: E402
-                          pd_complete, warm_up)
-from tests.engines.vllm.test_hma import digests, kv_config  # noqa: E402
+                          pd_complete)
+from tests.engines.vllm.pd_servers import (digests, group_digests, kvferry_pair, nixl_pair,  # noqa: E402
+                                           prompt_sources_since, running)
 
 MAX_TOKENS = 8
 LENGTHS = (37, 100, 257, 640, 1000)
@@ -43,27 +44,10 @@ def gdn(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-gdn")
     model = build_tiny_gdn_model(str(root / "model"))
     bootstrap = f"127.0.0.1:{free_port()}"
-    env = {"KVFERRY_TEST_DIGEST": "1"}
-    nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
-    servers = {"reference": VLLMServer(ServerSpec("reference", model, 0), str(root)),
-               "nixl-prefill": VLLMServer(ServerSpec("nixl-prefill", model, 0, nixl,
-                                                     env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}),
-                                          str(root)),
-               "nixl-decode": VLLMServer(ServerSpec("nixl-decode", model, 1, nixl,
-                                                    env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}),
-                                         str(root)),
-               "prefill": VLLMServer(ServerSpec("prefill", model, 0, kv_config("kv_producer", bootstrap), env=env),
-                                     str(root)),
-               "decode": VLLMServer(ServerSpec("decode", model, 1, kv_config("kv_consumer", bootstrap), env=env),
-                                    str(root))}
-    try:
-        for server in servers.values():
-            server.wait_ready(300)
-        print(f"warm-up request: {warm_up(servers['prefill'], servers['decode'], model)}")
+    servers = {"reference": VLLMServer(ServerSpec("reference", model, 0), str(root)), **nixl_pair(model, str(root)),
+               **kvferry_pair(model, str(root), bootstrap, "gdn-prefill", "tiny-qwen3-next")}
+    with running(servers, model):
         yield model, servers
-    finally:
-        for server in servers.values():
-            server.close()
 
 
 def test_gdn_state_and_attention_pages_move_byte_exact_and_decode_tokens_equal_a_single_instance(gdn):
@@ -81,12 +65,11 @@ def test_gdn_state_and_attention_pages_move_byte_exact_and_decode_tokens_equal_a
         assert got.tokens[0] == want[0], f"{n} tokens: decode {got.tokens} != single instance {want}"
         matches.append(got.tokens == want)
         rooms.append((n, int(got.kv_params["kvferry_room"])))
-    after = decode.metrics()
-    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    delta = prompt_sources_since(decode, before)
     assert delta.get("external_kv_transfer") == sum(LENGTHS) - len(LENGTHS), (delta, decode.kvferry_lines())
     assert delta.get("local_compute") == len(LENGTHS), delta  # each prompt's last token, from the moved state
     sent, landed = digests(prefill, "prefill"), digests(decode, "decode")
-    sent_s, landed_s = digests(prefill, "prefill", "group"), digests(decode, "decode", "group")
+    sent_s, landed_s = group_digests(prefill, "prefill"), group_digests(decode, "decode")
     groups = sorted({g for _, g in landed_s})
     assert len(groups) == 1, f"expected one GDN state group beside the attention one, got {groups}"
     for n, room in rooms:

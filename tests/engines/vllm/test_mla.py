@@ -19,38 +19,21 @@ test connector's digests, ``corrupting.py``).
 from __future__ import annotations
 
 import random
-import re
 
 import pytest
 
 pytest.importorskip("vllm")
 
 from harness.vllm import (VOCAB, ServerSpec, VLLMServer, build_tiny_mla_model, complete, free_port,  # noqa: E402
-                          pd_complete, warm_up)
+                          pd_complete)
+from tests.engines.vllm.pd_servers import (digests, kvferry_pair, nixl_pair, prompt_sources_since,  # noqa: E402
+                                           running)
 
 MAX_TOKENS = 8
 LENGTHS = (37, 100, 257, 640, 1000)
 MLA_BLOCK = 16  # vLLM's CPU MLA block (its kernel's only size)
 MLA_BLOCK_BYTES = 4 * MLA_BLOCK * 576 * 2  # layers x tokens x latent values x bf16
-TEST_CONNECTOR = {"kv_connector": "CorruptingKvferryConnector",
-                  "kv_connector_module_path": "tests.engines.vllm.corrupting"}
-
-
-def kv_config(role: str, bootstrap: str) -> dict:
-    extra = {"kvferry_bootstrap_addr": bootstrap, "kvferry_node": "mla-prefill",
-             "kvferry": {"bootstrap_timeout_s": 15, "transfer_timeout_s": 30, "model_name": "tiny-mla"}}
-    if role == "kv_producer":
-        extra["kvferry_serve_bootstrap"] = True
-    return {**TEST_CONNECTOR, "kv_role": role, "kv_connector_extra_config": extra}
-
-
-def digests(server: VLLMServer, side: str) -> dict[int, list[str]]:
-    """room -> the block digests ``side`` logged for it (corrupting.py)."""
-    out = {}
-    for m in re.finditer(rf"kvferry-test: digest side={side} room=(\d+) blocks=\d+ skip=\d+ sha=([0-9a-f,]+)",
-                         server.log_tail(10_000_000)):
-        out[int(m.group(1))] = m.group(2).split(",")
-    return out
+NODE, MODEL_NAME = "mla-prefill", "tiny-mla"
 
 
 @pytest.fixture(scope="module")
@@ -58,27 +41,10 @@ def mla(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-mla")
     model = build_tiny_mla_model(str(root / "model"))
     bootstrap = f"127.0.0.1:{free_port()}"
-    env = {"KVFERRY_TEST_DIGEST": "1"}
-    nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
-    servers = {"reference": VLLMServer(ServerSpec("reference", model, 0), str(root)),
-               "nixl-prefill": VLLMServer(ServerSpec("nixl-prefill", model, 0, nixl,
-                                                     env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}),
-                                          str(root)),
-               "nixl-decode": VLLMServer(ServerSpec("nixl-decode", model, 1, nixl,
-                                                    env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}),
-                                         str(root)),
-               "prefill": VLLMServer(ServerSpec("prefill", model, 0, kv_config("kv_producer", bootstrap), env=env),
-                                     str(root)),
-               "decode": VLLMServer(ServerSpec("decode", model, 1, kv_config("kv_consumer", bootstrap), env=env),
-                                    str(root))}
-    try:
-        for server in servers.values():
-            server.wait_ready(300)
-        print(f"warm-up request: {warm_up(servers['prefill'], servers['decode'], model)}")
+    servers = {"reference": VLLMServer(ServerSpec("reference", model, 0), str(root)), **nixl_pair(model, str(root)),
+               **kvferry_pair(model, str(root), bootstrap, NODE, MODEL_NAME)}
+    with running(servers, model):
         yield model, servers
-    finally:
-        for server in servers.values():
-            server.close()
 
 
 def test_mla_moves_every_prompt_token_page_exact_and_decode_tokens_equal_vllms_own_connectors(mla):
@@ -101,8 +67,7 @@ def test_mla_moves_every_prompt_token_page_exact_and_decode_tokens_equal_vllms_o
         assert got.tokens[0] == want[0], f"{n} tokens: decode {got.tokens} != single instance {want}"
         matches.append(got.tokens == want)
         rooms.append((n, int(got.kv_params["kvferry_room"])))
-    after = decode.metrics()
-    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    delta = prompt_sources_since(decode, before)
     assert delta.get("external_kv_transfer") == sum(LENGTHS), (delta, decode.kvferry_lines())
     assert delta.get("local_compute", 0) == 0, delta
     sent, landed = digests(prefill, "prefill"), digests(decode, "decode")

@@ -26,7 +26,6 @@ about. Its outcome is printed.
 from __future__ import annotations
 
 import random
-import re
 import time
 
 import pytest
@@ -34,21 +33,13 @@ import pytest
 pytest.importorskip("vllm")
 
 from harness.vllm import (VOCAB, ServerSpec, VLLMServer, build_tiny_mla_model, complete, free_port,  # noqa: E402
-                          pd_complete, warm_up)
-from tests.engines.vllm.test_mla import MLA_BLOCK, MLA_BLOCK_BYTES, kv_config  # noqa: E402
+                          pd_complete)
+from tests.engines.vllm.pd_servers import kvferry_pair, prompt_sources_since, rank_digests, running  # noqa: E402
+from tests.engines.vllm.test_mla import MLA_BLOCK, MLA_BLOCK_BYTES, MODEL_NAME, NODE  # noqa: E402
 from tests.engines.vllm.test_pd import stats_of  # noqa: E402
 
 MAX_TOKENS = 4
 LENGTHS = (37, 300, 1000)
-
-
-def all_digests(server: VLLMServer, side: str) -> dict[int, list[list[str]]]:
-    """room -> the block digests each of ``side``'s ranks logged for it."""
-    out: dict[int, list[list[str]]] = {}
-    for m in re.finditer(rf"kvferry-test: digest side={side} room=(\d+) blocks=\d+ skip=\d+ sha=([0-9a-f,]+)",
-                         server.log_tail(10_000_000)):
-        out.setdefault(int(m.group(1)), []).append(m.group(2).split(","))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -56,26 +47,17 @@ def tp2(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-mla-tp")
     model = build_tiny_mla_model(str(root / "model"))
     bootstrap = f"127.0.0.1:{free_port()}"
-    env = {"KVFERRY_TEST_DIGEST": "1"}
     servers = {"reference": VLLMServer(ServerSpec("reference", model, 1), str(root)),
-               "prefill": VLLMServer(ServerSpec("prefill", model, 0, kv_config("kv_producer", bootstrap),
-                                                env={**env, "VLLM_CPU_OMP_THREADS_BIND": "0|0"},
-                                                args=("--tensor-parallel-size", "2")), str(root)),
-               "decode": VLLMServer(ServerSpec("decode", model, 1, kv_config("kv_consumer", bootstrap), env=env),
-                                    str(root))}
-    try:
-        for server in servers.values():
-            server.wait_ready(300)
+               **kvferry_pair(model, str(root), bootstrap, NODE, MODEL_NAME,
+                              prefill_env={"VLLM_CPU_OMP_THREADS_BIND": "0|0"},
+                              prefill_args=("--tensor-parallel-size", "2"))}
+    with running(servers, model):  # the warm-up: see the module's docstring
         yield model, servers
-    finally:
-        for server in servers.values():
-            server.close()
 
 
 def test_mla_from_prefill_tp2_to_decode_tp1_is_sent_once_byte_exact(tp2):
     model, servers = tp2
     prefill, decode = servers["prefill"], servers["decode"]
-    print(f"warm-up request: {warm_up(prefill, decode, model)}")  # see the module's docstring
     before = decode.metrics()
     moved_before = {name: stats_of(s) for name, s in (("prefill", prefill), ("decode", decode))}
     rooms = []
@@ -86,11 +68,10 @@ def test_mla_from_prefill_tp2_to_decode_tp1_is_sent_once_byte_exact(tp2):
         got = pd_complete(prefill, decode, model, prompt, MAX_TOKENS)
         assert got.tokens[0] == want[0], f"{n} tokens: decode {got.tokens} != single instance {want}"
         rooms.append((n, int(got.kv_params["kvferry_room"])))
-    after = decode.metrics()
-    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    delta = prompt_sources_since(decode, before)
     assert delta.get("external_kv_transfer") == sum(LENGTHS), (delta, decode.kvferry_lines())
     assert delta.get("local_compute", 0) == 0, delta
-    sent, landed = all_digests(prefill, "prefill"), all_digests(decode, "decode")
+    sent, landed = rank_digests(prefill, "prefill"), rank_digests(decode, "decode")
     for n, room in rooms:
         assert len(sent.get(room, [])) == 2, f"{n} tokens: {len(sent.get(room, []))} prefill ranks ended the room"
         assert sent[room][0] == sent[room][1], f"{n} tokens: the two prefill ranks' latent blocks differ"

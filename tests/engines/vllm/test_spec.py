@@ -25,15 +25,15 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from harness.vllm import (VOCAB, ServerSpec, VLLMServer, build_tiny_model, complete, free_port,  # noqa: E402
-                          pd_complete, warm_up)
+from harness.vllm import VOCAB, ServerSpec, VLLMServer, build_tiny_model, complete, free_port, pd_complete  # noqa: E402
 from bootstrap.client import BootstrapClient  # noqa: E402
 from bootstrap.messages import PoolRole  # noqa: E402
-from tests.engines.vllm.test_hma import digests, kv_config  # noqa: E402
+from tests.engines.vllm.pd_servers import digests, kvferry_pair, prompt_sources_since, running  # noqa: E402
 
 MAX_TOKENS = 8
 LENGTHS = (37, 257, 640, 1000)
 BLOCK = 128  # vLLM's CPU default
+NODE = "spec-prefill"
 
 
 @pytest.fixture(scope="module")
@@ -44,27 +44,17 @@ def spec(tmp_path_factory):
     args = ("--speculative-config", json.dumps({"method": "draft_model", "model": draft,
                                                 "num_speculative_tokens": 2}))
     bootstrap = f"127.0.0.1:{free_port()}"
-    env = {"KVFERRY_TEST_DIGEST": "1"}
     servers = {"reference": VLLMServer(ServerSpec("reference", model, 0, args=args), str(root)),
-               "prefill": VLLMServer(ServerSpec("prefill", model, 0, kv_config("kv_producer", bootstrap), env=env,
-                                                args=args), str(root)),
-               "decode": VLLMServer(ServerSpec("decode", model, 1, kv_config("kv_consumer", bootstrap), env=env,
-                                               args=args), str(root))}
-    try:
-        for server in servers.values():
-            server.wait_ready(300)
-        print(f"warm-up request: {warm_up(servers['prefill'], servers['decode'], model)}")
+               **kvferry_pair(model, str(root), bootstrap, NODE, "tiny-llama-spec", args=args)}
+    with running(servers, model):
         yield model, servers, bootstrap
-    finally:
-        for server in servers.values():
-            server.close()
 
 
 def test_a_drafts_kv_moves_as_the_draft_pool_byte_exact_and_tokens_equal_a_single_instance(spec):
     model, servers, bootstrap = spec
     prefill, decode = servers["prefill"], servers["decode"]
     with BootstrapClient(bootstrap) as client:
-        ranks = client.lookup("hma-prefill", 0).ranks
+        ranks = client.lookup(NODE, 0).ranks
     assert [(p.role, p.num_layers) for p in ranks[0].pools] == [(PoolRole.TARGET, 4), (PoolRole.DRAFT, 4)], \
         ranks[0].pools
     before = decode.metrics()
@@ -76,8 +66,7 @@ def test_a_drafts_kv_moves_as_the_draft_pool_byte_exact_and_tokens_equal_a_singl
         got = pd_complete(prefill, decode, model, prompt, MAX_TOKENS)
         assert got.tokens == want, f"{n} tokens: decode {got.tokens} != single instance {want}"
         rooms.append((n, int(got.kv_params["kvferry_room"])))
-    after = decode.metrics()
-    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    delta = prompt_sources_since(decode, before)
     assert delta.get("external_kv_transfer") == sum(LENGTHS), (delta, decode.kvferry_lines())
     assert delta.get("local_compute", 0) == 0, delta
     sent, landed = digests(prefill, "prefill"), digests(decode, "decode")

@@ -1,0 +1,86 @@
+"""What the model-family vLLM tests share: kvferry's test connector config,
+the server sets they start (a single-instance reference, a kvferry pair, and
+vLLM's own NixlConnector pair where the honest reference is another
+connector), running them for a module (ready, warmed up, closed), the
+decode metrics a run moved, and the digests the test connector logs
+(``corrupting.py``: its lines' format is defined there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+from harness.vllm import ServerSpec, VLLMServer, free_port, warm_up
+
+TEST_CONNECTOR = {"kv_connector": "CorruptingKvferryConnector",
+                  "kv_connector_module_path": "tests.engines.vllm.corrupting"}
+DIGEST_ENV = {"KVFERRY_TEST_DIGEST": "1"}
+
+
+def kv_config(role: str, bootstrap: str, node: str, model_name: str) -> dict:
+    """The test connector for ``role``; prefill serves the bootstrap server."""
+    extra = {"kvferry_bootstrap_addr": bootstrap, "kvferry_node": node,
+             "kvferry": {"bootstrap_timeout_s": 15, "transfer_timeout_s": 30, "model_name": model_name}}
+    if role == "kv_producer":
+        extra["kvferry_serve_bootstrap"] = True
+    return {**TEST_CONNECTOR, "kv_role": role, "kv_connector_extra_config": extra}
+
+
+def kvferry_pair(model: str, root: str, bootstrap: str, node: str, model_name: str, *, args: tuple = (),
+                 prefill_env: dict | None = None, prefill_args: tuple = ()) -> dict[str, VLLMServer]:
+    """Prefill (core 0) and decode (core 1) with the test connector, digests on."""
+    return {"prefill": VLLMServer(ServerSpec("prefill", model, 0, kv_config("kv_producer", bootstrap, node, model_name),
+                                             env={**DIGEST_ENV, **(prefill_env or {})}, args=args + prefill_args),
+                                  root),
+            "decode": VLLMServer(ServerSpec("decode", model, 1, kv_config("kv_consumer", bootstrap, node, model_name),
+                                            env=DIGEST_ENV, args=args), root)}
+
+
+def nixl_pair(model: str, root: str) -> dict[str, VLLMServer]:
+    """vLLM's own NixlConnector pair on the same cores."""
+    nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+    return {f"nixl-{side}": VLLMServer(ServerSpec(f"nixl-{side}", model, core, nixl,
+                                                  env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}), root)
+            for side, core in (("prefill", 0), ("decode", 1))}
+
+
+@contextlib.contextmanager
+def running(servers: dict[str, VLLMServer], model: str, timeout_s: float = 300):
+    """``servers`` once all serve, the kvferry pair warmed up
+    (``harness.vllm.warm_up``, its outcome printed); closed at the end."""
+    try:
+        for server in servers.values():
+            server.wait_ready(timeout_s)
+        print(f"warm-up request: {warm_up(servers['prefill'], servers['decode'], model)}")
+        yield servers
+    finally:
+        for server in servers.values():
+            server.close()
+
+
+def prompt_sources_since(server: VLLMServer, before: dict) -> dict[str, float]:
+    """``vllm:prompt_tokens_by_source`` per source since ``before`` (a ``metrics()``)."""
+    after = server.metrics()
+    return {k: after.get(k, 0) - before.get(k, 0) for k in after}
+
+
+def rank_digests(server: VLLMServer, side: str) -> dict[int, list[list[str]]]:
+    """room -> the block digests each of ``side``'s ranks logged for it, in log order."""
+    out: dict[int, list[list[str]]] = {}
+    for m in re.finditer(rf"kvferry-test: digest side={side} room=(\d+) blocks=\d+ skip=\d+ sha=([0-9a-f,]+)",
+                         server.log_tail(10_000_000)):
+        out.setdefault(int(m.group(1)), []).append(m.group(2).split(","))
+    return out
+
+
+def digests(server: VLLMServer, side: str) -> dict[int, list[str]]:
+    """room -> the block digests ``side`` (one rank) logged for it."""
+    return {room: ranks[-1] for room, ranks in rank_digests(server, side).items()}
+
+
+def group_digests(server: VLLMServer, side: str) -> dict[tuple[int, int], list[str]]:
+    """(room, KV-cache group) -> that group's block digests by position (``-``: not held or wanted)."""
+    return {(int(m.group(1)), int(m.group(2))): m.group(3).split(",")
+            for m in re.finditer(rf"kvferry-test: group-digest side={side} room=(\d+) group=(\d+) sha=([0-9a-f,-]+)",
+                                 server.log_tail(10_000_000))}
