@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,24 +41,9 @@ import urllib.request
 from benchmarks.hosts import LocalHost, Link
 from benchmarks.runs import run_kvferry
 from benchmarks.workloads import FULL
+from harness.ports import free_ports
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def _free_port_base() -> int:
-    """A base port with base and base + 100 free (rank 0 of each side)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + 100 < 65536:
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", base + 100))
-                except OSError:
-                    continue
-            return base
-    raise OSError("no free pair of metrics ports")
 
 
 def _cpu_s(stat_path: str) -> float:
@@ -193,7 +177,7 @@ def run_round(w, link: Link, interval_s: float | None, condition: str = "on") ->
     if condition == "off":
         row = run_kvferry(w, LocalHost(), link)
         return dict(metrics="off", gbps=row["gbps"], cpu_s_per_gb=row["cpu_s_per_gb"], p50_ms=row["p50_ms"])
-    base = _free_port_base()
+    base = free_ports(101)  # rank 0 of prefill at base, of decode at base + 100
     os.environ["KVFERRY_METRICS_PORT"] = str(base)
     try:
         with Scraper({"prefill": base, "decode": base + 100}, interval_s) as scraper:

@@ -18,7 +18,7 @@ import time
 import uuid
 from pathlib import Path
 
-from harness.vllm import free_port
+from harness.ports import free_port
 from transfer.storage.base import open_storage
 
 START_S = 15.0  # bound on the master listening and the holder's memory being usable

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import threading
 import urllib.request
 from dataclasses import dataclass, field
 
-from harness.vllm import REPO_ROOT, ServerProcess, free_port
+from harness.ports import free_port
+from harness.vllm import REPO_ROOT, ServerProcess
 
 #: SGLang's test stand-in for torchvision (every PyPI build needs a CUDA torch)
 STUBS = os.path.join(REPO_ROOT, "tests", "engines", "sglang", "stubs")
@@ -66,9 +66,7 @@ class SGLangServer(ServerProcess):
                     "TRANSFORMERS_OFFLINE": "1", "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60",
                     "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60"})
         env.update(spec.env)
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        self._spawn(cmd, env)
 
 
 def generate(server: SGLangServer, input_ids: list[int], max_new_tokens: int, timeout_s: float = 120.0,

@@ -15,13 +15,15 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+import weakref
 from dataclasses import dataclass, field
+
+from harness.ports import free_port
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 1000
@@ -150,23 +152,6 @@ def _save_tokenizer(path: str) -> None:
     fast.save_pretrained(path)
 
 
-_GIVEN: set[int] = set()  # ports free_port() handed out in this process
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on now, never one this process was
-    given before: a port is only bound later (a server starting takes
-    seconds), and the kernel may offer a just-released one again, so two
-    calls in a row could name the same port for two servers."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _GIVEN:
-            _GIVEN.add(port)
-            return port
-
-
 @dataclass
 class ServerSpec:
     """One server: ``kv_config`` None runs it alone (the reference)."""
@@ -183,16 +168,40 @@ class ServerSpec:
     args: tuple = ()  # more vLLM arguments, e.g. ("--block-size", "64")
 
 
+_RUNNING: "weakref.WeakSet[ServerProcess]" = weakref.WeakSet()  # started, neither closed nor killed
+
+
+def failure_report() -> list[tuple[str, str]]:
+    """For a failed test's report: (title, text) of each server started and
+    neither closed nor killed, its log's tail where its process has exited
+    (a crash, which the test itself saw only as a refused connection),
+    else kvferry's last lines in it."""
+    out = []
+    for server in sorted(_RUNNING, key=lambda s: s.spec.name):
+        if server.proc.poll() is not None:
+            out.append((f"{server.spec.name}: exited with {server.proc.returncode}", server.log_tail(12_000)))
+        elif lines := server.kvferry_lines().splitlines()[-20:]:
+            out.append((f"{server.spec.name}: kvferry's last lines", "\n".join(lines)))
+    return out
+
+
 class ServerProcess:
     """A serving engine's server process in its own process group, its output
     in ``log_path``: waiting (bounded) until ``/health`` answers, the log's
-    tail and kvferry's lines in it, and ``close()`` (SIGTERM, then SIGKILL)."""
+    tail and kvferry's lines in it, and ``close()`` (SIGTERM, then SIGKILL).
+    A subclass calls ``_spawn`` to start it."""
 
     spec: object  # has .name
     proc: subprocess.Popen
     url: str
     log_path: str
     _log: object
+
+    def _spawn(self, cmd: list[str], env: dict) -> None:
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        _RUNNING.add(self)
 
     def wait_ready(self, timeout_s: float = 240.0) -> "ServerProcess":
         deadline = time.monotonic() + timeout_s
@@ -222,6 +231,7 @@ class ServerProcess:
 
     def kill(self) -> None:
         """SIGKILL the whole process group at once (a crash, for fault tests)."""
+        _RUNNING.discard(self)
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
@@ -230,6 +240,7 @@ class ServerProcess:
         self.proc.wait(30)
 
     def close(self) -> None:
+        _RUNNING.discard(self)
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
@@ -273,9 +284,7 @@ class VLLMServer(ServerProcess):
             env["PYTHONPATH"] = os.pathsep.join([extra.pop("PYTHONPATH"), env["PYTHONPATH"]])
         env.update(extra)
         self.cmd = spec.prefix + cmd
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        self._spawn(self.cmd, env)
 
     def metrics(self) -> dict[str, float]:
         """``vllm:prompt_tokens_by_source`` per source, and the request counters."""

@@ -6,12 +6,12 @@ state, and an abort shows with its reason on both sides."""
 
 from __future__ import annotations
 
-import socket
 import urllib.request
 
 import pytest
 
 from harness.launch import BootstrapProcess
+from harness.ports import free_port
 
 from .ranks import FAST, MODEL, Rank, assert_all_success, fault_spec
 
@@ -20,12 +20,6 @@ parser = pytest.importorskip("prometheus_client.parser")
 
 # Bytes of one page of MODEL: K and V of every layer, every head, bf16.
 PAGE_BYTES = 16 * MODEL.total_heads * MODEL.head_dim * 2 * MODEL.num_layers * 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _scrape(port: int) -> dict:
@@ -49,10 +43,10 @@ def test_rank_metrics_match_what_moved():
     with BootstrapProcess() as server:
         spec = fault_spec(server.address)
         env = {"KVFERRY_LOG_LEVEL": "WARNING"}  # rankctl's own default is ERROR
-        prefill = Rank("prefill", spec, {**FAST, "metrics_port": _free_port()}, env=env)
+        prefill = Rank("prefill", spec, {**FAST, "metrics_port": free_port()}, env=env)
         # Unfenced, so the aux row is an engine write counted on both sides (a fenced decode
         # gets it in RoomStatus, which prefill's stats do not count as aux bytes moved).
-        decode = Rank("decode", spec, {**FAST, "metrics_port": _free_port(), "write_fence": False}, env=env)
+        decode = Rank("decode", spec, {**FAST, "metrics_port": free_port(), "write_fence": False}, env=env)
         try:
             ports = {"prefill": prefill.ready["metrics_port"], "decode": decode.ready["metrics_port"]}
             assert all(ports.values()), ports

@@ -5,12 +5,12 @@ the log level setting, and a rank's /metrics scraped over HTTP."""
 import logging
 import time
 import re
-import socket
 import urllib.request
 
 import numpy as np
 import pytest
 
+from harness.ports import free_port
 from transfer import KVPoll, KVReceiver, KVSender
 from transfer.config import ManagerConfig, Role, apply_log_level, manager_config_from_env
 from transfer.errors import (AuthError, ClosedError, IncompatibleLayoutError, KVTimeoutError, PeerError,
@@ -157,15 +157,9 @@ def test_log_level_setting(monkeypatch):
         logger.setLevel(before)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_metrics_of_two_managers_on_one_port_over_http(cluster):
     parser = pytest.importorskip("prometheus_client.parser")
-    port = _free_port()
+    port = free_port()
     prefill, decode = cluster.rank(Role.PREFILL, metrics_port=port), cluster.rank(Role.DECODE, metrics_port=port)
     rng = np.random.default_rng(34)
     src, dst = random_pages(rng, 5), random_pages(rng, 5)
@@ -192,7 +186,7 @@ def test_a_metrics_port_without_prometheus_client_is_a_clear_error(cluster, monk
     import sys
     monkeypatch.setitem(sys.modules, "prometheus_client", None)
     with pytest.raises(ValueError, match="needs prometheus-client"):
-        cluster.rank(Role.DECODE, metrics_port=_free_port())
+        cluster.rank(Role.DECODE, metrics_port=free_port())
 
 
 def test_exposed_transfer_time_runs_from_prefills_last_send_to_decodes_success(cluster):

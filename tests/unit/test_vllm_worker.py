@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from transfer.adapters import vllm_stats
+from transfer.adapters.vllm_groups import Group, GroupPlan
 from transfer.adapters.vllm_params import ConnectorConfig, RecvSpec, SendSpec
 from transfer.adapters.vllm_worker import KvferryWorker
 from transfer.config import Role
@@ -21,10 +22,11 @@ PAGE_BYTES = PAGE_SIZE * NUM_HEADS * HEAD_DIM * 2 * NUM_LAYERS * 2  # bf16, K an
 FENCED = dict(staging_bytes=1 << 20, stage_part_bytes=64 << 10)
 
 
-def worker(cluster, role: Role, lease_s: float = 30.0, **overrides) -> tuple[KvferryWorker, object]:
+def worker(cluster, role: Role, lease_s: float = 30.0, groups: GroupPlan | None = None,
+           **overrides) -> tuple[KvferryWorker, object]:
     rank = cluster.rank(role, **overrides)
     w = KvferryWorker(ConnectorConfig(bootstrap_addr=cluster.server.address, lease_s=lease_s), role=role,
-                      tp_rank=0, tp_size=1)
+                      tp_rank=0, tp_size=1, groups=groups)
     w.attach(rank.mgr)
     cluster.stack.callback(w.close)
     return w, rank
@@ -107,7 +109,25 @@ def test_a_room_that_never_changes_still_ends_at_its_bound(cluster):
     waited = wait_finished(d, {"lost"}, 10)
     assert 0.9 <= waited < 5
     assert d.load_errors() == {5, 6}
+    assert d.failed_receives() == set()
     assert d.take_stats()["failures"] == {"timeout": 1}
+
+
+def test_with_several_kv_cache_groups_a_failed_receive_is_reported_by_request_not_by_block(cluster):
+    """vLLM's hybrid manager (several KV-cache groups) raises on block-level
+    load errors, its block ids being unique only within a group: there a
+    failed receive comes back by request id, finished and failed, and no
+    block is a load error."""
+    hybrid = GroupPlan(main=Group(1, ("a1",), "full", PAGE_SIZE), states=(Group(0, ("g0",), "mamba", PAGE_SIZE),),
+                       num_groups=2)
+    worker(cluster, Role.PREFILL)
+    d, _ = worker(cluster, Role.DECODE, groups=hybrid, bootstrap_timeout_s=1.0, transfer_timeout_s=1.0)
+    d.start([], [RecvSpec(req_id="lost", room=78, bootstrap_addr=cluster.server.address, node_id="prefill",
+                          pages=(5, 6))])
+    wait_finished(d, {"lost"}, 10)
+    assert d.failed_receives() == {"lost"}
+    assert d.failed_receives() == set()  # taken
+    assert d.load_errors() == set()
 
 
 def test_step_payloads_merge_and_summarise():

@@ -21,8 +21,10 @@ pushes the blocks when decode asks; the blocks are freed when the room ends
 Decode (``kv_consumer``): a request with ``do_remote_prefill`` claims its
 whole prompt as an asynchronous external load; the worker receives the room
 into the allocated blocks and reports it finished; a failed room reports its
-blocks in ``get_block_ids_with_load_errors`` and vLLM recomputes or fails the
-request (``kv_load_failure_policy``). Every wait is bounded by kvferry's
+blocks in ``get_block_ids_with_load_errors`` (one KV-cache group) or its
+request in ``get_transfer_results``' ``failed_recving`` (several, with vLLM's
+hybrid manager: block ids are unique only within a group), and vLLM
+recomputes or fails the request (``kv_load_failure_policy``). Every wait is bounded by kvferry's
 timeouts (``transfer_timeout_s``, ``peer_timeout_s``).
 
 Stats: each worker reports the rooms that ended in a step
@@ -322,6 +324,15 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending, recving = self.worker.finished(finished_req_ids)
         return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]):
+        """``get_finished``'s sets and the failed receives by request id
+        (several KV-cache groups: vLLM refuses block-level load errors there)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        sending, recving = self.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=set(sending or ()), finished_recving=set(recving or ()),
+                                          failed_recving=self.worker.failed_receives())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.load_errors() if self.worker is not None else set()

@@ -3,7 +3,9 @@
 Imported only in vLLM's worker processes (it pulls in torch, zmq and the
 Mooncake engine). vLLM calls, on its model-runner thread:
 ``register_kv_caches`` once, then every engine step ``start`` (the step's
-sends and receives), ``finished`` (what completed since the last call) and
+sends and receives), ``finished`` (what completed since the last call),
+``load_errors`` or ``failed_receives`` (the receives among them that failed:
+by block with one KV-cache group, by request id with several) and
 ``take_stats`` (the rooms that ended since the last call).
 
 A driver thread (``kvferry-vllm``) waits for the manager's progress and
@@ -192,7 +194,12 @@ class KvferryWorker:
         self.num_polled = 0  # room polls by this worker (tests: proportional to changes)
         self._done: set[str] = set()  # finished (either way), not yet reported
         self._finished_seen: set[str] = set()  # request ids vLLM called finished (sends may be reported)
-        self._load_errors: set[int] = set()
+        self._load_errors: set[int] = set()  # decode, one KV-cache group: the blocks of failed receives
+        self._failed_recvs: set[str] = set()  # decode, several groups: the failed receives' request ids
+        self._failed_out: set[str] = set()  # those of them finished() has reported
+        # vLLM maps block-level load errors back to requests only where block ids are unique, one KV-cache
+        # group; with several (HMA) it takes failed receives by request id and raises on block ids
+        self._fail_by_request = groups is not None and groups.num_groups > 1
         self.num_failed = 0
         self.num_cancelled = 0  # decode requests prefill was told of before they had a room
         self._stop = threading.Event()
@@ -302,7 +309,7 @@ class KvferryWorker:
                 log.warning("kvferry: request %s (room %d) not received: %s", r.req_id, r.room, exc)
                 with self._lock:
                     self._done.add(r.req_id)
-                    self._load_errors.update(_written(r))
+                    self._load_failed(r.req_id, _written(r))
                     vllm_stats.record_failure(self._stats, failure_reason(exc).value)
                 continue
             # its load errors, if it fails: the blocks it writes (never the prefix cache's)
@@ -340,6 +347,8 @@ class KvferryWorker:
                 self._finished_seen -= done
                 return done, set()
             done, self._done = self._done, set()
+            self._failed_out |= self._failed_recvs & done  # failed and reported finished: for failed_receives()
+            self._failed_recvs -= done
             return set(), done
 
     def take_stats(self) -> dict | None:
@@ -351,10 +360,26 @@ class KvferryWorker:
             data, self._stats = self._stats, vllm_stats.empty()
             return data
 
+    def _load_failed(self, req_id: str, blocks) -> None:
+        """A receive failed (the lock held): its blocks are load errors, or,
+        with several KV-cache groups, its request id a failed receive."""
+        if self._fail_by_request:
+            self._failed_recvs.add(req_id)
+        else:
+            self._load_errors.update(blocks)
+
     def load_errors(self) -> set[int]:
+        """The blocks of receives that failed since the last call (one KV-cache group)."""
         with self._lock:
             errors, self._load_errors = self._load_errors, set()
             return errors
+
+    def failed_receives(self) -> set[str]:
+        """The request ids of receives that failed, among those ``finished``
+        reported since the last call (several KV-cache groups)."""
+        with self._lock:
+            failed, self._failed_out = self._failed_out, set()
+            return failed
 
     def num_pending(self) -> int:
         with self._lock:
@@ -444,7 +469,7 @@ class KvferryWorker:
                 if state is KVPoll.Failed:
                     self.num_failed += 1
                     if self.role is Role.DECODE and not room.aborted:
-                        self._load_errors.update(room.pages)
+                        self._load_failed(room.req_id, room.pages)
             if state is KVPoll.Failed:
                 try:
                     room.handle.failure_exception()

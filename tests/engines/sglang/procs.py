@@ -6,7 +6,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.vllm import free_port
+from harness.ports import free_port, free_ports
 
 # A config.json-only model: SGLang's own backends read the model config at start-up.
 MODEL_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32,
@@ -34,25 +33,6 @@ def model_config(extra_args) -> dict:
     return {**MODEL_CONFIG, "num_key_value_heads": heads, "num_attention_heads": heads,
             "head_dim": int(geometry.get("head-dim", MODEL_CONFIG["head_dim"])),
             "num_hidden_layers": int(geometry.get("layers", MODEL_CONFIG["num_hidden_layers"]))}
-
-
-def free_ports(count: int) -> int:
-    """The first of ``count`` consecutive free ports (one gloo world per DP rank)."""
-    for _ in range(100):
-        base = free_port()
-        socks = []
-        try:
-            for p in range(base, base + count):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {count} consecutive free ports")
 
 
 def child_env(extra: dict | None = None) -> dict:

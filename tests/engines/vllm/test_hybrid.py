@@ -25,13 +25,14 @@ connector's digests, ``corrupting.py``).
 from __future__ import annotations
 
 import random
+import urllib.error
 
 import pytest
 
 pytest.importorskip("vllm")
 
-from harness.vllm import (VOCAB, ServerSpec, VLLMServer, build_tiny_gdn_model, complete, free_port,  # noqa: E402
-                          pd_complete)
+from harness.vllm import (VOCAB, ServerSpec, VLLMServer, _body, build_tiny_gdn_model, complete,  # noqa: E402
+                          free_port, pd_complete, post)
 from tests.engines.vllm.pd_servers import (digests, group_digests, kvferry_pair, nixl_pair,  # noqa: E402
                                            prompt_sources_since, running)
 
@@ -47,11 +48,11 @@ def gdn(tmp_path_factory):
     servers = {"reference": VLLMServer(ServerSpec("reference", model, 0), str(root)), **nixl_pair(model, str(root)),
                **kvferry_pair(model, str(root), bootstrap, "gdn-prefill", "tiny-qwen3-next")}
     with running(servers, model):
-        yield model, servers
+        yield model, servers, bootstrap
 
 
 def test_gdn_state_and_attention_pages_move_byte_exact_and_decode_tokens_equal_a_single_instance(gdn):
-    model, servers = gdn
+    model, servers, _ = gdn
     prefill, decode = servers["prefill"], servers["decode"]
     before = decode.metrics()
     rooms, matches = [], []
@@ -79,3 +80,26 @@ def test_gdn_state_and_attention_pages_move_byte_exact_and_decode_tokens_equal_a
         assert len(dst) >= 1 and "-" not in dst and src == dst, f"{n} tokens: GDN state differs: {src} vs {dst}"
     print(f"decode's tokens equal NixlConnector's for every prompt, the single instance's for {sum(matches)} "
           f"of {len(matches)}")
+
+
+def test_a_failed_receive_fails_its_request_and_decode_serves_the_next(gdn):
+    """A decode request whose prefill node the bootstrap server does not
+    know: the receive fails at once, vLLM fails that request
+    (``kv_load_failure_policy`` fail, its default) and decode goes on. With
+    several KV-cache groups vLLM refuses block-level load errors (its engine
+    raised and the server exited, in CI): the connector reports the request
+    as a failed receive instead."""
+    model, servers, bootstrap = gdn
+    prefill, decode = servers["prefill"], servers["decode"]
+    failed = decode.gauge("vllm:kvferry_failed_transfers_total")
+    lost = {"do_remote_prefill": True, "kvferry_room": 4242, "kvferry_bootstrap_addr": bootstrap,
+            "kvferry_node": "no-such-prefill"}
+    with pytest.raises(urllib.error.HTTPError) as err:
+        post(decode.url, _body(model, list(range(4, 90)), MAX_TOKENS, lost), 60)
+    print(f"decode answered the lost request with HTTP {err.value.code}")
+    assert decode.gauge("vllm:kvferry_failed_transfers_total") == failed + 1
+    assert "no-such-prefill" in decode.kvferry_lines(), decode.log_tail()
+    prompt = [random.Random(599).randrange(4, VOCAB) for _ in range(300)]
+    want = complete(servers["reference"], model, prompt, MAX_TOKENS).tokens
+    got = pd_complete(prefill, decode, model, prompt, MAX_TOKENS)
+    assert got.tokens[0] == want[0], (got.tokens, want)

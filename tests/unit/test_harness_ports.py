@@ -1,0 +1,52 @@
+"""The test harness's port choice and its report of crashed servers.
+
+Ports a test names for a server it starts later come from a band the
+kernel never hands out by itself (an ephemeral port taken meanwhile by a
+connection or a ``bind(0)`` is how NIXL's side channel found its port
+taken in CI) and that Mooncake's engines do not pick from."""
+
+import socket
+import sys
+
+from harness import ports
+from harness.vllm import ServerProcess, failure_report
+
+
+def test_ports_lie_outside_the_ephemeral_range_and_mooncakes_and_never_repeat():
+    eph_low, eph_high = ports._ephemeral()
+    got = [ports.free_port() for _ in range(200)]
+    assert len(set(got)) == len(got)
+    for port in got:
+        assert not eph_low <= port < eph_high, (port, eph_low, eph_high)
+        assert not 15000 <= port < 17000, port
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # free when handed out (nothing here took it since)
+
+
+def test_consecutive_ports_are_all_free_and_not_handed_out_again():
+    base = ports.free_ports(8)
+    block = set(range(base, base + 8))
+    assert block <= ports._GIVEN
+    assert block.isdisjoint(ports.free_port() for _ in range(200))
+
+
+class _Proc(ServerProcess):
+    def __init__(self, tmp_path, name: str, code: str) -> None:
+        self.spec = type("Spec", (), {"name": name})()
+        self.log_path = str(tmp_path / f"{name}.log")
+        self._spawn([sys.executable, "-c", code], {})
+
+
+def test_a_failed_tests_report_shows_a_crashed_servers_log_and_not_a_closed_ones(tmp_path):
+    crashed = _Proc(tmp_path, "crashed", "import sys; print('engine core died: boom', flush=True); sys.exit(3)")
+    closed = _Proc(tmp_path, "closed", "import sys; print('kvferry: fine', flush=True); sys.exit(0)")
+    crashed.proc.wait(30)
+    closed.proc.wait(30)
+    closed.close()
+    try:
+        report = dict(failure_report())
+        assert "engine core died: boom" in report["crashed: exited with 3"]
+        assert not any(title.startswith("closed") for title in report)
+    finally:
+        crashed.close()
+    assert not any(title.startswith("crashed") for title, _ in failure_report())
