@@ -9,6 +9,13 @@ after another from the moment its decode request arrived, and
 - ``layerwise``: each of :data:`GROUPS` layer groups is sent (``send(...,
   layers=...)``) as soon as its last layer is done.
 
+Schedulers idle (each side's loop waits for kvferry's progress) or busy
+(``--sched busy``: every round of both loops is :data:`BUSY_STEP_S` of
+pure-Python work, an engine step holding the interpreter lock, as in the
+control-plane benchmark ``benchmarks.busy``; the modelled forward's groups
+are then sent at the first round after they are due, up to a step late,
+where an engine on a GPU would hand them over at launch with an event).
+
 The figure is decode's **exposed transfer time** per room (from prefill's
 last ``send()``, the end of the forward, to decode's ``Success``; the
 ``exposed_transfer_s`` of its room stats), and the modelled TTFT: forward
@@ -45,6 +52,8 @@ MODELS = {
 }
 #: layer groups per room in the layer-wise mode
 GROUPS = 8
+#: a busy scheduler's step of pure-Python work (seconds)
+BUSY_STEP_S = 0.010
 PAGE = 16
 
 
@@ -55,7 +64,7 @@ def layer_s(model: str, tokens: int) -> float:
 
 
 def run_cell(model: str, tokens: int, concurrency: int, mode: str, transport: str, fence: bool,
-             rooms: int) -> dict:
+             rooms: int, sched: str = "idle") -> dict:
     pool = MODELS[model][0]
     pages = -(-tokens // PAGE)
     per_layer = layer_s(model, tokens * concurrency)  # a batch of `concurrency` prompts computes together
@@ -63,7 +72,8 @@ def run_cell(model: str, tokens: int, concurrency: int, mode: str, transport: st
                 concurrency=concurrency, min_tokens=tokens, max_tokens=tokens, page_size=PAGE,
                 prefill_pages=pages * concurrency + 8, decode_pages=pages * concurrency + 8,
                 page_placement="contiguous", layer_groups=GROUPS if mode == "layerwise" else 0,
-                forward_layer_s=per_layer, fill="constant", verify=False, warmup_rooms=1, timeout_s=120)
+                forward_layer_s=per_layer, fill="constant", verify=False, warmup_rooms=1, timeout_s=120,
+                busy_step_s=BUSY_STEP_S if sched == "busy" else 0.0)
     env = {"KVFERRY_WRITE_FENCE": "1" if fence else "0", "KVFERRY_BACKEND": transport}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
@@ -81,7 +91,7 @@ def run_cell(model: str, tokens: int, concurrency: int, mode: str, transport: st
     exposed = decode["exposed_ms"]
     forward_ms = per_layer * pool.num_layers * 1e3
     return {"model": model, "tokens": tokens, "concurrency": concurrency, "mode": mode, "transport": transport,
-            "fence": fence, "forward_ms": round(forward_ms, 1), "exposed_p50_ms": round(statistics.median(exposed), 1),
+            "fence": fence, "sched": sched, "forward_ms": round(forward_ms, 1), "exposed_p50_ms": round(statistics.median(exposed), 1),
             "exposed_max_ms": round(max(exposed), 1), "ttft_ms": round(forward_ms + statistics.median(exposed), 1),
             "gib": round(tokens * pool_bytes_per_token(pool) / 2**30, 3), "rooms": len(exposed)}
 
@@ -100,28 +110,33 @@ def main(argv=None) -> int:
     ap.add_argument("--rooms", type=int, default=6, help="measured rooms per cell (after one warm-up room)")
     ap.add_argument("--transports", default="mooncake,nixl")
     ap.add_argument("--fence", default="off,on")
+    ap.add_argument("--sched", default="idle", help="idle, busy, or both: idle,busy")
+    ap.add_argument("--cells", default="", help="model:tokens:concurrent,... (default: all of CELLS)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
+    cells = CELLS if not args.cells else \
+        [(m, int(t), int(c)) for m, t, c in (cell.split(":") for cell in args.cells.split(","))]
     rows = []
-    for model, tokens, conc in CELLS:
+    for model, tokens, conc in cells:
         for transport in args.transports.split(","):
             for fence in args.fence.split(","):
-                for mode in ("whole", "layerwise"):  # alternating, same cell back to back
-                    row = run_cell(model, tokens, conc, mode, transport, fence == "on", args.rooms)
-                    row["load"] = round(os.getloadavg()[0], 1)
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-    print("\n| model | tokens | concurrent | transport | fence | forward ms (modelled) | exposed p50 ms whole | "
-          "layer-wise | cut | TTFT ms whole | layer-wise |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+                for sched in args.sched.split(","):
+                    for mode in ("whole", "layerwise"):  # alternating, same cell back to back
+                        row = run_cell(model, tokens, conc, mode, transport, fence == "on", args.rooms, sched)
+                        row["load"] = round(os.getloadavg()[0], 1)
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+    print("\n| model | tokens | concurrent | transport | fence | scheduler | forward ms (modelled) | "
+          "exposed p50 ms whole | layer-wise | cut | TTFT ms whole | layer-wise |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for whole, lw in zip(rows[::2], rows[1::2]):
         cut = 1 - lw["exposed_p50_ms"] / whole["exposed_p50_ms"] if whole["exposed_p50_ms"] else 0.0
         print(f"| {whole['model']} | {whole['tokens']} | {whole['concurrency']} | {whole['transport']} | "
-              f"{'on' if whole['fence'] else 'off'} | {whole['forward_ms']} | {whole['exposed_p50_ms']} | "
-              f"{lw['exposed_p50_ms']} | {cut:.0%} | {whole['ttft_ms']} | {lw['ttft_ms']} |")
+              f"{'on' if whole['fence'] else 'off'} | {whole['sched']} | {whole['forward_ms']} | "
+              f"{whole['exposed_p50_ms']} | {lw['exposed_p50_ms']} | {cut:.0%} | {whole['ttft_ms']} | {lw['ttft_ms']} |")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"when": time.strftime("%Y-%m-%d %H:%M"), "groups": GROUPS,
+            json.dump({"when": time.strftime("%Y-%m-%d %H:%M"), "groups": GROUPS, "busy_step_s": BUSY_STEP_S,
                        "models": {k: v[4] for k, v in MODELS.items()}, "rows": rows}, f, indent=1)
     return 0
 

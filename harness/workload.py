@@ -97,6 +97,9 @@ class Spec:
     producer_sleep_cycles: int = 0  # CUDA: prefill writes each chunk late on a side stream (harness.producer)
     pass_ready: bool = True  # ...and passes its event to send() (False: the race the event prevents)
     prefill_hold_s: float = 0.0  # prefill stays registered this long after its last room ended
+    #: > 0: a busy scheduler (benchmarks): each round of both loops spends this long in pure-Python work (an
+    #: engine's step holding the interpreter lock) instead of waiting for progress
+    busy_step_s: float = 0.0
 
     @staticmethod
     def from_json(text: str) -> "Spec":
@@ -194,6 +197,16 @@ def dp_group(spec: Spec, room: int) -> int:
 def prefill_side(dp_rank: int) -> str:
     """The seed name of a prefill DP group's pool content."""
     return f"prefill-dp{dp_rank}"
+
+
+def python_work(seconds: float) -> None:
+    """Pure-Python work for ``seconds`` (a busy engine step: it holds the
+    interpreter lock but for the periodic switches)."""
+    until = time.perf_counter() + seconds
+    x = 0
+    while time.perf_counter() < until:
+        for i in range(100):
+            x += i * i
 
 
 def _forward_sends(spec: Spec, sender, chunks: list, total_layers: int) -> float | None:
@@ -411,8 +424,10 @@ def run_prefill(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
                     del live[room]
                     busy = busy or bool(rooms)  # a slot freed: start the next room now
             # Like a scheduler's idle loop: wake on any room's change of state
-            # (a sleep-poll loop costs a fifth of a core on this VM).
-            if not busy:
+            # (a sleep-poll loop costs a fifth of a core on this VM); a busy one works its step.
+            if spec.busy_step_s > 0:
+                python_work(spec.busy_step_s)
+            elif not busy:
                 mgr.wait_for_progress(mark, max(0.0, min(0.005, next_due - time.monotonic())))
             mark, changed = mgr.changed_rooms(mark)  # None: fell behind, visit every room
             todo = set(live) if changed is None else {s.room for s, _ in changed} | sending
@@ -487,7 +502,9 @@ def run_decode(spec: Spec, rank: int, dp_rank: int = 0) -> Result:
                 free.extend(dst)
                 del live[room]
                 busy = busy or bool(rooms)  # a slot freed: start the next room now
-            if not busy:
+            if spec.busy_step_s > 0:
+                python_work(spec.busy_step_s)
+            elif not busy:
                 mgr.wait_for_progress(mark, 0.005)
             mark, changed = mgr.changed_rooms(mark)  # None: fell behind, visit every room
             todo = set(live) if changed is None else {r.room for r, _ in changed}

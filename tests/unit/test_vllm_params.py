@@ -46,6 +46,10 @@ def test_config_defaults_and_validation():
         ConnectorConfig.from_extra({"kvferry_protocol": "udp"}, None)
     with pytest.raises(ValueError, match="role"):
         ConnectorConfig.from_extra({"kvferry": {"role": "x"}}, None)
+    assert c.layer_groups == 0 and ConnectorConfig.from_extra({"kvferry_layer_groups": 4}, None).layer_groups == 4
+    for bad in (-1, 2.5, "4"):
+        with pytest.raises(ValueError, match="kvferry_layer_groups"):
+            ConnectorConfig.from_extra({"kvferry_layer_groups": bad}, None)
 
 
 def test_pages_of_a_prompt():

@@ -15,18 +15,20 @@ from transfer.adapters.vllm_groups import Group, GroupPlan
 from transfer.adapters.vllm_params import ConnectorConfig, RecvSpec, SendSpec
 from transfer.adapters.vllm_worker import KvferryWorker
 from transfer.config import Role
+from transfer.state import KVPoll
 
-from ._rooms import HEAD_DIM, NUM_HEADS, NUM_LAYERS, PAGE_SIZE, random_pages
+from ._rooms import HEAD_DIM, NUM_HEADS, NUM_LAYERS, PAGE_SIZE, random_pages, wait_until
 
 PAGE_BYTES = PAGE_SIZE * NUM_HEADS * HEAD_DIM * 2 * NUM_LAYERS * 2  # bf16, K and V of every layer
 FENCED = dict(staging_bytes=1 << 20, stage_part_bytes=64 << 10)
 
 
-def worker(cluster, role: Role, lease_s: float = 30.0, groups: GroupPlan | None = None,
+def worker(cluster, role: Role, lease_s: float = 30.0, groups: GroupPlan | None = None, layer_groups: int = 0,
            **overrides) -> tuple[KvferryWorker, object]:
     rank = cluster.rank(role, **overrides)
-    w = KvferryWorker(ConnectorConfig(bootstrap_addr=cluster.server.address, lease_s=lease_s), role=role,
-                      tp_rank=0, tp_size=1, groups=groups)
+    w = KvferryWorker(ConnectorConfig(bootstrap_addr=cluster.server.address, lease_s=lease_s,
+                                      layer_groups=layer_groups), role=role, tp_rank=0, tp_size=1, groups=groups)
+    w.index_layers([f"layers.{i}.attn" for i in range(NUM_LAYERS)])
     w.attach(rank.mgr)
     cluster.stack.callback(w.close)
     return w, rank
@@ -221,3 +223,41 @@ def test_mla_caches_are_viewed_as_logical_blocks():
     check_block_size(128, 128)
     with pytest.raises(ValueError, match="kernel block holds 16 tokens and vLLM's logical block 128"):
         check_block_size(16, 128)
+
+
+def _stream(cluster, *, decode_first: bool):
+    """A prefill request streamed layer-wise (two groups of one layer: the
+    test pool's two layers) to an unfenced decode."""
+    p, prefill = worker(cluster, Role.PREFILL, layer_groups=NUM_LAYERS)
+    d, decode = worker(cluster, Role.DECODE, write_fence=False)
+    rng = np.random.default_rng(11)
+    src, dst = random_pages(rng, 6), random_pages(rng, 6)
+    spec = SendSpec(req_id="p", room=300, pages=tuple(int(x) for x in src))
+    recv = RecvSpec(req_id="d", room=300, bootstrap_addr=cluster.server.address, node_id="prefill",
+                    pages=tuple(int(x) for x in dst))
+    p.open_streams([spec])  # the step that completes the prompt, before its forward pass
+    if decode_first:  # the concurrent protocol: decode's request waits at prefill
+        d.start([], [recv])
+        wait_until(prefill.mgr, lambda: p._rooms["p"].handle.poll() is KVPoll.WaitingForInput,
+                   what="decode's request at prefill")
+    for i in range(NUM_LAYERS):  # the forward pass: each layer's save_kv_layer
+        if decode_first and i == NUM_LAYERS - 1:  # every layer but the last sent: decode has not landed
+            time.sleep(0.2)
+            assert d.finished(set()) == (set(), set())
+        p.layer_saved(f"layers.{i}.attn", None)
+    p.start([spec], [])  # request_finished, at the step's end
+    if not decode_first:  # the sequential protocol: decode asks once prefill answered
+        d.start([], [recv])
+    wait_finished(d, {"d"}, 10)
+    wait_finished(p, {"p"}, 10)
+    assert d.load_errors() == set()
+    assert decode.page_bytes(dst) == prefill.page_bytes(src)
+    return p.take_stats()["layer_groups"]
+
+
+def test_layer_groups_go_during_the_forward_pass_when_decode_asked_first(cluster):
+    assert _stream(cluster, decode_first=True) == {vllm_stats.FORWARD: NUM_LAYERS}
+
+
+def test_layer_groups_go_after_the_forward_pass_when_decode_asks_later(cluster):
+    assert _stream(cluster, decode_first=False) == {vllm_stats.AFTER: NUM_LAYERS}

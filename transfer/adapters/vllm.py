@@ -74,6 +74,18 @@ class KvferryConnectorMetadata(KVConnectorMetadata):
     recvs: list[RecvSpec] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)  # decode requests finished while their room is open
     cancels: list[RecvSpec] = field(default_factory=list)  # decode requests finished before they had a room
+    streams: list[SendSpec] = field(default_factory=list)  # prefill: requests whose prefill completes this step
+    streams_opened: bool = False  # the worker opened ``streams`` (at the step's first of start/save_kv_layer)
+
+
+@dataclass
+class _Streamable:
+    """Prefill, layer-wise: a request to stream once its prefill completes."""
+
+    room: int
+    tokens: int  # the prompt's
+    token_ids: tuple[int, ...]
+    blocks: list[int] = field(default_factory=list)  # the KV pool group's, as the steps allocated them
 
 
 def _cache_layout(vllm_config, block_size: int | None = None):
@@ -138,6 +150,8 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         self._aborts: list[str] = []
         self._cancels: list[RecvSpec] = []
         self._local_tokens: dict[str, int] = {}  # decode: prompt tokens its prefix cache holds, by request
+        self._streamable: dict[str, _Streamable] = {}  # prefill, layer-wise: not yet in a step's streams
+        self._streamed: set[str] = set()  # prefill, layer-wise: in a step's streams, not yet finished
         self.worker = None
         if role is KVConnectorRole.WORKER:
             from transfer.adapters.vllm_worker import KvferryWorker
@@ -159,6 +173,10 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         last token, which decode computes (its state then continues from
         prefill's; see :mod:`transfer.adapters.vllm_groups`)."""
         params = request.kv_transfer_params
+        if self._streams_layers() and params and params.get("do_remote_decode"):
+            self._streamable[request.request_id] = _Streamable(
+                room=room_of(str(params.get("transfer_id") or request.request_id)),
+                tokens=request.num_prompt_tokens, token_ids=self._prompt(request))
         if not (self.is_producer and params and params.get("do_remote_decode") and self.groups is not None
                 and self.groups.replay_last) or params.get("_kvferry_replay_last") or request.num_prompt_tokens < 2:
             return
@@ -210,9 +228,47 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output) -> KvferryConnectorMetadata:
         meta = KvferryConnectorMetadata(sends=self._sends, recvs=self._recvs, aborts=self._aborts,
-                                        cancels=self._cancels)
+                                        cancels=self._cancels, streams=self._streams(scheduler_output))
         self._sends, self._recvs, self._aborts, self._cancels = [], [], [], []
         return meta
+
+    def _streams_layers(self) -> bool:
+        """Prefill streams layer groups (``kvferry_layer_groups``); not a
+        model whose other KV-cache groups move as state pools (those go
+        whole, with the room's last send)."""
+        return self.is_producer and self.config.layer_groups > 0 and (self.groups is None or not self.groups.states)
+
+    def _streams(self, scheduler_output) -> list[SendSpec]:
+        """The streamable requests whose prefill completes in this step, as
+        the worker's layer-wise rooms (their blocks, tracked from the steps'
+        allocations: a new request's, then each step's new ones)."""
+        if not self._streamable:
+            return []
+        main = 0 if self.groups is None else self.groups.main.index
+        scheduled = scheduler_output.num_scheduled_tokens
+        progress = []
+        for new in scheduler_output.scheduled_new_reqs:
+            if (s := self._streamable.get(new.req_id)) is not None:
+                s.blocks = list(new.block_ids[main])
+                progress.append((new.req_id, s, new.num_computed_tokens))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if (s := self._streamable.get(req_id)) is not None:
+                new_ids = cached.new_block_ids[i]
+                if new_ids is not None:  # a resumed request's are all its blocks
+                    s.blocks = list(new_ids[main]) if req_id in cached.resumed_req_ids else \
+                        s.blocks + list(new_ids[main])
+                progress.append((req_id, s, cached.num_computed_tokens[i]))
+        out = []
+        for req_id, s, computed in progress:
+            if computed + scheduled.get(req_id, 0) < s.tokens:
+                continue  # a chunk of a longer prompt: its KV streams with the last one
+            del self._streamable[req_id]
+            n = num_pages(s.tokens, self.block_size)
+            if len(s.blocks) >= n:
+                self._streamed.add(req_id)
+                out.append(SendSpec(req_id=req_id, room=s.room, pages=tuple(s.blocks[:n]), token_ids=s.token_ids))
+        return out
 
     def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
         """A room restores every transferred group (not only the prefix-cacheable ones)."""
@@ -234,9 +290,16 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         if params and params.get("do_remote_prefill") and not self.is_producer:
             self._cancel(request, params)
             return False, None
+        self._streamable.pop(request.request_id, None)
+        streamed = request.request_id in self._streamed
+        self._streamed.discard(request.request_id)
         if not params or not params.get("do_remote_decode") or not self.is_producer:
             return False, None
         if request.status not in _SENDABLE:
+            if streamed:  # its room is open and may be reading the blocks: end it, free them when it ended
+                self._aborts.append(request.request_id)
+                self._pending_sends.add(request.request_id)
+                return True, None
             return False, None  # aborted: nothing to send, free now
         room = room_of(str(params.get("transfer_id") or request.request_id))
         n = request.num_prompt_tokens
@@ -309,14 +372,31 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         meta = self._connector_metadata
-        if isinstance(meta, KvferryConnectorMetadata) and (meta.sends or meta.recvs or meta.aborts or meta.cancels):
+        if not isinstance(meta, KvferryConnectorMetadata):
+            return
+        self._open_streams(meta)
+        if meta.sends or meta.recvs or meta.aborts or meta.cancels:
             self.worker.start(meta.sends, meta.recvs, meta.aborts, meta.cancels)
+
+    def _open_streams(self, meta: KvferryConnectorMetadata) -> None:
+        """The step's layer-wise rooms, opened once, at whichever comes first:
+        ``start_load_kv`` (vLLM calls it after launching the forward pass
+        unless a load is synchronous) or the first ``save_kv_layer``."""
+        if meta.streams and not meta.streams_opened:
+            meta.streams_opened = True
+            self.worker.open_streams(meta.streams)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are whole-request and asynchronous: nothing per layer."""
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
-        """Prefill pushes finished requests' blocks; nothing per layer."""
+        """Layer-wise (``kvferry_layer_groups``): ``layer_name``'s KV is
+        written for this step's streamed requests; a layer group it
+        completes goes now if decode asked (:mod:`transfer.adapters.vllm_layerwise`)."""
+        meta = self._connector_metadata
+        if isinstance(meta, KvferryConnectorMetadata) and meta.streams:
+            self._open_streams(meta)
+            self.worker.layer_saved(layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
         """Pushes run on kvferry's threads; the blocks stay held until they end."""

@@ -81,6 +81,10 @@ class KvferryPromMetrics(KVConnectorPromMetrics):
         self.failures = self._counter_cls(name="vllm:kvferry_failed_transfers",
                                           documentation="kvferry: failed rooms by reason.",
                                           labelnames=[*labelnames, "reason"])
+        self.layer_groups = self._counter_cls(name="vllm:kvferry_layer_groups",
+                                              documentation="kvferry: prefill, layer groups of layer-wise rooms "
+                                                            "sent during the forward pass and after it.",
+                                              labelnames=[*labelnames, "when"])
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         data = transfer_stats_data
@@ -93,3 +97,5 @@ class KvferryPromMetrics(KVConnectorPromMetrics):
             self.bytes_by_path.labels(*labels, path).inc(n)
         for reason, n in data.get("failures", {}).items():
             self.failures.labels(*labels, reason).inc(n)
+        for when, n in data.get("layer_groups", {}).items():
+            self.layer_groups.labels(*labels, when).inc(n)

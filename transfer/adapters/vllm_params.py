@@ -63,6 +63,10 @@ class ConnectorConfig:
       decode request; then the worker ends the room (reason
       ``lease_expired``) and vLLM frees them. Counted from when the prefill
       worker opened the room (the step after the request finished);
+    - ``kvferry_layer_groups`` (prefill, default 0: off): stream a request's
+      KV in this many groups of layers during the forward pass that
+      completes its prefill (:mod:`transfer.adapters.vllm_layerwise`);
+      ``kvferry.layerwise_min_tokens`` keeps shorter prompts whole;
     - ``kvferry`` (dict): :class:`~transfer.config.ManagerConfig` fields
       (timeouts, staging, the write fence, storage tier), validated by
       ManagerConfig. The connector's defaults: prefill ``staging_bytes`` 0;
@@ -77,6 +81,7 @@ class ConnectorConfig:
     protocol: str = "tcp"
     lease_s: float = DEFAULT_LEASE_S
     query_port: int = 0  # prefill: answer vLLM Mooncake routers' GET /query here (0: off)
+    layer_groups: int = 0  # prefill: stream in this many layer groups during the forward pass (0: off)
     manager: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -89,6 +94,8 @@ class ConnectorConfig:
             raise ValueError(f"kvferry_lease_s must be > 0, got {self.lease_s!r}")
         if not 0 <= self.query_port < 1 << 16:
             raise ValueError(f"kvferry_query_port must be a TCP port or 0, got {self.query_port!r}")
+        if not isinstance(self.layer_groups, int) or self.layer_groups < 0:
+            raise ValueError(f"kvferry_layer_groups must be an int >= 0, got {self.layer_groups!r}")
         if ENGINE_SEP in self.node_id:
             raise ValueError(f"kvferry_node must not contain {ENGINE_SEP!r}, got {self.node_id!r}")
         unknown = set(self.manager) - _MANAGER_KEYS
@@ -108,6 +115,7 @@ class ConnectorConfig:
             protocol=str(extra.get("kvferry_protocol", "tcp")),
             lease_s=float(lease),
             query_port=int(extra.get("kvferry_query_port", 0)),
+            layer_groups=extra.get("kvferry_layer_groups", 0),
             manager=manager,
         )
 

@@ -16,7 +16,8 @@ last send to Success: ``RoomStats.exposed_transfer_s``); per ended room, success
 (``direct``, ``staged``, ``storage``); per failed room, one count under its
 reason (:class:`~transfer.stats.FailureReason`'s values, plus
 ``lease_expired``: a prefill room no decode asked for within the lease,
-whose blocks vLLM got back).
+whose blocks vLLM got back); per layer-wise prefill room, its layer groups
+sent during the forward pass and after it.
 
 The payload is a dict of lists and dicts of numbers with string keys: vLLM
 serialises it between its processes.
@@ -30,6 +31,8 @@ from transfer.stats import PATHS, RoomStats
 
 #: The reason of a prefill room the connector ended because its lease ran out.
 LEASE_EXPIRED = "lease_expired"
+#: When a layer-wise prefill room's groups were sent: during the forward pass, or after it.
+FORWARD, AFTER = "forward", "after"
 
 _LISTS = ("transfer_duration", "bytes_transferred", "num_descriptors", "exposed_transfer")
 
@@ -37,7 +40,7 @@ _LISTS = ("transfer_duration", "bytes_transferred", "num_descriptors", "exposed_
 def empty() -> dict:
     """A payload with nothing recorded."""
     return {"transfer_duration": [], "bytes_transferred": [], "num_descriptors": [], "exposed_transfer": [],
-            "bytes_by_path": {}, "failures": {}}
+            "bytes_by_path": {}, "failures": {}, "layer_groups": {}}
 
 
 def record_room(data: dict, room: RoomStats, *, reason: str | None = None) -> None:
@@ -58,15 +61,25 @@ def record_failure(data: dict, reason: str) -> None:
     data["failures"][reason] = data["failures"].get(reason, 0) + 1
 
 
+def record_layer_groups(data: dict, in_forward: int, after: int) -> None:
+    """A layer-wise prefill room's groups: sent while the forward pass went
+    on (``forward``) and once it was over (``after``)."""
+    for when, n in ((FORWARD, in_forward), (AFTER, after)):
+        if n:
+            data["layer_groups"][when] = data["layer_groups"].get(when, 0) + n
+
+
 def is_empty(data: dict) -> bool:
-    return not (data["transfer_duration"] or data["failures"] or any(data["bytes_by_path"].values()))
+    return not (data["transfer_duration"] or data["failures"] or any(data["bytes_by_path"].values())
+                or data.get("layer_groups"))
 
 
 def merge(into: dict, other: dict) -> dict:
     """Add ``other`` to ``into`` (changed in place; returned)."""
     for key in _LISTS:
         into[key].extend(other.get(key, ()))
-    for key in ("bytes_by_path", "failures"):
+    for key in ("bytes_by_path", "failures", "layer_groups"):
+        into.setdefault(key, {})
         for name, n in other.get(key, {}).items():
             into[key][name] = into[key].get(name, 0) + n
     return into

@@ -43,6 +43,7 @@ from bootstrap.messages import PoolRole
 from transfer.adapters import vllm_stats
 from transfer.adapters.vllm_groups import Group, GroupPlan, split_draft
 from transfer.adapters.vllm_groups import layer_order as _layer_order
+from transfer.adapters.vllm_layerwise import LayerStream, layer_groups
 from transfer.adapters.vllm_params import ConnectorConfig, RecvSpec, SendSpec, query_reply
 from transfer.config import EngineConfig, ManagerConfig, Role
 from transfer.errors import KVFerryError
@@ -162,6 +163,20 @@ def check_block_size(page_size: int, block_size: int | None) -> None:
                          f"the two are equal (set --block-size {page_size})")
 
 
+def _written_event(kv_layer):
+    """A CUDA event recorded now on the current stream, after the layer's
+    KV writes vLLM launched (None on the CPU: written already)."""
+    if isinstance(kv_layer, (list, tuple)):  # a backend's per-layer K and V
+        kv_layer = kv_layer[0] if kv_layer else None
+    if not getattr(kv_layer, "is_cuda", False):
+        return None
+    import torch
+
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
 @dataclass
 class _Room:
     req_id: str
@@ -171,6 +186,8 @@ class _Room:
     pushed: bool = False
     aborted: bool = False  # by vLLM: its blocks are no one's load errors
     expired: bool = False  # prefill: its lease ran out before a decode asked
+    stream: LayerStream | None = None  # prefill, layer-wise: its layer groups (vllm_layerwise)
+    ready: object = None  # prefill, layer-wise on CUDA: the event of the latest layer the forward wrote
 
 
 class KvferryWorker:
@@ -190,6 +207,10 @@ class KvferryWorker:
         self._rooms: dict[str, _Room] = {}
         self._by_handle: dict[int, _Room] = {}  # id(handle) of every listed room (it keeps the handle alive)
         self._leases: list[tuple[float, str]] = []  # prefill: (deadline, req_id), a heap
+        self._layer_index: dict[str, int] = {}  # vLLM layer name -> room layer (target's, then the draft's)
+        self._stream_groups: tuple[range, ...] = ()  # prefill, layer-wise: the room layers of each group
+        self._streaming: dict[str, _Room] = {}  # prefill: layer-wise rooms with groups not yet sent
+        self._streamed: set[str] = set()  # prefill: requests opened layer-wise whose SendSpec has not come yet
         self._stats = vllm_stats.empty()  # rooms ended since the last take_stats()
         self.num_polled = 0  # room polls by this worker (tests: proportional to changes)
         self._done: set[str] = set()  # finished (either way), not yet reported
@@ -218,6 +239,7 @@ class KvferryWorker:
         names, draft_names = split_draft(sorted(kv_caches if plan is None else plan.main.layers, key=_layer_order),
                                          lay.target_layers)
         layers = [kv_caches[name] for name in names]
+        self.index_layers(names, draft_names)
         states = [] if plan is None else \
             [group_state_pool(g, [kv_caches[n] for n in g.layers], lay.mla) for g in plan.states]
         pools = [self._pool(layers, PoolRole.TARGET, lay.total_kv_heads)]
@@ -281,13 +303,27 @@ class KvferryWorker:
                 room = self._rooms.get(req_id)
                 if room is not None:
                     room.aborted = True
+                    self._streaming.pop(req_id, None)
             if room is not None:
-                room.handle.abort("the request finished on decode before its KV arrived")
+                room.handle.abort("the request finished on decode before its KV arrived" if self.role is Role.DECODE
+                                  else "the request was aborted on prefill while its KV was streaming")
         from transfer.rooms.receiver import KVReceiver
         from transfer.rooms.sender import KVSender
 
         opened: list[_Room] = []
         for s in sends:
+            with self._lock:
+                streamed = s.req_id in self._streamed  # its room opened for the forward pass (open_streams)
+                self._streamed.discard(s.req_id)
+                room = self._rooms.get(s.req_id) if streamed else None
+                if room is not None:
+                    room.stream.finish_all()  # the request finished: all its KV is written (the step synced)
+                    room.ready = None
+                    heapq.heappush(self._leases, (time.monotonic() + self.config.lease_s, s.req_id))
+            if streamed:
+                if room is not None:  # (else it ended already, and finished() reports it)
+                    opened.append(room)  # polled below: pushes what decode may take now
+                continue
             try:
                 sender = KVSender(self.mgr, None, s.room)
                 sender.init(len(s.pages), token_ids=list(s.token_ids) or None)
@@ -319,6 +355,68 @@ class KvferryWorker:
                 self._poll(opened)
             except Exception:  # never into vLLM's step; the manager's sweep and the driver go on
                 log.exception("kvferry: poll after opening rooms failed")
+
+    def index_layers(self, names: list[str], draft_names: list[str] = ()) -> None:
+        """The room's layers by vLLM layer name (the target's in forward
+        order, then a draft's) and, layer-wise, their groups."""
+        self._layer_index = {name: i for i, name in enumerate([*names, *draft_names])}
+        if self.config.layer_groups and self.role is Role.PREFILL:
+            self._stream_groups = layer_groups(len(names), len(draft_names), self.config.layer_groups)
+
+    def open_streams(self, streams: list[SendSpec]) -> None:
+        """Prefill, layer-wise: open the rooms of the requests whose prefill
+        completes in this step, before its forward pass writes their last
+        KV; ``layer_saved`` then sends each layer group as it completes (and
+        decode asked). The request's ``SendSpec`` (from ``request_finished``)
+        finishes every layer and starts the lease."""
+        from transfer.rooms.sender import KVSender
+
+        opened = []
+        for s in streams:
+            try:
+                sender = KVSender(self.mgr, None, s.room)
+                sender.init(len(s.pages), token_ids=list(s.token_ids) or None)
+            except KVFerryError as exc:
+                log.warning("kvferry: request %s (room %d) not streamed: %s", s.req_id, s.room, exc)
+                continue  # its SendSpec, at the step's end, opens it whole
+            room = self._list(_Room(s.req_id, sender, s.pages, stream=LayerStream(self._stream_groups)))
+            with self._lock:
+                self._streamed.add(s.req_id)
+                self._streaming[s.req_id] = room
+            opened.append(room)
+        if opened:
+            self._poll(opened)
+
+    def layer_saved(self, layer_name: str, kv_layer) -> None:
+        """vLLM wrote ``layer_name``'s KV of this step (on CUDA: launched;
+        an event recorded now on the current stream marks it written)."""
+        if not self._streaming:
+            return
+        layer = self._layer_index.get(layer_name)
+        if layer is None:
+            return
+        ready = _written_event(kv_layer)
+        with self._lock:
+            rooms = list(self._streaming.values())
+            for room in rooms:
+                room.stream.finish(layer)
+                room.ready = ready if ready is not None else room.ready
+        for room in rooms:
+            self._push_layers(room, in_forward=True)
+
+    def _push_layers(self, room: _Room, *, in_forward: bool = False) -> None:
+        """Send a layer-wise room's completed groups no one sent yet, once its
+        decode asked (any thread: the groups are claimed under the lock)."""
+        if room.handle.poll() not in (KVPoll.WaitingForInput, KVPoll.Transferring):
+            return
+        with self._lock:
+            groups, ready = room.stream.claim(in_forward=in_forward), room.ready
+            if groups:
+                room.pushed = True
+            if room.stream.done:
+                self._streaming.pop(room.req_id, None)
+        for group in groups:
+            room.handle.send(list(room.pages), last=True, layers=group, ready=ready)
 
     def _cancel(self, cancels: list[RecvSpec]) -> None:
         """A receiver aborted before its first poll: the room table looks the
@@ -451,7 +549,11 @@ class KvferryWorker:
         self.num_polled += len(rooms)
         for room in rooms:
             state = room.handle.poll()
-            if self.role is Role.PREFILL and state is KVPoll.WaitingForInput:
+            if room.stream is not None:
+                if state in (KVPoll.WaitingForInput, KVPoll.Transferring):
+                    self._push_layers(room)
+                    state = room.handle.poll()
+            elif self.role is Role.PREFILL and state is KVPoll.WaitingForInput:
                 with self._lock:  # two pollers (the driver, and start()): one push
                     push, room.pushed = not room.pushed, True
                 if push:
@@ -464,6 +566,10 @@ class KvferryWorker:
                 if self._rooms.pop(room.req_id, None) is None:
                     continue  # the other poller reported it
                 del self._by_handle[id(room.handle)]
+                self._streaming.pop(room.req_id, None)
+                if room.stream is not None:
+                    vllm_stats.record_layer_groups(self._stats, room.stream.in_forward,
+                                                   len(room.stream.claimed) - room.stream.in_forward)
                 self._done.add(room.req_id)
                 vllm_stats.record_room(self._stats, stats, reason=vllm_stats.LEASE_EXPIRED if room.expired else None)
                 if state is KVPoll.Failed:

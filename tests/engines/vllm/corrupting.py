@@ -32,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from transfer.adapters.vllm import KvferryConnector, KvferryConnectorMetadata
 from transfer.adapters.vllm_worker import _layer_order
@@ -81,7 +81,8 @@ class CorruptingKvferryConnector(KvferryConnector):
 
     def build_connector_meta(self, scheduler_output) -> CorruptingMetadata:
         meta = super().build_connector_meta(scheduler_output)
-        out = CorruptingMetadata(sends=meta.sends, recvs=meta.recvs, aborts=meta.aborts, corrupt=self._planned)
+        # every field of the connector's metadata, whatever it grows (it once lost cancels and streams here)
+        out = CorruptingMetadata(**{f.name: getattr(meta, f.name) for f in fields(meta)}, corrupt=self._planned)
         self._planned = {}
         return out
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import re
+import time
+import urllib.request
 
 from harness.vllm import ServerSpec, VLLMServer, free_port, warm_up
 
@@ -18,23 +20,28 @@ TEST_CONNECTOR = {"kv_connector": "CorruptingKvferryConnector",
 DIGEST_ENV = {"KVFERRY_TEST_DIGEST": "1"}
 
 
-def kv_config(role: str, bootstrap: str, node: str, model_name: str) -> dict:
-    """The test connector for ``role``; prefill serves the bootstrap server."""
-    extra = {"kvferry_bootstrap_addr": bootstrap, "kvferry_node": node,
-             "kvferry": {"bootstrap_timeout_s": 15, "transfer_timeout_s": 30, "model_name": model_name}}
+def kv_config(role: str, bootstrap: str, node: str, model_name: str, *, extra: dict | None = None,
+              manager: dict | None = None) -> dict:
+    """The test connector for ``role``; prefill serves the bootstrap server.
+    ``extra``: more ``kv_connector_extra_config``; ``manager``: more ManagerConfig fields."""
+    extra = {"kvferry_bootstrap_addr": bootstrap, "kvferry_node": node, **(extra or {}),
+             "kvferry": {"bootstrap_timeout_s": 15, "transfer_timeout_s": 30, "model_name": model_name,
+                         **(manager or {})}}
     if role == "kv_producer":
         extra["kvferry_serve_bootstrap"] = True
     return {**TEST_CONNECTOR, "kv_role": role, "kv_connector_extra_config": extra}
 
 
 def kvferry_pair(model: str, root: str, bootstrap: str, node: str, model_name: str, *, args: tuple = (),
-                 prefill_env: dict | None = None, prefill_args: tuple = ()) -> dict[str, VLLMServer]:
-    """Prefill (core 0) and decode (core 1) with the test connector, digests on."""
-    return {"prefill": VLLMServer(ServerSpec("prefill", model, 0, kv_config("kv_producer", bootstrap, node, model_name),
-                                             env={**DIGEST_ENV, **(prefill_env or {})}, args=args + prefill_args),
-                                  root),
-            "decode": VLLMServer(ServerSpec("decode", model, 1, kv_config("kv_consumer", bootstrap, node, model_name),
-                                            env=DIGEST_ENV, args=args), root)}
+                 prefill_env: dict | None = None, prefill_args: tuple = (), prefill_kv: dict | None = None,
+                 decode_kv: dict | None = None) -> dict[str, VLLMServer]:
+    """Prefill (core 0) and decode (core 1) with the test connector, digests
+    on; ``prefill_kv``/``decode_kv``: :func:`kv_config`'s ``extra`` and ``manager``."""
+    prefill = kv_config("kv_producer", bootstrap, node, model_name, **(prefill_kv or {}))
+    decode = kv_config("kv_consumer", bootstrap, node, model_name, **(decode_kv or {}))
+    return {"prefill": VLLMServer(ServerSpec("prefill", model, 0, prefill, env={**DIGEST_ENV, **(prefill_env or {})},
+                                             args=args + prefill_args), root),
+            "decode": VLLMServer(ServerSpec("decode", model, 1, decode, env=DIGEST_ENV, args=args), root)}
 
 
 def nixl_pair(model: str, root: str) -> dict[str, VLLMServer]:
@@ -84,3 +91,25 @@ def group_digests(server: VLLMServer, side: str) -> dict[tuple[int, int], list[s
     return {(int(m.group(1)), int(m.group(2))): m.group(3).split(",")
             for m in re.finditer(rf"kvferry-test: group-digest side={side} room=(\d+) group=(\d+) sha=([0-9a-f,-]+)",
                                  server.log_tail(10_000_000))}
+
+
+def metric(server: VLLMServer, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels``."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    total = 0.0
+    for m in re.finditer(r"^" + re.escape(name) + r"(?:\{([^}]*)\})? ([0-9.e+-]+)$", text, re.M):
+        found = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+        if all(found.get(k) == v for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def settled_metric(server: VLLMServer, name: str, want: float, timeout_s: float = 10.0, **labels: str) -> float:
+    """:func:`metric`, read again until it reaches ``want`` or ``timeout_s``
+    passed: a worker reports a room at its engine's next step after the
+    room ended."""
+    deadline = time.monotonic() + timeout_s
+    while (value := metric(server, name, **labels)) < want and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return value

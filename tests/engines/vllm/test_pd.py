@@ -36,6 +36,7 @@ pytest.importorskip("vllm")
 
 from harness.vllm import (VOCAB, ServerSpec, VLLMServer, build_tiny_model, complete, free_port,  # noqa: E402
                           pd_complete, post, tokens_of, warm_up, _body)
+from tests.engines.vllm.pd_servers import metric  # noqa: E402
 
 MAX_TOKENS = 12
 LENGTHS = (100, 257, 640, 1000)
@@ -66,18 +67,6 @@ def kv_config(role: str, bootstrap: str, store: str, query: str = "") -> dict:
         config.update(kv_connector="CorruptingKvferryConnector",
                       kv_connector_module_path="tests.engines.vllm.corrupting")
     return config
-
-
-def metric(server: VLLMServer, name: str, **labels: str) -> float:
-    """The sum of ``name``'s samples whose labels include ``labels``."""
-    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    total = 0.0
-    for m in re.finditer(r"^" + re.escape(name) + r"(?:\{([^}]*)\})? ([0-9.e+-]+)$", text, re.M):
-        found = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
-        if all(found.get(k) == v for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
 
 
 def stats_of(server: VLLMServer) -> dict[str, float]:

@@ -1,0 +1,112 @@
+"""Layer-wise sends driven by vLLM's forward pass (``kvferry_layer_groups``),
+with real vLLM servers.
+
+Prefill streams a request's KV in 4 layer groups (one per layer of the tiny
+4-layer Llama) from ``save_kv_layer``, in the engine step that completes
+its prefill; decode takes the pages straight (write fence off: a fenced
+decode takes every chunk whole, see :mod:`transfer.adapters.vllm_layerwise`).
+
+Checked, on prompts of 37-1000 tokens: decode's tokens equal a single
+instance's and every block's bytes equal on both sides, with both
+protocols. With the concurrent one (decode's request waits at prefill before
+prefill's forward pass), the groups go while the forward pass goes on; with
+the sequential one (decode asks after prefill answered) every group goes
+after it: prefill's ``vllm:kvferry_layer_groups_total`` counts which. What
+these CPU servers cannot show is the speed-up: the forward pass and the TCP
+copy share two cores (benchmarks/layerwise.py models a GPU's prefill).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import uuid
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from harness.vllm import (VOCAB, ServerSpec, VLLMServer, _body, build_tiny_model, complete, free_port,  # noqa: E402
+                          pd_complete, post, tokens_of)
+from tests.engines.vllm.pd_servers import (digests, kvferry_pair, metric, prompt_sources_since, running,  # noqa: E402
+                                           settled_metric)
+
+MAX_TOKENS = 8
+LENGTHS = (37, 300, 1000)
+GROUPS = 4  # one per layer of the tiny model
+NODE = "layerwise-prefill"
+GROUPS_METRIC = "vllm:kvferry_layer_groups_total"
+
+
+@pytest.fixture(scope="module")
+def layerwise(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-layerwise")
+    model = build_tiny_model(str(root / "model"))
+    bootstrap = f"127.0.0.1:{free_port()}"
+    servers = {"reference": VLLMServer(ServerSpec("reference", model, 0), str(root)),
+               **kvferry_pair(model, str(root), bootstrap, NODE, "tiny-llama",
+                              prefill_kv={"extra": {"kvferry_layer_groups": GROUPS}},
+                              decode_kv={"manager": {"write_fence": False}})}
+    with running(servers, model):
+        yield model, servers, bootstrap
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(4, VOCAB) for _ in range(n)]
+
+
+def _check_blocks(prefill: VLLMServer, decode: VLLMServer, rooms: list[int]) -> None:
+    sent, landed = digests(prefill, "prefill"), digests(decode, "decode")
+    for room in rooms:
+        assert room in sent and room in landed, (room, sorted(sent), sorted(landed))
+        assert landed[room] and sent[room] == landed[room], f"room {room}: blocks differ"
+
+
+def test_concurrent_protocol_streams_the_layer_groups_during_prefills_forward_pass(layerwise):
+    model, servers, bootstrap = layerwise
+    prefill, decode = servers["prefill"], servers["decode"]
+    forward, after = metric(prefill, GROUPS_METRIC, when="forward"), metric(prefill, GROUPS_METRIC, when="after")
+    before = decode.metrics()
+    rooms = []
+    for i, n in enumerate(LENGTHS):
+        prompt, transfer_id = _prompt(n, 700 + i), str(uuid.uuid4())
+        want = complete(servers["reference"], model, prompt, MAX_TOKENS).tokens
+        params = {"do_remote_prefill": True, "transfer_id": transfer_id, "kvferry_bootstrap_addr": bootstrap,
+                  "kvferry_node": NODE}
+        reply: dict = {}
+        t = threading.Thread(target=lambda: reply.update(post(decode.url, _body(model, prompt, MAX_TOKENS, params),
+                                                              120)))
+        t.start()
+        time.sleep(2)  # decode's request reaches prefill (in well under a second) and waits for the room
+        first = post(prefill.url, _body(model, prompt, 1, {"do_remote_decode": True, "transfer_id": transfer_id}),
+                     120)
+        t.join(120)
+        assert not t.is_alive(), "decode did not answer within 120 s"
+        assert tokens_of(reply) == want, f"{n} tokens: decode {tokens_of(reply)} != single instance {want}"
+        rooms.append(int(first["kv_transfer_params"]["kvferry_room"]))
+    total = GROUPS * len(LENGTHS)
+    streamed = settled_metric(prefill, GROUPS_METRIC, forward + total, when="forward") - forward
+    late = metric(prefill, GROUPS_METRIC, when="after") - after
+    print(f"layer groups sent during the forward pass: {streamed:g}, after it: {late:g}")
+    assert streamed + late == total, (streamed, late, prefill.kvferry_lines())
+    assert streamed >= GROUPS, "no request's groups went during the forward pass"
+    assert prompt_sources_since(decode, before).get("external_kv_transfer") == sum(LENGTHS)
+    _check_blocks(prefill, decode, rooms)
+
+
+def test_sequential_protocol_sends_every_group_once_decode_asks(layerwise):
+    model, servers, _ = layerwise
+    prefill, decode = servers["prefill"], servers["decode"]
+    after = metric(prefill, GROUPS_METRIC, when="after")
+    rooms = []
+    for i, n in enumerate(LENGTHS):
+        prompt = _prompt(n, 800 + i)
+        want = complete(servers["reference"], model, prompt, MAX_TOKENS).tokens
+        got = pd_complete(prefill, decode, model, prompt, MAX_TOKENS)
+        assert got.tokens == want, f"{n} tokens: decode {got.tokens} != single instance {want}"
+        rooms.append(int(got.kv_params["kvferry_room"]))
+    total = GROUPS * len(LENGTHS)
+    assert settled_metric(prefill, GROUPS_METRIC, after + total, when="after") - after == total
+    _check_blocks(prefill, decode, rooms)
