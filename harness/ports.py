@@ -4,9 +4,8 @@ A port chosen here is bound seconds later by another process (a vLLM or
 SGLang server, a bootstrap server, ``mooncake_master``). Meanwhile the
 kernel may give the same number to anyone asking for an ephemeral port:
 every outgoing connection's source port, every ``bind(0)`` (vLLM's
-internal ports, ZMQ's), and it offers a just-released port again at once.
-CI saw both: NIXL's side channel and a vLLM HTTP port found their port
-taken. So ports come from a band the kernel never hands out by itself
+internal ports, ZMQ's), and it offers a just-released port again at once
+(a vLLM test's NIXL side channel found its port taken so). So ports come from a band the kernel never hands out by itself
 (below ``ip_local_port_range``) and that Mooncake's engines do not pick
 from either (their RPC and TCP listeners take random ports in 15000-17000),
 each checked free when chosen and never handed out twice by one process.
