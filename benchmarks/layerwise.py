@@ -23,8 +23,9 @@ plus exposed transfer. Real processes, the real engines (Mooncake over TCP,
 NIXL over UCX), real KV sizes of the stated models; bytes not verified (the
 suites do that).
 
-Per-layer compute, stated: ``(2 * P_layer * n + 4 * n^2 * d_attn) / F`` for
-``n`` prompt tokens (times the requests batched together), ``P_layer`` the
+Per-layer compute, stated: ``c * (2 * P_layer * n + 4 * n^2 * d_attn) / F``
+for ``c`` requests of ``n`` prompt tokens batched together (attention is per
+request), ``P_layer`` the
 active parameters of one layer, ``d_attn`` the attention width and ``F`` the
 effective FLOP/s (:data:`MODELS`).
 """
@@ -57,17 +58,18 @@ BUSY_STEP_S = 0.010
 PAGE = 16
 
 
-def layer_s(model: str, tokens: int) -> float:
-    """Modelled seconds of one layer's forward over ``tokens`` prompt tokens."""
+def layer_s(model: str, tokens: int, requests: int = 1) -> float:
+    """Modelled seconds of one layer's forward over ``requests`` prompts of
+    ``tokens`` tokens batched together."""
     _, params, width, flops, _ = MODELS[model]
-    return (2 * params * tokens + 4 * tokens * tokens * width) / flops
+    return requests * (2 * params * tokens + 4 * tokens * tokens * width) / flops
 
 
 def run_cell(model: str, tokens: int, concurrency: int, mode: str, transport: str, fence: bool,
              rooms: int, sched: str = "idle") -> dict:
     pool = MODELS[model][0]
     pages = -(-tokens // PAGE)
-    per_layer = layer_s(model, tokens * concurrency)  # a batch of `concurrency` prompts computes together
+    per_layer = layer_s(model, tokens, concurrency)  # a batch of `concurrency` prompts computes together
     spec = Spec(bootstrap="", prefill_pools=(pool,), decode_pools=(pool,), num_rooms=rooms + 1,
                 concurrency=concurrency, min_tokens=tokens, max_tokens=tokens, page_size=PAGE,
                 prefill_pages=pages * concurrency + 8, decode_pages=pages * concurrency + 8,

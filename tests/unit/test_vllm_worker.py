@@ -261,3 +261,25 @@ def test_layer_groups_go_during_the_forward_pass_when_decode_asked_first(cluster
 
 def test_layer_groups_go_after_the_forward_pass_when_decode_asks_later(cluster):
     assert _stream(cluster, decode_first=False) == {vllm_stats.AFTER: NUM_LAYERS}
+
+
+def test_a_request_aborted_on_prefill_while_streaming_ends_its_room_and_reports_it_once_finished(cluster):
+    """vLLM aborts a request whose layer-wise room is open (the connector
+    keeps its blocks and sends the abort): the room fails on both sides,
+    decode's blocks are load errors, and prefill reports the request done
+    only once vLLM called it finished (then it frees the blocks)."""
+    p, _ = worker(cluster, Role.PREFILL, layer_groups=NUM_LAYERS)
+    d, _ = worker(cluster, Role.DECODE, write_fence=False)
+    p.open_streams([SendSpec(req_id="p", room=301, pages=(1, 2, 3))])
+    d.start([], [RecvSpec(req_id="d", room=301, bootstrap_addr=cluster.server.address, node_id="prefill",
+                          pages=(4, 5, 6))])
+    wait_until(p.mgr,
+               lambda: p._rooms["p"].handle.poll() is KVPoll.WaitingForInput, what="decode's request at prefill")
+    p.layer_saved("layers.0.attn", None)  # one group sent, then the abort
+    p.start([], [], aborts=["p"])
+    wait_finished(d, {"d"}, 10)
+    assert d.load_errors() == {4, 5, 6}
+    time.sleep(0.2)
+    assert p.finished(set()) == (set(), set())  # not before vLLM finished it
+    wait_finished(p, {"p"}, 10)
+    assert p.take_stats()["layer_groups"] == {vllm_stats.FORWARD: 1}
