@@ -9,6 +9,11 @@ internal ports, ZMQ's), and it offers a just-released port again at once
 (below ``ip_local_port_range``) and that Mooncake's engines do not pick
 from either (their RPC and TCP listeners take random ports in 15000-17000),
 each checked free when chosen and never handed out twice by one process.
+A process walks the band upwards from a random start (as the kernel walks
+its own range), so two processes (pytest's workers) name the same port
+only where their walks meet, not at any pick; it leaves :data:`GAP` ports
+after each block it hands out, for servers that take their port plus a
+small offset (one per TP rank, say).
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ import random
 import socket
 
 BAND = (20000, 32768)  # [low, high): below Linux's default ephemeral range, above Mooncake's 15000-17000
+GAP = 15  # ports left unnamed after each block handed out
 _GIVEN: set[int] = set()  # ports handed out by this process
-_rng = random.Random()
+_next: list[int] = []  # where this process's walk goes on (empty: not started)
 
 
 def _ephemeral() -> tuple[int, int]:
@@ -59,11 +65,15 @@ def free_ports(count: int = 1) -> int:
     outside the kernel's ephemeral range, and not handed out before by
     this process."""
     band = _band()
-    for _ in range(1000):
-        base = _rng.randrange(band.start, band.stop - count + 1)
+    if not _next:
+        _next.append(random.randrange(band.start, band.stop))
+    for _ in range(len(band)):
+        base = _next[0] if _next[0] + count <= band.stop else band.start
         ports = range(base, base + count)
+        _next[0] = base + 1
         if _GIVEN.isdisjoint(ports) and _bindable(ports):
             _GIVEN.update(ports)
+            _next[0] = base + count + GAP
             return base
     raise RuntimeError(f"no {count} consecutive free loopback ports in {band.start}-{band.stop - 1}")
 

@@ -23,6 +23,11 @@ def test_ports_lie_outside_the_ephemeral_range_and_mooncakes_and_never_repeat():
             s.bind(("127.0.0.1", port))  # free when handed out (nothing here took it since)
 
 
+def test_ports_handed_out_leave_room_for_a_servers_offsets():
+    got = sorted(ports.free_port() for _ in range(50))
+    assert all(b - a > ports.GAP for a, b in zip(got, got[1:])), got
+
+
 def test_consecutive_ports_are_all_free_and_not_handed_out_again():
     base = ports.free_ports(8)
     block = set(range(base, base + 8))
