@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from harness.busywork import python_work
+
 
 @dataclass(frozen=True)
 class BusyConfig:
@@ -97,14 +99,6 @@ class DecodePages:
         self.free.extend(int(p) for p in pages)
 
 
-def _python_work(seconds: float) -> None:
-    until = time.perf_counter() + seconds
-    x = 0
-    while time.perf_counter() < until:
-        for i in range(100):
-            x += i * i
-
-
 class Scheduler:
     """The loop's step (see the module docstring)."""
 
@@ -116,12 +110,12 @@ class Scheduler:
 
     def _spin(self) -> None:
         while not self._stop.is_set():
-            _python_work(0.001)
+            python_work(0.001)
 
     def step(self) -> None:
         busy = self.cfg.busy_share * self.cfg.step_s
         if busy:
-            _python_work(busy)
+            python_work(busy)
         if self.cfg.step_s > busy:
             time.sleep(self.cfg.step_s - busy)
 

@@ -297,12 +297,17 @@ class VLLMServer(ServerProcess):
                 out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
         return out
 
-    def gauge(self, name: str) -> float:
-        """The sum of a metric's samples (e.g. ``vllm:kv_cache_usage_perc``)."""
+    def gauge(self, name: str, **labels: str) -> float:
+        """The sum of a metric's samples (e.g. ``vllm:kv_cache_usage_perc``)
+        whose labels include ``labels``."""
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
             text = r.read().decode()
-        pattern = re.compile(re.escape(name) + r"(\{[^}]*\})? ([0-9.e+-]+)$")
-        return sum(float(m.group(2)) for line in text.splitlines() if (m := pattern.match(line)))
+        total = 0.0
+        for m in re.finditer(r"^" + re.escape(name) + r"(?:\{([^}]*)\})? ([0-9.e+-]+)$", text, re.M):
+            found = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+            if all(found.get(k) == v for k, v in labels.items()):
+                total += float(m.group(2))
+        return total
 
 
 def post(url: str, body: dict, timeout_s: float = 120.0) -> dict:

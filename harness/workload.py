@@ -28,6 +28,7 @@ import torch
 
 from bootstrap.errors import BootstrapUnavailable
 from bootstrap.messages import PoolRole
+from harness.busywork import python_work
 from harness.lines import emit
 from transfer import tp
 from transfer.config import Role, manager_config_from_env
@@ -197,16 +198,6 @@ def dp_group(spec: Spec, room: int) -> int:
 def prefill_side(dp_rank: int) -> str:
     """The seed name of a prefill DP group's pool content."""
     return f"prefill-dp{dp_rank}"
-
-
-def python_work(seconds: float) -> None:
-    """Pure-Python work for ``seconds`` (a busy engine step: it holds the
-    interpreter lock but for the periodic switches)."""
-    until = time.perf_counter() + seconds
-    x = 0
-    while time.perf_counter() < until:
-        for i in range(100):
-            x += i * i
 
 
 def _forward_sends(spec: Spec, sender, chunks: list, total_layers: int) -> float | None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import re
 import time
-import urllib.request
 
 from harness.vllm import ServerSpec, VLLMServer, free_port, warm_up
 
@@ -93,23 +92,11 @@ def group_digests(server: VLLMServer, side: str) -> dict[tuple[int, int], list[s
                                  server.log_tail(10_000_000))}
 
 
-def metric(server: VLLMServer, name: str, **labels: str) -> float:
-    """The sum of ``name``'s samples whose labels include ``labels``."""
-    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    total = 0.0
-    for m in re.finditer(r"^" + re.escape(name) + r"(?:\{([^}]*)\})? ([0-9.e+-]+)$", text, re.M):
-        found = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
-        if all(found.get(k) == v for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
-
-
 def settled_metric(server: VLLMServer, name: str, want: float, timeout_s: float = 10.0, **labels: str) -> float:
-    """:func:`metric`, read again until it reaches ``want`` or ``timeout_s``
+    """``server.gauge(name, **labels)``, read again until it reaches ``want`` or ``timeout_s``
     passed: a worker reports a room at its engine's next step after the
     room ended."""
     deadline = time.monotonic() + timeout_s
-    while (value := metric(server, name, **labels)) < want and time.monotonic() < deadline:
+    while (value := server.gauge(name, **labels)) < want and time.monotonic() < deadline:
         time.sleep(0.2)
     return value

@@ -29,7 +29,7 @@ pytest.importorskip("vllm")
 
 from harness.vllm import (VOCAB, ServerSpec, VLLMServer, _body, build_tiny_model, complete, free_port,  # noqa: E402
                           pd_complete, post, tokens_of)
-from tests.engines.vllm.pd_servers import (digests, kvferry_pair, metric, prompt_sources_since, running,  # noqa: E402
+from tests.engines.vllm.pd_servers import (digests, kvferry_pair, prompt_sources_since, running,  # noqa: E402
                                            settled_metric)
 
 MAX_TOKENS = 8
@@ -67,7 +67,7 @@ def _check_blocks(prefill: VLLMServer, decode: VLLMServer, rooms: list[int]) -> 
 def test_concurrent_protocol_streams_the_layer_groups_during_prefills_forward_pass(layerwise):
     model, servers, bootstrap = layerwise
     prefill, decode = servers["prefill"], servers["decode"]
-    forward, after = metric(prefill, GROUPS_METRIC, when="forward"), metric(prefill, GROUPS_METRIC, when="after")
+    forward, after = prefill.gauge(GROUPS_METRIC, when="forward"), prefill.gauge(GROUPS_METRIC, when="after")
     before = decode.metrics()
     rooms = []
     for i, n in enumerate(LENGTHS):
@@ -88,7 +88,7 @@ def test_concurrent_protocol_streams_the_layer_groups_during_prefills_forward_pa
         rooms.append(int(first["kv_transfer_params"]["kvferry_room"]))
     total = GROUPS * len(LENGTHS)
     streamed = settled_metric(prefill, GROUPS_METRIC, forward + total, when="forward") - forward
-    late = metric(prefill, GROUPS_METRIC, when="after") - after
+    late = prefill.gauge(GROUPS_METRIC, when="after") - after
     print(f"layer groups sent during the forward pass: {streamed:g}, after it: {late:g}")
     assert streamed + late == total, (streamed, late, prefill.kvferry_lines())
     assert streamed >= GROUPS, "no request's groups went during the forward pass"
@@ -99,7 +99,7 @@ def test_concurrent_protocol_streams_the_layer_groups_during_prefills_forward_pa
 def test_sequential_protocol_sends_every_group_once_decode_asks(layerwise):
     model, servers, _ = layerwise
     prefill, decode = servers["prefill"], servers["decode"]
-    after = metric(prefill, GROUPS_METRIC, when="after")
+    after = prefill.gauge(GROUPS_METRIC, when="after")
     rooms = []
     for i, n in enumerate(LENGTHS):
         prompt = _prompt(n, 800 + i)

@@ -36,7 +36,6 @@ pytest.importorskip("vllm")
 
 from harness.vllm import (VOCAB, ServerSpec, VLLMServer, build_tiny_model, complete, free_port,  # noqa: E402
                           pd_complete, post, tokens_of, warm_up, _body)
-from tests.engines.vllm.pd_servers import metric  # noqa: E402
 
 MAX_TOKENS = 12
 LENGTHS = (100, 257, 640, 1000)
@@ -71,11 +70,11 @@ def kv_config(role: str, bootstrap: str, store: str, query: str = "") -> dict:
 
 def stats_of(server: VLLMServer) -> dict[str, float]:
     """The connector's numbers on ``server``'s /metrics."""
-    out = {key: metric(server, "vllm:kvferry_" + key) for key in
+    out = {key: server.gauge("vllm:kvferry_" + key) for key in
            ("xfer_time_seconds_count", "xfer_time_seconds_sum", "bytes_transferred_sum", "bytes_transferred_count",
             "num_descriptors_sum", "failed_transfers_total")}
     for path in ("direct", "staged", "storage"):
-        out[path] = metric(server, "vllm:kvferry_bytes_total", path=path)
+        out[path] = server.gauge("vllm:kvferry_bytes_total", path=path)
     return out
 
 
@@ -264,7 +263,7 @@ def test_the_lease_frees_blocks_no_decode_asked_for(cluster):
     its bootstrap_timeout_s (15 s): then the connector ends the room and
     counts it as lease_expired."""
     prefill = cluster.servers["prefill"]
-    expired = metric(prefill, "vllm:kvferry_failed_transfers_total", reason="lease_expired")
+    expired = prefill.gauge("vllm:kvferry_failed_transfers_total", reason="lease_expired")
     post(prefill.url, _body(cluster.model, prompt_of(600, 80), 1, {"do_remote_decode": True}), 120)
     answered = time.monotonic()
     assert prefill.gauge("vllm:kv_cache_usage_perc") > 0, "prefill freed the blocks before any decode took them"
@@ -273,7 +272,7 @@ def test_the_lease_frees_blocks_no_decode_asked_for(cluster):
         time.sleep(0.25)
     assert time.monotonic() - answered >= LEASE_S - 1, "blocks freed before the lease ran out"
     started = time.monotonic()
-    while metric(prefill, "vllm:kvferry_failed_transfers_total", reason="lease_expired") < expired + 1:
+    while prefill.gauge("vllm:kvferry_failed_transfers_total", reason="lease_expired") < expired + 1:
         assert time.monotonic() - started < 5, "the expired lease was not counted"
         time.sleep(0.2)
 
@@ -333,7 +332,7 @@ def test_a_request_cancelled_on_decode_while_its_kv_is_coming_frees_its_blocks(c
     params = {"do_remote_prefill": True, "transfer_id": str(uuid.uuid4()),
               "kvferry_bootstrap_addr": cluster.bootstrap, "kvferry_node": "prefill0"}
     errors = []
-    aborted = metric(decode, "vllm:kvferry_failed_transfers_total", reason="aborted")
+    aborted = decode.gauge("vllm:kvferry_failed_transfers_total", reason="aborted")
 
     def give_up():
         try:
@@ -352,7 +351,7 @@ def test_a_request_cancelled_on_decode_while_its_kv_is_coming_frees_its_blocks(c
         assert time.monotonic() - started < 12, "decode kept the cancelled request's blocks"
         time.sleep(0.5)
     started = time.monotonic()
-    while metric(decode, "vllm:kvferry_failed_transfers_total", reason="aborted") < aborted + 1:
+    while decode.gauge("vllm:kvferry_failed_transfers_total", reason="aborted") < aborted + 1:
         assert time.monotonic() - started < 5, "the aborted room was not counted"
         time.sleep(0.2)
 
