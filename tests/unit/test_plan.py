@@ -453,3 +453,44 @@ def test_source_entries_are_counted_as_they_are_built(case):
     for pools in (((src, page_slice(src, soff, nh)),), ((src, page_slice(src, 0, src.num_kv_heads)),)):
         built = source_entries(pages, pools)[1].size if pages.size else 0
         assert num_source_entries(pages, pools) == built
+
+
+@settings(max_examples=100, deadline=None)
+@given(head_slice_case(), st.randoms(use_true_random=False))
+def test_a_parts_layer_groups_write_exactly_the_whole_parts_descriptors(case, rnd):
+    """Layer-wise sends into a granted staging region: a part's layer groups
+    (any partition of the layers of a target and a draft pool, any order)
+    together write every (source, destination, bytes) descriptor the whole
+    part writes, each once, and their byte ranges tile the part."""
+    import dataclasses
+
+    from bootstrap.messages import PoolRole
+    from transfer.plan import page_slice, staged_bytes
+    from transfer.rooms.chunk_plan import PartSpec, group_ranges, source_plan
+
+    src, _, sp, _, soff, _, nh = case
+    pages = np.array(sp, dtype=np.int64)
+    draft = dataclasses.replace(src, role=PoolRole.DRAFT)
+    pools = tuple((p, page_slice(p, soff, nh)) for p in (src, draft))
+    nbytes = sum(staged_bytes(p, sl, pages.size) for p, sl in pools)
+    whole = PartSpec(None, 0, pages, 0, pools, nbytes, direct=True)
+    layers = [(role, layer) for role, n in ((PoolRole.TARGET, src.num_layers), (PoolRole.DRAFT, draft.num_layers))
+              for layer in range(n)]
+    rnd.shuffle(layers)
+    cuts = sorted(rnd.sample(range(1, len(layers)), min(len(layers) - 1, rnd.randint(0, 3))))
+    groups = [layers[a:b] for a, b in zip([0, *cuts], [*cuts, len(layers)])]
+    base = 1 << 40
+    expect = source_plan(whole, base)
+    want = sorted(zip(expect.src_addrs.tolist(), expect.dst_addrs.tolist(), expect.lengths.tolist()))
+    got, covered = [], []
+    for group in groups:
+        spec = dataclasses.replace(whole, layers={role: tuple(sorted(l for r, l in group if r is role))
+                                                  for role in (PoolRole.TARGET, PoolRole.DRAFT)})
+        plan = source_plan(spec, base)
+        got += zip(plan.src_addrs.tolist(), plan.dst_addrs.tolist(), plan.lengths.tolist())
+        assert spec.write_bytes == int(plan.lengths.sum())
+        covered += group_ranges(spec)
+    assert sorted(got) == want
+    covered.sort()
+    assert covered[0][0] == 0 and sum(n for _, n in covered) == nbytes
+    assert all(a + n == b for (a, n), (b, _) in zip(covered, covered[1:]))  # no overlap, no gap

@@ -1,7 +1,9 @@
 """Layer-wise sends over the loopback pair (transfer.rooms.layer_groups): a
 chunk sent as layer groups, in any order, target and draft layers alike;
 the layers of a group land while the chunk's other layers are still to come
-(direct path); a fenced decode rank gets the chunk whole once complete;
+(direct path) or in the region of its staging a fenced decode rank
+granted with its request, which scatters each part once all its layers
+landed (one whose staging had no room for the request gets the chunk whole);
 decode reaches Success only when every layer of every page landed; a group
 that does not fit its chunk is refused by name; an abort mid-stream fails
 both sides."""
@@ -39,9 +41,14 @@ def _layer_bytes(rank, pages, layer: int) -> list[bytes]:
     return [every[2 * NUM_LAYERS + d], every[2 * NUM_LAYERS + DRAFT + d]]
 
 
-@pytest.mark.parametrize("fenced", [False, True], ids=["direct", "fenced"])
-def test_layer_groups_in_any_order_land_every_layer_and_the_room_ends_with_the_last(cluster, fenced):
-    prefill = cluster.rank(Role.PREFILL, draft_layers=DRAFT, **STAGED)
+# prefill's parts: written from the pools ("pools"), or gathered into its staging first
+GATHER = dict(stage_below_bytes=1 << 30)
+
+
+@pytest.mark.parametrize("fenced,prefill_cfg", [(False, {}), (True, {}), (True, GATHER)],
+                         ids=["direct", "fenced", "fenced-gathered"])
+def test_layer_groups_in_any_order_land_every_layer_and_the_room_ends_with_the_last(cluster, fenced, prefill_cfg):
+    prefill = cluster.rank(Role.PREFILL, draft_layers=DRAFT, **{**STAGED, **prefill_cfg})
     decode = cluster.rank(Role.DECODE, draft_layers=DRAFT, **{**STAGED, "write_fence": fenced})
     rng = np.random.default_rng(21)
     src, dst = random_pages(rng, 12), random_pages(rng, 12)
@@ -57,7 +64,10 @@ def test_layer_groups_in_any_order_land_every_layer_and_the_room_ends_with_the_l
                            == _layer_bytes(prefill, src[idx], group[0]), what="the first group's layer landed")
             if g < len(order) - 1 or not last:
                 assert receiver.poll() is not KVPoll.Success and sender.poll() is not KVPoll.Success
-            if g == 0 and fenced:  # a fenced decode rank gets the chunk whole: nothing of it yet
+            if g == 0 and fenced:  # streamed into decode's staging; its pages get nothing before the chunk is whole
+                packed = b"".join(_layer_bytes(prefill, src[idx], group[0]))
+                wait_until(decode.mgr, lambda: _staged(decode).find(packed) >= 0,
+                           what="the first group's layer in decode's staging")
                 zero = [bytes(len(b)) for b in _layer_bytes(decode, dst[idx], group[0])]
                 assert _layer_bytes(decode, dst[idx], group[0]) == zero
     wait_until(decode.mgr, lambda: terminal(sender, receiver), what="room terminal")
@@ -66,6 +76,33 @@ def test_layer_groups_in_any_order_land_every_layer_and_the_room_ends_with_the_l
     moved = sender.stats().bytes
     pools = sum(n for (pool, _), n in moved.items() if pool in ("target", "draft"))
     assert pools == sum(len(b) for b in prefill.page_bytes(src)), moved  # each layer of each page once
+
+
+def _staged(rank) -> bytes:
+    return rank.mgr.staging.numpy().tobytes()
+
+
+def test_a_fenced_decode_rank_without_room_for_the_request_gets_each_chunk_whole(cluster):
+    """Decode's staging cannot hold the room's region (its arena is smaller):
+    it grants none with the request, so prefill holds the groups and sends
+    each chunk whole, in parts that ask for regions."""
+    prefill = cluster.rank(Role.PREFILL, draft_layers=DRAFT, **STAGED)
+    decode = cluster.rank(Role.DECODE, draft_layers=DRAFT, staging_bytes=8 << 10, stage_part_bytes=4 << 10,
+                          stage_below_bytes=0, write_fence=True)
+    rng = np.random.default_rng(25)
+    src, dst = random_pages(rng, 12), random_pages(rng, 12)
+    assert sum(len(b) for b in prefill.page_bytes(src)) > 8 << 10  # more than one arena
+    sender, receiver = _open(prefill, decode, 45, src, dst)
+    sender.send(src, last=True, layers=[0])
+    time.sleep(0.3)  # streamed, layer 0 would be in decode's staging within milliseconds (see the first test)
+    sender.poll(), receiver.poll()
+    packed = b"".join(_layer_bytes(prefill, src, 0))
+    assert _staged(decode).find(packed[:len(packed) // 12]) < 0 and receiver.poll() is not KVPoll.Success
+    sender.send(src, last=True, layers=[1, 2])
+    wait_until(decode.mgr, lambda: terminal(sender, receiver), what="room terminal")
+    assert (sender.poll(), receiver.poll()) == (KVPoll.Success, KVPoll.Success), (sender.stats(), receiver.stats())
+    assert_landed(prefill, decode, src, dst)
+    assert receiver.stats().num_parts > 1
 
 
 def test_a_group_that_does_not_fit_its_chunk_is_refused_by_name(cluster):
@@ -106,10 +143,12 @@ def test_an_abort_mid_stream_fails_both_sides(cluster):
         receiver.failure_exception()
 
 
-@pytest.mark.parametrize("fenced", [False, True], ids=["direct", "fenced"])
-def test_layer_groups_between_prefill_tp2_and_decode_tp1(cluster, fenced):
+@pytest.mark.parametrize("fenced,prefill_cfg", [(False, {}), (True, {}), (True, GATHER)],
+                         ids=["direct", "fenced", "fenced-gathered"])
+def test_layer_groups_between_prefill_tp2_and_decode_tp1(cluster, fenced, prefill_cfg):
     """Each prefill rank sends its heads of each layer group; decode holds the whole."""
-    prefills = [cluster.rank(Role.PREFILL, heads=1, total_heads=2, tp_rank=p, tp_size=2, **STAGED) for p in range(2)]
+    prefills = [cluster.rank(Role.PREFILL, heads=1, total_heads=2, tp_rank=p, tp_size=2, **{**STAGED, **prefill_cfg})
+                for p in range(2)]
     decode = cluster.rank(Role.DECODE, heads=2, total_heads=2, **{**STAGED, "write_fence": fenced})
     room, src, dst = 43, np.arange(8), np.arange(8)[::-1].copy()
     receiver = KVReceiver(decode.mgr, prefills[0].mgr.config.bootstrap_addr, room)

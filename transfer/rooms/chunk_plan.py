@@ -15,6 +15,15 @@ For each decode request of the room a chunk becomes either
   first, or straight from the pools when its pages lie in long runs
   (``direct``).
 
+A layer group of a chunk (``Chunk.layers``) plans the same way. For a staged
+decode request it gives the chunk's parts as the whole chunk would, each
+restricted to the group's layers (``PartSpec.layers``): their buffers are
+written to their place in the part's region, which therefore must be one
+decode granted with the request (a fenced rank's pregranted region); decode
+hears of a part (ChunkStaged) only once every layer of it landed. A group
+for a decode request that must ask for regions raises :class:`StagedChunk`
+(the sender then sends the chunk whole).
+
 The last chunk also carries the room's state items (:mod:`transfer.state_pools`)
 to each decode rank that asked this rank for them (``TransferRequest.dst_states``):
 in the direct job, or, for a fenced decode rank, as staged parts of their own
@@ -27,7 +36,7 @@ plan's checks (page ids, sizes), before any byte moves.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping
 
 import numpy as np
@@ -75,9 +84,10 @@ class Chunk:
 
 
 class StagedChunk(Exception):
-    """A layer group of a chunk that a decode rank takes through staging:
-    the sender keeps the chunk's groups and sends the chunk whole once it is
-    complete (staged parts pack every layer of their pages)."""
+    """A layer group of a chunk that a decode rank takes through staging
+    without a region granted with its request: the sender keeps the chunk's
+    groups and sends the chunk whole once it is complete (a part's region is
+    granted for the whole part, on request)."""
 
 
 @dataclass(frozen=True)
@@ -112,12 +122,45 @@ class PartSpec:
     state: int = -1
     state_pool: StatePoolDescriptor | None = None
     state_blocks: tuple = ()  # per buffer of the state pool: what is sent of an item (RowBlocks)
+    #: a layer group's share of the part: each pool's layers written (into their place in the part's
+    #: region: :func:`group_ranges`); None: every layer (the whole part)
+    layers: Mapping[PoolRole, tuple[int, ...]] | None = None
+
+    @property
+    def write_bytes(self) -> int:
+        """The bytes this spec writes: the part's, or its layer group's share."""
+        return self.nbytes if self.layers is None else sum(n for _, n in group_ranges(self))
+
+
+def group_ranges(spec: PartSpec) -> tuple[tuple[int, int], ...]:
+    """(offset in the part, bytes) of the part's packed layout that its
+    layer group (``spec.layers``) writes, in order, adjacent ranges merged;
+    the whole part when it has no group. Each pool's packed share holds its
+    buffers in (layer, component) order, each the part's pages."""
+    if spec.layers is None or spec.state >= 0:
+        return ((0, spec.nbytes),)
+    out: list[list[int]] = []
+    base, n = 0, len(spec.src_pages)
+    for pool, sl in spec.pools:
+        per_layer = n * sl.packed_bytes * len(pool.components)
+        for layer in spec.layers.get(pool.role, ()):
+            start = base + layer * per_layer
+            if out and out[-1][0] + out[-1][1] == start:
+                out[-1][1] += per_layer
+            else:
+                out.append([start, per_layer])
+        base += staged_bytes(pool, sl, n)
+    return tuple((o, b) for o, b in out)
 
 
 @dataclass(frozen=True)
 class ChunkPlan:
+    """A chunk's (or layer group's) direct jobs and staged parts;
+    ``next_part``: the number after its parts (the next chunk's first)."""
+
     jobs: tuple[DirectJob, ...]
     parts: tuple[PartSpec, ...]
+    next_part: int = 0
 
 
 def plan_chunk(room: SendingRoom, chunk: Chunk, config: ManagerConfig) -> ChunkPlan:
@@ -138,7 +181,7 @@ def plan_chunk(room: SendingRoom, chunk: Chunk, config: ManagerConfig) -> ChunkP
         sent = [a for a in req.assignments if a.send] if src.size else []
         plans, roles = [], []
         if sent and _staged(src, dst, sent, local, peer, config):
-            if chunk.layers is not None:
+            if chunk.layers is not None and req.staging_offset < 0:
                 raise StagedChunk(req.decode_session)
             for a in sent:  # the same checks as the direct path, before any byte moves
                 check_transfer(local.pool(a.role), peer.pool(a.role), src, dst.astype(np.int64),
@@ -146,6 +189,8 @@ def plan_chunk(room: SendingRoom, chunk: Chunk, config: ManagerConfig) -> ChunkP
                                num_heads=a.num_heads)
             new = _parts(req, src, chunk.offset + skip, local, _part_bytes(local, peer, config), next_part, config)
             next_part += len(new)
+            if chunk.layers is not None:  # the group's layers of each part, numbered as the whole chunk's
+                new = [p for p in (replace(p, layers=chunk.layers) for p in new) if p.write_bytes]
             parts.extend(new)
         else:
             plans = [plan_pool(local.pool(a.role), peer.pool(a.role), src, dst, src_head_offset=a.src_head_offset,
@@ -159,15 +204,16 @@ def plan_chunk(room: SendingRoom, chunk: Chunk, config: ManagerConfig) -> ChunkP
                 plans.append(aux)
                 roles.append("aux")
         if chunk.last and any(req.dst_states):
+            before = len(parts)
             for kind, plan in _state_plans(room, req, peer, local, config, next_part, parts):
                 if plan is not None:
                     plans.append(plan)
                     roles.append(f"state:{kind}")
-            next_part = chunk.first_part + len(parts)
+            next_part += len(parts) - before
         moved = tuple((role, "direct", p.total_bytes, p.num_descriptors) for role, p in zip(roles, plans)
                       if p.num_descriptors)
         jobs.append(DirectJob(req.decode_session, TransferPlan.concat(plans), moved))
-    return ChunkPlan(tuple(jobs), tuple(parts))
+    return ChunkPlan(tuple(jobs), tuple(parts), next_part)
 
 
 def _state_plans(room: SendingRoom, req: TransferRequest, peer: RankInfo, local: RankInfo, config: ManagerConfig,
@@ -306,17 +352,18 @@ def num_source_entries(pages: np.ndarray, pools) -> int:
     return count
 
 
-def source_entries(pages: np.ndarray, pools) -> tuple[np.ndarray, np.ndarray]:
+def source_entries(pages: np.ndarray, pools, layers=None) -> tuple[np.ndarray, np.ndarray]:
     """A part's packed layout as (source address, bytes) descriptors read
     straight from the pools: one per (buffer, page run) for whole pages,
-    else one per (buffer, page, row) of the slice."""
+    else one per (buffer, page, row) of the slice. ``layers`` (each pool's,
+    by role; None: all): only those layers' buffers."""
     pages = pages.astype(np.int64)
     runs = page_runs(pages, pages)
     srcs, lengths = [], []
     for pool, sl in pools:
         addrs = {(b.layer, b.component): b.addr for b in pool.buffers}
         whole = sl.rows == 1 and sl.nbytes == sl.row_bytes and pool.dense
-        for layer in range(pool.num_layers):
+        for layer in (range(pool.num_layers) if layers is None else layers.get(pool.role, ())):
             for comp in pool.components:
                 base = addrs[(layer, comp)]
                 if whole:
@@ -346,6 +393,19 @@ def source_plan(spec: PartSpec, dst_addr: int) -> TransferPlan:
     if spec.state >= 0:
         src, lengths = state_source_entries(spec.state_pool, spec.state_blocks, spec.src_pages.astype(np.int64))
     else:
-        src, lengths = source_entries(spec.src_pages, spec.pools)
-    dst = dst_addr + np.concatenate(([0], np.cumsum(lengths)[:-1]))
+        src, lengths = source_entries(spec.src_pages, spec.pools, spec.layers)
+    packed = np.concatenate(([0], np.cumsum(lengths)[:-1]))  # where each lies among the bytes written
+    dst = dst_addr + _placed(packed, group_ranges(spec))
     return TransferPlan(src.astype(np.uint64), dst.astype(np.uint64), lengths.astype(np.uint64))
+
+
+def _placed(offsets: np.ndarray, ranges) -> np.ndarray:
+    """Offsets among a group's bytes (its ``ranges`` one after the other)
+    as offsets in the part: an entry never spans two ranges (each range is
+    whole buffers)."""
+    if len(ranges) == 1:
+        return offsets + ranges[0][0]
+    starts = np.asarray([o for o, _ in ranges], dtype=np.int64)
+    ends = np.cumsum([n for _, n in ranges])
+    which = np.searchsorted(ends, offsets, side="right")
+    return offsets - (ends - np.asarray([n for _, n in ranges]))[which] + starts[which]

@@ -45,11 +45,16 @@ class RoomCounts:
     # --- prefill ------------------------------------------------------------------------
 
     def part_landed(self, part) -> None:
-        """A staged part (:class:`~transfer.rooms.chunk_plan.PartSpec`) was written."""
+        """A staged part (:class:`~transfer.rooms.chunk_plan.PartSpec`) was
+        written: the whole part, or a layer group's share of it (counted as
+        a part of its own: one more write)."""
         if part.state >= 0:
             self.land(f"state:{part.state_pool.kind}", "staged", part.nbytes, 1)
         for i, (pool, sl) in enumerate(part.pools):
-            self.land(pool.role.value, "staged", staged_bytes(pool, sl, len(part.src_pages)), int(i == 0))
+            n = len(part.src_pages)
+            nbytes = staged_bytes(pool, sl, n) if part.layers is None else \
+                len(part.layers.get(pool.role, ())) * len(pool.components) * n * sl.packed_bytes
+            self.land(pool.role.value, "staged", nbytes, int(i == 0))
         self.counter.add_part()
 
     # --- decode -------------------------------------------------------------------------

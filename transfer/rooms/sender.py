@@ -95,8 +95,11 @@ class KVSender:
         again with the same pages and ``last`` for the chunk's other layers,
         in any order; the chunk is complete when every layer was sent, and
         the room moves on to its next chunk only then. A decode rank that
-        takes the chunk through staging (a fenced one) gets it whole when it
-        is complete. ``state_indices``
+        takes the chunk through staging (a fenced one) gets each group's
+        layers written into the region it granted with its request, and
+        scatters the chunk's parts once all their layers landed; where it
+        granted none (its staging was full), it gets the chunk whole when
+        it is complete. ``state_indices``
         (with the last chunk only): per state pool of the manager, in order,
         the room's item indices (None: none; -1: a position this rank no
         longer holds), sent to the decode ranks that ask for that state; item
@@ -193,7 +196,8 @@ class KVSender:
             self._groups = None
             self._offset += pages.size
             self._last_sent = last
-        self._next_part += len(plan.parts)
+        if complete:  # a chunk's layer groups share its part numbers
+            self._next_part = plan.next_part
         self._num_inflight += len(plan.jobs) + len(plan.parts)
         if self._state.state is KVPoll.WaitingForInput:
             self._state.move(KVPoll.Transferring)

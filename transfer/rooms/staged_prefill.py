@@ -17,6 +17,12 @@ A *direct* part (its source pages in long runs, or no local staging; see
 :class:`~transfer.rooms.chunk_plan.PartSpec`) needs no local region: on its grant its runs are
 written from the pool straight into decode's region, in the packed layout.
 
+A layer group's share of a part (``PartSpec.layers``, always into a region
+granted with the request) is written to its place in that region, gathered
+into a local region of its own size first unless direct; decode gets the
+part's ChunkStaged once the last of its groups landed (the flow counts each
+part's bytes landed).
+
 A part's local region is freed when its write ended (or, for a room that
 failed, when no write reads it); a part of a failed room counts as done.
 """
@@ -36,7 +42,7 @@ from transfer.errors import KVFerryError, TransferError
 from transfer.messages import ChunkStaged, StageGrant, StageRequest
 from transfer.plan import TransferPlan
 from transfer.ready import ReadyWaiter
-from transfer.rooms.chunk_plan import PartSpec, source_plan
+from transfer.rooms.chunk_plan import PartSpec, group_ranges, source_plan
 from transfer.rooms.context import RoomContext
 from transfer.staging.copies import gather, gather_state, page_tensor
 from transfer.state_pools import state_rows
@@ -92,6 +98,8 @@ class PrefillStaging:
         self._waiting: collections.deque[StagedPart] = collections.deque()
         self._waiter = ReadyWaiter("kvferry-ready")
         self._granting: dict[tuple[int, int, int], StagedPart] = {}
+        # (room, request id, part) -> bytes of it landed so far: parts written as layer groups
+        self._grouped: dict[tuple[int, int, int], int] = {}
 
     def submit(self, sender: StagedSender, specs, ready=None) -> list[StagedPart]:
         """Queue the planned parts of one of ``sender``'s chunks; with
@@ -109,7 +117,10 @@ class PrefillStaging:
     def describe(self, part: StagedPart) -> str:
         """Where a part :meth:`submit` returned stands (for a failure's message; never blocks)."""
         age = f"{time.monotonic() - part.since:.1f} s"
-        what = f"staged part {part.spec.part} ({part.spec.nbytes} bytes)"
+        spec = part.spec
+        what = f"staged part {spec.part} ({spec.write_bytes} bytes" + \
+            (f" of layers {dict((r.value, list(ls)) for r, ls in spec.layers.items() if ls)})"
+             if spec.layers is not None else ")")
         if part.stage == "queued":
             return f"{what}: waiting {age} for its ready event or a local staging region"
         if part.stage == "asked":
@@ -144,7 +155,7 @@ class PrefillStaging:
                     part.sender.on_chunk_done(None)  # counts as done for a failed room
                     continue
                 spec = part.spec
-                offset = -1 if spec.direct else self.ctx.staging.area.alloc(spec.nbytes)
+                offset = -1 if spec.direct else self.ctx.staging.area.alloc(spec.write_bytes)
                 if offset is None:
                     break
                 self._waiting.popleft()
@@ -206,9 +217,13 @@ class PrefillStaging:
         if spec.state >= 0:
             gather_state(mem.tensor, offset, state_rows(self.ctx.states[spec.state]), pages, spec.state_blocks)
         for pool, sl in spec.pools:
-            offset += gather(mem.tensor, offset, mem.buffers, pool, sl, pages, mem.word_views)
-        return TransferPlan(np.asarray([self.ctx.rank.staging.addr + part.local_offset], dtype=np.uint64),
-                            np.asarray([dst_addr], dtype=np.uint64), np.asarray([spec.nbytes], dtype=np.uint64))
+            layers = None if spec.layers is None else spec.layers.get(pool.role, ())
+            offset += gather(mem.tensor, offset, mem.buffers, pool, sl, pages, mem.word_views, layers)
+        ranges = group_ranges(spec)  # the local region holds them one after the other
+        lengths = np.asarray([n for _, n in ranges], dtype=np.uint64)
+        src = self.ctx.rank.staging.addr + part.local_offset + np.concatenate(([0], np.cumsum(lengths)[:-1]))
+        return TransferPlan(src.astype(np.uint64), np.asarray([dst_addr + o for o, _ in ranges], dtype=np.uint64),
+                            lengths)
 
     def release(self, sender) -> None:
         """A sender failed: free the local regions of its parts still waiting
@@ -219,6 +234,8 @@ class PrefillStaging:
             for key in stale:
                 part = self._granting.pop(key)
                 self._finish(part, None)
+            for key in [k for k in self._grouped if k[0] == sender.room]:
+                del self._grouped[key]
             waiting = [p for p in self._waiting if p.sender is sender]
             for part in waiting:
                 self._waiting.remove(part)
@@ -229,6 +246,9 @@ class PrefillStaging:
         spec = part.spec
         if error is None:
             part.sender.on_part_landed(spec)
+            if spec.layers is not None and not self._group_completes(part):
+                self._finish(part, None)
+                return
             try:
                 self.ctx.channel.send(spec.req.decode_endpoint, ChunkStaged(
                     room=part.sender.room, request_id=spec.req.request_id, prefill_tp_rank=self.ctx.rank.tp_rank,
@@ -238,10 +258,26 @@ class PrefillStaging:
                 error = exc
         self._finish(part, error)
 
+    def _group_completes(self, part: StagedPart) -> bool:
+        """A layer group's share of a part landed: whether the part is now
+        whole (every layer of it landed; the room still live)."""
+        spec = part.spec
+        key = (part.sender.room, spec.req.request_id, spec.part)
+        with self.ctx.lock:
+            if part.sender.terminal:  # release() dropped the room's counts; nothing more is told
+                self._grouped.pop(key, None)
+                return False
+            landed = self._grouped.get(key, 0) + spec.write_bytes
+            if landed < spec.nbytes:
+                self._grouped[key] = landed
+                return False
+            self._grouped.pop(key, None)
+            return True
+
     def _finish(self, part: StagedPart, error, *, notify: bool = True) -> None:
         part.move("ended")
         if part.local_offset >= 0:
-            self.ctx.staging.area.free(part.local_offset, part.spec.nbytes)
+            self.ctx.staging.area.free(part.local_offset, part.spec.write_bytes)
             part.local_offset = -1
         if notify:
             part.sender.on_chunk_done(error)

@@ -115,28 +115,50 @@ def _pool_words(staging: torch.Tensor, offset: int, tensors: dict, pool: PoolDes
     return words
 
 
-def _packed(staging: torch.Tensor, offset: int, words: _PoolWords, sl: PageSlice, n: int) -> torch.Tensor:
-    """The staging region of a pool's part: [buffers, pages, rows, words]."""
-    count = len(words.rows)
+def _packed(staging: torch.Tensor, offset: int, words: _PoolWords, sl: PageSlice, n: int,
+            count: int | None = None) -> torch.Tensor:
+    """The staging region of a pool's part: [buffers, pages, rows, words]
+    (``count`` buffers; None: all of the pool's)."""
+    count = len(words.rows) if count is None else count
     nbytes = count * n * sl.packed_bytes
     return staging[offset:offset + nbytes].view(words.dtype).view(count, n, sl.rows, sl.nbytes // words.width)
 
 
 def gather(staging: torch.Tensor, offset: int, tensors: dict, pool: PoolDescriptor, sl: PageSlice,
-           pages: torch.Tensor, cache: dict | None = None) -> int:
+           pages: torch.Tensor, cache: dict | None = None, layers=None) -> int:
     """Pack ``pages`` of every buffer of ``pool`` into ``staging[offset:]``;
     returns the bytes written. ``cache`` (owned by whoever owns ``tensors``)
-    keeps the pool's word views between calls."""
+    keeps the pool's word views between calls. ``layers`` (the pool's layer
+    indices, ascending; None: all): only those layers' buffers, packed one
+    after the other."""
     words = _pool_words(staging, offset, tensors, pool, sl, cache)
-    packed = _packed(staging, offset, words, sl, pages.numel())
+    comps = len(pool.components)
+    spans = [(0, len(words.rows))] if layers is None else \
+        [(a * comps, (b - a) * comps) for a, b in _layer_runs(layers)]
+    count = sum(n for _, n in spans)
+    packed = _packed(staging, offset, words, sl, pages.numel(), count)
     with _on_copy_stream(staging):
-        if words.every is not None:
-            torch.index_select(words.every, 1, pages, out=packed)
-        else:
-            for i, rows in enumerate(words.rows):
-                torch.index_select(rows, 0, pages, out=packed[i])
+        at = 0
+        for first, n in spans:
+            if words.every is not None:
+                torch.index_select(words.every[first:first + n], 1, pages, out=packed[at:at + n])
+            else:
+                for i in range(n):
+                    torch.index_select(words.rows[first + i], 0, pages, out=packed[at + i])
+            at += n
     _sync(staging)
-    return staged_bytes(pool, sl, pages.numel())
+    return count * pages.numel() * sl.packed_bytes
+
+
+def _layer_runs(layers) -> list[tuple[int, int]]:
+    """Ascending layer indices as [start, end) runs of consecutive ones."""
+    runs: list[list[int]] = []
+    for layer in layers:
+        if runs and runs[-1][1] == layer:
+            runs[-1][1] += 1
+        else:
+            runs.append([layer, layer + 1])
+    return [(a, b) for a, b in runs]
 
 
 def scatter(staging: torch.Tensor, offset: int, tensors: dict, pool: PoolDescriptor, sl: PageSlice,
