@@ -37,7 +37,8 @@ status reply's rank and pool views carry every descriptor field but the
 withheld ones (:mod:`bootstrap.status`). Version 6: ``RoomStatus.exposed_s``
 (prefill's last ``send()`` to its success, for decode's exposed transfer time);
 then, omitted while unused, ``RankInfo.states``, ``TransferRequest.dst_states`` and
-``ChunkStaged.state`` (per-request state pools).
+``ChunkStaged.state`` (per-request state pools), and ``ChunkStaged.layers``
+(a layer group's share of a staged part).
 """
 
 from __future__ import annotations

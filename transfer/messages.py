@@ -252,7 +252,11 @@ class ChunkStaged:
     order), packed pool by pool as decode asked this prefill rank. Decode
     scatters it into its pool and frees the region. ``state`` >= 0: the
     part holds items ``page_start .. page_start + num_pages`` of the
-    request's list for state pool ``state`` instead, packed buffer by buffer."""
+    request's list for state pool ``state`` instead, packed buffer by buffer.
+    ``layers`` (a layer-wise send, into a region granted with the request):
+    only these room layers (target, then draft) of the part landed, each at
+    its place in the part's packed layout (``offset`` and ``nbytes`` are
+    still the whole part's); decode scatters those. Empty: the whole part."""
 
     room: int
     request_id: int
@@ -263,3 +267,4 @@ class ChunkStaged:
     page_start: int
     num_pages: int
     state: int = field(default=-1, metadata=OMIT_DEFAULT)
+    layers: tuple[int, ...] = field(default=(), metadata=OMIT_DEFAULT)

@@ -80,6 +80,8 @@ def samples() -> list:
         tm.StageGrant(room=12, request_id=5, part=3, offset=32 << 20),
         tm.ChunkStaged(room=12, request_id=5, prefill_tp_rank=1, part=3, offset=32 << 20, nbytes=16 << 20,
                        page_start=24, num_pages=8),
+        tm.ChunkStaged(room=12, request_id=5, prefill_tp_rank=1, part=3, offset=32 << 20, nbytes=16 << 20,
+                       page_start=24, num_pages=8, layers=(4, 5, 6, 32)),
         bm.LookupReply(node_id="prefil-0", dp_rank=0, ready=False, dp_size=0, tp_size=0, num_registered=0,
                        ranks=(), unknown_node=True, known_nodes=("prefill-0", "prefill-1")),
         bm.Unregister(node_id="prefill-0", dp_rank=1, tp_rank=3, session="10.0.0.1:17001"),

@@ -45,6 +45,12 @@ def by_pool(layers: np.ndarray, spans) -> dict[PoolRole, tuple[int, ...]]:
     return out
 
 
+def room_layers(layers, spans) -> tuple[int, ...]:
+    """Each pool's own layer indices (by role, as :func:`by_pool` gives them)
+    as room layers, ascending: the inverse of :func:`by_pool`."""
+    return tuple(start + int(i) for role, start, _ in spans for i in sorted(layers.get(role, ())))
+
+
 def parse_layers(layers, total: int) -> np.ndarray:
     """``layers`` (a range, a slice-free iterable of ints) as a sorted array
     of distinct room layers; ValueError naming what is wrong."""

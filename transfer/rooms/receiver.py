@@ -25,7 +25,7 @@ from transfer.rooms.drain import Drain
 from transfer.rooms.links import Link, LinkState
 from transfer.rooms.room_stats import RoomCounts
 from transfer.rooms.room_storage import RoomStorage
-from transfer.rooms.staged_decode import take_aux_row
+from transfer.rooms.staged_decode import part_layers, take_aux_row
 from transfer.state import KVPoll
 from transfer.stats import FailureReason, RoomStats, tag_reason
 
@@ -329,7 +329,8 @@ class KVReceiver:
         elif self._phases.phase is P.TRANSFERRING and msg.state >= 0:
             self._counts.land(f"state:{self._ctx.rank.states[msg.state].kind}", "staged", msg.nbytes, 1)
         elif self._phases.phase is P.TRANSFERRING:
-            self._counts.staged(msg.prefill_tp_rank, self._link.routes[msg.prefill_tp_rank], msg.num_pages)
+            self._counts.staged(msg.prefill_tp_rank, self._link.routes[msg.prefill_tp_rank], msg.num_pages,
+                                part_layers(self._ctx, msg))
         if self._phases.phase is P.DRAINING and not self._local_writes() and \
                 (not self._drain.ranks or self._drain.overdue(time.monotonic())):
             self._finish_fail(self._drain.error)

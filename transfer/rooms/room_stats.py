@@ -25,7 +25,8 @@ class RoomCounts:
 
     def __init__(self, counter: RoomCounter, rank: RankInfo, where: str) -> None:
         self.counter, self.rank, self.where = counter, rank, where
-        self.staged_pages: dict[int, int] = {}  # decode: prefill rank -> pages it sent through staging
+        # decode: (prefill rank, pool role) -> pages x layers of that pool the rank sent through staging
+        self.staged_layers: dict[tuple, int] = {}
 
     def land(self, pool: str, path: str, num_bytes: int, num_descriptors: int = 0) -> None:
         if self.counter.first_byte_at is None:
@@ -68,15 +69,28 @@ class RoomCounts:
                           staged_bytes(pool, page_slice(pool, a.dst_head_offset, a.num_heads), num_pages), descriptors)
                 descriptors = 0  # a staged part is one descriptor, under its first pool
 
-    def staged(self, p: int, assignments, num_pages: int) -> None:
-        self.staged_pages[p] = self.staged_pages.get(p, 0) + num_pages
-        self.pages(assignments, "staged", num_pages, descriptors=1)
+    def staged(self, p: int, assignments, num_pages: int, layers=None) -> None:
+        """A staged part from prefill rank ``p`` was scattered: ``num_pages``
+        of the pools it sends (``assignments``), or of only ``layers`` of
+        them (each pool's, by role: a layer group's share)."""
+        descriptors = 1  # a staged part is one descriptor, under its first pool
+        for a in assignments:
+            pool = self.rank.pool(a.role)
+            n = pool.num_layers if layers is None else len(layers.get(a.role, ()))
+            if a.send and n and num_pages > 0:
+                self.staged_layers[(p, a.role)] = self.staged_layers.get((p, a.role), 0) + num_pages * n
+                self.land(a.role.value, "staged", num_pages * n * _layer_page_bytes(pool, a), descriptors)
+                descriptors = 0
         self.counter.add_part()
 
     def rank_done(self, p: int, assignments, num_pages: int, with_aux: bool) -> None:
         """Prefill rank ``p`` reported its part done: ``num_pages`` were asked
         of it; what it did not stage it wrote directly."""
-        self.pages(assignments, "direct", num_pages - self.staged_pages.get(p, 0))
+        for a in assignments:
+            pool = self.rank.pool(a.role)
+            direct = num_pages * pool.num_layers - self.staged_layers.get((p, a.role), 0)
+            if a.send and direct > 0:
+                self.land(a.role.value, "direct", direct * _layer_page_bytes(pool, a))
         if with_aux and self.rank.aux:
             self.land("aux", "direct", sum(a.slot_bytes for a in self.rank.aux))
         self.counter.landed()
@@ -90,3 +104,8 @@ class RoomCounts:
                 self.land(role.value, "storage", n * pool.page_bytes * len(pool.buffers))
         if aux and self.rank.aux:
             self.land("aux", "storage", sum(a.slot_bytes for a in self.rank.aux))
+
+
+def _layer_page_bytes(pool, a) -> int:
+    """Bytes of one layer of one page of ``pool`` that assignment ``a`` sends."""
+    return staged_bytes(pool, page_slice(pool, a.dst_head_offset, a.num_heads), 1) // pool.num_layers

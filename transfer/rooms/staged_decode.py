@@ -32,6 +32,7 @@ from transfer.messages import ChunkStaged, PoolAssignment, StageGrant, StageRequ
 from transfer.plan import page_slice, staged_bytes
 from transfer.rooms.chunk_plan import state_blocks
 from transfer.rooms.context import RoomContext
+from transfer.rooms.layer_groups import by_pool, layer_spans, num_layers
 from transfer.staging.copies import page_tensor, scatter, scatter_state, write_aux_row
 from transfer.state_pools import state_rows
 
@@ -211,6 +212,7 @@ def scatter_part(ctx: RoomContext, dst_pages: np.ndarray, msg: ChunkStaged, offs
     if expected != msg.nbytes:
         raise ValueError(f"staged part of {msg.nbytes} bytes, but {msg.num_pages} pages of the requested pools "
                          f"take {expected}")
+    layers = part_layers(ctx, msg)
     mem = ctx.staging
     dst = dst_pages[msg.page_start:msg.page_start + msg.num_pages]
     pages = page_tensor(dst, mem.tensor.device)
@@ -218,7 +220,21 @@ def scatter_part(ctx: RoomContext, dst_pages: np.ndarray, msg: ChunkStaged, offs
         if a.send:
             pool = ctx.rank.pool(a.role)
             offset += scatter(mem.tensor, offset, mem.buffers, pool,
-                              page_slice(pool, a.dst_head_offset, a.num_heads), pages, mem.word_views)
+                              page_slice(pool, a.dst_head_offset, a.num_heads), pages, mem.word_views,
+                              None if layers is None else layers.get(a.role, ()))
+
+
+def part_layers(ctx: RoomContext, msg: ChunkStaged) -> dict | None:
+    """Each pool's layers (by role) of a layer group's share of a part
+    (``msg.layers``: room layers); None: the whole part. ValueError for
+    layers this rank's pools do not have."""
+    if not msg.layers:
+        return None
+    spans = layer_spans(ctx.rank.pools)
+    layers = np.asarray(msg.layers, dtype=np.int64)
+    if layers.min() < 0 or layers.max() >= num_layers(spans):
+        raise ValueError(f"staged part names layers {msg.layers[:8]}; this rank's pools have {num_layers(spans)}")
+    return by_pool(layers, spans)
 
 
 def scatter_state_part(ctx: RoomContext, states: tuple, prefill: RankInfo, msg: ChunkStaged, offset: int) -> None:

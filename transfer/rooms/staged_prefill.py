@@ -19,9 +19,9 @@ written from the pool straight into decode's region, in the packed layout.
 
 A layer group's share of a part (``PartSpec.layers``, always into a region
 granted with the request) is written to its place in that region, gathered
-into a local region of its own size first unless direct; decode gets the
-part's ChunkStaged once the last of its groups landed (the flow counts each
-part's bytes landed).
+into a local region of its own size first unless direct; its ChunkStaged
+names the group's layers, and decode scatters those while the forward pass
+goes on.
 
 A part's local region is freed when its write ended (or, for a room that
 failed, when no write reads it); a part of a failed room counts as done.
@@ -44,6 +44,7 @@ from transfer.plan import TransferPlan
 from transfer.ready import ReadyWaiter
 from transfer.rooms.chunk_plan import PartSpec, group_ranges, source_plan
 from transfer.rooms.context import RoomContext
+from transfer.rooms.layer_groups import layer_spans, room_layers
 from transfer.staging.copies import gather, gather_state, page_tensor
 from transfer.state_pools import state_rows
 
@@ -98,8 +99,6 @@ class PrefillStaging:
         self._waiting: collections.deque[StagedPart] = collections.deque()
         self._waiter = ReadyWaiter("kvferry-ready")
         self._granting: dict[tuple[int, int, int], StagedPart] = {}
-        # (room, request id, part) -> bytes of it landed so far: parts written as layer groups
-        self._grouped: dict[tuple[int, int, int], int] = {}
 
     def submit(self, sender: StagedSender, specs, ready=None) -> list[StagedPart]:
         """Queue the planned parts of one of ``sender``'s chunks; with
@@ -234,8 +233,6 @@ class PrefillStaging:
             for key in stale:
                 part = self._granting.pop(key)
                 self._finish(part, None)
-            for key in [k for k in self._grouped if k[0] == sender.room]:
-                del self._grouped[key]
             waiting = [p for p in self._waiting if p.sender is sender]
             for part in waiting:
                 self._waiting.remove(part)
@@ -246,33 +243,15 @@ class PrefillStaging:
         spec = part.spec
         if error is None:
             part.sender.on_part_landed(spec)
-            if spec.layers is not None and not self._group_completes(part):
-                self._finish(part, None)
-                return
             try:
                 self.ctx.channel.send(spec.req.decode_endpoint, ChunkStaged(
                     room=part.sender.room, request_id=spec.req.request_id, prefill_tp_rank=self.ctx.rank.tp_rank,
                     part=spec.part, offset=remote_offset, nbytes=spec.nbytes, page_start=spec.page_start,
-                    num_pages=len(spec.src_pages), state=spec.state))
+                    num_pages=len(spec.src_pages), state=spec.state,
+                    layers=() if spec.layers is None else room_layers(spec.layers, layer_spans(self.ctx.rank.pools))))
             except KVFerryError as exc:
                 error = exc
         self._finish(part, error)
-
-    def _group_completes(self, part: StagedPart) -> bool:
-        """A layer group's share of a part landed: whether the part is now
-        whole (every layer of it landed; the room still live)."""
-        spec = part.spec
-        key = (part.sender.room, spec.req.request_id, spec.part)
-        with self.ctx.lock:
-            if part.sender.terminal:  # release() dropped the room's counts; nothing more is told
-                self._grouped.pop(key, None)
-                return False
-            landed = self._grouped.get(key, 0) + spec.write_bytes
-            if landed < spec.nbytes:
-                self._grouped[key] = landed
-                return False
-            self._grouped.pop(key, None)
-            return True
 
     def _finish(self, part: StagedPart, error, *, notify: bool = True) -> None:
         part.move("ended")

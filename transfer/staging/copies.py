@@ -162,26 +162,35 @@ def _layer_runs(layers) -> list[tuple[int, int]]:
 
 
 def scatter(staging: torch.Tensor, offset: int, tensors: dict, pool: PoolDescriptor, sl: PageSlice,
-            pages: torch.Tensor, cache: dict | None = None) -> int:
-    """Unpack what :func:`gather` packed into ``pages`` of this side's pool."""
+            pages: torch.Tensor, cache: dict | None = None, layers=None) -> int:
+    """Unpack what :func:`gather` packed into ``pages`` of this side's pool.
+    ``layers`` (the pool's layer indices, ascending; None: all): only those
+    layers' buffers, each read from its place in the whole pool's packing
+    (a layer-wise send writes each group's layers there). Returns the bytes
+    of the whole pool's packing (where the next pool's starts)."""
     words = _pool_words(staging, offset, tensors, pool, sl, cache)
     packed = _packed(staging, offset, words, sl, pages.numel())
+    comps = len(pool.components)
+    spans = [(0, len(words.rows))] if layers is None else \
+        [(a * comps, (b - a) * comps) for a, b in _layer_runs(layers)]
     if words.arrays is not None:
         # numpy's row assignment copies whole rows with memcpy: about 4x
         # torch's index_copy_ on CPU, writing through the same memory.
         index, src = pages.numpy(), packed.numpy()
-        if words.every_array is not None:
-            words.every_array[:, index] = src
-        else:
-            for i, rows in enumerate(words.arrays):
-                rows[index] = src[i]
+        for first, n in spans:
+            if words.every_array is not None:
+                words.every_array[first:first + n][:, index] = src[first:first + n]
+            else:
+                for i in range(first, first + n):
+                    words.arrays[i][index] = src[i]
     else:
         with _on_copy_stream(staging):
-            if words.every is not None:
-                words.every.index_copy_(1, pages, packed)
-            else:
-                for i, rows in enumerate(words.rows):
-                    rows.index_copy_(0, pages, packed[i])
+            for first, n in spans:
+                if words.every is not None:
+                    words.every[first:first + n].index_copy_(1, pages, packed[first:first + n])
+                else:
+                    for i in range(first, first + n):
+                        words.rows[i].index_copy_(0, pages, packed[i])
     _sync(staging)
     return staged_bytes(pool, sl, pages.numel())
 

@@ -3,8 +3,9 @@ with real vLLM servers.
 
 Prefill streams a request's KV in 4 layer groups (one per layer of the tiny
 4-layer Llama) from ``save_kv_layer``, in the engine step that completes
-its prefill; decode takes the pages straight (write fence off: a fenced
-decode takes every chunk whole, see :mod:`transfer.adapters.vllm_layerwise`).
+its prefill; decode runs with the connector's defaults (the write fence on):
+each group lands in the staging region decode granted with its request, and
+decode scatters it into the request's blocks at once.
 
 Checked, on prompts of 37-1000 tokens: decode's tokens equal a single
 instance's and every block's bytes equal on both sides, with both
@@ -37,6 +38,7 @@ LENGTHS = (37, 300, 1000)
 GROUPS = 4  # one per layer of the tiny model
 NODE = "layerwise-prefill"
 GROUPS_METRIC = "vllm:kvferry_layer_groups_total"
+PARTS_METRIC = "vllm:kvferry_num_descriptors_sum"  # per room, decode: the staged parts it scattered
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +48,7 @@ def layerwise(tmp_path_factory):
     bootstrap = f"127.0.0.1:{free_port()}"
     servers = {"reference": VLLMServer(ServerSpec("reference", model, 0), str(root)),
                **kvferry_pair(model, str(root), bootstrap, NODE, "tiny-llama",
-                              prefill_kv={"extra": {"kvferry_layer_groups": GROUPS}},
-                              decode_kv={"manager": {"write_fence": False}})}
+                              prefill_kv={"extra": {"kvferry_layer_groups": GROUPS}})}
     with running(servers, model):
         yield model, servers, bootstrap
 
@@ -68,7 +69,7 @@ def test_concurrent_protocol_streams_the_layer_groups_during_prefills_forward_pa
     model, servers, bootstrap = layerwise
     prefill, decode = servers["prefill"], servers["decode"]
     forward, after = prefill.gauge(GROUPS_METRIC, when="forward"), prefill.gauge(GROUPS_METRIC, when="after")
-    before = decode.metrics()
+    before, parts = decode.metrics(), decode.gauge(PARTS_METRIC)
     rooms = []
     for i, n in enumerate(LENGTHS):
         prompt, transfer_id = _prompt(n, 700 + i), str(uuid.uuid4())
@@ -92,6 +93,9 @@ def test_concurrent_protocol_streams_the_layer_groups_during_prefills_forward_pa
     print(f"layer groups sent during the forward pass: {streamed:g}, after it: {late:g}")
     assert streamed + late == total, (streamed, late, prefill.kvferry_lines())
     assert streamed >= GROUPS, "no request's groups went during the forward pass"
+    # a fenced decode counts each staged part it scattered: one per group here (a chunk held whole is one part)
+    scattered = settled_metric(decode, PARTS_METRIC, parts + total) - parts
+    assert scattered == total, f"decode scattered {scattered:g} staged parts for {total} layer groups"
     assert prompt_sources_since(decode, before).get("external_kv_transfer") == sum(LENGTHS)
     _check_blocks(prefill, decode, rooms)
 
