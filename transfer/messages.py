@@ -253,10 +253,12 @@ class ChunkStaged:
     scatters it into its pool and frees the region. ``state`` >= 0: the
     part holds items ``page_start .. page_start + num_pages`` of the
     request's list for state pool ``state`` instead, packed buffer by buffer.
-    ``layers`` (a layer-wise send, into a region granted with the request):
-    only these room layers (target, then draft) of the part landed, each at
-    its place in the part's packed layout (``offset`` and ``nbytes`` are
-    still the whole part's); decode scatters those. Empty: the whole part."""
+    ``layers`` (a layer-wise send): only these room layers (target, then
+    draft) of the part landed, and decode scatters those. In a region
+    granted with the request, ``offset`` and ``nbytes`` are the part's slot
+    and each layer lies at its place in the part's packing; in a region the
+    share asked for, the layers are packed one after the other in its
+    ``nbytes``. Empty: the whole part."""
 
     room: int
     request_id: int

@@ -45,8 +45,8 @@ def test_layer_wise_sends_byte_exact(monkeypatch, fence, target):
     """Every chunk sent as 3 layer groups (the last layers first) over a
     target (MHA or MLA) and a draft pool: decode verifies every byte, and
     prefill wrote each layer once. Unfenced, the pages go direct, group by
-    group; the fenced decode takes each group into the staging region it
-    granted with the request and scatters it from there."""
+    group; the fenced decode takes each group through its staging and
+    scatters it from there as it lands."""
     monkeypatch.setenv("KVFERRY_WRITE_FENCE", "1" if fence else "0")
     monkeypatch.setenv("KVFERRY_STAGE_BELOW_BYTES", "0")  # unfenced: direct descriptors, however small
     draft = PoolSpec(role="draft", num_layers=1, total_heads=8, head_dim=64, dtype="bfloat16")

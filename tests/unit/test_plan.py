@@ -458,10 +458,12 @@ def test_source_entries_are_counted_as_they_are_built(case):
 @settings(max_examples=100, deadline=None)
 @given(head_slice_case(), st.randoms(use_true_random=False))
 def test_a_parts_layer_groups_write_exactly_the_whole_parts_descriptors(case, rnd):
-    """Layer-wise sends into a granted staging region: a part's layer groups
-    (any partition of the layers of a target and a draft pool, any order)
-    together write every (source, destination, bytes) descriptor the whole
-    part writes, each once, and their byte ranges tile the part."""
+    """Layer-wise sends through staging: in a region granted for the room, a
+    part's layer groups (any partition of the layers of a target and a draft
+    pool, any order) together write every (source, destination, bytes)
+    descriptor the whole part writes, each once, and their byte ranges tile
+    the part; in a region of its own, a group's share reads the same and
+    packs it from the region's start."""
     import dataclasses
 
     from bootstrap.messages import PoolRole
@@ -473,7 +475,7 @@ def test_a_parts_layer_groups_write_exactly_the_whole_parts_descriptors(case, rn
     draft = dataclasses.replace(src, role=PoolRole.DRAFT)
     pools = tuple((p, page_slice(p, soff, nh)) for p in (src, draft))
     nbytes = sum(staged_bytes(p, sl, pages.size) for p, sl in pools)
-    whole = PartSpec(None, 0, pages, 0, pools, nbytes, direct=True)
+    whole = PartSpec(None, 0, pages, 0, pools, nbytes, direct=True, granted=0)  # in a region granted for the room
     layers = [(role, layer) for role, n in ((PoolRole.TARGET, src.num_layers), (PoolRole.DRAFT, draft.num_layers))
               for layer in range(n)]
     rnd.shuffle(layers)
@@ -488,8 +490,11 @@ def test_a_parts_layer_groups_write_exactly_the_whole_parts_descriptors(case, rn
                                                   for role in (PoolRole.TARGET, PoolRole.DRAFT)})
         plan = source_plan(spec, base)
         got += zip(plan.src_addrs.tolist(), plan.dst_addrs.tolist(), plan.lengths.tolist())
-        assert spec.write_bytes == int(plan.lengths.sum())
+        assert spec.in_place and spec.write_bytes == int(plan.lengths.sum())
         covered += group_ranges(spec)
+        own = source_plan(dataclasses.replace(spec, granted=-1), base)  # in a region of its own: packed
+        assert np.array_equal(own.src_addrs, plan.src_addrs) and np.array_equal(own.lengths, plan.lengths)
+        assert own.dst_addrs.tolist() == (base + np.concatenate(([0], np.cumsum(own.lengths)[:-1]))).tolist()
     assert sorted(got) == want
     covered.sort()
     assert covered[0][0] == 0 and sum(n for _, n in covered) == nbytes

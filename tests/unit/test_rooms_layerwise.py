@@ -2,8 +2,8 @@
 chunk sent as layer groups, in any order, target and draft layers alike;
 the layers of a group land while the chunk's other layers are still to come
 (direct path), or, for a fenced decode rank, in the region of its staging
-it granted with the request, from where it scatters them at once (one whose
-staging had no room for the request gets the chunk whole);
+it granted with the request or in one each group's share of a part asked
+for, from where it scatters them at once;
 decode reaches Success only when every layer of every page landed; a group
 that does not fit its chunk is refused by name; an abort mid-stream fails
 both sides."""
@@ -81,27 +81,35 @@ def _staged(rank) -> bytes:
     return rank.mgr.staging.numpy().tobytes()
 
 
-def test_a_fenced_decode_rank_without_room_for_the_request_gets_each_chunk_whole(cluster):
-    """Decode's staging cannot hold the room's region (its arena is smaller):
-    it grants none with the request, so prefill holds the groups and sends
-    each chunk whole, in parts that ask for regions."""
-    prefill = cluster.rank(Role.PREFILL, draft_layers=DRAFT, **STAGED)
+@pytest.mark.parametrize("prefill_cfg", [{}, GATHER], ids=["pools", "gathered"])
+def test_a_fenced_decode_rank_without_room_for_the_request_streams_part_by_part(cluster, prefill_cfg):
+    """Decode's staging cannot hold the room's region (its arena is smaller
+    than the room): each group's share of each part asks for a region of its
+    own size, lands packed in it and is scattered from there (the region
+    freed at once), the shares decode has no room for yet wait for regions
+    to come free, every byte lands, and decode's staging is all free
+    afterwards."""
+    prefill = cluster.rank(Role.PREFILL, draft_layers=DRAFT, **{**STAGED, **prefill_cfg})
     decode = cluster.rank(Role.DECODE, draft_layers=DRAFT, staging_bytes=8 << 10, stage_part_bytes=4 << 10,
                           stage_below_bytes=0, write_fence=True)
     rng = np.random.default_rng(25)
     src, dst = random_pages(rng, 12), random_pages(rng, 12)
-    assert sum(len(b) for b in prefill.page_bytes(src)) > 8 << 10  # more than one arena
+    assert sum(len(b) for b in prefill.page_bytes(src)) > 8 << 10  # more than decode's staging
+    area = decode.mgr.context.staging.area
     sender, receiver = _open(prefill, decode, 45, src, dst)
     sender.send(src, last=True, layers=[0])
-    time.sleep(0.3)  # streamed, layer 0 would be in decode's staging within milliseconds (see the first test)
-    sender.poll(), receiver.poll()
-    packed = b"".join(_layer_bytes(prefill, src, 0))
-    assert _staged(decode).find(packed[:len(packed) // 12]) < 0 and receiver.poll() is not KVPoll.Success
-    sender.send(src, last=True, layers=[1, 2])
+    # layer 0 lands while the other groups are still to come
+    wait_until(decode.mgr, lambda: _layer_bytes(decode, dst[:1], 0) == _layer_bytes(prefill, src[:1], 0),
+               what="the first part's layer 0 landed")
+    assert _layer_bytes(decode, dst, 1) == [bytes(len(b)) for b in _layer_bytes(decode, dst, 1)]
+    assert receiver.poll() is not KVPoll.Success
+    sender.send(src, last=True, layers=[2])
+    sender.send(src, last=True, layers=[1])
     wait_until(decode.mgr, lambda: terminal(sender, receiver), what="room terminal")
     assert (sender.poll(), receiver.poll()) == (KVPoll.Success, KVPoll.Success), (sender.stats(), receiver.stats())
     assert_landed(prefill, decode, src, dst)
-    assert receiver.stats().num_parts > 1
+    assert receiver.stats().num_parts >= 3 * 2  # every part scattered group by group
+    assert area.free_bytes == area.nbytes, "a part's region was not freed"
 
 
 def test_a_group_that_does_not_fit_its_chunk_is_refused_by_name(cluster):

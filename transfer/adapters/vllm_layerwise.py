@@ -15,8 +15,8 @@ the sequential one, once decode asks, after prefill answered (vLLM's proxy
 sends decode the request only then). A speculative draft's layers are one
 more group, finished when the request finishes (the drafter runs after the
 target's forward). The core's ``layerwise_min_tokens`` sends a short room's
-groups whole; a fenced decode takes each group into the staging region it
-granted with its request and scatters it from there at once.
+groups whole; a fenced decode takes each group through its staging and
+scatters it from there as soon as it landed.
 
 :class:`LayerStream` is one room's bookkeeping: which room layers the
 forward pass finished, which groups were claimed for sending (each once,

@@ -15,14 +15,15 @@ For each decode request of the room a chunk becomes either
   first, or straight from the pools when its pages lie in long runs
   (``direct``).
 
-A layer group of a chunk (``Chunk.layers``) plans the same way. For a staged
-decode request it gives the chunk's parts as the whole chunk would, each
-restricted to the group's layers (``PartSpec.layers``): their buffers are
-written to their place in the part's region, which therefore must be one
-decode granted with the request (a fenced rank's pregranted region); decode
-hears of a part (ChunkStaged) only once every layer of it landed. A group
-for a decode request that must ask for regions raises :class:`StagedChunk`
-(the sender then sends the chunk whole).
+A layer group of a chunk (``Chunk.layers``) plans the same way: direct jobs
+of the group's layers, and for a staged decode request the chunk's parts as
+the whole chunk would cut them, each restricted to the group's layers
+(``PartSpec.layers``: a *share* of the part, numbered as a part of its own).
+Where decode granted the room a region with its request, a share's buffers
+are written to their places in the part's slot of it (``in_place``);
+otherwise a share asks for a region of its own size and is packed there
+buffer after buffer, as a part of only those layers would be. Either way
+decode scatters each share as it lands.
 
 The last chunk also carries the room's state items (:mod:`transfer.state_pools`)
 to each decode rank that asked this rank for them (``TransferRequest.dst_states``):
@@ -83,13 +84,6 @@ class Chunk:
     layers: Mapping[PoolRole, tuple[int, ...]] | None = None
 
 
-class StagedChunk(Exception):
-    """A layer group of a chunk that a decode rank takes through staging
-    without a region granted with its request: the sender keeps the chunk's
-    groups and sends the chunk whole once it is complete (a part's region is
-    granted for the whole part, on request)."""
-
-
 @dataclass(frozen=True)
 class DirectJob:
     """A decode rank's direct descriptors; ``moved``: (pool, path, bytes,
@@ -122,8 +116,7 @@ class PartSpec:
     state: int = -1
     state_pool: StatePoolDescriptor | None = None
     state_blocks: tuple = ()  # per buffer of the state pool: what is sent of an item (RowBlocks)
-    #: a layer group's share of the part: each pool's layers written (into their place in the part's
-    #: region: :func:`group_ranges`); None: every layer (the whole part)
+    #: a layer group's share of the part: each pool's layers written; None: every layer (the whole part)
     layers: Mapping[PoolRole, tuple[int, ...]] | None = None
 
     @property
@@ -131,11 +124,23 @@ class PartSpec:
         """The bytes this spec writes: the part's, or its layer group's share."""
         return self.nbytes if self.layers is None else sum(n for _, n in group_ranges(self))
 
+    @property
+    def in_place(self) -> bool:
+        """A share written to its layers' places in the part's slot of the
+        room's region (``granted``), not packed in a region of its own."""
+        return self.layers is not None and self.granted >= 0
+
+    @property
+    def region_bytes(self) -> int:
+        """The bytes of decode's staging the spec lands in: the part's slot
+        (a whole part, or a share written in place), else the share's own."""
+        return self.write_bytes if self.layers is not None and not self.in_place else self.nbytes
+
 
 def group_ranges(spec: PartSpec) -> tuple[tuple[int, int], ...]:
     """(offset in the part, bytes) of the part's packed layout that its
-    layer group (``spec.layers``) writes, in order, adjacent ranges merged;
-    the whole part when it has no group. Each pool's packed share holds its
+    layer group (``spec.layers``) covers, in order, adjacent ranges merged;
+    the whole part when it has no group. Each pool's packing holds its
     buffers in (layer, component) order, each the part's pages."""
     if spec.layers is None or spec.state >= 0:
         return ((0, spec.nbytes),)
@@ -156,7 +161,7 @@ def group_ranges(spec: PartSpec) -> tuple[tuple[int, int], ...]:
 @dataclass(frozen=True)
 class ChunkPlan:
     """A chunk's (or layer group's) direct jobs and staged parts;
-    ``next_part``: the number after its parts (the next chunk's first)."""
+    ``next_part``: the number after its parts (the room's next)."""
 
     jobs: tuple[DirectJob, ...]
     parts: tuple[PartSpec, ...]
@@ -181,16 +186,15 @@ def plan_chunk(room: SendingRoom, chunk: Chunk, config: ManagerConfig) -> ChunkP
         sent = [a for a in req.assignments if a.send] if src.size else []
         plans, roles = [], []
         if sent and _staged(src, dst, sent, local, peer, config):
-            if chunk.layers is not None and req.staging_offset < 0:
-                raise StagedChunk(req.decode_session)
             for a in sent:  # the same checks as the direct path, before any byte moves
                 check_transfer(local.pool(a.role), peer.pool(a.role), src, dst.astype(np.int64),
                                src_head_offset=a.src_head_offset, dst_head_offset=a.dst_head_offset,
                                num_heads=a.num_heads)
             new = _parts(req, src, chunk.offset + skip, local, _part_bytes(local, peer, config), next_part, config)
-            next_part += len(new)
-            if chunk.layers is not None:  # the group's layers of each part, numbered as the whole chunk's
+            if chunk.layers is not None:  # the group's share of each part (none of a part it has no layer of)
                 new = [p for p in (replace(p, layers=chunk.layers) for p in new) if p.write_bytes]
+                new = [replace(p, part=next_part + i) for i, p in enumerate(new)]
+            next_part += len(new)
             parts.extend(new)
         else:
             plans = [plan_pool(local.pool(a.role), peer.pool(a.role), src, dst, src_head_offset=a.src_head_offset,
@@ -395,7 +399,7 @@ def source_plan(spec: PartSpec, dst_addr: int) -> TransferPlan:
     else:
         src, lengths = source_entries(spec.src_pages, spec.pools, spec.layers)
     packed = np.concatenate(([0], np.cumsum(lengths)[:-1]))  # where each lies among the bytes written
-    dst = dst_addr + _placed(packed, group_ranges(spec))
+    dst = dst_addr + (_placed(packed, group_ranges(spec)) if spec.in_place else packed)
     return TransferPlan(src.astype(np.uint64), dst.astype(np.uint64), lengths.astype(np.uint64))
 
 

@@ -71,7 +71,7 @@ class ChunkGroups:
     def __init__(self, pages: np.ndarray, last: bool, total: int) -> None:
         self.pages, self.last = pages, bool(last)
         self.sent = np.zeros(total, dtype=bool)
-        #: some decode rank takes this chunk through staging: its groups are held and the chunk goes whole
+        #: the room is shorter than ``layerwise_min_tokens``: its groups are held and the chunk goes whole
         #: (gated on its completing group's ready event: a chunk's groups come from one stream, in order)
         self.deferred = False
         self.states: tuple = ()  # state indices a group gave (the last chunk's): sent with its completing group

@@ -13,8 +13,7 @@ from __future__ import annotations
 import logging
 
 from bootstrap.messages import RankInfo
-from transfer.plan import page_slice
-from transfer.staging.copies import staged_bytes
+from transfer.plan import page_slice, staged_bytes
 from transfer.stats import RoomCounter, failure_line
 
 log = logging.getLogger("kvferry.rooms")

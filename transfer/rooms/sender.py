@@ -14,7 +14,7 @@ from transfer.errors import KVFerryError, KVTimeoutError, PageIndexError, PeerEr
 from transfer.messages import RoomAbort, RoomStatus, Status, TransferRequest
 from transfer.pools import host_page_ids
 from transfer.ready import gate_for
-from transfer.rooms.chunk_plan import Chunk, PartSpec, SendingRoom, StagedChunk, plan_chunk
+from transfer.rooms.chunk_plan import Chunk, PartSpec, SendingRoom, plan_chunk
 from transfer.rooms.layer_groups import ChunkGroups, by_pool, layer_spans, num_layers, parse_layers
 from transfer.rooms.context import RoomHost
 from transfer.rooms.room_stats import RoomCounts
@@ -96,10 +96,8 @@ class KVSender:
         in any order; the chunk is complete when every layer was sent, and
         the room moves on to its next chunk only then. A decode rank that
         takes the chunk through staging (a fenced one) gets each group's
-        layers written into the region it granted with its request, and
-        scatters the chunk's parts once all their layers landed; where it
-        granted none (its staging was full), it gets the chunk whole when
-        it is complete. ``state_indices``
+        share of each staged part as a part of its own, and scatters it as
+        it lands. ``state_indices``
         (with the last chunk only): per state pool of the manager, in order,
         the room's item indices (None: none; -1: a position this rank no
         longer holds), sent to the decode ranks that ask for that state; item
@@ -144,8 +142,7 @@ class KVSender:
                 self._submit(plan, pages, last, gate, complete=True)
 
     def _plan(self, chunk: Chunk, states):
-        """``chunk`` planned (None: the plan's checks failed the room).
-        StagedChunk passes through (a layer group some decode rank stages)."""
+        """``chunk`` planned (None: the plan's checks failed the room)."""
         room = SendingRoom(self._state.where, self._ctx.rank, tuple(self._requests), self._table.peers,
                            self._num_pages, self._aux_index, states)
         try:
@@ -175,14 +172,10 @@ class KVSender:
         complete = groups.complete
         if not groups.deferred:
             chunk = Chunk(pages, self._offset, last and complete, self._next_part, layers=by_pool(wanted, spans))
-            try:
-                plan = self._plan(chunk, states)
-            except StagedChunk:
-                groups.deferred = True  # the same for every group of the chunk: the pages decide it
-            else:
-                if plan is not None:
-                    self._submit(plan, pages, last, gate, complete)
-                return
+            plan = self._plan(chunk, states)
+            if plan is not None:
+                self._submit(plan, pages, last, gate, complete)
+            return
         if complete:  # a deferred chunk goes whole, gated on its completing group's event
             plan = self._plan(Chunk(pages, self._offset, last, self._next_part), states)
             if plan is not None:
@@ -196,8 +189,7 @@ class KVSender:
             self._groups = None
             self._offset += pages.size
             self._last_sent = last
-        if complete:  # a chunk's layer groups share its part numbers
-            self._next_part = plan.next_part
+        self._next_part = plan.next_part
         self._num_inflight += len(plan.jobs) + len(plan.parts)
         if self._state.state is KVPoll.WaitingForInput:
             self._state.move(KVPoll.Transferring)

@@ -5,7 +5,11 @@ A StageRequest gets a region of the staging buffer (FIFO when it is full);
 ChunkStaged scatters the region into the request's pages and frees it. A
 fenced rank grants a room's whole region with its request instead, when it
 fits (:meth:`DecodeStaging.pregrant`): the room's parts land in it without
-asking, and it is freed when the room ends.
+asking, and it is freed when the room ends. A layer-wise send's ChunkStaged
+names a layer group (``ChunkStaged.layers``): only those layers of the part
+are scattered, from their places in the part's slot of the room's region,
+or packed one after the other in a region of their own (then freed as any
+part's).
 ChunkStaged and the final RoomStatus travel on the same ordered channel, so
 decode has scattered every part before it reports Success.
 
@@ -169,7 +173,7 @@ class DecodeStaging:
                 if msg.state >= 0:
                     scatter_state_part(self.ctx, target[2], target[3], msg, grant[0])
                 else:
-                    scatter_part(self.ctx, target[0], msg, grant[0], target[1])
+                    scatter_part(self.ctx, target[0], msg, grant[0], target[1], in_place=not free)
         except Exception as exc:
             error = exc
         finally:
@@ -200,19 +204,26 @@ class DecodeStaging:
             self.pump()
 
 
-def scatter_part(ctx: RoomContext, dst_pages: np.ndarray, msg: ChunkStaged, offset: int, assignments) -> None:
+def scatter_part(ctx: RoomContext, dst_pages: np.ndarray, msg: ChunkStaged, offset: int, assignments,
+                 in_place: bool = False) -> None:
     """Unpack a part that landed at ``offset`` of the staging memory into
-    ``dst_pages`` (the request's decode pages, in request order), pool by pool."""
+    ``dst_pages`` (the request's decode pages, in request order), pool by
+    pool; a layer group's share only its layers (``in_place``: in a slot of
+    the room's region, each layer at its place in the part's packing)."""
     if not (0 <= msg.page_start and msg.num_pages > 0 and msg.page_start + msg.num_pages <= len(dst_pages)):
         raise IndexError(f"staged pages [{msg.page_start}, +{msg.num_pages}) outside the request's "
                          f"{len(dst_pages)} pages")
-    slices = [(ctx.rank.pool(a.role), a) for a in assignments if a.send]
-    expected = sum(staged_bytes(pool, page_slice(pool, a.dst_head_offset, a.num_heads), msg.num_pages)
-                   for pool, a in slices)
+    layers = part_layers(ctx, msg)
+    packed = layers is not None and not in_place  # a share in its own region: only its layers
+    expected = 0
+    for a in assignments:
+        if a.send:
+            pool = ctx.rank.pool(a.role)
+            whole = staged_bytes(pool, page_slice(pool, a.dst_head_offset, a.num_heads), msg.num_pages)
+            expected += whole // pool.num_layers * len(layers.get(a.role, ())) if packed else whole
     if expected != msg.nbytes:
         raise ValueError(f"staged part of {msg.nbytes} bytes, but {msg.num_pages} pages of the requested pools "
-                         f"take {expected}")
-    layers = part_layers(ctx, msg)
+                         f"take {expected}" + (f" (layers {list(msg.layers)[:8]})" if packed else ""))
     mem = ctx.staging
     dst = dst_pages[msg.page_start:msg.page_start + msg.num_pages]
     pages = page_tensor(dst, mem.tensor.device)
@@ -221,7 +232,7 @@ def scatter_part(ctx: RoomContext, dst_pages: np.ndarray, msg: ChunkStaged, offs
             pool = ctx.rank.pool(a.role)
             offset += scatter(mem.tensor, offset, mem.buffers, pool,
                               page_slice(pool, a.dst_head_offset, a.num_heads), pages, mem.word_views,
-                              None if layers is None else layers.get(a.role, ()))
+                              None if layers is None else layers.get(a.role, ()), in_place)
 
 
 def part_layers(ctx: RoomContext, msg: ChunkStaged) -> dict | None:

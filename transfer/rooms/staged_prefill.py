@@ -17,11 +17,11 @@ A *direct* part (its source pages in long runs, or no local staging; see
 :class:`~transfer.rooms.chunk_plan.PartSpec`) needs no local region: on its grant its runs are
 written from the pool straight into decode's region, in the packed layout.
 
-A layer group's share of a part (``PartSpec.layers``, always into a region
-granted with the request) is written to its place in that region, gathered
-into a local region of its own size first unless direct; its ChunkStaged
-names the group's layers, and decode scatters those while the forward pass
-goes on.
+A layer group's share of a part (``PartSpec.layers``) runs as a part of its
+own, gathered into a local region of its size first unless direct: written
+to its layers' places in the part's slot of the room's region, or packed in
+a region of its own that it asks for. Its ChunkStaged names the group's
+layers, and decode scatters those while the forward pass goes on.
 
 A part's local region is freed when its write ended (or, for a room that
 failed, when no write reads it); a part of a failed room counts as done.
@@ -168,7 +168,7 @@ class PrefillStaging:
                 try:
                     self.ctx.channel.send(req.decode_endpoint, StageRequest(
                         room=part.sender.room, request_id=req.request_id, prefill_tp_rank=self.ctx.rank.tp_rank,
-                        prefill_endpoint=self.ctx.rank.control_endpoint, part=spec.part, nbytes=spec.nbytes))
+                        prefill_endpoint=self.ctx.rank.control_endpoint, part=spec.part, nbytes=spec.region_bytes))
                 except KVFerryError as exc:
                     self._finish(part, exc)
         for part in granted:
@@ -190,9 +190,10 @@ class PrefillStaging:
         try:
             peer = self.peers[spec.req.decode_session]
             arena = peer.staging.arena_size
-            if not 0 <= remote_offset <= peer.staging.nbytes - spec.nbytes or \
-                    remote_offset // arena != (remote_offset + spec.nbytes - 1) // arena:
-                raise IndexError(f"decode granted [{remote_offset}, +{spec.nbytes}) outside its staging buffer "
+            nbytes = spec.region_bytes
+            if not 0 <= remote_offset <= peer.staging.nbytes - nbytes or \
+                    remote_offset // arena != (remote_offset + nbytes - 1) // arena:
+                raise IndexError(f"decode granted [{remote_offset}, +{nbytes}) outside its staging buffer "
                                  f"of {peer.staging.nbytes} bytes or across one of its {arena}-byte arenas")
             if part.ready is not None:
                 part.ready.wait()  # done already: submit() queued the part only then
@@ -218,7 +219,8 @@ class PrefillStaging:
         for pool, sl in spec.pools:
             layers = None if spec.layers is None else spec.layers.get(pool.role, ())
             offset += gather(mem.tensor, offset, mem.buffers, pool, sl, pages, mem.word_views, layers)
-        ranges = group_ranges(spec)  # the local region holds them one after the other
+        # the local region holds the share's layers one after the other; in place they go to their places
+        ranges = group_ranges(spec) if spec.in_place else ((0, spec.write_bytes),)
         lengths = np.asarray([n for _, n in ranges], dtype=np.uint64)
         src = self.ctx.rank.staging.addr + part.local_offset + np.concatenate(([0], np.cumsum(lengths)[:-1]))
         return TransferPlan(src.astype(np.uint64), np.asarray([dst_addr + o for o, _ in ranges], dtype=np.uint64),
@@ -246,7 +248,7 @@ class PrefillStaging:
             try:
                 self.ctx.channel.send(spec.req.decode_endpoint, ChunkStaged(
                     room=part.sender.room, request_id=spec.req.request_id, prefill_tp_rank=self.ctx.rank.tp_rank,
-                    part=spec.part, offset=remote_offset, nbytes=spec.nbytes, page_start=spec.page_start,
+                    part=spec.part, offset=remote_offset, nbytes=spec.region_bytes, page_start=spec.page_start,
                     num_pages=len(spec.src_pages), state=spec.state,
                     layers=() if spec.layers is None else room_layers(spec.layers, layer_spans(self.ctx.rank.pools))))
             except KVFerryError as exc:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from bootstrap.messages import PoolDescriptor
-from transfer.plan import PageSlice, staged_bytes
+from transfer.plan import PageSlice
 
 _WIDE = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
@@ -162,37 +162,43 @@ def _layer_runs(layers) -> list[tuple[int, int]]:
 
 
 def scatter(staging: torch.Tensor, offset: int, tensors: dict, pool: PoolDescriptor, sl: PageSlice,
-            pages: torch.Tensor, cache: dict | None = None, layers=None) -> int:
-    """Unpack what :func:`gather` packed into ``pages`` of this side's pool.
+            pages: torch.Tensor, cache: dict | None = None, layers=None, in_place: bool = False) -> int:
+    """Unpack what :func:`gather` packed into ``pages`` of this side's pool;
+    returns the bytes read (where the next pool's packing starts).
     ``layers`` (the pool's layer indices, ascending; None: all): only those
-    layers' buffers, each read from its place in the whole pool's packing
-    (a layer-wise send writes each group's layers there). Returns the bytes
-    of the whole pool's packing (where the next pool's starts)."""
+    layers' buffers, packed one after the other as :func:`gather` packs
+    them, or, ``in_place``, each at its place in the whole pool's packing
+    (then the whole packing's bytes count as read)."""
     words = _pool_words(staging, offset, tensors, pool, sl, cache)
-    packed = _packed(staging, offset, words, sl, pages.numel())
     comps = len(pool.components)
-    spans = [(0, len(words.rows))] if layers is None else \
+    runs = [(0, len(words.rows))] if layers is None else \
         [(a * comps, (b - a) * comps) for a, b in _layer_runs(layers)]
+    if in_place or layers is None:
+        packed, spans = _packed(staging, offset, words, sl, pages.numel()), [(f, n, f) for f, n in runs]
+    else:
+        count = sum(n for _, n in runs)
+        packed = _packed(staging, offset, words, sl, pages.numel(), count)
+        spans = [(f, n, sum(m for _, m in runs[:i])) for i, (f, n) in enumerate(runs)]
     if words.arrays is not None:
         # numpy's row assignment copies whole rows with memcpy: about 4x
         # torch's index_copy_ on CPU, writing through the same memory.
         index, src = pages.numpy(), packed.numpy()
-        for first, n in spans:
+        for first, n, at in spans:  # buffers first.. of the pool, from packed position at..
             if words.every_array is not None:
-                words.every_array[first:first + n][:, index] = src[first:first + n]
+                words.every_array[first:first + n][:, index] = src[at:at + n]
             else:
-                for i in range(first, first + n):
-                    words.arrays[i][index] = src[i]
+                for i in range(n):
+                    words.arrays[first + i][index] = src[at + i]
     else:
         with _on_copy_stream(staging):
-            for first, n in spans:
+            for first, n, at in spans:
                 if words.every is not None:
-                    words.every[first:first + n].index_copy_(1, pages, packed[first:first + n])
+                    words.every[first:first + n].index_copy_(1, pages, packed[at:at + n])
                 else:
-                    for i in range(first, first + n):
-                        words.rows[i].index_copy_(0, pages, packed[i])
+                    for i in range(n):
+                        words.rows[first + i].index_copy_(0, pages, packed[at + i])
     _sync(staging)
-    return staged_bytes(pool, sl, pages.numel())
+    return packed.shape[0] * pages.numel() * sl.packed_bytes
 
 
 def _block_views(rows, blocks, *, dst: bool):

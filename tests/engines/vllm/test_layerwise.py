@@ -4,8 +4,8 @@ with real vLLM servers.
 Prefill streams a request's KV in 4 layer groups (one per layer of the tiny
 4-layer Llama) from ``save_kv_layer``, in the engine step that completes
 its prefill; decode runs with the connector's defaults (the write fence on):
-each group lands in the staging region decode granted with its request, and
-decode scatters it into the request's blocks at once.
+each group lands in decode's staging, and decode scatters it into the
+request's blocks at once.
 
 Checked, on prompts of 37-1000 tokens: decode's tokens equal a single
 instance's and every block's bytes equal on both sides, with both
