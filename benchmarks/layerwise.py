@@ -76,7 +76,9 @@ def run_cell(model: str, tokens: int, concurrency: int, mode: str, transport: st
                 page_placement="contiguous", layer_groups=GROUPS if mode == "layerwise" else 0,
                 forward_layer_s=per_layer, fill="constant", verify=False, warmup_rooms=1, timeout_s=120,
                 busy_step_s=BUSY_STEP_S if sched == "busy" else 0.0)
-    env = {"KVFERRY_WRITE_FENCE": "1" if fence else "0", "KVFERRY_BACKEND": transport}
+    # every prompt streams in layer-wise mode: the cells measure the mechanism, not layerwise_min_tokens' default
+    env = {"KVFERRY_WRITE_FENCE": "1" if fence else "0", "KVFERRY_BACKEND": transport,
+           "KVFERRY_LAYERWISE_MIN_TOKENS": "0"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:

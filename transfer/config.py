@@ -182,7 +182,10 @@ class ManagerConfig:
 
     Layer-wise sends (``KVSender.send(..., layers=...)``): a room of fewer
     than ``layerwise_min_tokens`` prompt tokens (its pages times the page
-    size) sends its layer groups whole, once each chunk is complete.
+    size) sends its layer groups whole, once each chunk is complete. The
+    default, 2048, is measured (``benchmarks.layerwise``, docs/performance.md):
+    behind a busy scheduler 1k-token prompts streamed slower than whole on
+    NIXL, 8k-token ones faster on every transport, fenced or not.
 
     Write fence (``write_fence``, ``KVFERRY_WRITE_FENCE``; on by default,
     effective on a decode rank with staging memory only): decode registers
@@ -222,7 +225,7 @@ class ManagerConfig:
     staging_bytes: int | None = None
     stage_below_bytes: int = 256 << 10
     stage_part_bytes: int = 64 << 20
-    layerwise_min_tokens: int = 0
+    layerwise_min_tokens: int = 2048
     write_fence: bool = True
     heartbeat_interval_s: float = 0.5
     peer_timeout_s: float = 4.0

@@ -49,6 +49,7 @@ def test_layer_wise_sends_byte_exact(monkeypatch, fence, target):
     scatters it from there as it lands."""
     monkeypatch.setenv("KVFERRY_WRITE_FENCE", "1" if fence else "0")
     monkeypatch.setenv("KVFERRY_STAGE_BELOW_BYTES", "0")  # unfenced: direct descriptors, however small
+    monkeypatch.setenv("KVFERRY_LAYERWISE_MIN_TOKENS", "0")  # these prompts are short: stream them anyway
     draft = PoolSpec(role="draft", num_layers=1, total_heads=8, head_dim=64, dtype="bfloat16")
     pools = (MHA if target == "mha" else MLA, draft)
     spec = Spec(bootstrap="", prefill_pools=pools, decode_pools=pools, num_rooms=8, concurrency=4,

@@ -101,11 +101,12 @@ def test_without_the_event_the_race_is_real(monkeypatch):
 def test_layer_groups_each_with_its_own_event_land_when_their_events_complete(path, monkeypatch):
     """Layer-wise sends on the device: each chunk's layers written late, group
     by group, on a side stream, and each group sent with its own CUDA event
-    (transfer.rooms.layer_groups); decode checks every byte. Direct: each
-    group goes when its event completes; staged: the chunk goes whole, on its
-    last group's event."""
+    (transfer.rooms.layer_groups); decode checks every byte. Each group goes
+    when its event completes: direct, or its share of each part through
+    decode's staging (gathered on prefill's copy stream first)."""
     for key, value in (STAGED if path == "staged" else DIRECT).items():
         monkeypatch.setenv(key, value)
+    monkeypatch.setenv("KVFERRY_LAYERWISE_MIN_TOKENS", "0")  # short rooms: stream them anyway
     spec = cuda_spec(MIXES["mha+mha"], num_rooms=2, producer_sleep_cycles=SLEEP_CYCLES, pass_ready=True,
                      layer_groups=2)
     runs = run_pd(spec, timeout_s=240, rank_processes=False)

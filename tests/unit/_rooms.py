@@ -30,7 +30,8 @@ AUX_SLOTS, AUX_BYTES = 8, 32
 # are taken for lost only after 3 s of silence: a busy machine must not fail
 # rooms by accident (the lost-peer test shortens it).
 FAST = dict(heartbeat_interval_s=0.1, peer_timeout_s=3.0, bootstrap_timeout_s=5.0, transfer_timeout_s=10.0,
-            rpc_timeout_s=1.0, register_interval_s=0.5, register_timeout_s=5.0, staging_bytes=0)
+            rpc_timeout_s=1.0, register_interval_s=0.5, register_timeout_s=5.0, staging_bytes=0,
+            layerwise_min_tokens=0)  # these rooms are short: layer groups stream however short
 
 
 @dataclass

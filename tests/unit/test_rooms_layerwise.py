@@ -45,11 +45,17 @@ def _layer_bytes(rank, pages, layer: int) -> list[bytes]:
 GATHER = dict(stage_below_bytes=1 << 30)
 
 
-@pytest.mark.parametrize("fenced,prefill_cfg", [(False, {}), (True, {}), (True, GATHER)],
-                         ids=["direct", "fenced", "fenced-gathered"])
-def test_layer_groups_in_any_order_land_every_layer_and_the_room_ends_with_the_last(cluster, fenced, prefill_cfg):
+@pytest.mark.parametrize("fenced,prefill_cfg,decode_cfg", [
+    (False, {}, {}), (True, {}, {}), (True, GATHER, {}), (False, GATHER, GATHER)],
+    ids=["direct", "fenced", "fenced-gathered", "unfenced-staged"])
+def test_layer_groups_in_any_order_land_every_layer_and_the_room_ends_with_the_last(cluster, fenced, prefill_cfg,
+                                                                                    decode_cfg):
+    """Unfenced-staged: both sides have staging and the descriptors count as
+    small (``stage_below_bytes``), so the shares go through regions decode
+    grants part by part, as they do for a fenced rank without room."""
     prefill = cluster.rank(Role.PREFILL, draft_layers=DRAFT, **{**STAGED, **prefill_cfg})
-    decode = cluster.rank(Role.DECODE, draft_layers=DRAFT, **{**STAGED, "write_fence": fenced})
+    decode = cluster.rank(Role.DECODE, draft_layers=DRAFT, **{**STAGED, **decode_cfg, "write_fence": fenced})
+    staged = fenced or bool(decode_cfg)
     rng = np.random.default_rng(21)
     src, dst = random_pages(rng, 12), random_pages(rng, 12)
     sender, receiver = _open(prefill, decode, 40, src, dst)
@@ -73,7 +79,7 @@ def test_layer_groups_in_any_order_land_every_layer_and_the_room_ends_with_the_l
     for side in (sender, receiver):  # each layer of each page counted once, on the path it took
         moved = side.stats().bytes
         assert {(pool, path): n for (pool, path), n in moved.items() if pool in ("target", "draft")} == \
-            {(pool, "staged" if fenced else "direct"): total * w for pool, w in (("target", 2 / 3), ("draft", 1 / 3))}, \
+            {(pool, "staged" if staged else "direct"): total * w for pool, w in (("target", 2 / 3), ("draft", 1 / 3))}, \
             moved
 
 

@@ -190,7 +190,10 @@ def plan_chunk(room: SendingRoom, chunk: Chunk, config: ManagerConfig) -> ChunkP
                 check_transfer(local.pool(a.role), peer.pool(a.role), src, dst.astype(np.int64),
                                src_head_offset=a.src_head_offset, dst_head_offset=a.dst_head_offset,
                                num_heads=a.num_heads)
-            new = _parts(req, src, chunk.offset + skip, local, _part_bytes(local, peer, config), next_part, config)
+            budget = _part_bytes(local, peer, config)
+            if chunk.layers is not None:  # parts whose group share is about a part's size: fewer, larger shares
+                budget *= _share_scale(local, sent, chunk.layers)
+            new = _parts(req, src, chunk.offset + skip, local, budget, next_part, config)
             if chunk.layers is not None:  # the group's share of each part (none of a part it has no layer of)
                 new = [p for p in (replace(p, layers=chunk.layers) for p in new) if p.write_bytes]
                 new = [replace(p, part=next_part + i) for i, p in enumerate(new)]
@@ -301,6 +304,21 @@ def _staged(pages, dst, sent, local: RankInfo, peer: RankInfo, config: ManagerCo
         total += pages.size * sl.packed_bytes * buffers
         count += runs * buffers if whole else pages.size * sl.rows * buffers
     return total / count < config.stage_below_bytes
+
+
+def _share_scale(local: RankInfo, sent, layers: Mapping[PoolRole, tuple[int, ...]]) -> int:
+    """How many times a page's bytes of the pools ``sent`` are those of
+    the group's ``layers`` (at least 1): each share of a part cut that many
+    times larger holds about a part's bytes. Each message and scatter of a
+    share costs as a part's does, and behind a busy scheduler thread every
+    one waits for the interpreter lock."""
+    every = group = 0
+    for a in sent:
+        pool = local.pool(a.role)
+        per_layer = staged_bytes(pool, page_slice(pool, a.src_head_offset, a.num_heads), 1) // pool.num_layers
+        every += per_layer * pool.num_layers
+        group += per_layer * len(layers.get(a.role, ()))
+    return max(1, every // group) if group else 1
 
 
 def _part_bytes(local: RankInfo, peer: RankInfo, config: ManagerConfig) -> int:

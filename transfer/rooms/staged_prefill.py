@@ -249,8 +249,7 @@ class PrefillStaging:
                 self.ctx.channel.send(spec.req.decode_endpoint, ChunkStaged(
                     room=part.sender.room, request_id=spec.req.request_id, prefill_tp_rank=self.ctx.rank.tp_rank,
                     part=spec.part, offset=remote_offset, nbytes=spec.region_bytes, page_start=spec.page_start,
-                    num_pages=len(spec.src_pages), state=spec.state,
-                    layers=() if spec.layers is None else room_layers(spec.layers, layer_spans(self.ctx.rank.pools))))
+                    num_pages=len(spec.src_pages), state=spec.state, layers=_room_layers(spec, self.ctx.rank.pools)))
             except KVFerryError as exc:
                 error = exc
         self._finish(part, error)
@@ -263,3 +262,11 @@ class PrefillStaging:
         if notify:
             part.sender.on_chunk_done(error)
         self.pump()
+
+
+def _room_layers(spec: PartSpec, pools) -> tuple[int, ...]:
+    """A share's layers as the room's layers (this rank's ``pools``), of the
+    pools the part holds only: () for a whole part."""
+    if spec.layers is None:
+        return ()
+    return room_layers({pool.role: spec.layers.get(pool.role, ()) for pool, _ in spec.pools}, layer_spans(pools))

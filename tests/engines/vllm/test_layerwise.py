@@ -48,7 +48,9 @@ def layerwise(tmp_path_factory):
     bootstrap = f"127.0.0.1:{free_port()}"
     servers = {"reference": VLLMServer(ServerSpec("reference", model, 0), str(root)),
                **kvferry_pair(model, str(root), bootstrap, NODE, "tiny-llama",
-                              prefill_kv={"extra": {"kvferry_layer_groups": GROUPS}})}
+                              # every prompt here is shorter than layerwise_min_tokens' default: stream them anyway
+                              prefill_kv={"extra": {"kvferry_layer_groups": GROUPS},
+                                          "manager": {"layerwise_min_tokens": 0}})}
     with running(servers, model):
         yield model, servers, bootstrap
 
