@@ -50,6 +50,9 @@ def test_config_defaults_and_validation():
     for bad in (-1, 2.5, "4"):
         with pytest.raises(ValueError, match="kvferry_layer_groups"):
             ConnectorConfig.from_extra({"kvferry_layer_groups": bad}, None)
+    # the threshold that keeps short prompts' groups whole is the connector's to set, on prefill's manager
+    streamed = ConnectorConfig.from_extra({"kvferry_layer_groups": 4, "kvferry": {"layerwise_min_tokens": 0}}, None)
+    assert streamed.manager_fields(prefill=True)["layerwise_min_tokens"] == 0
 
 
 def test_pages_of_a_prompt():

@@ -37,7 +37,7 @@ _MANAGER_KEYS = frozenset({
     "bootstrap_timeout_s", "transfer_timeout_s", "rpc_timeout_s", "register_timeout_s", "staging_bytes",
     "stage_below_bytes", "stage_part_bytes", "heartbeat_interval_s", "peer_timeout_s", "register_interval_s",
     "storage_url", "model_name", "storage_write_through", "storage_prefetch", "storage_prefetch_timeout_s",
-    "storage_fallback", "write_fence",
+    "storage_fallback", "write_fence", "layerwise_min_tokens",
 })
 
 #: The lease when neither ``kvferry_lease_s`` nor ``kvferry.bootstrap_timeout_s`` is given (seconds).

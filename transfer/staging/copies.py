@@ -132,9 +132,7 @@ def gather(staging: torch.Tensor, offset: int, tensors: dict, pool: PoolDescript
     indices, ascending; None: all): only those layers' buffers, packed one
     after the other."""
     words = _pool_words(staging, offset, tensors, pool, sl, cache)
-    comps = len(pool.components)
-    spans = [(0, len(words.rows))] if layers is None else \
-        [(a * comps, (b - a) * comps) for a, b in _layer_runs(layers)]
+    spans = _buffer_runs(pool, layers)
     count = sum(n for _, n in spans)
     packed = _packed(staging, offset, words, sl, pages.numel(), count)
     with _on_copy_stream(staging):
@@ -150,15 +148,19 @@ def gather(staging: torch.Tensor, offset: int, tensors: dict, pool: PoolDescript
     return count * pages.numel() * sl.packed_bytes
 
 
-def _layer_runs(layers) -> list[tuple[int, int]]:
-    """Ascending layer indices as [start, end) runs of consecutive ones."""
+def _buffer_runs(pool: PoolDescriptor, layers) -> list[tuple[int, int]]:
+    """The pool's buffers (in (layer, component) order) of ``layers``
+    (ascending; None: all) as (first, count) runs of consecutive ones."""
+    comps = len(pool.components)
+    if layers is None:
+        return [(0, pool.num_layers * comps)]
     runs: list[list[int]] = []
     for layer in layers:
-        if runs and runs[-1][1] == layer:
-            runs[-1][1] += 1
+        if runs and runs[-1][0] + runs[-1][1] == layer * comps:
+            runs[-1][1] += comps
         else:
-            runs.append([layer, layer + 1])
-    return [(a, b) for a, b in runs]
+            runs.append([layer * comps, comps])
+    return [(a, n) for a, n in runs]
 
 
 def scatter(staging: torch.Tensor, offset: int, tensors: dict, pool: PoolDescriptor, sl: PageSlice,
@@ -170,9 +172,7 @@ def scatter(staging: torch.Tensor, offset: int, tensors: dict, pool: PoolDescrip
     them, or, ``in_place``, each at its place in the whole pool's packing
     (then the whole packing's bytes count as read)."""
     words = _pool_words(staging, offset, tensors, pool, sl, cache)
-    comps = len(pool.components)
-    runs = [(0, len(words.rows))] if layers is None else \
-        [(a * comps, (b - a) * comps) for a, b in _layer_runs(layers)]
+    runs = _buffer_runs(pool, layers)
     if in_place or layers is None:
         packed, spans = _packed(staging, offset, words, sl, pages.numel()), [(f, n, f) for f, n in runs]
     else:
