@@ -40,14 +40,20 @@ MLA = PoolSpec(attention="mla", num_layers=3, total_heads=1, head_dim=576, dtype
 
 
 @pytest.mark.parametrize("target", ["mha", "mla"])
-@pytest.mark.parametrize("fence", [False, True], ids=["unfenced", "fenced"])
-def test_layer_wise_sends_byte_exact(monkeypatch, fence, target):
+@pytest.mark.parametrize("fence,staging", [(False, None), (True, None), (True, 4 << 20)],
+                         ids=["unfenced", "fenced", "fenced-small-staging"])
+def test_layer_wise_sends_byte_exact(monkeypatch, fence, staging, target):
     """Every chunk sent as 3 layer groups (the last layers first) over a
     target (MHA or MLA) and a draft pool: decode verifies every byte, and
     prefill wrote each layer once. Unfenced, the pages go direct, group by
     group; the fenced decode takes each group through its staging and
-    scatters it from there as it lands."""
+    scatters it from there as it lands: in the region it granted the room
+    with its request or, with 4 MiB of staging (smaller than most rooms
+    here), in regions each share asks for."""
     monkeypatch.setenv("KVFERRY_WRITE_FENCE", "1" if fence else "0")
+    if staging is not None:
+        monkeypatch.setenv("KVFERRY_STAGING_BYTES", str(staging))
+        monkeypatch.setenv("KVFERRY_STAGE_PART_BYTES", str(staging // 4))
     monkeypatch.setenv("KVFERRY_STAGE_BELOW_BYTES", "0")  # unfenced: direct descriptors, however small
     monkeypatch.setenv("KVFERRY_LAYERWISE_MIN_TOKENS", "0")  # these prompts are short: stream them anyway
     draft = PoolSpec(role="draft", num_layers=1, total_heads=8, head_dim=64, dtype="bfloat16")

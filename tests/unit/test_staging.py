@@ -76,3 +76,39 @@ def test_gather_scatter_mla_whole_pages_at_an_odd_offset():
     scatter(staging, 3, dst_t, dst_d, sl, torch.tensor([1, 2]))
     for key in src_t:
         assert torch.equal(dst_t[key][[1, 2]], src_t[key][[5, 0]])
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["buffers-apart", "one-tensor"])
+def test_a_layer_groups_buffers_packed_or_in_place_reach_only_those_layers(fused):
+    """Layer-wise shares: gather packs only the group's layers' buffers one
+    after the other; scatter unpacks such a share, or takes the group's
+    layers from their places in a whole part's packing (``in_place``); the
+    other layers' pages stay as they were."""
+    layers, pages_n = 5, 8
+    g = torch.Generator().manual_seed(11)
+    if fused:  # every buffer in one allocation, a fixed stride apart (one index op per run of layers)
+        whole = torch.randint(0, 255, (layers, 2, pages_n, 4, 2, 12), dtype=torch.uint8, generator=g)
+        src_pool = MHAPool(k=list(whole[:, 0]), v=list(whole[:, 1]), total_kv_heads=2)
+    else:
+        src_pool = _mha(pages_n, 2, "nhd", 11, torch.uint8, layers=layers)
+    dst_pool = _mha(pages_n, 2, "nhd", 12, torch.uint8, layers=layers)
+    src_d, dst_d = describe_pool(src_pool), describe_pool(dst_pool)
+    src_t, dst_t = pool_tensors([src_pool]), pool_tensors([dst_pool])
+    before = {k: v.clone() for k, v in dst_t.items()}
+    sl = page_slice(src_d, 0, 2)
+    src_pages, dst_pages = torch.tensor([3, 0, 6]), torch.tensor([1, 7, 2])
+    group = (1, 2, 4)  # two runs of layers
+    share = len(group) * 2 * 3 * sl.packed_bytes
+    packed = torch.zeros(share, dtype=torch.uint8)
+    assert gather(packed, 0, src_t, src_d, sl, src_pages, layers=group) == share
+    assert scatter(packed, 0, dst_t, dst_d, sl, dst_pages, layers=group) == share
+    part = torch.zeros(staged_bytes(src_d, sl, 3), dtype=torch.uint8)
+    gather(part, 0, src_t, src_d, sl, src_pages)
+    in_place = {k: v.clone() for k, v in before.items()}
+    assert scatter(part, 0, in_place, dst_d, sl, dst_pages, layers=group, in_place=True) == part.numel()
+    for got in (dst_t, in_place):
+        for (role, layer, comp), t in got.items():
+            want = before[(role, layer, comp)].clone()
+            if layer in group:
+                want[dst_pages] = src_t[(role, layer, comp)][src_pages]
+            assert torch.equal(t, want), (layer, comp)
