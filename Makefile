@@ -55,8 +55,11 @@ demo-load: setup
 # Two workers (pytest-xdist), each test's rank processes forked from a warm
 # interpreter (harness/forkserver.py): about 6 minutes on two cores.
 PYTEST_WORKERS := -n 2 --dist worksteal
+# The soak runs alone after the rest: it checks that memory stays flat, and a
+# neighbouring test's load moves its processes' high-water marks.
 test: setup lint
-	$(PY) -m pytest -q $(PYTEST_WORKERS) --ignore=tests/layouts
+	$(PY) -m pytest -q $(PYTEST_WORKERS) --ignore=tests/layouts --deselect tests/e2e/test_soak.py
+	$(PY) -m pytest -q tests/e2e/test_soak.py
 
 # Unused imports and variables, redefinitions, undefined names ([tool.ruff] in pyproject.toml).
 lint: setup

@@ -5,4 +5,5 @@
 .PHONY: test-nixl
 
 test-nixl: setup
-	KVFERRY_TEST_TRANSPORT=nixl $(PY) -m pytest -q $(PYTEST_WORKERS) tests/e2e
+	KVFERRY_TEST_TRANSPORT=nixl $(PY) -m pytest -q $(PYTEST_WORKERS) tests/e2e --deselect tests/e2e/test_soak.py
+	KVFERRY_TEST_TRANSPORT=nixl $(PY) -m pytest -q tests/e2e/test_soak.py
