@@ -199,10 +199,12 @@ def page_slice(pool: PoolDescriptor, head_offset: int, num_heads: int) -> PageSl
     return PageSlice(pool.page_size, pool.token_bytes, head_offset * head_bytes, num_heads * head_bytes)
 
 
-def staged_bytes(pool: PoolDescriptor, sl: PageSlice, num_pages: int) -> int:
+def staged_bytes(pool: PoolDescriptor, sl: PageSlice, num_pages: int, num_layers: int | None = None) -> int:
     """Bytes of ``num_pages`` pages of ``pool`` packed for staging (each
-    buffer's slice ``sl`` of each page, buffer by buffer)."""
-    return num_pages * sl.packed_bytes * pool.num_layers * len(pool.components)
+    buffer's slice ``sl`` of each page, buffer by buffer): of every layer, or
+    of ``num_layers`` of them (a layer group's share)."""
+    layers = pool.num_layers if num_layers is None else num_layers
+    return num_pages * sl.packed_bytes * layers * len(pool.components)
 
 
 def plan_aux(src: AuxDescriptor, dst: AuxDescriptor, src_slot: int, dst_slot: int) -> TransferPlan:

@@ -147,7 +147,7 @@ def group_ranges(spec: PartSpec) -> tuple[tuple[int, int], ...]:
     out: list[list[int]] = []
     base, n = 0, len(spec.src_pages)
     for pool, sl in spec.pools:
-        per_layer = n * sl.packed_bytes * len(pool.components)
+        per_layer = staged_bytes(pool, sl, n, 1)
         for layer in spec.layers.get(pool.role, ()):
             start = base + layer * per_layer
             if out and out[-1][0] + out[-1][1] == start:
@@ -315,9 +315,9 @@ def _share_scale(local: RankInfo, sent, layers: Mapping[PoolRole, tuple[int, ...
     every = group = 0
     for a in sent:
         pool = local.pool(a.role)
-        per_layer = staged_bytes(pool, page_slice(pool, a.src_head_offset, a.num_heads), 1) // pool.num_layers
-        every += per_layer * pool.num_layers
-        group += per_layer * len(layers.get(a.role, ()))
+        sl = page_slice(pool, a.src_head_offset, a.num_heads)
+        every += staged_bytes(pool, sl, 1)
+        group += staged_bytes(pool, sl, 1, len(layers.get(a.role, ())))
     return max(1, every // group) if group else 1
 
 

@@ -52,44 +52,34 @@ class RoomCounts:
             self.land(f"state:{part.state_pool.kind}", "staged", part.nbytes, 1)
         for i, (pool, sl) in enumerate(part.pools):
             n = len(part.src_pages)
-            nbytes = staged_bytes(pool, sl, n) if part.layers is None else \
-                len(part.layers.get(pool.role, ())) * len(pool.components) * n * sl.packed_bytes
-            self.land(pool.role.value, "staged", nbytes, int(i == 0))
+            layers = None if part.layers is None else len(part.layers.get(pool.role, ()))
+            self.land(pool.role.value, "staged", staged_bytes(pool, sl, n, layers), int(i == 0))
         self.counter.add_part()
 
     # --- decode -------------------------------------------------------------------------
-
-    def pages(self, assignments, path: str, num_pages: int, descriptors: int = 0) -> None:
-        """``num_pages`` of the pools a prefill rank sends (``assignments``) landed by ``path``."""
-        for a in assignments:
-            if a.send and num_pages > 0:
-                pool = self.rank.pool(a.role)
-                self.land(a.role.value, path,
-                          staged_bytes(pool, page_slice(pool, a.dst_head_offset, a.num_heads), num_pages), descriptors)
-                descriptors = 0  # a staged part is one descriptor, under its first pool
 
     def staged(self, p: int, assignments, num_pages: int, layers=None) -> None:
         """A staged part from prefill rank ``p`` was scattered: ``num_pages``
         of the pools it sends (``assignments``), or of only ``layers`` of
         them (each pool's, by role: a layer group's share)."""
         descriptors = 1  # a staged part is one descriptor, under its first pool
-        for a in assignments:
+        for a in (a for a in assignments if a.send):
             pool = self.rank.pool(a.role)
             n = pool.num_layers if layers is None else len(layers.get(a.role, ()))
-            if a.send and n and num_pages > 0:
+            if n and num_pages > 0:
                 self.staged_layers[(p, a.role)] = self.staged_layers.get((p, a.role), 0) + num_pages * n
-                self.land(a.role.value, "staged", num_pages * n * _layer_page_bytes(pool, a), descriptors)
+                self.land(a.role.value, "staged", staged_bytes(pool, _dst_slice(pool, a), num_pages, n), descriptors)
                 descriptors = 0
         self.counter.add_part()
 
     def rank_done(self, p: int, assignments, num_pages: int, with_aux: bool) -> None:
         """Prefill rank ``p`` reported its part done: ``num_pages`` were asked
         of it; what it did not stage it wrote directly."""
-        for a in assignments:
+        for a in (a for a in assignments if a.send):
             pool = self.rank.pool(a.role)
             direct = num_pages * pool.num_layers - self.staged_layers.get((p, a.role), 0)
-            if a.send and direct > 0:
-                self.land(a.role.value, "direct", direct * _layer_page_bytes(pool, a))
+            if direct > 0:
+                self.land(a.role.value, "direct", staged_bytes(pool, _dst_slice(pool, a), direct, 1))
         if with_aux and self.rank.aux:
             self.land("aux", "direct", sum(a.slot_bytes for a in self.rank.aux))
         self.counter.landed()
@@ -105,6 +95,6 @@ class RoomCounts:
             self.land("aux", "storage", sum(a.slot_bytes for a in self.rank.aux))
 
 
-def _layer_page_bytes(pool, a) -> int:
-    """Bytes of one layer of one page of ``pool`` that assignment ``a`` sends."""
-    return staged_bytes(pool, page_slice(pool, a.dst_head_offset, a.num_heads), 1) // pool.num_layers
+def _dst_slice(pool, a):
+    """What assignment ``a`` sends of each page of this (decode) rank's ``pool``."""
+    return page_slice(pool, a.dst_head_offset, a.num_heads)

@@ -219,8 +219,8 @@ def scatter_part(ctx: RoomContext, dst_pages: np.ndarray, msg: ChunkStaged, offs
     for a in assignments:
         if a.send:
             pool = ctx.rank.pool(a.role)
-            whole = staged_bytes(pool, page_slice(pool, a.dst_head_offset, a.num_heads), msg.num_pages)
-            expected += whole // pool.num_layers * len(layers.get(a.role, ())) if packed else whole
+            expected += staged_bytes(pool, page_slice(pool, a.dst_head_offset, a.num_heads), msg.num_pages,
+                                     len(layers.get(a.role, ())) if packed else None)
     if expected != msg.nbytes:
         raise ValueError(f"staged part of {msg.nbytes} bytes, but {msg.num_pages} pages of the requested pools "
                          f"take {expected}" + (f" (layers {list(msg.layers)[:8]})" if packed else ""))
