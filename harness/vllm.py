@@ -175,14 +175,22 @@ def failure_report() -> list[tuple[str, str]]:
     """For a failed test's report: (title, text) of each server started and
     neither closed nor killed, its log's tail where its process has exited
     (a crash, which the test itself saw only as a refused connection),
-    else kvferry's last lines in it."""
+    else kvferry's last lines in it, and its last error lines (a server of
+    another connector, a reference pair, logs no kvferry lines: an HTTP 500
+    from it said nothing in CI)."""
     out = []
     for server in sorted(_RUNNING, key=lambda s: s.spec.name):
         if server.proc.poll() is not None:
             out.append((f"{server.spec.name}: exited with {server.proc.returncode}", server.log_tail(12_000)))
-        elif lines := server.kvferry_lines().splitlines()[-20:]:
+            continue
+        if lines := server.kvferry_lines().splitlines()[-20:]:
             out.append((f"{server.spec.name}: kvferry's last lines", "\n".join(lines)))
+        if lines := server.error_lines().splitlines()[-30:]:
+            out.append((f"{server.spec.name}: its last error lines", "\n".join(lines)))
     return out
+
+
+_ERROR = re.compile(r"\b(ERROR|CRITICAL|Traceback|Error|Exception|failed|failure)\b")
 
 
 class ServerProcess:
@@ -228,6 +236,15 @@ class ServerProcess:
         """kvferry's own lines in the server's log (rooms failed, requests failed)."""
         return "\n".join(line for line in self.log_tail(10_000_000).splitlines()
                          if "kvferry" in line and "kv_connector_extra_config" not in line)
+
+    def error_lines(self) -> str:
+        """The log's lines that report an error (levels ERROR and CRITICAL,
+        tracebacks and their exception lines, failures), with the line after
+        each (a traceback's frames and a log record's continuation)."""
+        lines = self.log_tail(10_000_000).splitlines()
+        keep = sorted({j for i, line in enumerate(lines) if _ERROR.search(line) for j in (i, i + 1)
+                       if j < len(lines)})
+        return "\n".join(lines[j] for j in keep)
 
     def kill(self) -> None:
         """SIGKILL the whole process group at once (a crash, for fault tests)."""
@@ -313,8 +330,12 @@ class VLLMServer(ServerProcess):
 def post(url: str, body: dict, timeout_s: float = 120.0) -> dict:
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout_s) as r:
-        return json.loads(r.read())
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as exc:  # the server's answer says what failed: in the message
+        said = exc.read()[:600].decode(errors="replace")
+        raise urllib.error.HTTPError(exc.url, exc.code, f"{exc.msg}: {said}", exc.hdrs, None) from exc
 
 
 def _body(model: str, prompt: list[int], max_tokens: int, kv_params: dict | None) -> dict:

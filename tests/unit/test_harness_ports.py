@@ -7,6 +7,7 @@ taken in CI) and that Mooncake's engines do not pick from."""
 
 import socket
 import sys
+import time
 
 from harness import ports
 from harness.vllm import ServerProcess, failure_report
@@ -55,3 +56,21 @@ def test_a_failed_tests_report_shows_a_crashed_servers_log_and_not_a_closed_ones
     finally:
         crashed.close()
     assert not any(title.startswith("crashed") for title, _ in failure_report())
+
+
+def test_a_failed_tests_report_shows_a_live_servers_error_lines_with_the_line_after(tmp_path):
+    code = ("import sys, time\n"
+            "print('INFO serving', flush=True)\n"
+            "print('ERROR handshake_failed: timed out', flush=True)\n"
+            "print('  frame after it', flush=True)\n"
+            "print('INFO fine again', flush=True)\n"
+            "time.sleep(60)\n")
+    live = _Proc(tmp_path, "live", code)
+    try:
+        deadline = time.monotonic() + 30
+        while "fine again" not in live.log_tail() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        report = dict(failure_report())
+        assert report["live: its last error lines"] == "ERROR handshake_failed: timed out\n  frame after it"
+    finally:
+        live.close()

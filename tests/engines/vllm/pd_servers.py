@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import re
 import time
+import warnings
 
 from harness.vllm import ServerSpec, VLLMServer, free_port, warm_up
 
@@ -53,12 +54,24 @@ def nixl_pair(model: str, root: str) -> dict[str, VLLMServer]:
 
 @contextlib.contextmanager
 def running(servers: dict[str, VLLMServer], model: str, timeout_s: float = 300):
-    """``servers`` once all serve, the kvferry pair warmed up
-    (``harness.vllm.warm_up``, its outcome printed); closed at the end."""
+    """``servers`` once all serve, the kvferry pair and a NixlConnector pair
+    warmed up (``harness.vllm.warm_up``, its outcome printed); closed at the
+    end. The reference pair's first request, too, makes its connector's first
+    handshake (a ZMQ query with a 5 s receive timeout in vLLM's NixlConnector,
+    then a UCX connection): once in CI that request got HTTP 500 from
+    NixlConnector's decode where it never did here, under load neither. A
+    failed warm-up is a warning in the run's summary, with the decode's error
+    lines, so that a cause seen in CI is kept."""
     try:
         for server in servers.values():
             server.wait_ready(timeout_s)
-        print(f"warm-up request: {warm_up(servers['prefill'], servers['decode'], model)}")
+        for prefill, decode in (("prefill", "decode"), ("nixl-prefill", "nixl-decode")):
+            if prefill in servers:
+                outcome = warm_up(servers[prefill], servers[decode], model)
+                print(f"warm-up request ({prefill} -> {decode}): {outcome}")
+                if outcome != "ok":
+                    warnings.warn(f"{prefill} -> {decode} warm-up {outcome}; {decode}'s error lines:\n"
+                                  f"{servers[decode].error_lines()[-3000:]}", stacklevel=1)
         yield servers
     finally:
         for server in servers.values():
