@@ -9,6 +9,12 @@ after another from the moment its decode request arrived, and
 - ``layerwise``: each of :data:`GROUPS` layer groups is sent (``send(...,
   layers=...)``) as soon as its last layer is done.
 
+``--handover launch`` hands every send over when the forward starts instead,
+each with a ready event that completes when its layers are due, as an engine
+on a GPU launches the layers and records an event per group (vLLM's
+``save_kv_layer``); the exposed transfer then counts from the last event's
+completion.
+
 Schedulers idle (each side's loop waits for kvferry's progress) or busy
 (``--sched busy``: every round of both loops is :data:`BUSY_STEP_S` of
 pure-Python work, an engine step holding the interpreter lock, as in the
@@ -66,7 +72,7 @@ def layer_s(model: str, tokens: int, requests: int = 1) -> float:
 
 
 def run_cell(model: str, tokens: int, concurrency: int, mode: str, transport: str, fence: bool,
-             rooms: int, sched: str = "idle") -> dict:
+             rooms: int, sched: str = "idle", handover: str = "due") -> dict:
     pool = MODELS[model][0]
     pages = -(-tokens // PAGE)
     per_layer = layer_s(model, tokens, concurrency)  # a batch of `concurrency` prompts computes together
@@ -75,7 +81,7 @@ def run_cell(model: str, tokens: int, concurrency: int, mode: str, transport: st
                 prefill_pages=pages * concurrency + 8, decode_pages=pages * concurrency + 8,
                 page_placement="contiguous", layer_groups=GROUPS if mode == "layerwise" else 0,
                 forward_layer_s=per_layer, fill="constant", verify=False, warmup_rooms=1, timeout_s=120,
-                busy_step_s=BUSY_STEP_S if sched == "busy" else 0.0)
+                busy_step_s=BUSY_STEP_S if sched == "busy" else 0.0, forward_handover=handover)
     # every prompt streams in layer-wise mode: the cells measure the mechanism, not layerwise_min_tokens' default
     env = {"KVFERRY_WRITE_FENCE": "1" if fence else "0", "KVFERRY_BACKEND": transport,
            "KVFERRY_LAYERWISE_MIN_TOKENS": "0"}
@@ -95,7 +101,7 @@ def run_cell(model: str, tokens: int, concurrency: int, mode: str, transport: st
     exposed = decode["exposed_ms"]
     forward_ms = per_layer * pool.num_layers * 1e3
     return {"model": model, "tokens": tokens, "concurrency": concurrency, "mode": mode, "transport": transport,
-            "fence": fence, "sched": sched, "forward_ms": round(forward_ms, 1), "exposed_p50_ms": round(statistics.median(exposed), 1),
+            "fence": fence, "sched": sched, "handover": handover, "forward_ms": round(forward_ms, 1), "exposed_p50_ms": round(statistics.median(exposed), 1),
             "exposed_max_ms": round(max(exposed), 1), "ttft_ms": round(forward_ms + statistics.median(exposed), 1),
             "gib": round(tokens * pool_bytes_per_token(pool) / 2**30, 3), "rooms": len(exposed)}
 
@@ -116,6 +122,7 @@ def main(argv=None) -> int:
     ap.add_argument("--fence", default="off,on")
     ap.add_argument("--sched", default="idle", help="idle, busy, or both: idle,busy")
     ap.add_argument("--cells", default="", help="model:tokens:concurrent,... (default: all of CELLS)")
+    ap.add_argument("--handover", default="due", help="due, launch, or both: due,launch (see the module docstring)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     cells = CELLS if not args.cells else \
@@ -125,18 +132,20 @@ def main(argv=None) -> int:
         for transport in args.transports.split(","):
             for fence in args.fence.split(","):
                 for sched in args.sched.split(","):
-                    for mode in ("whole", "layerwise"):  # alternating, same cell back to back
-                        row = run_cell(model, tokens, conc, mode, transport, fence == "on", args.rooms, sched)
-                        row["load"] = round(os.getloadavg()[0], 1)
-                        rows.append(row)
-                        print(json.dumps(row), flush=True)
-    print("\n| model | tokens | concurrent | transport | fence | scheduler | forward ms (modelled) | "
+                    for handover in args.handover.split(","):
+                        for mode in ("whole", "layerwise"):  # alternating, same cell back to back
+                            row = run_cell(model, tokens, conc, mode, transport, fence == "on", args.rooms, sched,
+                                           handover)
+                            row["load"] = round(os.getloadavg()[0], 1)
+                            rows.append(row)
+                            print(json.dumps(row), flush=True)
+    print("\n| model | tokens | concurrent | transport | fence | scheduler | handover | forward ms (modelled) | "
           "exposed p50 ms whole | layer-wise | cut | TTFT ms whole | layer-wise |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for whole, lw in zip(rows[::2], rows[1::2]):
         cut = 1 - lw["exposed_p50_ms"] / whole["exposed_p50_ms"] if whole["exposed_p50_ms"] else 0.0
         print(f"| {whole['model']} | {whole['tokens']} | {whole['concurrency']} | {whole['transport']} | "
-              f"{'on' if whole['fence'] else 'off'} | {whole['sched']} | {whole['forward_ms']} | "
+              f"{'on' if whole['fence'] else 'off'} | {whole['sched']} | {whole['handover']} | {whole['forward_ms']} | "
               f"{whole['exposed_p50_ms']} | {lw['exposed_p50_ms']} | {cut:.0%} | {whole['ttft_ms']} | {lw['ttft_ms']} |")
     if args.out:
         with open(args.out, "w") as f:

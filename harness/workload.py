@@ -77,6 +77,10 @@ class Spec:
     #: one after another from the moment its decode request arrived, each taking this long (a wait: on a GPU
     #: it costs the CPU nothing), and each layer group is sent when its last layer is done (whole: at the end)
     forward_layer_s: float = 0.0
+    #: how the modelled forward hands its groups over: "due" (send() when a group's layers are done) or
+    #: "launch" (every group at the forward's start, each with a ready event that completes when it is due,
+    #: as an engine on a GPU launches the layers and records an event per group)
+    forward_handover: str = "due"
     page_placement: str = "scattered"  # or "contiguous"
     seed: int = 1234
     timeout_s: float = 120.0
@@ -212,6 +216,10 @@ def _forward_sends(spec: Spec, sender, chunks: list, total_layers: int) -> float
             schedule.append((started + done * spec.forward_layer_s, layers))
         chunks.append(schedule)
     schedule = chunks[4]
+    if spec.forward_handover == "launch":
+        for due, layers in schedule:
+            sender.send(pages, last=True, layers=layers, ready=DueEvent(due))
+        schedule.clear()
     while schedule and time.monotonic() >= schedule[0][0]:
         _, layers = schedule.pop(0)
         sender.send(pages, last=True, layers=layers)  # one chunk per room: every group is of the last chunk
@@ -219,6 +227,16 @@ def _forward_sends(spec: Spec, sender, chunks: list, total_layers: int) -> float
         return schedule[0][0]
     sizes.clear()
     return None
+
+
+class DueEvent:
+    """A modelled device event: complete from ``due`` (``time.monotonic()``) on."""
+
+    def __init__(self, due: float) -> None:
+        self.due = due
+
+    def query(self) -> bool:
+        return time.monotonic() >= self.due
 
 
 def split_layers(total: int, groups: int) -> list[list[int]]:

@@ -147,9 +147,10 @@ class RoomStatus:
     scheduler cancelled the request (decode does not restore it from storage).
     ``aux_row``: for a fenced decode rank (nothing of its memory but staging
     is writable), the aux row itself, which decode copies into the room's slot.
-    ``exposed_s``: with a success, the seconds from the rank's last ``send()``
-    (the end of its forward pass) to this status (every write landed); decode
-    adds its own time to Success: the room's exposed transfer time."""
+    ``exposed_s``: with a success, the seconds from the end of the rank's
+    forward pass (its last ``send()``, or that call's ready event completing)
+    to this status (every write landed); decode adds its own time to
+    Success: the room's exposed transfer time."""
 
     room: int
     request_id: int

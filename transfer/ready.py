@@ -9,8 +9,9 @@ write), or any object with ``query() -> bool`` (complete?) and/or
 synchronised (CPU pools, or a scheduler that synchronised its stream).
 
 Nothing waits on the scheduler's thread: the transport worker polls
-``query()`` between rounds, staged parts ask decode for staging only once
-the event completed (a :class:`ReadyWaiter` polls it), and the storage
+``query()`` between rounds, staged parts gather and write only once the
+event completed (a :class:`ReadyWaiter` polls it; a part may ask decode
+for its region before, :mod:`transfer.rooms.staged_prefill`), and the storage
 worker waits on its own thread, each for at most ``timeout_s`` after
 ``send()``; past it the chunk fails with
 :class:`~bootstrap.errors.KVTimeoutError`.
@@ -55,6 +56,9 @@ class ReadyGate:
         self.event, self.where, self.timeout_s = event, where, timeout_s
         self.deadline = time.monotonic() + timeout_s
         self._done = False
+        #: when a poll first found the event complete (None: not yet); the end of the producer's work
+        #: as kvferry saw it, to within its threads' polling (the exposed transfer time counts from it)
+        self.done_at: float | None = None
 
     def done(self) -> bool:
         """Whether the pages may be read now (never blocks for an event with
@@ -67,6 +71,8 @@ class ReadyGate:
             self._done = True
         else:
             self._done = bool(query())
+        if self._done:
+            self.done_at = time.monotonic()
         if not self._done and time.monotonic() > self.deadline:
             raise KVTimeoutError(f"{self.where}: the ready event of send() did not complete within "
                                  f"{self.timeout_s:g} s")

@@ -287,12 +287,14 @@ def test_agent_kills_its_children_when_the_prefill_side_goes_away():
         _stop(agent)
 
 
-@pytest.mark.parametrize("mode", ["whole", "layerwise"])
-def test_the_layerwise_benchmark_runs_a_cell_and_measures_the_exposed_transfer(mode):
+@pytest.mark.parametrize("mode,handover", [("whole", "due"), ("layerwise", "due"), ("layerwise", "launch")])
+def test_the_layerwise_benchmark_runs_a_cell_and_measures_the_exposed_transfer(mode, handover):
     """benchmarks.layerwise: a modelled forward, real processes and engine;
     every room ends and decode reports an exposed transfer time per room
-    (how long is the benchmark's business, not this test's)."""
+    (how long is the benchmark's business, not this test's); ``launch``:
+    the groups handed over at the forward's start with events."""
     from benchmarks.layerwise import run_cell
 
-    row = run_cell("llama8b", 1024, 1, mode, "mooncake", False, 1)
+    row = run_cell("llama8b", 1024, 1, mode, "mooncake", False, 1, handover=handover)
     assert row["rooms"] == 1 and row["exposed_p50_ms"] >= 0 and row["forward_ms"] > 0, row
+    assert row["handover"] == handover

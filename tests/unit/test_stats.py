@@ -213,3 +213,27 @@ def test_exposed_transfer_time_runs_from_prefills_last_send_to_decodes_success(c
     totals = decode.mgr.stats()
     assert totals.exposed_transfer_seconds.num == 1 and totals.exposed_transfer_seconds.total == pytest.approx(
         d.exposed_transfer_s)
+
+
+def test_with_a_ready_event_the_exposed_transfer_time_runs_from_its_completion(cluster):
+    """An engine on a GPU calls send() as it launches the forward and passes
+    an event: the forward ends when the event completes (0.5 s after the
+    call here), and the exposed transfer time counts from there, not from
+    the call."""
+    from ._fakecuda import FakeEvent
+
+    prefill, decode = cluster.rank(Role.PREFILL), cluster.rank(Role.DECODE)
+    rng = np.random.default_rng(32)
+    src, dst = random_pages(rng, 8), random_pages(rng, 8)
+    receiver = KVReceiver(decode.mgr, prefill.mgr.config.bootstrap_addr, 53)
+    receiver.init(dst, 2)
+    sender = KVSender(prefill.mgr, None, 53)
+    wait_until(prefill.mgr, lambda: sender.poll() is KVPoll.WaitingForInput)
+    sender.init(len(src), 1)
+    event = FakeEvent()
+    sender.send(src, last=True, ready=event)
+    time.sleep(0.5)  # the forward runs on the device
+    event.complete()
+    wait_until(decode.mgr, lambda: receiver.poll() is KVPoll.Success, what="decode success")
+    d = receiver.stats()
+    assert d.exposed_transfer_s is not None and 0 < d.exposed_transfer_s < 0.3, d

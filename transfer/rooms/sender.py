@@ -55,6 +55,7 @@ class KVSender:
         self._groups: ChunkGroups | None = None  # the chunk whose layer groups are being sent (layer-wise)
         self._num_inflight = 0
         self._last_send_at: float | None = None  # the last send() call (the end of the scheduler's forward)
+        self._last_gate = None  # its ready gate: with an event, the forward ends when the event completes
         self._next_part = 0
         self._jobs: list = []  # transport handles, cancelled if the room fails
         self._parts: list = []  # staged parts (transfer.rooms.staged_prefill.StagedPart), for progress()
@@ -136,7 +137,7 @@ class KVSender:
             if layers is not None:
                 self._send_group(pages, last, gate, states, layers)
                 return
-            self._last_send_at = time.monotonic()
+            self._last_send_at, self._last_gate = time.monotonic(), gate
             plan = self._plan(Chunk(pages, self._offset, last, self._next_part), states)
             if plan is not None:
                 self._submit(plan, pages, last, gate, complete=True)
@@ -168,7 +169,7 @@ class KVSender:
         groups = self._groups
         groups.states = states or groups.states  # state items go with the completing group of the last chunk
         states = groups.states
-        self._last_send_at = time.monotonic()
+        self._last_send_at, self._last_gate = time.monotonic(), gate
         complete = groups.complete
         if not groups.deferred:
             chunk = Chunk(pages, self._offset, last and complete, self._next_part, layers=by_pool(wanted, spans))
@@ -422,8 +423,17 @@ class KVSender:
                 self.fail(RequestError(f"{self._state.where}: decode rank {req.decode_tp_rank} allocated "
                                       f"{len(req.dst_pages) // 4} pages, this request has {self._num_pages}"))
 
+    def _forward_end(self) -> float:
+        """When the scheduler's forward ended as this rank saw it: its last
+        ``send()`` call, or, when that call passed a ready event, the event's
+        completion (an engine on a GPU calls ``send()`` as it launches the
+        work, before the work is done)."""
+        gate = self._last_gate
+        done_at = gate.done_at if gate is not None else None
+        return self._last_send_at if done_at is None else max(self._last_send_at, done_at)
+
     def _notify(self, status: Status, reason: str) -> None:
-        exposed = time.monotonic() - self._last_send_at \
+        exposed = time.monotonic() - self._forward_end() \
             if status is Status.SUCCESS and self._last_send_at is not None else 0.0
         for req in self._requests:
             sent = tuple(a.role for a in req.assignments if a.send)
