@@ -284,3 +284,25 @@ def test_an_event_that_fails_after_its_parts_were_granted_fails_the_room_and_fre
     wait_until(decode.mgr, lambda: area.free_bytes == area.nbytes, what="every region free")
     assert decode.page_bytes(dst) == [bytes(len(b)) for b in decode.page_bytes(dst)]
     assert area.num_retired == 0  # prefill confirmed it stopped writing: freed, not poisoned
+
+
+def test_an_abort_while_early_parts_wait_for_their_event_frees_both_sides_staging_at_once(cluster):
+    """The scheduler drops the request while its gathered parts hold regions
+    granted early (their event still pending): both
+    sides fail at once, and prefill's local regions and decode's are free,
+    not when the event's deadline passes (10 s)."""
+    prefill = cluster.rank(Role.PREFILL, **{**EARLY_PREFILL, **GATHERED})
+    decode = cluster.rank(Role.DECODE, **EARLY_DECODE)
+    rng = np.random.default_rng(19)
+    src, dst = random_pages(rng, 40), random_pages(rng, 40)
+    area, local = decode.mgr.context.staging.area, prefill.mgr.context.staging.area
+    sender, receiver = _start_room(prefill, decode, 54, src, dst)
+    sender.send(src, last=True, ready=FakeEvent())
+    wait_until(decode.mgr, lambda: _in_use(area) == area.nbytes // 4, what="the early parts' regions granted")
+    assert _in_use(local) > 0  # the gathered parts hold their local regions
+    sender.abort("the scheduler dropped the request mid-forward")
+    # decode learns at once that nothing more is written (the parts not asked yet are dropped too)
+    wait_until(decode.mgr, lambda: terminal(sender, receiver), timeout_s=5, what="room terminal")
+    assert (sender.poll(), receiver.poll()) == (KVPoll.Failed, KVPoll.Failed)
+    wait_until(prefill.mgr, lambda: local.free_bytes == local.nbytes, timeout_s=5, what="prefill's regions free")
+    wait_until(decode.mgr, lambda: area.free_bytes == area.nbytes, timeout_s=5, what="decode's regions free")

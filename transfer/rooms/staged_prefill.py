@@ -80,7 +80,7 @@ class StagedSender(Protocol):
         """A part's write landed (for the room's stats; before ``on_chunk_done``)."""
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: parts are found in lists
 class StagedPart:
     """A planned part (``spec``) of ``sender``'s room on its way: its local
     region once it has one (-1: none), and the producer's ``ready`` gate (a
@@ -118,6 +118,8 @@ class PrefillStaging:
         self._granting: dict[tuple[int, int, int], StagedPart] = {}
         #: decode session -> bytes of its staging asked for by parts not ready yet ("": of the local staging)
         self._early: dict[str, int] = {}
+        self._parked: list[StagedPart] = []  # granted, waiting for their gate
+        self._gated: list[StagedPart] = []  # not asked, waiting for their gate
 
     def submit(self, sender: StagedSender, specs, ready=None) -> list[StagedPart]:
         """Queue the planned parts of one of ``sender``'s chunks; with
@@ -129,6 +131,7 @@ class PrefillStaging:
         if ready is not None and not ready.done():
             with self.ctx.lock:
                 early = [part for part in parts if self._ask_early(part)]
+                self._gated += [part for part in parts if not part.unready]
             self._waiter.when_ready(ready, lambda error: self._ready(parts, error))
             if early:
                 self._queue(early)
@@ -195,11 +198,16 @@ class PrefillStaging:
             for part in parts:
                 early = part.unready
                 self._now_ready(part)
+                if part in self._gated:
+                    self._gated.remove(part)
+                if part.stage == "ended":
+                    continue  # its sender failed meanwhile (release)
                 if error is not None:
                     ended.append(part)
                 elif not early:
                     queue.append(part)
-                elif part.grant >= 0:
+                elif part.stage == "granted":
+                    self._parked.remove(part)
                     write.append(part)
                 # else: an early part still waiting for local staging or its grant goes on from there
             if queue:
@@ -220,6 +228,8 @@ class PrefillStaging:
             key = (part.sender.room, part.spec.req.request_id, part.spec.part)
             if self._granting.get(key) is part:
                 del self._granting[key]
+            if part in self._parked:
+                self._parked.remove(part)
         self._finish(part, error)
 
     def pump(self) -> None:
@@ -261,6 +271,7 @@ class PrefillStaging:
             if part is not None and part.unready:  # written once its gate passes (_ready)
                 part.grant = grant.offset
                 part.move("granted")
+                self._parked.append(part)
                 return
         if part is not None:
             self._write(part, grant.offset)
@@ -313,13 +324,23 @@ class PrefillStaging:
 
     def release(self, sender) -> None:
         """A sender failed: free the local regions of its parts still waiting
-        for a grant (no write reads them yet; parts being written free
-        theirs when the write ends), and drop its parts not started."""
+        for a grant or, granted early, for their gate (no write reads them
+        yet; parts being written free theirs when the write ends), and drop
+        its parts not started, those still waiting for their gate too (so
+        decode learns at once that nothing more is written, not when the
+        event completes)."""
         with self.ctx.lock:
             stale = [k for k, p in self._granting.items() if p.sender is sender]
             for key in stale:
                 part = self._granting.pop(key)
                 self._finish(part, None)
+            for part in [p for p in self._parked if p.sender is sender]:
+                self._parked.remove(part)
+                self._finish(part, None)
+            for part in [p for p in self._gated if p.sender is sender]:  # never read now: done
+                self._gated.remove(part)
+                part.move("ended")
+                sender.on_chunk_done(None)
             waiting = [p for p in self._waiting if p.sender is sender]
             for part in waiting:
                 self._waiting.remove(part)
