@@ -93,6 +93,26 @@ def rank_digests(server: VLLMServer, side: str) -> dict[int, list[list[str]]]:
     return out
 
 
+def logged(server: VLLMServer, side: str, rooms, ranks: int = 1, timeout_s: float = 30.0) -> None:
+    """Wait (bounded) until ``side``'s ``ranks`` ranks logged their digest of
+    each of ``rooms``. Prefill logs a room's digest when its engine reports
+    the room sent, at the engine's next step after the room ended, which can
+    come after decode answered the request (CI: the last room of a run was
+    missing from prefill's log when the test read it); decode logs before it
+    computes, so before it answers."""
+    rooms = set(rooms)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = rank_digests(server, side)
+        missing = sorted(r for r in rooms if len(found.get(r, [])) < ranks)
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{server.spec.name} logged no {side} digest of room(s) {missing} "
+                                 f"({ranks} rank(s) each) within {timeout_s:g} s")
+        time.sleep(0.2)
+
+
 def digests(server: VLLMServer, side: str) -> dict[int, list[str]]:
     """room -> the block digests ``side`` (one rank) logged for it."""
     return {room: ranks[-1] for room, ranks in rank_digests(server, side).items()}

@@ -27,7 +27,7 @@ pytest.importorskip("vllm")
 
 from harness.vllm import (SLIDING_WINDOW, VOCAB, ServerSpec, VLLMServer, build_tiny_sliding_model,  # noqa: E402
                           complete, free_port, pd_complete)
-from tests.engines.vllm.pd_servers import (digests, group_digests, kvferry_pair, prompt_sources_since,  # noqa: E402
+from tests.engines.vllm.pd_servers import (digests, group_digests, kvferry_pair, logged, prompt_sources_since,  # noqa: E402
                                            running)
 
 MAX_TOKENS = 8
@@ -65,6 +65,7 @@ def test_sliding_window_groups_move_page_exact_and_decode_tokens_equal_a_single_
     delta = prompt_sources_since(decode, before)
     assert delta.get("external_kv_transfer") == sum(LENGTHS), (delta, decode.kvferry_lines())
     assert delta.get("local_compute", 0) == 0, delta
+    logged(prefill, "prefill", [room for _, room in rooms])
     sent, landed = digests(prefill, "prefill"), digests(decode, "decode")
     sent_w, landed_w = group_digests(prefill, "prefill"), group_digests(decode, "decode")
     groups = sorted({g for _, g in landed_w})

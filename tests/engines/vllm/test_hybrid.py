@@ -33,7 +33,7 @@ pytest.importorskip("vllm")
 
 from harness.vllm import (VOCAB, ServerSpec, VLLMServer, _body, build_tiny_gdn_model, complete,  # noqa: E402
                           free_port, pd_complete, post)
-from tests.engines.vllm.pd_servers import (digests, group_digests, kvferry_pair, nixl_pair,  # noqa: E402
+from tests.engines.vllm.pd_servers import (digests, group_digests, kvferry_pair, logged, nixl_pair,  # noqa: E402
                                            prompt_sources_since, running)
 
 MAX_TOKENS = 8
@@ -69,6 +69,7 @@ def test_gdn_state_and_attention_pages_move_byte_exact_and_decode_tokens_equal_a
     delta = prompt_sources_since(decode, before)
     assert delta.get("external_kv_transfer") == sum(LENGTHS) - len(LENGTHS), (delta, decode.kvferry_lines())
     assert delta.get("local_compute") == len(LENGTHS), delta  # each prompt's last token, from the moved state
+    logged(prefill, "prefill", [room for _, room in rooms])
     sent, landed = digests(prefill, "prefill"), digests(decode, "decode")
     sent_s, landed_s = group_digests(prefill, "prefill"), group_digests(decode, "decode")
     groups = sorted({g for _, g in landed_s})

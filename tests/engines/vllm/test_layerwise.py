@@ -30,7 +30,7 @@ pytest.importorskip("vllm")
 
 from harness.vllm import (VOCAB, ServerSpec, VLLMServer, _body, build_tiny_model, complete, free_port,  # noqa: E402
                           pd_complete, post, tokens_of)
-from tests.engines.vllm.pd_servers import (digests, kvferry_pair, prompt_sources_since, running,  # noqa: E402
+from tests.engines.vllm.pd_servers import (digests, kvferry_pair, logged, prompt_sources_since, running,  # noqa: E402
                                            settled_metric)
 
 MAX_TOKENS = 8
@@ -61,6 +61,7 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 
 def _check_blocks(prefill: VLLMServer, decode: VLLMServer, rooms: list[int]) -> None:
+    logged(prefill, "prefill", rooms)
     sent, landed = digests(prefill, "prefill"), digests(decode, "decode")
     for room in rooms:
         assert room in sent and room in landed, (room, sorted(sent), sorted(landed))

@@ -26,7 +26,7 @@ pytest.importorskip("vllm")
 
 from harness.vllm import (VOCAB, ServerSpec, VLLMServer, build_tiny_mla_model, complete, free_port,  # noqa: E402
                           pd_complete)
-from tests.engines.vllm.pd_servers import (digests, kvferry_pair, nixl_pair, prompt_sources_since,  # noqa: E402
+from tests.engines.vllm.pd_servers import (digests, kvferry_pair, logged, nixl_pair, prompt_sources_since,  # noqa: E402
                                            running)
 
 MAX_TOKENS = 8
@@ -70,6 +70,7 @@ def test_mla_moves_every_prompt_token_page_exact_and_decode_tokens_equal_vllms_o
     delta = prompt_sources_since(decode, before)
     assert delta.get("external_kv_transfer") == sum(LENGTHS), (delta, decode.kvferry_lines())
     assert delta.get("local_compute", 0) == 0, delta
+    logged(prefill, "prefill", [room for _, room in rooms])
     sent, landed = digests(prefill, "prefill"), digests(decode, "decode")
     for n, room in rooms:
         assert room in sent and room in landed, (room, sorted(sent), sorted(landed))

@@ -34,7 +34,7 @@ pytest.importorskip("vllm")
 
 from harness.vllm import (VOCAB, ServerSpec, VLLMServer, build_tiny_mla_model, complete, free_port,  # noqa: E402
                           pd_complete)
-from tests.engines.vllm.pd_servers import kvferry_pair, prompt_sources_since, rank_digests, running  # noqa: E402
+from tests.engines.vllm.pd_servers import kvferry_pair, logged, prompt_sources_since, rank_digests, running  # noqa: E402
 from tests.engines.vllm.test_mla import MLA_BLOCK, MLA_BLOCK_BYTES, MODEL_NAME, NODE  # noqa: E402
 from tests.engines.vllm.test_pd import stats_of  # noqa: E402
 
@@ -71,6 +71,7 @@ def test_mla_from_prefill_tp2_to_decode_tp1_is_sent_once_byte_exact(tp2):
     delta = prompt_sources_since(decode, before)
     assert delta.get("external_kv_transfer") == sum(LENGTHS), (delta, decode.kvferry_lines())
     assert delta.get("local_compute", 0) == 0, delta
+    logged(prefill, "prefill", [room for _, room in rooms], ranks=2)
     sent, landed = rank_digests(prefill, "prefill"), rank_digests(decode, "decode")
     for n, room in rooms:
         assert len(sent.get(room, [])) == 2, f"{n} tokens: {len(sent.get(room, []))} prefill ranks ended the room"

@@ -28,7 +28,7 @@ pytest.importorskip("vllm")
 from harness.vllm import VOCAB, ServerSpec, VLLMServer, build_tiny_model, complete, free_port, pd_complete  # noqa: E402
 from bootstrap.client import BootstrapClient  # noqa: E402
 from bootstrap.messages import PoolRole  # noqa: E402
-from tests.engines.vllm.pd_servers import digests, kvferry_pair, prompt_sources_since, running  # noqa: E402
+from tests.engines.vllm.pd_servers import digests, kvferry_pair, logged, prompt_sources_since, running  # noqa: E402
 
 MAX_TOKENS = 8
 LENGTHS = (37, 257, 640, 1000)
@@ -69,6 +69,7 @@ def test_a_drafts_kv_moves_as_the_draft_pool_byte_exact_and_tokens_equal_a_singl
     delta = prompt_sources_since(decode, before)
     assert delta.get("external_kv_transfer") == sum(LENGTHS), (delta, decode.kvferry_lines())
     assert delta.get("local_compute", 0) == 0, delta
+    logged(prefill, "prefill", [room for _, room in rooms])
     sent, landed = digests(prefill, "prefill"), digests(decode, "decode")
     for n, room in rooms:
         assert room in sent and room in landed, (room, sorted(sent), sorted(landed))
