@@ -9,9 +9,8 @@ write), or any object with ``query() -> bool`` (complete?) and/or
 synchronised (CPU pools, or a scheduler that synchronised its stream).
 
 Nothing waits on the scheduler's thread: the transport worker polls
-``query()`` between rounds, staged parts gather and write only once the
-event completed (a :class:`ReadyWaiter` polls it; a part may ask decode
-for its region before, :mod:`transfer.rooms.staged_prefill`), and the storage
+``query()`` between rounds, staged parts ask decode for staging only once
+the event completed (a :class:`ReadyWaiter` polls it), and the storage
 worker waits on its own thread, each for at most ``timeout_s`` after
 ``send()``; past it the chunk fails with
 :class:`~bootstrap.errors.KVTimeoutError`.

@@ -23,17 +23,6 @@ to its layers' places in the part's slot of the room's region, or packed in
 a region of its own that it asks for. Its ChunkStaged names the group's
 layers, and decode scatters those while the forward pass goes on.
 
-A part whose producer's ``ready`` event has not completed yet asks for
-its region at once while its decode rank's staging has room for it: a
-quarter of decode's staging at most (one arena of a fenced rank's, which
-has up to four live) is asked for by parts not ready yet (per decode rank),
-and a quarter of the local staging at most is held by such parts that are
-gathered, so waiting forward passes cannot hold all of either. The grant is then kept until the
-event completes and the part is written at once: behind busy schedulers
-the request and its grant (a turn of each side's control thread, each
-waiting for the interpreter lock) overlap the compute instead of following
-it. Other parts ask once their event completed.
-
 A part's local region is freed when its write ended (or, for a room that
 failed, when no write reads it); a part of a failed room counts as done.
 """
@@ -94,12 +83,6 @@ class StagedPart:
     stage: str = "queued"
     since: float = field(default_factory=time.monotonic)
     handle: object = None  # the transport's handle of its write
-    #: its ``ready`` gate not passed yet (an early part: asked before it)
-    unready: bool = False
-    #: while ``unready``: (decode session, decode bytes, local bytes) it counts against the early quarters
-    early: tuple = ()
-    #: decode's region granted while ``unready`` (-1: none yet), written once ready
-    grant: int = -1
 
     def move(self, stage: str) -> None:
         self.stage, self.since = stage, time.monotonic()
@@ -116,10 +99,7 @@ class PrefillStaging:
         self._waiting: collections.deque[StagedPart] = collections.deque()
         self._waiter = ReadyWaiter("kvferry-ready")
         self._granting: dict[tuple[int, int, int], StagedPart] = {}
-        #: decode session -> bytes of its staging asked for by parts not ready yet ("": of the local staging)
-        self._early: dict[str, int] = {}
-        self._parked: list[StagedPart] = []  # granted, waiting for their gate
-        self._gated: list[StagedPart] = []  # not asked, waiting for their gate
+        self._gated: list[StagedPart] = []  # waiting for their ready gate
 
     def submit(self, sender: StagedSender, specs, ready=None) -> list[StagedPart]:
         """Queue the planned parts of one of ``sender``'s chunks; with
@@ -130,44 +110,11 @@ class PrefillStaging:
         parts = [StagedPart(sender, spec, ready) for spec in specs]
         if ready is not None and not ready.done():
             with self.ctx.lock:
-                early = [part for part in parts if self._ask_early(part)]
-                self._gated += [part for part in parts if not part.unready]
+                self._gated += parts
             self._waiter.when_ready(ready, lambda error: self._ready(parts, error))
-            if early:
-                self._queue(early)
             return parts
         self._queue(parts)
         return parts
-
-    def _ask_early(self, part: StagedPart) -> bool:
-        """Whether a part not ready yet asks for its region now (see the
-        module docstring); counts it against its decode rank's quarter
-        (under ``ctx.lock``)."""
-        spec = part.spec
-        session = spec.req.decode_session
-        peer = self.peers.get(session)
-        if spec.granted >= 0 or peer is None or peer.staging is None:
-            return False
-        local = 0 if spec.direct else spec.write_bytes  # a gathered part holds a local region meanwhile
-        if self._early.get(session, 0) + spec.region_bytes > min(peer.staging.arena_size, peer.staging.nbytes // 4) \
-                or (local and self._early.get("", 0) + local > self.ctx.staging.area.nbytes // 4):
-            return False  # (a fenced rank's quarter: one of its arenas)
-        part.unready, part.early = True, (session, spec.region_bytes, local)
-        for key, n in ((session, spec.region_bytes), ("", local)):
-            if n:
-                self._early[key] = self._early.get(key, 0) + n
-        return True
-
-    def _now_ready(self, part: StagedPart) -> None:
-        """An early part's gate passed (or failed): no longer counted (under ``ctx.lock``)."""
-        if part.unready:
-            session, remote, local = part.early
-            part.unready, part.early = False, ()
-            for key, n in ((session, remote), ("", local)):
-                if n:
-                    self._early[key] -= n
-                    if not self._early[key]:
-                        del self._early[key]
 
     def describe(self, part: StagedPart) -> str:
         """Where a part :meth:`submit` returned stands (for a failure's message; never blocks)."""
@@ -180,8 +127,6 @@ class PrefillStaging:
             return f"{what}: waiting {age} for its ready event or a local staging region"
         if part.stage == "asked":
             return f"{what}: asked decode for a staging region {age} ago, no grant yet"
-        if part.stage == "granted":
-            return f"{what}: granted a staging region {age} ago, waiting for its ready event"
         if part.stage == "writing" and part.handle is not None:
             return f"{what}: {self.ctx.transport.describe_job(part.handle)}"
         return f"{what}: {part.stage} {age} ago"
@@ -191,46 +136,18 @@ class PrefillStaging:
         self.pump()
 
     def _ready(self, parts: list[StagedPart], error) -> None:
-        """The parts' gate passed (``error`` None) or failed: queue the parts
-        not asked yet, write the early ones already granted; or end them all."""
-        write, queue, ended = [], [], []
+        """The parts' gate passed (``error`` None: queue them) or failed (end
+        them), but for those whose sender failed meanwhile (:meth:`release`)."""
         with self.ctx.lock:
+            parts = [part for part in parts if part in self._gated]
             for part in parts:
-                early = part.unready
-                self._now_ready(part)
-                if part in self._gated:
-                    self._gated.remove(part)
-                if part.stage == "ended":
-                    continue  # its sender failed meanwhile (release)
-                if error is not None:
-                    ended.append(part)
-                elif not early:
-                    queue.append(part)
-                elif part.stage == "granted":
-                    self._parked.remove(part)
-                    write.append(part)
-                # else: an early part still waiting for local staging or its grant goes on from there
-            if queue:
-                self._queue(queue)
-        for part in write:
-            self._write(part, part.grant)
-        for part in ended:
-            self._end_unready(part, TransferError(f"{part.sender.where}: staging part {part.spec.part}: {error}"))
-
-    def _end_unready(self, part: StagedPart, error) -> None:
-        """End a part whose gate failed, wherever it stands (an early part may
-        be queued, asked or granted; its decode region is the room's to free)."""
-        with self.ctx.lock:
-            if part.stage == "ended":
+                self._gated.remove(part)
+            if error is None:
+                self._queue(parts)
                 return
-            if part in self._waiting:
-                self._waiting.remove(part)
-            key = (part.sender.room, part.spec.req.request_id, part.spec.part)
-            if self._granting.get(key) is part:
-                del self._granting[key]
-            if part in self._parked:
-                self._parked.remove(part)
-        self._finish(part, error)
+        for part in parts:
+            part.move("ended")
+            part.sender.on_chunk_done(TransferError(f"{part.sender.where}: staging part {part.spec.part}: {error}"))
 
     def pump(self) -> None:
         """Give free local staging to waiting parts, in order, and ask decode
@@ -268,11 +185,6 @@ class PrefillStaging:
     def on_grant(self, grant: StageGrant) -> None:
         with self.ctx.lock:
             part = self._granting.pop((grant.room, grant.request_id, grant.part), None)
-            if part is not None and part.unready:  # written once its gate passes (_ready)
-                part.grant = grant.offset
-                part.move("granted")
-                self._parked.append(part)
-                return
         if part is not None:
             self._write(part, grant.offset)
 
@@ -324,23 +236,19 @@ class PrefillStaging:
 
     def release(self, sender) -> None:
         """A sender failed: free the local regions of its parts still waiting
-        for a grant or, granted early, for their gate (no write reads them
-        yet; parts being written free theirs when the write ends), and drop
-        its parts not started, those still waiting for their gate too (so
-        decode learns at once that nothing more is written, not when the
-        event completes)."""
+        for a grant (no write reads them yet; parts being written free
+        theirs when the write ends), and drop its parts not started, those
+        still waiting for their ready gate too (so decode learns at once
+        that nothing more is written, not when the event completes)."""
         with self.ctx.lock:
-            stale = [k for k, p in self._granting.items() if p.sender is sender]
-            for key in stale:
-                part = self._granting.pop(key)
-                self._finish(part, None)
-            for part in [p for p in self._parked if p.sender is sender]:
-                self._parked.remove(part)
-                self._finish(part, None)
             for part in [p for p in self._gated if p.sender is sender]:  # never read now: done
                 self._gated.remove(part)
                 part.move("ended")
                 sender.on_chunk_done(None)
+            stale = [k for k, p in self._granting.items() if p.sender is sender]
+            for key in stale:
+                part = self._granting.pop(key)
+                self._finish(part, None)
             waiting = [p for p in self._waiting if p.sender is sender]
             for part in waiting:
                 self._waiting.remove(part)
