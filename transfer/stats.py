@@ -143,8 +143,9 @@ class RoomStats:
     first_byte_wall: float | None = None
     done_at: float | None = None
     done_wall: float | None = None
-    #: decode, successful rooms sent by prefill: from the last prefill rank's last send() (the end of its
-    #: forward pass) to Success, the transfer time a request's first token waits for (None: not measured)
+    #: decode, successful rooms sent by prefill: from the end of the last prefill rank's forward pass (its
+    #: last send(), or that call's ready event completing) to Success, the transfer time a request's first
+    #: token waits for (None: not measured)
     exposed_transfer_s: float | None = None
 
     @property

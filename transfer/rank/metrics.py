@@ -28,7 +28,7 @@ Exported (units in names, labels of bounded cardinality, no room ids)::
     kvferry_storage_pages_total{role,op,result}  read hit|miss, write written|present|failed
     kvferry_storage_bytes_total{role,op}         read|write
     kvferry_prefetch_wait_seconds{role}          histogram: decode init to prefetch settled
-    kvferry_exposed_transfer_seconds{role}       histogram: prefill's last send() to decode's Success
+    kvferry_exposed_transfer_seconds{role}       histogram: prefill's forward end (last send() or event) to Success
 """
 
 from __future__ import annotations
@@ -117,7 +117,8 @@ class _Collector:
         yield histogram("kvferry_prefetch_wait_seconds", "Decode rooms' wait for their storage prefetch",
                         lambda s: s.prefetch_wait_seconds)
         yield histogram("kvferry_exposed_transfer_seconds",
-                        "Decode rooms from prefill's last send() (its forward's end) to Success",
+                        "Decode rooms from the end of prefill's forward (its last send(), or that send's event) "
+                        "to Success",
                         lambda s: s.exposed_transfer_seconds)
 
 

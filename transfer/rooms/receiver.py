@@ -81,7 +81,7 @@ class KVReceiver:
         self._awaiting: dict[int, set[PoolRole]] = {}  # TRANSFERRING: ranks not done yet, and their pools
         self._drain = Drain()  # DRAINING: ranks that may still write; DRAINING, RESTORING: why it failed
         self._scattering = 0  # staged parts being copied into the pages now (without the lock)
-        self._send_end = 0.0  # the latest prefill rank's last send(), on this clock (0: not known)
+        self._send_end = 0.0  # the latest prefill rank's forward end, on this clock (0: not known)
         self._storage: RoomStorage | None = None  # with a storage tier and the prompt
         self._prefix = 0  # leading pages the scheduler holds (init's skip_pages)
         self._skip = 0  # leading pages held or prefetched from storage: prefill does not send them
