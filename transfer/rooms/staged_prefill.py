@@ -99,7 +99,7 @@ class PrefillStaging:
         self._waiting: collections.deque[StagedPart] = collections.deque()
         self._waiter = ReadyWaiter("kvferry-ready")
         self._granting: dict[tuple[int, int, int], StagedPart] = {}
-        self._gated: list[StagedPart] = []  # waiting for their ready gate
+        self._gated: set[StagedPart] = set()  # waiting for their ready gate
 
     def submit(self, sender: StagedSender, specs, ready=None) -> list[StagedPart]:
         """Queue the planned parts of one of ``sender``'s chunks; with
@@ -110,7 +110,7 @@ class PrefillStaging:
         parts = [StagedPart(sender, spec, ready) for spec in specs]
         if ready is not None and not ready.done():
             with self.ctx.lock:
-                self._gated += parts
+                self._gated.update(parts)
             self._waiter.when_ready(ready, lambda error: self._ready(parts, error))
             return parts
         self._queue(parts)
@@ -140,8 +140,7 @@ class PrefillStaging:
         them), but for those whose sender failed meanwhile (:meth:`release`)."""
         with self.ctx.lock:
             parts = [part for part in parts if part in self._gated]
-            for part in parts:
-                self._gated.remove(part)
+            self._gated.difference_update(parts)
             if error is None:
                 self._queue(parts)
                 return
