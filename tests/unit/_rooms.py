@@ -140,15 +140,22 @@ def terminal(*rooms) -> bool:
     return all(r.poll() in (KVPoll.Success, KVPoll.Failed) for r in rooms)
 
 
-def transferring(prefill: Rank, decode: Rank, room: int, src: np.ndarray, dst: np.ndarray):
-    """(sender, receiver) of a room whose first chunk (half of ``src``) was
-    sent and whose decode side is Transferring (a test holding the writes
-    keeps that chunk in flight)."""
+def opened(prefill: Rank, decode: Rank, room: int, src: np.ndarray, dst: np.ndarray):
+    """(sender, receiver) of a room decode asked for (into ``dst``, aux slot
+    2) and prefill took up (``src``'s length, aux slot 1): nothing sent yet."""
     receiver = KVReceiver(decode.mgr, prefill.mgr.config.bootstrap_addr, room)
     receiver.init(dst, 2)
     sender = KVSender(prefill.mgr, None, room)
     wait_until(prefill.mgr, lambda: sender.poll() is KVPoll.WaitingForInput)
     sender.init(len(src), 1)
+    return sender, receiver
+
+
+def transferring(prefill: Rank, decode: Rank, room: int, src: np.ndarray, dst: np.ndarray):
+    """(sender, receiver) of a room whose first chunk (half of ``src``) was
+    sent and whose decode side is Transferring (a test holding the writes
+    keeps that chunk in flight)."""
+    sender, receiver = opened(prefill, decode, room, src, dst)
     sender.send(src[:len(src) // 2])
     wait_until(decode.mgr, lambda: receiver.poll() is KVPoll.Transferring)
     return sender, receiver

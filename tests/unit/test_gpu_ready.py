@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ._fakecuda import FakeEvent, SyncOnlyEvent
-from ._rooms import Role, assert_landed, random_pages, terminal, wait_until
+from ._rooms import Role, assert_landed, opened, random_pages, terminal, wait_until
 from transfer import KVPoll, KVReceiver, KVSender
 from transfer.errors import TransferError
 from transfer.ready import ReadyGate, check_event
@@ -31,22 +31,13 @@ def _rewrite(rank, pages, seed: int) -> None:
         t.index_copy_(0, idx, raw.view(torch.bfloat16).view(len(pages), *t.shape[1:]))
 
 
-def _start_room(prefill, decode, room, src, dst):
-    receiver = KVReceiver(decode.mgr, prefill.mgr.config.bootstrap_addr, room)
-    receiver.init(dst, 2)
-    sender = KVSender(prefill.mgr, None, room)
-    wait_until(prefill.mgr, lambda: sender.poll() is not KVPoll.Bootstrapping, what="sender ready")
-    sender.init(len(src), 1)
-    return sender, receiver
-
-
 @pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
 def test_nothing_reads_the_pages_before_the_event_completes(cluster, staged):
     kw = STAGED if staged else {}
     prefill, decode = cluster.rank(Role.PREFILL, **kw), cluster.rank(Role.DECODE, **kw)
     rng = np.random.default_rng(11)
     src, dst = random_pages(rng, 20), random_pages(rng, 20)
-    sender, receiver = _start_room(prefill, decode, 31, src, dst)
+    sender, receiver = opened(prefill, decode, 31, src, dst)
     event = FakeEvent()
     start = time.monotonic()
     sender.send(src, last=True, ready=event)
@@ -73,8 +64,8 @@ def test_staged_parts_of_a_late_event_leave_the_control_thread_free(cluster):
     rng = np.random.default_rng(16)
     pages = rng.permutation(64)
     (src1, src2), (dst1, dst2) = (pages[:12], pages[12:24]), (pages[24:36], pages[36:48])
-    s1, r1 = _start_room(prefill, decode, 41, src1, dst1)
-    s2, r2 = _start_room(prefill, decode, 42, src2, dst2)
+    s1, r1 = opened(prefill, decode, 41, src1, dst1)
+    s2, r2 = opened(prefill, decode, 42, src2, dst2)
     event = FakeEvent()
     s1.send(src1, last=True, ready=event)
     s2.send(src2, last=True)
@@ -94,7 +85,7 @@ def test_an_event_that_never_completes_fails_the_room_after_transfer_timeout_s(c
     decode = cluster.rank(Role.DECODE)
     rng = np.random.default_rng(12)
     src, dst = random_pages(rng, 4), random_pages(rng, 4)
-    sender, receiver = _start_room(prefill, decode, 32, src, dst)
+    sender, receiver = opened(prefill, decode, 32, src, dst)
     sender.send(src, last=True, ready=FakeEvent())
     wait_until(prefill.mgr, lambda: sender.poll() is KVPoll.Failed, what="sender failed")
     with pytest.raises(TransferError, match="ready event .* did not complete within 0.5 s"):
@@ -106,7 +97,7 @@ def test_an_event_without_query_is_synchronised_on_the_worker(cluster):
     prefill, decode = cluster.rank(Role.PREFILL), cluster.rank(Role.DECODE)
     rng = np.random.default_rng(13)
     src, dst = random_pages(rng, 6), random_pages(rng, 6)
-    sender, receiver = _start_room(prefill, decode, 33, src, dst)
+    sender, receiver = opened(prefill, decode, 33, src, dst)
     event = SyncOnlyEvent()
     sender.send(src, last=True, ready=event)
     _rewrite(prefill, src, seed=6)
@@ -121,7 +112,7 @@ def test_a_ready_that_cannot_say_it_completed_is_a_type_error(cluster):
     prefill, decode = cluster.rank(Role.PREFILL), cluster.rank(Role.DECODE)
     rng = np.random.default_rng(14)
     src, dst = random_pages(rng, 2), random_pages(rng, 2)
-    sender, _ = _start_room(prefill, decode, 34, src, dst)
+    sender, _ = opened(prefill, decode, 34, src, dst)
     with pytest.raises(TypeError, match="torch.cuda.Event"):
         sender.send(src, last=True, ready=object())
     with pytest.raises(TypeError):
@@ -227,7 +218,7 @@ def test_an_abort_while_parts_wait_for_their_event_fails_both_sides_at_once(clus
     prefill, decode = cluster.rank(Role.PREFILL, **STAGED), cluster.rank(Role.DECODE, **STAGED, write_fence=True)
     rng = np.random.default_rng(19)
     src, dst = random_pages(rng, 40), random_pages(rng, 40)
-    sender, receiver = _start_room(prefill, decode, 54, src, dst)
+    sender, receiver = opened(prefill, decode, 54, src, dst)
     event = FakeEvent()
     sender.send(src, last=True, ready=event)
     wait_until(prefill.mgr, lambda: event.num_queries > 0, what="the event polled")

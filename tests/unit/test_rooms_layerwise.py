@@ -16,20 +16,11 @@ import pytest
 from transfer import KVPoll, KVReceiver, KVSender
 from transfer.errors import StateError
 
-from ._rooms import NUM_LAYERS, Role, assert_landed, random_pages, terminal, wait_until
+from ._rooms import NUM_LAYERS, Role, assert_landed, opened, random_pages, terminal, wait_until
 
 STAGED = dict(staging_bytes=1 << 20, stage_part_bytes=64 << 10, stage_below_bytes=0)
 DRAFT = 1
 LAYERS = NUM_LAYERS + DRAFT  # the room's layers: the target's, then the draft's
-
-
-def _open(prefill, decode, room, src, dst):
-    receiver = KVReceiver(decode.mgr, prefill.mgr.config.bootstrap_addr, room)
-    receiver.init(dst, 2)
-    sender = KVSender(prefill.mgr, None, room)
-    wait_until(prefill.mgr, lambda: sender.poll() is KVPoll.WaitingForInput)
-    sender.init(len(src), 1)
-    return sender, receiver
 
 
 def _layer_bytes(rank, pages, layer: int) -> list[bytes]:
@@ -58,7 +49,7 @@ def test_layer_groups_in_any_order_land_every_layer_and_the_room_ends_with_the_l
     staged = fenced or bool(decode_cfg)
     rng = np.random.default_rng(21)
     src, dst = random_pages(rng, 12), random_pages(rng, 12)
-    sender, receiver = _open(prefill, decode, 40, src, dst)
+    sender, receiver = opened(prefill, decode, 40, src, dst)
     chunks = np.array_split(np.arange(12), 2)
     for c, idx in enumerate(chunks):
         last = c == len(chunks) - 1
@@ -102,7 +93,7 @@ def test_a_fenced_decode_rank_without_room_for_the_request_streams_part_by_part(
     src, dst = random_pages(rng, 12), random_pages(rng, 12)
     assert sum(len(b) for b in prefill.page_bytes(src)) > 8 << 10  # more than decode's staging
     area = decode.mgr.context.staging.area
-    sender, receiver = _open(prefill, decode, 45, src, dst)
+    sender, receiver = opened(prefill, decode, 45, src, dst)
     sender.send(src, last=True, layers=[0])
     # layer 0 lands while the other groups are still to come
     wait_until(decode.mgr, lambda: _layer_bytes(decode, dst[:1], 0) == _layer_bytes(prefill, src[:1], 0),
@@ -124,7 +115,7 @@ def test_a_group_that_does_not_fit_its_chunk_is_refused_by_name(cluster):
     decode = cluster.rank(Role.DECODE, draft_layers=DRAFT, write_fence=False)
     rng = np.random.default_rng(22)
     src, dst = random_pages(rng, 8), random_pages(rng, 8)
-    sender, receiver = _open(prefill, decode, 41, src, dst)
+    sender, receiver = opened(prefill, decode, 41, src, dst)
     with pytest.raises(StateError, match="outside the room's 3 layers"):
         sender.send(src[:4], layers=[3])
     sender.send(src[:4], layers=range(0, 2))
@@ -148,7 +139,7 @@ def test_an_abort_mid_stream_fails_both_sides(cluster):
     decode = cluster.rank(Role.DECODE, write_fence=False)
     rng = np.random.default_rng(23)
     src, dst = random_pages(rng, 6), random_pages(rng, 6)
-    sender, receiver = _open(prefill, decode, 42, src, dst)
+    sender, receiver = opened(prefill, decode, 42, src, dst)
     sender.send(src, last=True, layers=[0])
     sender.abort("the scheduler dropped the request mid-forward")
     wait_until(decode.mgr, lambda: terminal(sender, receiver), what="room terminal")
@@ -192,7 +183,7 @@ def test_a_room_shorter_than_the_threshold_sends_its_groups_whole(cluster):
     decode = cluster.rank(Role.DECODE, **{**STAGED, "write_fence": False})
     rng = np.random.default_rng(24)
     src, dst = random_pages(rng, 6), random_pages(rng, 6)
-    sender, receiver = _open(prefill, decode, 44, src, dst)
+    sender, receiver = opened(prefill, decode, 44, src, dst)
     sender.send(src, last=True, layers=[0])
     time.sleep(0.3)  # streamed, layer 0 lands within milliseconds here (the first test waits for that)
     sender.poll(), receiver.poll()

@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 
 from harness.ports import free_port
-from transfer import KVPoll, KVReceiver, KVSender
+from transfer import KVPoll, KVReceiver
 from transfer.config import ManagerConfig, Role, apply_log_level, manager_config_from_env
 from transfer.errors import (AuthError, ClosedError, IncompatibleLayoutError, KVTimeoutError, PeerError,
                              ProtocolError, StorageMissError, StorageTimeoutError, TransferError)
 from transfer.stats import FailureReason, RankTotals, failure_reason, tag_reason
 
-from ._rooms import AUX_BYTES, HEAD_DIM, NUM_HEADS, NUM_LAYERS, PAGE_SIZE, random_pages, run_room, wait_until
+from ._rooms import (AUX_BYTES, HEAD_DIM, NUM_HEADS, NUM_LAYERS, PAGE_SIZE, opened, random_pages, run_room,
+                     wait_until)
 
 PAGE_BYTES = PAGE_SIZE * NUM_HEADS * HEAD_DIM * 2 * NUM_LAYERS * 2  # bf16, K and V of every layer
 # Unfenced: the aux row is a direct write, counted as such (a fenced decode
@@ -99,11 +100,7 @@ def test_an_abort_is_one_warning_line_per_side_with_its_reason(cluster, caplog):
     rng = np.random.default_rng(32)
     src, dst = random_pages(rng, 16), random_pages(rng, 16)
     cluster.fabric.hold_writes()
-    receiver = KVReceiver(decode.mgr, prefill.mgr.config.bootstrap_addr, 52)
-    receiver.init(dst, 2)
-    sender = KVSender(prefill.mgr, None, 52)
-    wait_until(prefill.mgr, lambda: sender.poll() is KVPoll.WaitingForInput)
-    sender.init(len(src), 1)
+    sender, receiver = opened(prefill, decode, 52, src, dst)
     sender.send(src[:8])
     with caplog.at_level(logging.WARNING, logger="kvferry"):
         receiver.abort()
@@ -196,11 +193,7 @@ def test_exposed_transfer_time_runs_from_prefills_last_send_to_decodes_success(c
     prefill, decode = cluster.rank(Role.PREFILL), cluster.rank(Role.DECODE)
     rng = np.random.default_rng(31)
     src, dst = random_pages(rng, 8), random_pages(rng, 8)
-    receiver = KVReceiver(decode.mgr, prefill.mgr.config.bootstrap_addr, 52)
-    receiver.init(dst, 2)
-    sender = KVSender(prefill.mgr, None, 52)
-    wait_until(prefill.mgr, lambda: sender.poll() is KVPoll.WaitingForInput)
-    sender.init(len(src), 1)
+    sender, receiver = opened(prefill, decode, 52, src, dst)
     time.sleep(0.3)  # "the forward pass"
     cluster.fabric.hold_writes()
     sender.send(src, last=True)
@@ -225,11 +218,7 @@ def test_with_a_ready_event_the_exposed_transfer_time_runs_from_its_completion(c
     prefill, decode = cluster.rank(Role.PREFILL), cluster.rank(Role.DECODE)
     rng = np.random.default_rng(32)
     src, dst = random_pages(rng, 8), random_pages(rng, 8)
-    receiver = KVReceiver(decode.mgr, prefill.mgr.config.bootstrap_addr, 53)
-    receiver.init(dst, 2)
-    sender = KVSender(prefill.mgr, None, 53)
-    wait_until(prefill.mgr, lambda: sender.poll() is KVPoll.WaitingForInput)
-    sender.init(len(src), 1)
+    sender, receiver = opened(prefill, decode, 53, src, dst)
     event = FakeEvent()
     sender.send(src, last=True, ready=event)
     time.sleep(0.5)  # the forward runs on the device
