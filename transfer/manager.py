@@ -18,7 +18,7 @@ from transfer.config import ManagerConfig, Role, apply_log_level
 from transfer.control.base import ChannelFactory, ChannelOptions, ControlChannel
 from transfer.control.zmq_channel import zmq_channel
 from bootstrap.errors import KVTimeoutError
-from transfer.errors import ClosedError, KVFerryError, MemoryReleasedError
+from transfer.errors import ClosedError, KVFerryError, MemoryReleasedError, StateError
 from transfer.messages import PeerBye, PeerPing, PeerPong
 from transfer.pools import (MHAPool, MLAPool, RawAuxRegion, aux_tensors, describe_aux, describe_pool, pools_device,
                             registration_regions, unique_regions)
@@ -229,6 +229,19 @@ class KVManager:
         if not reply.ready or reply.dp_size < 1:
             return None
         return PrefillTopology(dp_size=reply.dp_size, tp_size=reply.tp_size)
+
+    def hold_room(self, bootstrap_addr: str, room: int, *, prefill_node: str = "prefill",
+                  prefill_dp_rank: int | None = None, hold_s: float) -> bool:
+        """Decode: the request of ``room`` waits in this scheduler's queue
+        (no pages yet, no receiver): ask the room's prefill ranks to keep it
+        open ``hold_s`` more seconds (``RoomHold``); renew it until the
+        receiver is created or the request is dropped (then abort, as
+        ``KVReceiver.abort`` does). Never blocks: False while the prefill
+        node is being looked up (call again, e.g. at the next renewal)."""
+        if self.config.role is not Role.DECODE:
+            raise StateError(f"{self.where}: hold_room is for decode ranks (prefill rooms are held by decode)")
+        self.check_open()
+        return self.rooms.hold(bootstrap_addr, prefill_node, prefill_dp_rank, room, hold_s)
 
     def bootstrap_client(self, addr: str) -> BootstrapClient:
         return BootstrapClient(addr, timeout_s=self.config.rpc_timeout_s, secret=self.config.secret or None)

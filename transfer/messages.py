@@ -9,6 +9,8 @@ bootstrap messages. Flow for one room::
     TransferRequest (per room) ------->  waits for all expected requests, then sends
                                <-------  RoomStatus (success or failure, per prefill rank)
     RoomAbort (either side)    <------>  the room fails on the other side too
+    RoomHold (before a request) ------->  decode has the room's request queued: prefill
+                                         keeps the room open a while longer (renewed)
     PeerPing / PeerPong        <------>  liveness, while rooms are live (either side); prefill's
                                          pongs acknowledge the requests it took since the last
                                <-------  PeerBye (prefill closing: forget links through it)
@@ -176,6 +178,23 @@ class RoomAbort:
     request_id: int
     reason: str
     session: str = ""
+
+
+@message("room_hold")
+@dataclass(frozen=True)
+class RoomHold:
+    """Decode holds a room it has not asked for yet: the request waits in
+    decode's scheduler (a queue, no pages allocated). The prefill ranks keep
+    the room open ``hold_s`` seconds from now, past their wait for decode
+    requests (``bootstrap_timeout_s``, the vLLM connector's lease); decode
+    renews the hold until it asks or cancels, so a decode rank that dies
+    lets the room end. A hold for a room with no sender (not opened yet, or
+    ended) is ignored; so is one from a decode rank that did not handshake.
+    ``session``: the holding decode rank's."""
+
+    room: int
+    session: str
+    hold_s: float
 
 
 @message("peer_ping")

@@ -72,6 +72,7 @@ def samples() -> list:
         tm.RoomStatus(room=12, request_id=34, prefill_tp_rank=0, status=tm.Status.FAILED, sent=(),
                       reason="transfer engine returned -1"),
         tm.RoomAbort(room=12, request_id=77, reason="decode scheduler aborted", session="10.0.0.2:15001"),
+        tm.RoomHold(room=12, session="10.0.0.2:15001", hold_s=20.0),
         tm.PeerPing(session="10.0.0.2:15001", endpoint="tcp://10.0.0.2:5557", seq=9),
         tm.PeerPong(session="10.0.0.1:15002", seq=9),
         tm.PeerBye(session="10.0.0.1:15002"),

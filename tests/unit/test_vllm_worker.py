@@ -283,3 +283,35 @@ def test_a_request_aborted_on_prefill_while_streaming_ends_its_room_and_reports_
     assert p.finished(set()) == (set(), set())  # not before vLLM finished it
     wait_finished(p, {"p"}, 10)
     assert p.take_stats()["layer_groups"] == {vllm_stats.FORWARD: 1}
+
+
+def test_a_room_decode_holds_outlives_the_lease_and_lands_when_decode_asks(cluster):
+    """Decode's request waits in its queue: the decode worker holds its room
+    at prefill (RoomHold, renewed), so prefill's lease (0.6 s) does not end
+    it; 2 s later decode asks and the pages land byte exact. A room nobody
+    holds ends at the lease, as before."""
+    p, prefill = worker(cluster, Role.PREFILL, lease_s=0.6)
+    d, decode = worker(cluster, Role.DECODE)
+    d.hold_s, d.hold_every_s = 1.0, 0.2
+    rng = np.random.default_rng(11)
+    src, dst = random_pages(rng, 3), (40, 7, 22)
+    addr = cluster.server.address
+    d.start([], [], holds=[RecvSpec(req_id="d-held", room=300, bootstrap_addr=addr, node_id="prefill", pages=())])
+    wait_until(decode.mgr, lambda: d.num_holds >= 1, 5, what="a first hold (before prefill's room: ignored)")
+    p.start([SendSpec(req_id="held", room=300, pages=tuple(int(x) for x in src)),
+             SendSpec(req_id="unheld", room=301, pages=(9,))], [])
+    opened_at = time.monotonic()
+    wait_finished(p, {"unheld"}, 5)
+    assert p.take_stats()["failures"] == {vllm_stats.LEASE_EXPIRED: 1}
+    time.sleep(max(0.0, opened_at + 2.0 - time.monotonic()))
+    assert p.finished({"held"}) == (set(), set()), "the held room ended"
+    assert d.num_holds >= 6, d.num_holds  # renewed every 0.2 s
+    d.start([], [RecvSpec(req_id="d-held", room=300, bootstrap_addr=addr, node_id="prefill", pages=dst)])
+    wait_finished(d, {"d-held"}, 10)
+    wait_finished(p, {"held"}, 10)
+    assert d.load_errors() == set()
+    assert decode.page_bytes(dst) == prefill.page_bytes(src)
+    assert p.take_stats()["failures"] == {}
+    sent = d.num_holds
+    time.sleep(0.5)
+    assert d.num_holds == sent, "the hold was renewed after the room opened"

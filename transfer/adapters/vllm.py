@@ -74,6 +74,7 @@ class KvferryConnectorMetadata(KVConnectorMetadata):
     recvs: list[RecvSpec] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)  # decode requests finished while their room is open
     cancels: list[RecvSpec] = field(default_factory=list)  # decode requests finished before they had a room
+    holds: list[RecvSpec] = field(default_factory=list)  # decode requests queued: hold their rooms at prefill
     streams: list[SendSpec] = field(default_factory=list)  # prefill: requests whose prefill completes this step
     streams_opened: bool = False  # the worker opened ``streams`` (at the step's first of start/save_kv_layer)
 
@@ -86,6 +87,19 @@ class _Streamable:
     tokens: int  # the prompt's
     token_ids: tuple[int, ...]
     blocks: list[int] = field(default_factory=list)  # the KV pool group's, as the steps allocated them
+
+
+def log_as_vllm() -> None:
+    """kvferry's log lines go where vLLM's go, in vLLM's format (process,
+    pid, level, time, file and line), unless the host gave the ``kvferry``
+    logger handlers of its own: at 3 a.m. a room's failure needs its time
+    beside vLLM's lines. Idempotent."""
+    ours, theirs = logging.getLogger("kvferry"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.propagate = False
 
 
 def _cache_layout(vllm_config, block_size: int | None = None):
@@ -130,6 +144,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        log_as_vllm()
         tc = vllm_config.kv_transfer_config
         self.config = ConnectorConfig.from_extra(tc.kv_connector_extra_config, tc.engine_id)
         self.is_producer = tc.kv_role == "kv_producer"
@@ -149,6 +164,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         self._open_recvs: set[str] = set()
         self._aborts: list[str] = []
         self._cancels: list[RecvSpec] = []
+        self._holds: list[RecvSpec] = []
         self._local_tokens: dict[str, int] = {}  # decode: prompt tokens its prefix cache holds, by request
         self._streamable: dict[str, _Streamable] = {}  # prefill, layer-wise: not yet in a step's streams
         self._streamed: set[str] = set()  # prefill, layer-wise: in a step's streams, not yet finished
@@ -169,10 +185,15 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         return num_prompt_tokens if self.groups is None else self.groups.transferred_tokens(num_prompt_tokens)
 
     def on_new_request(self, request: "Request") -> None:
-        """Prefill of a model with recurrent state: compute the prompt but its
-        last token, which decode computes (its state then continues from
-        prefill's; see :mod:`transfer.adapters.vllm_groups`)."""
+        """Decode: hold the request's room at prefill while it waits in the
+        queue (prefill's lease then does not end it; the worker renews the
+        hold until the room opens or the request is cancelled). Prefill of a
+        model with recurrent state: compute the prompt but its last token,
+        which decode computes (its state then continues from prefill's; see
+        :mod:`transfer.adapters.vllm_groups`)."""
         params = request.kv_transfer_params
+        if not self.is_producer and params and params.get("do_remote_prefill"):
+            self._hold(request, params)
         if self._streams_layers() and params and params.get("do_remote_decode"):
             self._streamable[request.request_id] = _Streamable(
                 room=room_of(str(params.get("transfer_id") or request.request_id)),
@@ -228,8 +249,9 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output) -> KvferryConnectorMetadata:
         meta = KvferryConnectorMetadata(sends=self._sends, recvs=self._recvs, aborts=self._aborts,
-                                        cancels=self._cancels, streams=self._streams(scheduler_output))
-        self._sends, self._recvs, self._aborts, self._cancels = [], [], [], []
+                                        cancels=self._cancels, holds=self._holds,
+                                        streams=self._streams(scheduler_output))
+        self._sends, self._recvs, self._aborts, self._cancels, self._holds = [], [], [], [], []
         return meta
 
     def _streams_layers(self) -> bool:
@@ -335,14 +357,24 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         if not self._start_here(cancels=[spec]):
             self._cancels.append(spec)
 
-    def _start_here(self, sends=(), recvs=(), cancels=()) -> bool:
+    def _hold(self, request: "Request", params: dict) -> None:
+        try:
+            source = source_of(params)
+        except ValueError:
+            return  # computed here (get_num_new_matched_tokens says why)
+        spec = RecvSpec(req_id=request.request_id, room=source.room, bootstrap_addr=source.bootstrap_addr,
+                        node_id=source.node_id, pages=())
+        if not self._start_here(holds=[spec]):
+            self._holds.append(spec)
+
+    def _start_here(self, sends=(), recvs=(), cancels=(), holds=()) -> bool:
         """Open rooms on this process's worker now (see ``_LOCAL_WORKERS``);
         False: there is none, send them in the step's metadata."""
         worker = _LOCAL_WORKERS.get(self._engine_id)
         if worker is None:
             return False
         try:
-            worker.start(list(sends), list(recvs), cancels=list(cancels))
+            worker.start(list(sends), list(recvs), cancels=list(cancels), holds=list(holds))
         except Exception:  # a bug, not a transfer failure (start reports those): the metadata path then
             log.exception("kvferry: opening rooms on the in-process worker failed")
             return False
@@ -375,8 +407,8 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         if not isinstance(meta, KvferryConnectorMetadata):
             return
         self._open_streams(meta)
-        if meta.sends or meta.recvs or meta.aborts or meta.cancels:
-            self.worker.start(meta.sends, meta.recvs, meta.aborts, meta.cancels)
+        if meta.sends or meta.recvs or meta.aborts or meta.cancels or meta.holds:
+            self.worker.start(meta.sends, meta.recvs, meta.aborts, meta.cancels, meta.holds)
 
     def _open_streams(self, meta: KvferryConnectorMetadata) -> None:
         """The step's layer-wise rooms, opened once, at whichever comes first:

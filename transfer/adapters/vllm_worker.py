@@ -54,6 +54,8 @@ from transfer.stats import failure_reason
 log = logging.getLogger("kvferry.vllm")
 
 _WAKE_S = 0.05  # the driver's longest sleep (its stop flag and the lease deadlines)
+_FIRST_HOLD_S = 1.0  # decode: a queued request's first RoomHold goes out this long after it came
+_HOLD_RETRY_S = 0.2  # decode: a hold not sent (its prefill node being looked up) is tried again this soon
 
 
 @dataclass(frozen=True)
@@ -193,6 +195,11 @@ class _Room:
 class KvferryWorker:
     """Sends (prefill) or receives (decode) rooms for one vLLM worker rank."""
 
+    #: decode: a queued request's room is held at prefill this long (RoomHold) ...
+    hold_s = 20.0
+    #: ... renewed this often until the request is scheduled (its room opens) or dropped
+    hold_every_s = 5.0
+
     def __init__(self, config: ConnectorConfig, *, role: Role, tp_rank: int, tp_size: int,
                  layout: CacheLayout | None = None, groups: GroupPlan | None = None) -> None:
         if not 0 <= tp_rank < tp_size:
@@ -223,6 +230,8 @@ class KvferryWorker:
         self._fail_by_request = groups is not None and groups.num_groups > 1
         self.num_failed = 0
         self.num_cancelled = 0  # decode requests prefill was told of before they had a room
+        self._holds: dict[str, list] = {}  # decode: req_id -> [RecvSpec, next renewal] of queued requests
+        self.num_holds = 0  # decode: RoomHolds sent
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -289,13 +298,22 @@ class KvferryWorker:
         self._thread.start()
 
     def start(self, sends: list[SendSpec], recvs: list[RecvSpec], aborts: list[str] = (),
-              cancels: list[RecvSpec] = ()) -> None:
+              cancels: list[RecvSpec] = (), holds: list[RecvSpec] = ()) -> None:
         """Open this step's rooms, abort the decode rooms of ``aborts``
-        (requests vLLM finished while their KV was coming), and tell prefill
+        (requests vLLM finished while their KV was coming), tell prefill
         of ``cancels`` (decode requests vLLM finished before they had a room:
-        prefill frees their blocks now, not at its lease). A room that cannot
-        open is reported done (and, on decode, its blocks as load errors) at
-        the next ``finished``."""
+        prefill frees their blocks now, not at its lease), and hold the rooms
+        of ``holds`` at prefill (decode requests queued, not scheduled yet:
+        prefill keeps their blocks past its lease, renewed until they are
+        scheduled or cancelled). A room that cannot open is reported done
+        (and, on decode, its blocks as load errors) at the next ``finished``."""
+        if holds or self._holds:
+            first = time.monotonic() + min(_FIRST_HOLD_S, self.hold_every_s)
+            with self._lock:  # a request scheduled at once needs no hold: the first goes out a bit later
+                for h in holds:
+                    self._holds[h.req_id] = [h, first]
+                for r in (*recvs, *cancels):
+                    self._holds.pop(r.req_id, None)
         if cancels:
             self._cancel(cancels)
         for req_id in aborts:
@@ -511,7 +529,10 @@ class KvferryWorker:
         prefill rooms whose lease ran out."""
         while not self._stop.is_set():
             try:
-                self.mgr.wait_for_progress(mark, self._expire_leases())
+                wait = self._expire_leases()
+                if self._holds:
+                    wait = min(wait, self._renew_holds())
+                self.mgr.wait_for_progress(mark, wait)
                 mark, changed = self.mgr.changed_rooms(mark)
                 with self._lock:
                     if changed is None:
@@ -536,13 +557,37 @@ class KvferryWorker:
                     expired.append(room)
             wait = min(_WAKE_S, self._leases[0][0] - now) if self._leases else _WAKE_S
         for room in expired:
-            if room.handle.poll() is KVPoll.Bootstrapping:
+            held = room.handle.held_until
+            if room.handle.poll() is KVPoll.Bootstrapping and held > now:
+                with self._lock:  # decode holds it (its request queued there): look again then
+                    heapq.heappush(self._leases, (held, room.req_id))
+            elif room.handle.poll() is KVPoll.Bootstrapping:
                 room.expired = True
                 room.handle.abort(f"lease expired: no decode asked for request {room.req_id} within "
                                   f"{self.config.lease_s:g} s (kvferry_lease_s)")
             else:  # a decode asked: push it now if no poll did (a change missed by a failed round)
                 self._poll([room])
         return max(0.0, wait)
+
+    def _renew_holds(self) -> float:
+        """Decode: send the RoomHolds that are due (``hold_every_s`` apart
+        per request, sooner while its prefill node is looked up); returns
+        the seconds until the next one is due."""
+        now = time.monotonic()
+        with self._lock:
+            due = [h for h in self._holds.values() if h[1] <= now]
+        for h in due:
+            spec = h[0]
+            try:
+                sent = self.mgr.hold_room(spec.bootstrap_addr, spec.room, prefill_node=spec.node_id,
+                                          hold_s=self.hold_s)
+            except KVFerryError as exc:
+                log.warning("kvferry: request %s (room %d) not held at prefill: %s", spec.req_id, spec.room, exc)
+                sent = False
+            self.num_holds += sent
+            h[1] = now + (self.hold_every_s if sent else min(self.hold_every_s, _HOLD_RETRY_S))
+        with self._lock:
+            return max(0.0, min((h[1] for h in self._holds.values()), default=_WAKE_S) - now)
 
     def _poll(self, rooms: list[_Room]) -> None:
         """Poll ``rooms``: push a prefill room whose decode asked, report the ended ones."""

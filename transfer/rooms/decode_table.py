@@ -12,7 +12,7 @@ import time
 from typing import Protocol
 
 from transfer.errors import KVFerryError
-from transfer.messages import ChunkStaged, PeerBye, PeerHelloReply, RoomAbort, RoomStatus, StageRequest
+from transfer.messages import ChunkStaged, PeerBye, PeerHelloReply, RoomAbort, RoomHold, RoomStatus, StageRequest
 from transfer.plan import page_slice, staged_bytes
 from transfer.rooms.context import RoomContext
 from transfer.rooms.decode_phases import DecodePhase
@@ -132,6 +132,26 @@ class DecodeRooms:
                 log.warning("%s: could not tell prefill rank %d: %s", where, p, exc)
                 untold.add(p)
         return untold
+
+    def hold(self, addr: str, node: str, dp_rank: int | None, room: int, hold_s: float) -> bool:
+        """Tell the prefill ranks this rank takes ``room`` from that decode
+        holds it for ``hold_s`` seconds (``RoomHold``: the request waits in
+        decode's queue). False while the prefill node is being looked up or
+        its link failed: the caller asks again at its next renewal."""
+        with self.ctx.lock:
+            link = self.links.link(addr, node, dp_rank, room)
+            if link is not None and link.state is LinkState.FAILED:
+                self.forget(link)  # looked up afresh at the next renewal, not kept failed for the room
+            if link is None or link.state is not LinkState.READY:
+                return False
+            endpoints = [link.ranks[p].control_endpoint for p in link.routes or link.ranks]
+        hold = RoomHold(room=room, session=self.ctx.rank.session, hold_s=hold_s)
+        for endpoint in endpoints:
+            try:
+                self.ctx.channel.send(endpoint, hold)
+            except KVFerryError as exc:
+                log.info("%s: room %d: hold not sent to %s: %s", self.ctx.where, room, endpoint, exc)
+        return True
 
     def abort_when_resolved(self, addr: str, node: str, dp_rank: int | None, abort: RoomAbort) -> None:
         """A room failed before its link was known (``abort()`` before the

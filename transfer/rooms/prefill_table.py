@@ -26,7 +26,8 @@ from typing import Protocol
 from bootstrap.messages import RankInfo
 from transfer.errors import IncompatibleLayoutError, KVFerryError, PeerError, StateError
 from transfer.layout import check_compatible
-from transfer.messages import PeerHello, PeerHelloReply, RoomAbort, RoomStatus, StageGrant, Status, TransferRequest
+from transfer.messages import (PeerHello, PeerHelloReply, RoomAbort, RoomHold, RoomStatus, StageGrant, Status,
+                               TransferRequest)
 from transfer.rooms.context import RoomContext
 from transfer.rooms.peer_check import identity_problem
 from transfer.rooms.staged_prefill import PrefillStaging
@@ -41,6 +42,8 @@ _EARLY_ROOMS = 4096
 _EARLY_PER_ROOM = 64
 # Request ids kept per decode rank for its next pong.
 _MAX_ACKS = 65536
+#: The longest one RoomHold keeps a room open for (seconds): decode renews a hold.
+MAX_HOLD_S = 120.0
 
 
 class Sender(Protocol):
@@ -61,6 +64,8 @@ class Sender(Protocol):
     def awaiting_requests(self) -> bool: ...
 
     def on_message(self, msg) -> None: ...
+
+    def hold(self, until: float) -> None: ...
 
     def fail(self, error: BaseException) -> None: ...
 
@@ -97,6 +102,8 @@ class PrefillRooms:
         self.num_dropped_replays = 0
         #: aborts with an unknown request id from a session that may not end the room
         self.num_refused_aborts = 0
+        #: RoomHolds taken from handshaken decode ranks (for a live room or not)
+        self.num_holds = 0
         self.senders: dict[int, Sender] = {}
         self._every = weakref.WeakSet()  # every sender still referenced (a failed one's writes may be in flight)
         self._early: dict[int, list[tuple[float, object]]] = {}  # insertion order = age
@@ -118,6 +125,9 @@ class PrefillRooms:
             return
         if isinstance(msg, StageGrant) and self.staging is not None:
             self.staging.on_grant(msg)
+            return
+        if isinstance(msg, RoomHold):
+            self._on_hold(msg, origin)
             return
         if not isinstance(msg, (TransferRequest, RoomAbort)):
             log.debug("%s: ignored a %s message", self.ctx.where, msg.KIND)
@@ -153,6 +163,21 @@ class PrefillRooms:
                     self._keep_early(msg)
                     return
         sender.on_message(msg)
+
+    def _on_hold(self, hold: RoomHold, origin: str) -> None:
+        """Decode holds ``hold.room`` (its request queued there): the room's
+        sender waits for decode requests ``hold_s`` more seconds (at most
+        ``MAX_HOLD_S``). Ignored from a decode rank that did not handshake,
+        and for a room with no sender."""
+        if not self.is_peer(hold.session, origin):
+            log.info("%s: ignored a hold of room %d from %s (not handshaken from %s)", self.ctx.where, hold.room,
+                     hold.session or "an unnamed session", origin or "?")
+            return
+        with self.ctx.lock:
+            sender = self.senders.get(hold.room)
+            self.num_holds += 1
+        if sender is not None and hold.hold_s > 0:
+            sender.hold(time.monotonic() + min(float(hold.hold_s), MAX_HOLD_S))
 
     def is_peer(self, session: str, origin: str, endpoint: str | None = None) -> bool:
         """Whether ``session`` handshook (at ``endpoint``, when given), and

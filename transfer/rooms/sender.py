@@ -47,6 +47,7 @@ class KVSender:
         self.room = int(bootstrap_room)
         self._state = RoomState(f"{ctx.where} room {self.room}", on_change=lambda: ctx.changed(self, self._state.state))
         self._created = time.monotonic()
+        self._held_until = 0.0  # decode holds the room until then (RoomHold): its requests may come later
         self._requests: list[TransferRequest] = []
         self._num_pages: int | None = None
         self._aux_index: int | None = None
@@ -217,13 +218,26 @@ class KVSender:
         with self._ctx.lock:
             if self._state.state is KVPoll.Failed and self._writing_through:
                 return KVPoll.Transferring  # write-through still reads the pages: not free yet
+            now = time.monotonic()
             if self._state.state is KVPoll.Bootstrapping and \
-                    time.monotonic() - self._created > self._ctx.config.bootstrap_timeout_s:
+                    now - self._created > self._ctx.config.bootstrap_timeout_s and now > self._held_until:
+                held = f" (decode held it until {now - self._held_until:.1f} s ago)" if self._held_until else ""
                 self.fail(KVTimeoutError(
                     f"{self._state.where}: {len(self._requests)} decode request(s) arrived within "
-                    f"{self._ctx.config.bootstrap_timeout_s:g} s, expected "
+                    f"{self._ctx.config.bootstrap_timeout_s:g} s{held}, expected "
                     f"{self._requests[0].num_requests if self._requests else 'at least 1'}"))
             return self._state.state
+
+    def hold(self, until: float) -> None:
+        """A decode rank holds this room (``RoomHold``): its requests are
+        waited for until ``until`` (monotonic), past ``bootstrap_timeout_s``."""
+        with self._ctx.lock:
+            self._held_until = max(self._held_until, until)
+
+    @property
+    def held_until(self) -> float:
+        """Until when (monotonic) a decode rank holds this room; 0: never held."""
+        return self._held_until
 
     def failure_exception(self) -> None:
         """Raise the room's failure (a KVFerryError); no-op unless Failed."""
