@@ -281,6 +281,44 @@ def test_the_lease_frees_blocks_no_decode_asked_for(cluster):
         time.sleep(0.2)
 
 
+BUSY_TOKENS = 1000  # each of decode's 16 sequence slots generates this many: longer than the lease here
+
+
+def test_a_request_queued_on_decode_past_the_lease_still_gets_its_kv(cluster):
+    """Decode's 16 sequence slots generate long answers, so a PD request
+    waits in decode's queue longer than prefill's lease (8 s). Meanwhile
+    decode holds its room at prefill (RoomHold, renewed), prefill keeps the
+    blocks, and the request then gets its KV: its tokens equal a single
+    instance's, every prompt token came from prefill, and no lease expired."""
+    prefill, decode = cluster.servers["prefill"], cluster.servers["decode"]
+    n = 300
+    prompt, want = prompt_of(n, 90), cluster.reference(n, seed=90)
+    expired = prefill.gauge("vllm:kvferry_failed_transfers_total", reason="lease_expired")
+    busy = [prompt_of(8, 900 + i) for i in range(16)]
+    replies, threads = _each_on_a_thread(
+        lambda i: post(decode.url, _body(cluster.model, busy[i], BUSY_TOKENS, None), 600), range(16))
+    try:
+        started = time.monotonic()
+        while decode.gauge("vllm:num_requests_running") < 16:
+            assert time.monotonic() - started < 60, "decode did not run the 16 long requests"
+            time.sleep(0.1)
+        before = decode.metrics()
+        first = post(prefill.url, _body(cluster.model, prompt, 1, {"do_remote_decode": True}), 120)
+        asked = time.monotonic()
+        reply = post(decode.url, _body(cluster.model, prompt, MAX_TOKENS, first["kv_transfer_params"]), 600)
+        waited = time.monotonic() - asked
+    finally:
+        for t in threads:
+            t.join(600)
+    assert all(not isinstance(r, Exception) for r in replies.values()), replies
+    print(f"the request waited {waited:.1f} s in decode's queue (prefill's lease: {LEASE_S:g} s)")
+    assert waited > LEASE_S + 2, f"decode answered in {waited:.1f} s: the request did not wait past the lease"
+    assert tokens_of(reply) == want, (tokens_of(reply), want, decode.kvferry_lines())
+    after = decode.metrics()
+    assert after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0) == n
+    assert prefill.gauge("vllm:kvferry_failed_transfers_total", reason="lease_expired") == expired
+
+
 def test_the_comparison_catches_kv_of_another_prompt(cluster):
     """Decode given prompt B with prompt A's room gets A's KV: its tokens must
     then differ from B's reference (the equality above can fail)."""
