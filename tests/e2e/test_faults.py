@@ -260,13 +260,21 @@ def test_abort_from_decode(placement):
         prefill, decode = Rank("prefill", spec, FAST), Rank("decode", spec, FAST)
         try:
             _warm(prefill, decode)
+            told = 0
             for room in (10, 11, 12):  # one at a time: the decode loop watches the room's first page
                 p, d = _both(prefill, decode, [room], d_opts={"abort_on_first_byte": [room], "guard_s": 1.0})
                 got, sent = d["results"][str(room)], p["results"][str(room)]
                 assert got["state"] == "Failed", got
                 assert "aborted by the test's decode scheduler" in got["error"]
                 assert got["late_write"] is False, f"room {room}: a write landed after Failed"
+                if placement == "scattered" and sent["state"] == "Success":
+                    # Staged: the first page shows bytes only once decode scattered the first part, and
+                    # prefill posted every part at once (pre-granted region): all may have landed
+                    # before the abort reached prefill (seen once in CI). Decode's side holds regardless.
+                    continue
                 assert sent["state"] == "Failed" and sent["error_type"] == "PeerError", sent
+                told += 1
+            assert told >= 1, "no abort reached prefill while it was writing: the test showed nothing of it"
             # An abort at once, most likely before any byte moved (on a loaded machine the room may
             # also have finished first, on one side or both); a decode success is byte-exact.
             p, d = _both(prefill, decode, [20], d_opts={"abort": {20: 0.0}, "guard_s": 0.5})
