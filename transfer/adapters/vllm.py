@@ -102,6 +102,18 @@ def log_as_vllm() -> None:
     ours.propagate = False
 
 
+def _room_spec(request: "Request", params: dict) -> RecvSpec | None:
+    """The prefill room a decode request names, without pages (to cancel or
+    hold it); None: its params name none (get_num_new_matched_tokens says
+    why, and the prompt is computed here)."""
+    try:
+        source = source_of(params)
+    except ValueError:
+        return None
+    return RecvSpec(req_id=request.request_id, room=source.room, bootstrap_addr=source.bootstrap_addr,
+                    node_id=source.node_id, pages=())
+
+
 def _cache_layout(vllm_config, block_size: int | None = None):
     """The model's KV heads and vLLM's cache layout, for the worker's pool
     (the layout name is vLLM's resolved one where it is known already)."""
@@ -348,23 +360,13 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         prompt): tell prefill now, which frees the request's blocks there at
         once instead of at its lease."""
         self._local_tokens.pop(request.request_id, None)
-        try:
-            source = source_of(params)
-        except ValueError:
-            return  # never claimed (get_num_new_matched_tokens said why)
-        spec = RecvSpec(req_id=request.request_id, room=source.room, bootstrap_addr=source.bootstrap_addr,
-                        node_id=source.node_id, pages=())
-        if not self._start_here(cancels=[spec]):
+        spec = _room_spec(request, params)
+        if spec is not None and not self._start_here(cancels=[spec]):
             self._cancels.append(spec)
 
     def _hold(self, request: "Request", params: dict) -> None:
-        try:
-            source = source_of(params)
-        except ValueError:
-            return  # computed here (get_num_new_matched_tokens says why)
-        spec = RecvSpec(req_id=request.request_id, room=source.room, bootstrap_addr=source.bootstrap_addr,
-                        node_id=source.node_id, pages=())
-        if not self._start_here(holds=[spec]):
+        spec = _room_spec(request, params)
+        if spec is not None and not self._start_here(holds=[spec]):
             self._holds.append(spec)
 
     def _start_here(self, sends=(), recvs=(), cancels=(), holds=()) -> bool:

@@ -557,11 +557,11 @@ class KvferryWorker:
                     expired.append(room)
             wait = min(_WAKE_S, self._leases[0][0] - now) if self._leases else _WAKE_S
         for room in expired:
-            held = room.handle.held_until
-            if room.handle.poll() is KVPoll.Bootstrapping and held > now:
+            held, state = room.handle.held_until, room.handle.poll()
+            if state is KVPoll.Bootstrapping and held > now:
                 with self._lock:  # decode holds it (its request queued there): look again then
                     heapq.heappush(self._leases, (held, room.req_id))
-            elif room.handle.poll() is KVPoll.Bootstrapping:
+            elif state is KVPoll.Bootstrapping:
                 room.expired = True
                 room.handle.abort(f"lease expired: no decode asked for request {room.req_id} within "
                                   f"{self.config.lease_s:g} s (kvferry_lease_s)")

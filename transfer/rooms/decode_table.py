@@ -120,14 +120,14 @@ class DecodeRooms:
     def forget(self, link: Link) -> None:
         self.links.forget(link)
 
-    def abort_on_prefill(self, link: Link, abort: RoomAbort, where: str) -> set[int]:
-        """Tell every prefill rank of the room it is over, also those a failed
-        handshake kept the room from sending a request to; returns the ranks
-        that could not be told."""
+    def tell_prefill(self, link: Link, msg: RoomAbort | RoomHold, where: str) -> set[int]:
+        """Send ``msg`` (the room is over, or held) to every prefill rank of
+        the room, also those a failed handshake kept the room from sending a
+        request to; returns the ranks that could not be told."""
         untold = set()
         for p in link.routes or link.ranks:
             try:
-                self.ctx.channel.send(link.ranks[p].control_endpoint, abort)
+                self.ctx.channel.send(link.ranks[p].control_endpoint, msg)
             except KVFerryError as exc:
                 log.warning("%s: could not tell prefill rank %d: %s", where, p, exc)
                 untold.add(p)
@@ -144,13 +144,8 @@ class DecodeRooms:
                 self.forget(link)  # looked up afresh at the next renewal, not kept failed for the room
             if link is None or link.state is not LinkState.READY:
                 return False
-            endpoints = [link.ranks[p].control_endpoint for p in link.routes or link.ranks]
-        hold = RoomHold(room=room, session=self.ctx.rank.session, hold_s=hold_s)
-        for endpoint in endpoints:
-            try:
-                self.ctx.channel.send(endpoint, hold)
-            except KVFerryError as exc:
-                log.info("%s: room %d: hold not sent to %s: %s", self.ctx.where, room, endpoint, exc)
+            self.tell_prefill(link, RoomHold(room=room, session=self.ctx.rank.session, hold_s=hold_s),
+                              f"{self.ctx.where} room {room}")
         return True
 
     def abort_when_resolved(self, addr: str, node: str, dp_rank: int | None, abort: RoomAbort) -> None:
@@ -176,7 +171,7 @@ class DecodeRooms:
                 if link is None or link.state is LinkState.RESOLVING:
                     keep.append(item)
                 elif link.state is LinkState.READY:
-                    self.abort_on_prefill(link, abort, f"{self.ctx.where} room {abort.room}")
+                    self.tell_prefill(link, abort, f"{self.ctx.where} room {abort.room}")
             self._pending_aborts = keep
 
     # --- used by the manager ------------------------------------------------------------

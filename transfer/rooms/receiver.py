@@ -371,7 +371,7 @@ class KVReceiver:
             link = self._link
             abort = RoomAbort(room=self.room, request_id=self.request_id, reason=str(error), session=ctx.rank.session)
             if notify and link is not None and link.ranks:
-                writing -= self._table.abort_on_prefill(link, abort, self.where)
+                writing -= self._table.tell_prefill(link, abort, self.where)
             elif notify and link is None:  # not looked up yet: told once it is (a failed lookup has nobody to tell)
                 self._table.abort_when_resolved(self.bootstrap_addr, self.prefill_node, self.prefill_dp_rank, abort)
             self._drain.writers_lost |= bool(writing) and not drain
