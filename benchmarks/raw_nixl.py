@@ -28,7 +28,11 @@ The progress threads' poll delay: NIXL's Python API builds every agent with
 ``pthrDelay`` 0, and its UCX progress thread then never sleeps: on a small
 machine it takes a core from the copies (measured on 2 cores: 0.3 GB/s over
 UCX_TLS=tcp with 0, 0.8-1.2 GB/s with 100 us). ``--progress-delay-us`` sets
-it on both agents (default 100; the row says which).
+it on both agents (default 100; the row says which). Their UCX backend gets
+the parameters kvferry's transport gives its own
+(:func:`transfer.transport.nixl.api.backend_params`: UCX's worker lock a
+mutex, not a spin lock), so the raw rows and kvferry's differ in the data
+path only; ``UCX_USE_MT_MUTEX=n`` in the environment spins again on both.
 """
 
 from __future__ import annotations
@@ -52,10 +56,11 @@ def make_agent(name: str, progress_delay_us: int):
     """A NIXL agent with the UCX backend and a progress thread that waits
     ``progress_delay_us`` between polls (kvferry's transport builds its own the same way)."""
     from transfer.storage.nixl.probe import import_nixl
-    from transfer.transport.nixl.api import new_agent
+    from transfer.transport.nixl.api import backend_params, new_agent
     api = import_nixl()
-    return new_agent(api, name, api.nixl_agent_config(backends=["UCX"], enable_prog_thread=True),
-                     progress_delay_us)
+    agent = new_agent(api, name, api.nixl_agent_config(backends=[], enable_prog_thread=True), progress_delay_us)
+    agent.create_backend("UCX", backend_params("UCX", {}))
+    return agent
 
 
 def _register(agent, addr: int, nbytes: int) -> None:

@@ -172,3 +172,44 @@ def test_long_descriptors_are_cut_into_max_descriptor_bytes_pieces(monkeypatch):
     finally:
         a.close()
         b.close()
+
+
+def test_a_ucx_backend_gets_a_mutex_for_its_worker_lock_unless_the_host_chose():
+    """UCX guards a worker that NIXL's progress thread shares with ours by a
+    spin lock: kvferry asks for a mutex, in the UCX plugin's
+    ``engine_config``, unless the host set it (either way); other backends
+    and other options pass unchanged."""
+    from transfer.transport.nixl.api import backend_params
+
+    assert backend_params("UCX", {}, environ={}) == {"engine_config": "USE_MT_MUTEX=y"}
+    assert backend_params("UCX", {"num_workers": 2}, environ={}) == {"num_workers": "2",
+                                                                    "engine_config": "USE_MT_MUTEX=y"}
+    assert backend_params("UCX", {"engine_config": "TLS=tcp"}, environ={}) == {
+        "engine_config": "TLS=tcp,USE_MT_MUTEX=y"}
+    assert backend_params("UCX", {"engine_config": "use_mt_mutex=n"}, environ={}) == {
+        "engine_config": "use_mt_mutex=n"}
+    assert backend_params("UCX", {}, environ={"UCX_USE_MT_MUTEX": "n"}) == {}
+    assert backend_params("LIBFABRIC", {"x": "1"}, environ={}) == {"x": "1"}
+
+
+def test_the_ucx_settings_reach_ucx(monkeypatch, capfd):
+    """What kvferry passes in ``engine_config`` is UCX's own configuration:
+    UCX's parser reads the key (a value it cannot parse, it says so and
+    keeps its default); a setting UCX cannot work with fails the agent's
+    start naming what was passed; the default starts."""
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    monkeypatch.delenv("UCX_USE_MT_MUTEX", raising=False)
+    from transfer.transport.nixl.transport import NixlTransport
+    NixlTransport(EngineConfig(backend="nixl", nixl_options={"engine_config": "USE_MT_MUTEX=sometimes"})).close()
+    said = capfd.readouterr()
+    assert "Invalid value for USE_MT_MUTEX: 'sometimes'" in said.out + said.err  # UCX logs to stdout
+    with pytest.raises(TransferError, match="engine_config.*TLS=no_such_transport,USE_MT_MUTEX=y"):
+        NixlTransport(EngineConfig(backend="nixl", nixl_options={"engine_config": "TLS=no_such_transport"}))
+    transport = NixlTransport(EngineConfig(backend="nixl"))
+    try:
+        assert transport.params == {"engine_config": "USE_MT_MUTEX=y"}
+        assert "engine_config=USE_MT_MUTEX=y" in transport.describe()
+        said = capfd.readouterr()
+        assert "Invalid value" not in said.out + said.err
+    finally:
+        transport.close()

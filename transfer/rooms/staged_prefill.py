@@ -4,8 +4,8 @@
 
 Prefill, per part (a run of a chunk's pages for one decode rank)::
 
-    local staging region free  ->  StageRequest to decode
-    StageGrant                 ->  gather into local staging, write it to decode's region
+    StageRequest to decode
+    StageGrant, a local staging region free  ->  gather into it, write it to decode's region
     write landed               ->  ChunkStaged to decode; the part counts as done
 
 A part whose request came with a region of decode's staging for the whole
@@ -22,6 +22,17 @@ own, gathered into a local region of its size first unless direct: written
 to its layers' places in the part's slot of the room's region, or packed in
 a region of its own that it asks for. Its ChunkStaged names the group's
 layers, and decode scatters those while the forward pass goes on.
+
+A part takes a local region only once it holds decode's (its grant, or the
+room's region granted with the request), and parts holding decode's region
+take local ones first, in order: every local region then belongs to a part
+that can finish, so the two staging buffers never wait on each other. (Taken
+the other way round, parts holding every local region waited for grants
+while decode's staging was all granted with requests to rooms whose parts
+waited for a local region: 64 concurrent rooms of 16 MiB each hung so.)
+Parts waiting for a grant hold nothing here; the bytes they asked for are
+capped at the local staging's size, so decode's regions do not sit granted
+for parts that have no local region in sight.
 
 A part's local region is freed when its write ended (or, for a room that
 failed, when no write reads it); a part of a failed room counts as done.
@@ -79,8 +90,10 @@ class StagedPart:
     spec: PartSpec
     ready: object = None
     local_offset: int = -1
-    #: where the part stands, for a failure's message: queued, asked, writing, ended (since ``since``)
+    #: where the part stands, for a failure's message: queued, asked, granted (decode's region, waiting
+    #: for a local one), writing, ended (since ``since``)
     stage: str = "queued"
+    remote_offset: int = -1  # decode's region, once granted
     since: float = field(default_factory=time.monotonic)
     handle: object = None  # the transport's handle of its write
 
@@ -99,6 +112,9 @@ class PrefillStaging:
         self._waiting: collections.deque[StagedPart] = collections.deque()
         self._waiter = ReadyWaiter("kvferry-ready")
         self._granting: dict[tuple[int, int, int], StagedPart] = {}
+        self._asked_bytes = 0  # local staging that the parts in _granting will need
+        #: parts holding decode's region, waiting for a local one (served before anything else)
+        self._local: collections.deque[StagedPart] = collections.deque()
         self._gated: set[StagedPart] = set()  # waiting for their ready gate
 
     def submit(self, sender: StagedSender, specs, ready=None) -> list[StagedPart]:
@@ -124,9 +140,11 @@ class PrefillStaging:
             (f" of layers {dict((r.value, list(ls)) for r, ls in spec.layers.items() if ls)})"
              if spec.layers is not None else ")")
         if part.stage == "queued":
-            return f"{what}: waiting {age} for its ready event or a local staging region"
+            return f"{what}: waiting {age} for its ready event or its turn to ask decode for a staging region"
         if part.stage == "asked":
             return f"{what}: asked decode for a staging region {age} ago, no grant yet"
+        if part.stage == "granted":
+            return f"{what}: granted decode's region {age} ago, waiting for a local staging region"
         if part.stage == "writing" and part.handle is not None:
             return f"{what}: {self.ctx.transport.describe_job(part.handle)}"
         return f"{what}: {part.stage} {age} ago"
@@ -149,27 +167,32 @@ class PrefillStaging:
             part.sender.on_chunk_done(TransferError(f"{part.sender.where}: staging part {part.spec.part}: {error}"))
 
     def pump(self) -> None:
-        """Give free local staging to waiting parts, in order, and ask decode
-        for a region (or write at once into the one the request granted)."""
-        granted = []
+        """Start the waiting parts: a part with decode's region already
+        (granted with the request) is ready to write, whatever waits before
+        it; the others ask decode for one in order, holding nothing here,
+        while the bytes asked for fit the local staging. Then give free local
+        staging to the parts that hold decode's region, in order; write
+        those ready."""
+        ready = []
         with self.ctx.lock:
-            while self._waiting:
-                part = self._waiting[0]
+            # what on_chunk_done queues meanwhile (a re-entrant call) waits behind these
+            pending, self._waiting = self._waiting, collections.deque()
+            still: collections.deque[StagedPart] = collections.deque()
+            for part in pending:
                 if part.sender.terminal:
-                    self._waiting.popleft()
                     part.move("ended")
                     part.sender.on_chunk_done(None)  # counts as done for a failed room
                     continue
-                spec = part.spec
-                offset = -1 if spec.direct else self.ctx.staging.area.alloc(spec.write_bytes)
-                if offset is None:
-                    break
-                self._waiting.popleft()
-                part.local_offset = offset
-                req = spec.req
-                if spec.granted >= 0:
-                    granted.append(part)
+                spec, req = part.spec, part.spec.req
+                if spec.granted >= 0:  # past any part that must wait to ask: its region may be what they wait for
+                    self._has_region(part, spec.granted, ready)
                     continue
+                need = 0 if spec.direct else spec.write_bytes
+                if still or (need and self._asked_bytes and
+                             self._asked_bytes + need > self.ctx.staging.area.nbytes):
+                    still.append(part)  # asks go in order
+                    continue
+                self._asked_bytes += need
                 self._granting[(part.sender.room, req.request_id, spec.part)] = part
                 part.move("asked")
                 try:
@@ -177,15 +200,49 @@ class PrefillStaging:
                         room=part.sender.room, request_id=req.request_id, prefill_tp_rank=self.ctx.rank.tp_rank,
                         prefill_endpoint=self.ctx.rank.control_endpoint, part=spec.part, nbytes=spec.region_bytes))
                 except KVFerryError as exc:
-                    self._finish(part, exc)
-        for part in granted:
-            self._write(part, part.spec.granted)
+                    self._granting.pop((part.sender.room, req.request_id, spec.part), None)
+                    self._asked_bytes -= need
+                    self._finish(part, exc, pump=False)
+            still.extend(self._waiting)
+            self._waiting = still
+            while self._local:
+                part = self._local[0]
+                if part.sender.terminal:
+                    self._local.popleft()
+                    part.move("ended")
+                    part.sender.on_chunk_done(None)
+                    continue
+                offset = self.ctx.staging.area.alloc(part.spec.write_bytes)
+                if offset is None:
+                    break
+                self._local.popleft()
+                part.local_offset = offset
+                ready.append(part)
+        for part in ready:
+            self._write(part, part.remote_offset)
+
+    def _has_region(self, part: StagedPart, remote_offset: int, ready: list) -> None:
+        """``part`` holds decode's region at ``remote_offset``: ready to write
+        when direct, else in line for a local region (under ``ctx.lock``)."""
+        part.remote_offset = remote_offset
+        if part.spec.direct:
+            ready.append(part)
+        else:
+            part.move("granted")
+            self._local.append(part)
 
     def on_grant(self, grant: StageGrant) -> None:
+        ready = []
         with self.ctx.lock:
             part = self._granting.pop((grant.room, grant.request_id, grant.part), None)
-        if part is not None:
-            self._write(part, grant.offset)
+            if part is None:
+                return
+            if not part.spec.direct:
+                self._asked_bytes -= part.spec.write_bytes
+            self._has_region(part, grant.offset, ready)
+        for p in ready:
+            self._write(p, p.remote_offset)
+        self.pump()
 
     def _write(self, part: StagedPart, remote_offset: int) -> None:
         """Gather the part (unless direct) and write it to ``remote_offset``
@@ -247,12 +304,15 @@ class PrefillStaging:
             stale = [k for k, p in self._granting.items() if p.sender is sender]
             for key in stale:
                 part = self._granting.pop(key)
-                self._finish(part, None)
-            waiting = [p for p in self._waiting if p.sender is sender]
-            for part in waiting:
-                self._waiting.remove(part)
-                part.move("ended")
-                sender.on_chunk_done(None)
+                if not part.spec.direct:
+                    self._asked_bytes -= part.spec.write_bytes
+                self._finish(part, None, pump=False)
+            for queue in (self._waiting, self._local):
+                for part in [p for p in queue if p.sender is sender]:
+                    queue.remove(part)
+                    part.move("ended")
+                    sender.on_chunk_done(None)
+        self.pump()
 
     def _landed(self, part: StagedPart, remote_offset: int, error) -> None:
         spec = part.spec
@@ -267,14 +327,15 @@ class PrefillStaging:
                 error = exc
         self._finish(part, error)
 
-    def _finish(self, part: StagedPart, error, *, notify: bool = True) -> None:
+    def _finish(self, part: StagedPart, error, *, notify: bool = True, pump: bool = True) -> None:
         part.move("ended")
         if part.local_offset >= 0:
             self.ctx.staging.area.free(part.local_offset, part.spec.write_bytes)
             part.local_offset = -1
         if notify:
             part.sender.on_chunk_done(error)
-        self.pump()
+        if pump:
+            self.pump()
 
 
 def _room_layers(spec: PartSpec, pools) -> tuple[int, ...]:

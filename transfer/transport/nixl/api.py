@@ -1,6 +1,7 @@
 """How kvferry reaches NIXL: the package import (the transport and the
 ``nixl://`` store both find NIXL through :func:`find_nixl`), and agents whose
-progress thread does not spin. Importing this module does not import NIXL.
+progress thread does not spin, nor its UCX worker lock
+(:func:`backend_params`). Importing this module does not import NIXL.
 
 UCX's EFA module (AWS Elastic Fabric Adapter) is left out on hosts without
 an EFA device (``UCX_MODULES=^efa``, unless ``UCX_MODULES`` is set): NIXL's
@@ -43,6 +44,36 @@ def new_agent(api, name: str, agent_config, progress_delay_us: int):
             return api.nixl_agent(name, agent_config)
         finally:
             bindings.nixlAgent = real
+
+
+#: UCX settings (``ucp_config`` keys, without the ``UCX_`` prefix) that
+#: kvferry's UCX agents start with unless the host set them (the variable
+#: ``UCX_<KEY>``, or the key in ``nixl_options``' ``engine_config``).
+#: ``USE_MT_MUTEX``: UCX guards a worker shared by threads (NIXL's progress
+#: thread and the thread that posts and polls) with a spin lock; a thread that
+#: waits for it spins on a core the other needs. Measured on 2 cores, UCX over
+#: TCP (docs/performance.md): a fifth to a quarter of both processes' CPU in
+#: ``pthread_spin_lock``, for kvferry and raw NIXL alike; with a mutex none,
+#: and 8k-token requests moved 20-40% faster.
+UCX_DEFAULTS: tuple[tuple[str, str], ...] = (("USE_MT_MUTEX", "y"),)
+
+
+def backend_params(backend: str, options, environ=os.environ) -> dict[str, str]:
+    """The initialization parameters of a NIXL ``backend``: ``options``
+    unchanged, and for ``UCX`` :data:`UCX_DEFAULTS` appended to its
+    ``engine_config`` (comma-separated ``KEY=VALUE``, read by NIXL's UCX
+    plugin into the context's UCX configuration) where neither that nor the
+    environment sets them."""
+    params = {str(k): str(v) for k, v in dict(options).items()}
+    if backend != "UCX":
+        return params
+    given = params.get("engine_config", "")
+    keys = {item.partition("=")[0].strip().upper() for item in given.split(",") if item.strip()}
+    extra = [f"{key}={value}" for key, value in UCX_DEFAULTS
+             if key not in keys and f"UCX_{key}" not in environ]
+    if extra:
+        params["engine_config"] = ",".join([given, *extra] if given else extra)
+    return params
 
 
 def skip_idle_efa(environ=os.environ, sysfs: str = "/sys/class/infiniband") -> bool:

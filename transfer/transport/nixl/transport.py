@@ -1,6 +1,7 @@
 """The NIXL transport: kvferry's data path on a NIXL agent (UCX by default;
 any NIXL network plugin by ``EngineConfig.nixl_backend``, with
-``nixl_options`` passed to it unchanged). It keeps the contract of
+``nixl_options`` its parameters, to which a UCX backend gets kvferry's UCX
+defaults, :func:`~transfer.transport.nixl.api.backend_params`). It keeps the contract of
 :mod:`transfer.transport.base`; docs/transports.md says when to use it.
 
 One agent per transport, no listener thread (it binds every interface and
@@ -45,7 +46,7 @@ from transfer.config import EngineConfig
 from transfer.errors import TransferError
 from transfer.plan import TransferPlan, split_entries
 from transfer.transport.base import DoneCallback
-from transfer.transport.nixl.api import import_api, new_agent
+from transfer.transport.nixl.api import backend_params, import_api, new_agent
 from transfer.transport.nixl.peers import PeerRegions, decode_metadata, encode_metadata
 from transfer.transport.worker import PollingWorker, close_at_exit, closed_error, gate_state, run_callback
 
@@ -118,6 +119,8 @@ class NixlTransport:
         #: what peers pass as ``peer``: ``host:agent`` (the host part is what peer_check compares)
         self.session = f"{config.hostname}:{self.name}"
         self.backend = config.nixl_backend
+        #: the backend's initialization parameters
+        self.params = backend_params(self.backend, config.nixl_options)
         try:
             agent_config = api.nixl_agent_config(
                 enable_prog_thread=True, enable_listen_thread=False, backends=[],
@@ -126,12 +129,12 @@ class NixlTransport:
             if self.backend not in self._agent.get_plugin_list():
                 raise TransferError(f"this NIXL build has no {self.backend} plugin "
                                     f"(it has {', '.join(self._agent.get_plugin_list())})")
-            self._agent.create_backend(self.backend, dict(config.nixl_options))
+            self._agent.create_backend(self.backend, self.params)
         except TransferError:
             raise
         except Exception as exc:  # NIXL raises its own exception types
             raise TransferError(f"cannot start a NIXL agent with the {self.backend} backend "
-                                f"(options {dict(config.nixl_options)}): {type(exc).__name__}: {exc}") from exc
+                                f"(options {self.params}): {type(exc).__name__}: {exc}") from exc
         self._lock = threading.Lock()
         self._registered: dict[int, int] = {}  # addr -> nbytes
         self._peers: dict[str, _Peer] = {}
@@ -149,7 +152,7 @@ class NixlTransport:
 
     def describe(self) -> str:
         """The transport in use, in words (for one log line)."""
-        options = ", ".join(f"{k}={v}" for k, v in self.config.nixl_options)
+        options = ", ".join(f"{k}={v}" for k, v in sorted(self.params.items()))
         return f"NIXL {self.backend}{f' ({options})' if options else ''} (agent {self.name})"
 
     # --- memory and peers -------------------------------------------------------
