@@ -148,42 +148,77 @@ def test_arenas_retire_replace_and_never_reuse_a_poisoned_range():
     assert min(live) >= 40 and registered[-1][0] >= base + 40 * arena_bytes
 
 
-def test_rooms_granted_with_their_requests_never_wait_behind_rooms_asking_for_staging(cluster):
-    """Decode's staging fits two rooms and goes to the first two requests
-    (granted with them); prefill gathers through a staging that fits two
-    parts and sends the two other rooms first. Their parts ask decode for a
-    region holding nothing on prefill, so the granted rooms take prefill's
-    staging, land, free decode's, and the asking rooms then get theirs:
-    every room lands byte-exact. (Prefill's staging taken before the grant
-    hung all four until the transfer timeout: 64 concurrent 128-token rooms
-    on NIXL did so.)"""
-    page = 1 << 10  # 2 layers x K/V x 4 tokens x 2 heads x 16 x bf16
-    pages = 8
-    room_bytes = pages * page
-    prefill = cluster.rank(Role.PREFILL, staging_bytes=2 * room_bytes, stage_part_bytes=room_bytes,
-                           stage_below_bytes=1 << 30)
-    decode = cluster.rank(Role.DECODE, staging_bytes=2 * room_bytes, stage_part_bytes=room_bytes,
-                          stage_below_bytes=1 << 30)
-    assert decode.mgr.rank.fenced
-    rng = np.random.default_rng(64)
-    order = rng.permutation(NUM_PAGES)
-    rooms = {}
-    for i, room in enumerate(range(70, 74)):
-        src, dst = order[i * pages:(i + 1) * pages], order[32 + i * pages:32 + (i + 1) * pages]
+PAGE_BYTES = 1 << 10  # 2 layers x K/V x 4 tokens x 2 heads x 16 x bf16
+ROOM_PAGES = 4
+
+
+def _open_rooms(prefill, decode, rooms) -> dict:
+    """room -> (sender, receiver, src, dst): decode asked for each room in
+    order (ROOM_PAGES scattered pages), prefill took each up, nothing sent."""
+    order = np.random.default_rng(64).permutation(NUM_PAGES)
+    opened = {}
+    for i, room in enumerate(rooms):
+        src = order[i * ROOM_PAGES:(i + 1) * ROOM_PAGES]
+        dst = order[NUM_PAGES // 2 + i * ROOM_PAGES:NUM_PAGES // 2 + (i + 1) * ROOM_PAGES]
         receiver = KVReceiver(decode.mgr, prefill.mgr.config.bootstrap_addr, room)
         receiver.init(dst, 2)
-        sender = KVSender(prefill.mgr, None, room)
-        rooms[room] = (sender, receiver, src, dst)
-    for sender, _, src, _ in rooms.values():
+        opened[room] = (KVSender(prefill.mgr, None, room), receiver, src, dst)
+    for sender, _, src, _ in opened.values():
         wait_until(prefill.mgr, lambda s=sender: s.poll() is KVPoll.WaitingForInput, what="decode's request")
         sender.init(len(src), 1)
-    for room in (72, 73, 70, 71):  # the rooms without a region first
-        sender, _, src, _ = rooms[room]
+    return opened
+
+
+def _send_and_land(prefill, decode, rooms: dict) -> None:
+    """Send each of ``rooms`` whole, in order; each lands byte-exact in one part."""
+    for sender, _, src, _ in rooms.values():
         sender.send(src, last=True)
     wait_until(decode.mgr, lambda: all(r.poll() in (KVPoll.Success, KVPoll.Failed) for _, r, _, _ in rooms.values()),
-               timeout_s=8.0, what="every room terminal")
+               timeout_s=8.0, what="the rooms terminal")
     for room, (sender, receiver, src, dst) in rooms.items():
         wait_until(prefill.mgr, lambda s=sender: s.poll() in (KVPoll.Success, KVPoll.Failed), what="prefill done")
         assert (sender.poll(), receiver.poll()) == (KVPoll.Success, KVPoll.Success), (room, receiver.stats())
         assert decode.page_bytes(dst) == prefill.page_bytes(src), room
         assert receiver.stats().num_parts == 1  # one part a room: each needs one region on each side
+
+
+def test_rooms_granted_with_their_requests_never_wait_behind_rooms_asking_for_staging(cluster, monkeypatch):
+    """Decode's staging fits two rooms and, as a decode without the cap on
+    such grants would, gives it all to the first two requests; prefill
+    gathers through a staging that fits two parts and sends the two other
+    rooms first. Their parts ask decode for a region holding nothing on
+    prefill, so the granted rooms take prefill's staging, land, free
+    decode's, and the asking rooms then get theirs: every room lands
+    byte-exact. (Prefill's staging taken before the grant hung all four
+    until the transfer timeout: 64 concurrent 128-token rooms on NIXL did so.)"""
+    monkeypatch.setattr("transfer.rooms.staged_decode.PREGRANT_SHARE", 1.0)
+    room_bytes = ROOM_PAGES * PAGE_BYTES
+    prefill = cluster.rank(Role.PREFILL, staging_bytes=2 * room_bytes, stage_part_bytes=room_bytes,
+                           stage_below_bytes=1 << 30)
+    decode = cluster.rank(Role.DECODE, staging_bytes=2 * room_bytes, stage_part_bytes=room_bytes,
+                          stage_below_bytes=1 << 30)
+    assert decode.mgr.rank.fenced
+    rooms = _open_rooms(prefill, decode, range(70, 74))
+    _send_and_land(prefill, decode, {room: rooms[room] for room in (72, 73, 70, 71)})  # the rooms without a region first
+
+
+def test_regions_granted_with_requests_leave_half_the_staging_to_rooms_prefill_computed(cluster):
+    """Decode's staging fits four rooms; six requests come, and prefill
+    computes the last two first (the first four wait in its scheduler, say
+    behind a full KV cache). Regions granted with requests hold only half
+    the staging, so the two computed rooms find room to ask for and land
+    while the first four are still unsent; then those land too. (Granting
+    every request a region while it fits gave the first four the whole
+    staging: the computed rooms waited for regions that only rooms prefill
+    could not compute yet would free.)"""
+    room_bytes = ROOM_PAGES * PAGE_BYTES
+    prefill = cluster.rank(Role.PREFILL, staging_bytes=4 * room_bytes, stage_part_bytes=room_bytes,
+                           stage_below_bytes=1 << 30)
+    decode = cluster.rank(Role.DECODE, staging_bytes=4 * room_bytes, stage_part_bytes=room_bytes,
+                          stage_below_bytes=1 << 30)
+    rooms = _open_rooms(prefill, decode, range(80, 86))
+    staging = decode.mgr.rooms.staging
+    assert sum(1 for room in range(80, 86) if "1 room region(s) granted with the request"
+               in staging.describe(room, rooms[room][1].request_id)) == 2
+    _send_and_land(prefill, decode, {room: rooms[room] for room in (84, 85)})
+    _send_and_land(prefill, decode, {room: rooms[room] for room in range(80, 84)})

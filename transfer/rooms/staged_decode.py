@@ -5,7 +5,11 @@ A StageRequest gets a region of the staging buffer (FIFO when it is full);
 ChunkStaged scatters the region into the request's pages and frees it. A
 fenced rank grants a room's whole region with its request instead, when it
 fits (:meth:`DecodeStaging.pregrant`): the room's parts land in it without
-asking, and it is freed when the room ends. A layer-wise send's ChunkStaged
+asking, and it is freed when the room ends. Regions granted with requests
+hold at most half the staging (``PREGRANT_SHARE``): a request can come long
+before prefill computes its room (behind a full prefill scheduler), and the
+rooms prefill did compute must still find room to ask for, or both
+schedulers wait on each other until the transfer timeout. A layer-wise send's ChunkStaged
 names a layer group (``ChunkStaged.layers``): only those layers of the part
 are scattered, from their places in the part's slot of the room's region,
 or packed one after the other in a region of their own (then freed as any
@@ -42,6 +46,9 @@ from transfer.state_pools import state_rows
 
 log = logging.getLogger("kvferry.staging")
 
+#: the share of the staging that regions granted with requests may hold together
+PREGRANT_SHARE = 0.5
+
 
 class StagedReceiver(Protocol):
     """What the flow needs of the room a part lands for (a
@@ -75,20 +82,26 @@ class DecodeStaging:
         self._granted: dict[tuple[int, int], dict[tuple[int, int], tuple[int, int]]] = {}
         # (room, request id) -> prefill TP rank -> (offset, nbytes): a room's region granted with its request
         self._pregranted: dict[tuple[int, int], dict[int, tuple[int, int]]] = {}
+        self._pregranted_bytes = 0
         self._quarantine: list[tuple[float, int, int]] = []
 
     def pregrant(self, room: int, request_id: int, tp_rank: int, nbytes: int) -> int:
         """A region of ``nbytes`` for everything prefill rank ``tp_rank``
         sends of a room, granted with its request: its offset, or -1 when
         the staging has no room for it (or it is larger than a region can
-        be; its parts then ask one by one). Under ``ctx.lock``."""
+        be, or the regions granted with requests would hold more than
+        ``PREGRANT_SHARE`` of it; its parts then ask one by one). Under
+        ``ctx.lock``."""
         area = self.ctx.staging.area
         if not 0 < nbytes <= area.max_region_bytes or self._queue:  # waiting requests go first
+            return -1
+        if self._pregranted_bytes + nbytes > PREGRANT_SHARE * area.nbytes:
             return -1
         offset = area.alloc(nbytes)
         if offset is None:
             return -1
         self._pregranted.setdefault((room, request_id), {})[tp_rank] = (offset, nbytes)
+        self._pregranted_bytes += nbytes
         return offset
 
     def describe(self, room: int, request_id: int) -> str:
@@ -192,7 +205,9 @@ class DecodeStaging:
         area, fenced = self.ctx.staging.area, self.ctx.staging.fenced
         with self.ctx.lock:
             regions = list(self._granted.pop((room, request_id), {}).values())
-            regions += self._pregranted.pop((room, request_id), {}).values()
+            pregranted = list(self._pregranted.pop((room, request_id), {}).values())
+            self._pregranted_bytes -= sum(nbytes for _, nbytes in pregranted)
+            regions += pregranted
             for offset, nbytes in regions:
                 if not fenced:
                     self._quarantine.append((time.monotonic() + self.quarantine_s, offset, nbytes))
