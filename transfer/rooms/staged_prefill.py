@@ -163,8 +163,8 @@ class PrefillStaging:
                 self._queue(parts)
                 return
         for part in parts:
-            part.move("ended")
-            part.sender.on_chunk_done(TransferError(f"{part.sender.where}: staging part {part.spec.part}: {error}"))
+            self._finish(part, TransferError(f"{part.sender.where}: staging part {part.spec.part}: {error}"),
+                         pump=False)
 
     def pump(self) -> None:
         """Start the waiting parts: a part with decode's region already
@@ -180,27 +180,27 @@ class PrefillStaging:
             still: collections.deque[StagedPart] = collections.deque()
             for part in pending:
                 if part.sender.terminal:
-                    part.move("ended")
-                    part.sender.on_chunk_done(None)  # counts as done for a failed room
+                    self._finish(part, None, pump=False)  # counts as done for a failed room
                     continue
                 spec, req = part.spec, part.spec.req
                 if spec.granted >= 0:  # past any part that must wait to ask: its region may be what they wait for
                     self._has_region(part, spec.granted, ready)
                     continue
-                need = 0 if spec.direct else spec.write_bytes
+                need = _local_bytes(spec)
                 if still or (need and self._asked_bytes and
                              self._asked_bytes + need > self.ctx.staging.area.nbytes):
                     still.append(part)  # asks go in order
                     continue
+                key = (part.sender.room, req.request_id, spec.part)
                 self._asked_bytes += need
-                self._granting[(part.sender.room, req.request_id, spec.part)] = part
+                self._granting[key] = part  # before the request goes: its grant finds the part
                 part.move("asked")
                 try:
                     self.ctx.channel.send(req.decode_endpoint, StageRequest(
                         room=part.sender.room, request_id=req.request_id, prefill_tp_rank=self.ctx.rank.tp_rank,
                         prefill_endpoint=self.ctx.rank.control_endpoint, part=spec.part, nbytes=spec.region_bytes))
                 except KVFerryError as exc:
-                    self._granting.pop((part.sender.room, req.request_id, spec.part), None)
+                    del self._granting[key]
                     self._asked_bytes -= need
                     self._finish(part, exc, pump=False)
             still.extend(self._waiting)
@@ -209,8 +209,7 @@ class PrefillStaging:
                 part = self._local[0]
                 if part.sender.terminal:
                     self._local.popleft()
-                    part.move("ended")
-                    part.sender.on_chunk_done(None)
+                    self._finish(part, None, pump=False)
                     continue
                 offset = self.ctx.staging.area.alloc(part.spec.write_bytes)
                 if offset is None:
@@ -219,7 +218,7 @@ class PrefillStaging:
                 part.local_offset = offset
                 ready.append(part)
         for part in ready:
-            self._write(part, part.remote_offset)
+            self._write(part)
 
     def _has_region(self, part: StagedPart, remote_offset: int, ready: list) -> None:
         """``part`` holds decode's region at ``remote_offset``: ready to write
@@ -237,20 +236,19 @@ class PrefillStaging:
             part = self._granting.pop((grant.room, grant.request_id, grant.part), None)
             if part is None:
                 return
-            if not part.spec.direct:
-                self._asked_bytes -= part.spec.write_bytes
+            self._asked_bytes -= _local_bytes(part.spec)
             self._has_region(part, grant.offset, ready)
         for p in ready:
-            self._write(p, p.remote_offset)
+            self._write(p)
         self.pump()
 
-    def _write(self, part: StagedPart, remote_offset: int) -> None:
-        """Gather the part (unless direct) and write it to ``remote_offset``
-        of its decode rank's staging."""
+    def _write(self, part: StagedPart) -> None:
+        """Gather the part (unless direct) and write it to its region of its
+        decode rank's staging (``part.remote_offset``)."""
         if part.sender.terminal:
             self._finish(part, None)
             return
-        spec = part.spec
+        spec, remote_offset = part.spec, part.remote_offset
         try:
             peer = self.peers[spec.req.decode_session]
             arena = peer.staging.arena_size
@@ -270,7 +268,7 @@ class PrefillStaging:
             return
         part.move("writing")
         part.handle = self.ctx.transport.submit(spec.req.decode_session, plan,
-                                                lambda err, p=part, off=remote_offset: self._landed(p, off, err),
+                                                lambda err, p=part: self._landed(p, err),
                                                 ready=None)
 
     def _gathered(self, part: StagedPart, dst_addr: int) -> TransferPlan:
@@ -299,29 +297,26 @@ class PrefillStaging:
         with self.ctx.lock:
             for part in [p for p in self._gated if p.sender is sender]:  # never read now: done
                 self._gated.remove(part)
-                part.move("ended")
-                sender.on_chunk_done(None)
+                self._finish(part, None, pump=False)
             stale = [k for k, p in self._granting.items() if p.sender is sender]
             for key in stale:
                 part = self._granting.pop(key)
-                if not part.spec.direct:
-                    self._asked_bytes -= part.spec.write_bytes
+                self._asked_bytes -= _local_bytes(part.spec)
                 self._finish(part, None, pump=False)
             for queue in (self._waiting, self._local):
                 for part in [p for p in queue if p.sender is sender]:
                     queue.remove(part)
-                    part.move("ended")
-                    sender.on_chunk_done(None)
+                    self._finish(part, None, pump=False)
         self.pump()
 
-    def _landed(self, part: StagedPart, remote_offset: int, error) -> None:
+    def _landed(self, part: StagedPart, error) -> None:
         spec = part.spec
         if error is None:
             part.sender.on_part_landed(spec)
             try:
                 self.ctx.channel.send(spec.req.decode_endpoint, ChunkStaged(
                     room=part.sender.room, request_id=spec.req.request_id, prefill_tp_rank=self.ctx.rank.tp_rank,
-                    part=spec.part, offset=remote_offset, nbytes=spec.region_bytes, page_start=spec.page_start,
+                    part=spec.part, offset=part.remote_offset, nbytes=spec.region_bytes, page_start=spec.page_start,
                     num_pages=len(spec.src_pages), state=spec.state, layers=_room_layers(spec, self.ctx.rank.pools)))
             except KVFerryError as exc:
                 error = exc
@@ -336,6 +331,11 @@ class PrefillStaging:
             part.sender.on_chunk_done(error)
         if pump:
             self.pump()
+
+
+def _local_bytes(spec: PartSpec) -> int:
+    """The local staging a part is gathered into before its write (0: written from the pools)."""
+    return 0 if spec.direct else spec.write_bytes
 
 
 def _room_layers(spec: PartSpec, pools) -> tuple[int, ...]:
