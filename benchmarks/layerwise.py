@@ -25,7 +25,8 @@ where an engine on a GPU would hand them over at launch with an event).
 The figure is decode's **exposed transfer time** per room (from prefill's
 last ``send()``, the end of the forward, to decode's ``Success``; the
 ``exposed_transfer_s`` of its room stats), and the modelled TTFT: forward
-plus exposed transfer. Real processes, the real engines (Mooncake over TCP,
+plus exposed transfer; the table adds each batch's exposed transfer and
+the best cut the link allows (:func:`best_cut`). Real processes, the real engines (Mooncake over TCP,
 NIXL over UCX), real KV sizes of the stated models; bytes not verified (the
 suites do that).
 
@@ -78,7 +79,9 @@ def run_cell(model: str, tokens: int, concurrency: int, mode: str, transport: st
     per_layer = layer_s(model, tokens, concurrency)  # a batch of `concurrency` prompts computes together
     spec = Spec(bootstrap="", prefill_pools=(pool,), decode_pools=(pool,), num_rooms=rooms + 1,
                 concurrency=concurrency, min_tokens=tokens, max_tokens=tokens, page_size=PAGE,
-                prefill_pages=pages * concurrency + 8, decode_pages=pages * concurrency + 8,
+                # prefill only reads its pages: every room draws a run of one room-sized pool (so 8 concurrent
+                # 8k Llama rooms fit this machine); decode writes every concurrent room into pages of its own
+                prefill_pages=pages + 8, decode_pages=pages * concurrency + 8,
                 page_placement="contiguous", layer_groups=GROUPS if mode == "layerwise" else 0,
                 forward_layer_s=per_layer, fill="constant", verify=False, warmup_rooms=1, timeout_s=120,
                 busy_step_s=BUSY_STEP_S if sched == "busy" else 0.0, forward_handover=handover)
@@ -106,9 +109,50 @@ def run_cell(model: str, tokens: int, concurrency: int, mode: str, transport: st
             "gib": round(tokens * pool_bytes_per_token(pool) / 2**30, 3), "rooms": len(exposed)}
 
 
+def best_cut(whole_ms: float, forward_ms: float, groups: int = GROUPS) -> float:
+    """The largest cut of a batch's exposed transfer (:func:`batch_ms`)
+    that streaming can reach at the rate the whole-request send moved the
+    batch (``whole_ms`` for all its bytes): at best the last group still
+    crosses after the forward (``whole_ms / groups``), and what the link
+    cannot move during the forward (``whole_ms - forward_ms``) is exposed
+    however the rooms are streamed."""
+    if whole_ms <= 0:
+        return 0.0
+    return 1 - max(whole_ms / groups, whole_ms - forward_ms) / whole_ms
+
+
+def batch_ms(row: dict) -> float:
+    """The exposed transfer of a batch's last room: the p50 where each room
+    is a batch of its own, the slowest room where ``concurrency`` rooms are
+    computed and sent together (the time the link took for all of them)."""
+    return row["exposed_p50_ms"] if row["concurrency"] == 1 else row["exposed_max_ms"]
+
+
+def cut(whole_ms: float, layerwise_ms: float) -> float:
+    return 1 - layerwise_ms / whole_ms if whole_ms else 0.0
+
+
 def pool_bytes_per_token(pool: PoolSpec) -> int:
     per_layer = pool.head_dim * 2 if pool.attention == "mla" else 2 * pool.total_heads * pool.head_dim * 2
     return per_layer * pool.num_layers
+
+
+def table(rows: list[dict]) -> list[str]:
+    """The markdown table of whole / layer-wise pairs (rows as ``main``
+    writes them: each whole row followed by its layer-wise row)."""
+    lines = ["| model | tokens | concurrent | transport | fence | scheduler | handover | forward ms (modelled) | "
+             "exposed p50 ms whole | layer-wise | cut | batch's exposed ms whole | layer-wise | cut | best cut | "
+             "TTFT ms whole | layer-wise |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for whole, lw in zip(rows[::2], rows[1::2]):
+        w_batch, l_batch = batch_ms(whole), batch_ms(lw)
+        lines.append(
+            f"| {whole['model']} | {whole['tokens']} | {whole['concurrency']} | {whole['transport']} | "
+            f"{'on' if whole['fence'] else 'off'} | {whole['sched']} | {whole.get('handover', 'due')} | {whole['forward_ms']} | "
+            f"{whole['exposed_p50_ms']} | {lw['exposed_p50_ms']} | {cut(whole['exposed_p50_ms'], lw['exposed_p50_ms']):.0%} | "
+            f"{w_batch} | {l_batch} | {cut(w_batch, l_batch):.0%} | {best_cut(w_batch, whole['forward_ms']):.0%} | "
+            f"{whole['ttft_ms']} | {lw['ttft_ms']} |")
+    return lines
 
 
 CELLS = [("llama8b", 1024, 1), ("llama8b", 8192, 1), ("llama8b", 1024, 8), ("deepseek", 1024, 1),
@@ -124,7 +168,12 @@ def main(argv=None) -> int:
     ap.add_argument("--cells", default="", help="model:tokens:concurrent,... (default: all of CELLS)")
     ap.add_argument("--handover", default="due", help="due, launch, or both: due,launch (see the module docstring)")
     ap.add_argument("--out", default="")
+    ap.add_argument("--table", default="", metavar="JSON", help="print the table of a run's --out file and exit")
     args = ap.parse_args(argv)
+    if args.table:
+        with open(args.table) as f:
+            print("\n".join(table(json.load(f)["rows"])))
+        return 0
     cells = CELLS if not args.cells else \
         [(m, int(t), int(c)) for m, t, c in (cell.split(":") for cell in args.cells.split(","))]
     rows = []
@@ -139,14 +188,7 @@ def main(argv=None) -> int:
                             row["load"] = round(os.getloadavg()[0], 1)
                             rows.append(row)
                             print(json.dumps(row), flush=True)
-    print("\n| model | tokens | concurrent | transport | fence | scheduler | handover | forward ms (modelled) | "
-          "exposed p50 ms whole | layer-wise | cut | TTFT ms whole | layer-wise |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for whole, lw in zip(rows[::2], rows[1::2]):
-        cut = 1 - lw["exposed_p50_ms"] / whole["exposed_p50_ms"] if whole["exposed_p50_ms"] else 0.0
-        print(f"| {whole['model']} | {whole['tokens']} | {whole['concurrency']} | {whole['transport']} | "
-              f"{'on' if whole['fence'] else 'off'} | {whole['sched']} | {whole['handover']} | {whole['forward_ms']} | "
-              f"{whole['exposed_p50_ms']} | {lw['exposed_p50_ms']} | {cut:.0%} | {whole['ttft_ms']} | {lw['ttft_ms']} |")
+    print("\n" + "\n".join(table(rows)))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"when": time.strftime("%Y-%m-%d %H:%M"), "groups": GROUPS, "busy_step_s": BUSY_STEP_S,
