@@ -74,6 +74,12 @@ class EngineConfig:
     rate of 4 MiB ones).
     ``progress_timeout_s`` bounds how long an
     outstanding descriptor can hang on a stalled peer.
+    ``max_inflight_bytes_per_peer`` caps the bytes kvferry has handed the
+    engine (Mooncake or NIXL) for one peer (0: 256 MiB over TCP, 1 GiB over RDMA,
+    tens of milliseconds of either link); what waits beyond it goes oldest
+    room first. The engine serves what it holds first come, so without
+    the cap a link slower than the forward pass ends every streamed room
+    of a batch at the batch's end.
     """
 
     protocol: str = "rdma"
@@ -81,6 +87,7 @@ class EngineConfig:
     device_name: str = ""
     max_inflight_per_peer: int = 1024
     max_descriptor_bytes: int = 4 << 20
+    max_inflight_bytes_per_peer: int = 0
     progress_timeout_s: int = 10
     log_level: str = "OFF"
     backend: str = "mooncake"
@@ -104,6 +111,15 @@ class EngineConfig:
         _positive(self, "max_inflight_per_peer", "progress_timeout_s", "max_descriptor_bytes")
         if self.max_inflight_per_peer > 60000:
             raise ValueError("EngineConfig.max_inflight_per_peer must stay below the engine's cap of 65535")
+        if self.max_inflight_bytes_per_peer < 0:
+            raise ValueError("EngineConfig.max_inflight_bytes_per_peer must be >= 0 (0: by protocol)")
+
+    @property
+    def inflight_bytes_per_peer(self) -> int:
+        """``max_inflight_bytes_per_peer``, or its default for the protocol."""
+        if self.max_inflight_bytes_per_peer:
+            return self.max_inflight_bytes_per_peer
+        return 256 << 20 if self.protocol == "tcp" else 1 << 30
 
     def mooncake_env(self) -> dict[str, str]:
         """The ``MC_*`` variables an engine of this config needs (read when a

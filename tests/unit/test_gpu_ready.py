@@ -173,6 +173,7 @@ def _transport(engine) -> MooncakeTransport:
     t.config = EngineConfig(protocol="tcp", max_inflight_per_peer=64)
     t._by_peer = collections.defaultdict(collections.deque)
     t._inflight = collections.defaultdict(int)
+    t._inflight_peer_bytes = collections.defaultdict(int)
     t._outstanding = collections.defaultdict(collections.deque)
     t._opened = set()
     return t

@@ -53,8 +53,8 @@ def _held_room(cluster, prefill, decode, room, src, dst):
     submitted = threading.Event()
     submit = prefill.mgr.transport.submit
 
-    def spy(peer, plan, callback, ready):
-        handle = submit(peer, plan, callback, ready)
+    def spy(peer, plan, callback, ready, priority=0.0):
+        handle = submit(peer, plan, callback, ready, priority)
         if plan.num_descriptors:
             submitted.set()
         return handle

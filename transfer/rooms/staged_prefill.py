@@ -267,9 +267,10 @@ class PrefillStaging:
             self._finish(part, TransferError(f"{part.sender.where}: staging part {spec.part}: {exc}"))
             return
         part.move("writing")
+        # priority 0, ahead of every room's direct writes: the part holds a region of both sides' staging
         part.handle = self.ctx.transport.submit(spec.req.decode_session, plan,
                                                 lambda err, p=part: self._landed(p, err),
-                                                ready=None)
+                                                ready=None, priority=0.0)
 
     def _gathered(self, part: StagedPart, dst_addr: int) -> TransferPlan:
         """Gather a part into its local region; the one descriptor that writes it."""

@@ -17,13 +17,19 @@ The contract every implementation keeps:
   TCP transport validates a write request once, at its start): callers must
   never reuse such memory for anything read. Raises TransferError when the
   engine refuses.
-- ``submit(peer, plan, callback, ready)`` returns at once, from any
+- ``submit(peer, plan, callback, ready, priority=0.0)`` returns at once, from any
   thread. An empty plan calls ``callback(None)`` before returning and returns
   None; otherwise it returns a :class:`TransferHandle`. ``ready`` (a
   :class:`~transfer.ready.ReadyGate`, or None): no byte of the plan is read
   before ``ready.done()``; the worker polls it, never the caller's thread,
   and a gate past its deadline fails the plan with a TransferError. After
   ``close()`` it raises :class:`~transfer.errors.ClosedError`.
+  ``priority``: of the plans to one peer that wait for the link, lower goes
+  first (equal ones in the order submitted); the room layer passes the
+  room's creation time, so that a saturated link finishes rooms oldest first
+  (staged parts pass 0: they hold staging on both sides). Mooncake and NIXL
+  hand their engine at most ``EngineConfig.inflight_bytes_per_peer`` per
+  peer and keep the rest in that order; the loopback ignores it.
 - ``callback(error)`` runs exactly once per non-empty plan, on the
   transport's worker thread, after every descriptor it submitted finished
   or failed (so the source memory may be reused when it runs): ``None`` on
@@ -106,7 +112,8 @@ class Transport(Protocol):
 
     def unregister(self, regions: list[tuple[int, int]]) -> None: ...
 
-    def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback, ready) -> TransferHandle | None: ...
+    def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback, ready,
+               priority: float = 0.0) -> TransferHandle | None: ...
 
     def pump(self) -> None: ...
 

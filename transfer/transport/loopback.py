@@ -84,7 +84,8 @@ class LoopbackTransport:
         gone = {int(a) for a, _ in regions}
         self.regions = [r for r in self.regions if r[0] not in gone]
 
-    def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback, ready) -> _Job | None:
+    def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback, ready,
+               priority: float = 0.0) -> _Job | None:
         self._worker.check_open()
         if plan.num_descriptors == 0:
             callback(None)

@@ -8,7 +8,9 @@ with the non-blocking ``transfer_check_status``: the engine's blocking calls
 busy-spin and starve the I/O threads on small machines. The worker keeps at
 most ``max_inflight_per_peer`` descriptors outstanding per peer, so the
 engine's own per-peer queue never overflows (overflowing can wedge the path to
-that peer for good).
+that peer for good), and at most ``inflight_bytes_per_peer`` bytes: the
+engine serves what it holds first come, so what waits beyond that stays here,
+where the plans of each peer go lowest ``priority`` (the oldest room) first.
 
 A job's callback runs exactly once, on the worker thread, after every
 descriptor it submitted has finished or failed, so the source memory may be
@@ -74,6 +76,7 @@ class _Job:
     cancelled: bool = False
     ready: object = None  # a transfer.ready.ReadyGate: submit nothing before it is done
     created: float = field(default_factory=time.monotonic)
+    priority: float = 0.0  # lower goes first among the peer's queued jobs
     num_landed: int = 0  # descriptors the engine reported done
 
     def status(self) -> str:
@@ -139,10 +142,11 @@ class MooncakeTransport:
         #: engine status checks so far (what completion tracking costs)
         self.num_status_checks = 0
         self._inflight_bytes = 0
-        # The worker's state (under its step lock): jobs by peer not fully submitted, descriptors
-        # outstanding per peer, and per peer, oldest first, (engine id, job, bytes) of submitted ones.
+        # The worker's state (under its step lock): jobs by peer not fully submitted (by priority),
+        # descriptors and bytes outstanding per peer, and per peer, oldest first, (engine id, job, bytes) of submitted ones.
         self._by_peer: dict[str, collections.deque[_Job]] = collections.defaultdict(collections.deque)
         self._inflight: dict[str, int] = collections.defaultdict(int)
+        self._inflight_peer_bytes: dict[str, int] = collections.defaultdict(int)
         self._outstanding: dict[str, collections.deque[tuple[int, _Job, int]]] = \
             collections.defaultdict(collections.deque)
         #: peers whose segment the engine opened (a first write took); racy reads for diagnostics
@@ -190,7 +194,8 @@ class MooncakeTransport:
 
     # --- transfers --------------------------------------------------------------
 
-    def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback, ready) -> _Job | None:
+    def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback, ready,
+               priority: float = 0.0) -> _Job | None:
         """Queue ``plan`` for writing into ``peer`` (a Mooncake session
         ``host:port``); returns at once, with a handle whose ``cancel()``
         stops what was not submitted yet (None for an empty plan, which
@@ -198,14 +203,16 @@ class MooncakeTransport:
         ``callback(TransferError)``. ``ready`` (a
         :class:`~transfer.ready.ReadyGate`): the worker submits none of the
         plan's descriptors before it is done (polled, never blocking; later
-        jobs to the same peer go ahead meanwhile)."""
+        jobs to the same peer go ahead meanwhile). ``priority``: lower goes
+        first among the peer's jobs waiting for the link (see the module
+        docstring)."""
         self._worker.check_open()
         if plan.num_descriptors == 0:
             callback(None)
             return None
         plan = split_entries(plan, self.config.max_descriptor_bytes)
         job = _Job(peer, plan.src_addrs.tolist(), plan.dst_addrs.tolist(), plan.lengths.tolist(), callback,
-                   ready=ready)
+                   ready=ready, priority=priority)
         self._worker.put(job)
         return job
 
@@ -225,10 +232,15 @@ class MooncakeTransport:
     # --- the worker's side (transfer.transport.worker.EngineSide) -------------------
 
     def admit(self, job: _Job) -> None:
-        self._by_peer[job.peer].append(job)
+        jobs = self._by_peer[job.peer]
+        i = len(jobs)
+        while i and jobs[i - 1].priority > job.priority:  # usually none: later rooms come later
+            i -= 1
+        jobs.insert(i, job)
 
     def step(self) -> tuple[int, bool]:
-        self._submit_round(self._by_peer, self._inflight, self._outstanding, self.config.max_inflight_per_peer)
+        self._submit_round(self._by_peer, self._inflight, self._outstanding, self.config.max_inflight_per_peer,
+                           self.config.inflight_bytes_per_peer)
         self._check_round(self._outstanding, self._inflight)
         return (self._inflight_bytes if self._outstanding else 0), bool(self._outstanding or self._by_peer)
 
@@ -247,12 +259,13 @@ class MooncakeTransport:
             job.done = True
             run_callback(job.callback, closed_error(job.peer))
 
-    def _submit_round(self, by_peer, inflight, outstanding, cap) -> bool:
+    def _submit_round(self, by_peer, inflight, outstanding, cap, cap_bytes) -> bool:
         progressed = False
         submit = self._engine.transfer_submit_write
+        peer_bytes = self._inflight_peer_bytes
         for peer in list(by_peer):
             jobs = by_peer[peer]
-            while jobs and inflight[peer] < cap:
+            while jobs and inflight[peer] < cap and peer_bytes[peer] < cap_bytes:
                 # The first job not waiting for its ready event (a late event
                 # holds back its own job only, not the rooms behind it).
                 job = next((j for j in jobs if not j.waiting()), None)
@@ -262,7 +275,7 @@ class MooncakeTransport:
                 if job.cancelled and job.next_index < n:
                     job.error = job.error or TransferError(f"transfer to {peer} cancelled", peer=peer)
                     job.next_index = n
-                while job.next_index < n and inflight[peer] < cap:
+                while job.next_index < n and inflight[peer] < cap and peer_bytes[peer] < cap_bytes:
                     i = job.next_index
                     tid = submit(peer, job.src[i], job.dst[i], job.lengths[i])
                     if tid == 0:
@@ -274,6 +287,7 @@ class MooncakeTransport:
                     self._opened.add(peer)
                     outstanding[peer].append((tid, job, job.lengths[i]))
                     self._inflight_bytes += job.lengths[i]
+                    peer_bytes[peer] += job.lengths[i]
                     job.next_index += 1
                     job.num_inflight += 1
                     inflight[peer] += 1
@@ -308,6 +322,7 @@ class MooncakeTransport:
                 continue
             progressed = True
             self._inflight_bytes -= nbytes
+            self._inflight_peer_bytes[job.peer] -= nbytes
             job.num_inflight -= 1
             inflight[job.peer] -= 1
             if status == 1:

@@ -13,7 +13,9 @@ prefill side with :meth:`NixlTransport.add_peer`: the transport is its own
 request with the plan's descriptor lists (split only past
 ``_MAX_DESCS_PER_REQUEST``), posted and polled on the worker thread; NIXL
 and UCX handle many small descriptors in one request, so nothing is split
-into per-descriptor writes.
+into per-descriptor writes. Plans are posted while less than
+``inflight_bytes_per_peer`` is posted to their peer; the rest wait here,
+lowest ``priority`` (the oldest room) first, as in the Mooncake transport.
 
 ``unregister`` deregisters the memory from the agent. UCX does not refuse a
 write into memory its target deregistered (measured: it lands, over shared
@@ -33,6 +35,7 @@ Importing this module does not import NIXL.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import os
@@ -81,6 +84,7 @@ class _Job:
     deadline: float = 0.0
     error: TransferError | None = None
     created: float = field(default_factory=time.monotonic)
+    priority: float = 0.0  # lower is posted first among the jobs waiting for the link
     done: bool = False
 
     def status(self) -> str:
@@ -144,7 +148,9 @@ class NixlTransport:
         #: NIXL transfer requests posted so far
         self.num_requests = 0
         self._inflight_bytes = 0
-        self._waiting: list[_Job] = []  # the worker's: not posted yet (a ready gate not done)
+        self._peer_bytes: dict[str, int] = collections.defaultdict(int)  # the worker's: posted, per peer
+        # the worker's: not posted yet (a ready gate not done, or the peer's link holds its share), by priority
+        self._waiting: list[_Job] = []
         self._posted: list[_Job] = []  # the worker's: requests running
         self._drained_at = time.monotonic()  # notifications last discarded (the worker's)
         self._worker = PollingWorker(self)
@@ -220,15 +226,19 @@ class NixlTransport:
 
     # --- transfers --------------------------------------------------------------
 
-    def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback, ready) -> _Job | None:
+    def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback, ready,
+               priority: float = 0.0) -> _Job | None:
         """Queue ``plan`` for writing into ``peer`` (a session whose
         metadata :meth:`add_peer` loaded); returns at once. See
-        :mod:`transfer.transport.base`."""
+        :mod:`transfer.transport.base`. A plan is posted whole (one NIXL
+        request per 65,536 descriptors) once it is ready and less than
+        ``inflight_bytes_per_peer`` is posted to the peer; of the plans
+        waiting, lowest ``priority`` first."""
         self._worker.check_open()
         if plan.num_descriptors == 0:
             callback(None)
             return None
-        job = _Job(peer, plan, callback, ready=ready)
+        job = _Job(peer, plan, callback, ready=ready, priority=priority)
         self._worker.put(job)
         return job
 
@@ -244,17 +254,22 @@ class NixlTransport:
     # --- the worker's side (transfer.transport.worker.EngineSide) -------------------
 
     def admit(self, job: _Job) -> None:
-        self._waiting.append(job)
+        i = len(self._waiting)
+        while i and self._waiting[i - 1].priority > job.priority:  # usually none: later rooms come later
+            i -= 1
+        self._waiting.insert(i, job)
 
     def step(self) -> tuple[int, bool]:
         if self._pending:
             self._load_pending()
         if time.monotonic() - self._drained_at > _DRAIN_NOTIFS_S:
             self._drain_notifs()
-        still = []
+        still, window = [], self.config.inflight_bytes_per_peer
         for job in self._waiting:
             if not job.cancelled and gate_state(job.ready, job.peer)[0]:
                 still.append(job)  # a late event holds back its own job only
+            elif not job.cancelled and self._peer_bytes[job.peer] >= window:
+                still.append(job)  # the peer's link holds its share: waits, in priority order
             elif self._post(job):
                 self._posted.append(job)
         self._waiting = still
@@ -323,6 +338,7 @@ class NixlTransport:
                 job.error = TransferError(f"NIXL failed to post a write to {peer}", peer=peer)
                 break
         self._inflight_bytes += plan.total_bytes
+        self._peer_bytes[peer] += plan.total_bytes
         return not self._check(job)
 
     def _check(self, job: _Job) -> bool:
@@ -351,6 +367,7 @@ class NixlTransport:
         if running:
             return False
         self._inflight_bytes -= job.plan.total_bytes
+        self._peer_bytes[job.peer] -= job.plan.total_bytes
         return self._finish(job, job.error)
 
     def _release(self, handle) -> None:
