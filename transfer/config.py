@@ -75,7 +75,7 @@ class EngineConfig:
     ``progress_timeout_s`` bounds how long an
     outstanding descriptor can hang on a stalled peer.
     ``max_inflight_bytes_per_peer`` caps the bytes kvferry has handed the
-    engine (Mooncake or NIXL) for one peer (0: 256 MiB over TCP, 1 GiB over RDMA,
+    Mooncake engine for one peer (0: 256 MiB over TCP, 1 GiB over RDMA,
     tens of milliseconds of either link); what waits beyond it goes oldest
     room first. The engine serves what it holds first come, so without
     the cap a link slower than the forward pass ends every streamed room

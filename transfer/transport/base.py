@@ -27,9 +27,9 @@ The contract every implementation keeps:
   ``priority``: of the plans to one peer that wait for the link, lower goes
   first (equal ones in the order submitted); the room layer passes the
   room's creation time, so that a saturated link finishes rooms oldest first
-  (staged parts pass 0: they hold staging on both sides). Mooncake and NIXL
-  hand their engine at most ``EngineConfig.inflight_bytes_per_peer`` per
-  peer and keep the rest in that order; the loopback ignores it.
+  (staged parts pass 0: they hold staging on both sides). Mooncake hands
+  its engine at most ``EngineConfig.inflight_bytes_per_peer`` per peer and
+  keeps the rest in that order; NIXL and the loopback ignore it.
 - ``callback(error)`` runs exactly once per non-empty plan, on the
   transport's worker thread, after every descriptor it submitted finished
   or failed (so the source memory may be reused when it runs): ``None`` on

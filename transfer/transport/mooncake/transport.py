@@ -227,7 +227,9 @@ class MooncakeTransport:
             f"; no write to {job.peer} was taken yet: the engine's first one opens the peer's segment by a P2P "
             "handshake with the peer engine's RPC port, whose listener serves one connection at a time (each "
             "idle connection ahead holds it 5 s), inside the submit call")
-        return f"{job.status()}; {self._worker.health()}{first}"
+        held = self._inflight_peer_bytes.get(job.peer, 0)
+        link = f"; {held} bytes to {job.peer} in the engine (at most {self.config.inflight_bytes_per_peer})"
+        return f"{job.status()}{link}; {self._worker.health()}{first}"
 
     # --- the worker's side (transfer.transport.worker.EngineSide) -------------------
 
