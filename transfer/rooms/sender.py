@@ -201,7 +201,7 @@ class KVSender:
         for job in plan.jobs:
             handle = self._ctx.transport.submit(job.session, job.plan,
                                                 lambda error, m=job.moved: self.on_chunk_done(error, m), ready=gate,
-                                                priority=self._created)
+                                                priority=self._created)  # a saturated link: oldest room first
             if handle is not None:
                 self._jobs.append(handle)
         if plan.parts:
@@ -261,12 +261,6 @@ class KVSender:
     @property
     def where(self) -> str:
         return self._state.where
-
-    @property
-    def created(self) -> float:
-        """When the room was created (monotonic): its writes' priority on
-        a saturated link (the oldest room's go first)."""
-        return self._created
 
     @property
     def terminal(self) -> bool:
