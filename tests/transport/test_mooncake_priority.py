@@ -42,22 +42,16 @@ def test_jobs_beyond_the_window_go_lowest_priority_first_and_land_byte_exact():
         # A first write opens the peer's segment; then the worker is held while three jobs queue
         # (in an order that is not their priority's), so that its next round sees all three.
         warm: list = []
-        a.submit(b.session, TransferPlan(np.array([src.ctypes.data], dtype=np.uint64),
-                                         np.array([dst.ctypes.data], dtype=np.uint64),
-                                         np.array([PIECE], dtype=np.uint64)), warm.append, None)
+        a.submit(b.session, _plan(src, dst, 0, PIECE), warm.append, None)
         _wait(lambda: warm, "the first write")
         assert warm == [None]
         offset = 0
         with a._worker._step_lock:
             for name in ("new", "old", "middle"):
                 pieces, priority = jobs[name]
-                n = pieces * PIECE
-                plan = TransferPlan(np.array([src.ctypes.data + offset], dtype=np.uint64),
-                                    np.array([dst.ctypes.data + offset], dtype=np.uint64),
-                                    np.array([n], dtype=np.uint64))
-                a.submit(b.session, plan, lambda err, name=name: order.append((name, err)), None,
-                         priority=priority)
-                offset += n
+                a.submit(b.session, _plan(src, dst, offset, pieces * PIECE),
+                         lambda err, name=name: order.append((name, err)), None, priority=priority)
+                offset += pieces * PIECE
         _wait(lambda: len(order) == 3, "the three jobs")
         # One piece in the engine at a time: each job ends before the next one starts.
         assert order == [("old", None), ("middle", None), ("new", None)]

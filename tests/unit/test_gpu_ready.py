@@ -169,7 +169,7 @@ def _transport(engine) -> MooncakeTransport:
     the test steps its side of the loop (admit, step) itself."""
     import collections
     t = MooncakeTransport.__new__(MooncakeTransport)
-    t._engine, t._inflight_bytes, t.num_descriptors, t.num_bytes, t.num_status_checks = engine, 0, 0, 0, 0
+    t._engine, t.num_descriptors, t.num_bytes, t.num_status_checks = engine, 0, 0, 0
     t.config = EngineConfig(protocol="tcp", max_inflight_per_peer=64)
     t._by_peer = collections.defaultdict(collections.deque)
     t._inflight = collections.defaultdict(int)

@@ -141,7 +141,6 @@ class MooncakeTransport:
         self.num_bytes = 0
         #: engine status checks so far (what completion tracking costs)
         self.num_status_checks = 0
-        self._inflight_bytes = 0
         # The worker's state (under its step lock): jobs by peer not fully submitted (by priority),
         # descriptors and bytes outstanding per peer, and per peer, oldest first, (engine id, job, bytes) of submitted ones.
         self._by_peer: dict[str, collections.deque[_Job]] = collections.defaultdict(collections.deque)
@@ -244,7 +243,7 @@ class MooncakeTransport:
         self._submit_round(self._by_peer, self._inflight, self._outstanding, self.config.max_inflight_per_peer,
                            self.config.inflight_bytes_per_peer)
         self._check_round(self._outstanding, self._inflight)
-        return (self._inflight_bytes if self._outstanding else 0), bool(self._outstanding or self._by_peer)
+        return sum(self._inflight_peer_bytes.values()), bool(self._outstanding or self._by_peer)
 
     def idle(self) -> None:
         """Nothing accumulates here without jobs."""
@@ -288,7 +287,6 @@ class MooncakeTransport:
                         break
                     self._opened.add(peer)
                     outstanding[peer].append((tid, job, job.lengths[i]))
-                    self._inflight_bytes += job.lengths[i]
                     peer_bytes[peer] += job.lengths[i]
                     job.next_index += 1
                     job.num_inflight += 1
@@ -323,7 +321,6 @@ class MooncakeTransport:
                 pending.append((tid, job, nbytes))
                 continue
             progressed = True
-            self._inflight_bytes -= nbytes
             self._inflight_peer_bytes[job.peer] -= nbytes
             job.num_inflight -= 1
             inflight[job.peer] -= 1
