@@ -36,6 +36,10 @@ class Receiver(Protocol):
     @property
     def phase(self) -> DecodePhase: ...
 
+    @property
+    def created(self) -> float:
+        """When the receiver was made (``time.monotonic()``): the room's age."""
+
     def ranks_writing(self) -> set[int]: ...
 
     @property
@@ -61,7 +65,7 @@ class DecodeRooms:
     def __init__(self, ctx: RoomContext) -> None:
         self.ctx = ctx
         self.receivers: dict[tuple[int, int], Receiver] = {}
-        self.staging = DecodeStaging(ctx, lambda room, rid: (room, rid) in self.receivers,
+        self.staging = DecodeStaging(ctx, self._created,
                                      quarantine_s=2.0 * ctx.config.engine.progress_timeout_s) \
             if ctx.staging is not None else None
         self.links = LinkResolver(ctx, kick=self._kick, tick=self._tick)
@@ -74,6 +78,11 @@ class DecodeRooms:
         self.unacked: UnackedRequests[Receiver] = UnackedRequests()
         #: requests found lost (a later ping answered without their acknowledgement)
         self.num_lost_requests = 0
+
+    def _created(self, room: int, request_id: int) -> float | None:
+        """When the live receiver of a room was made (None: none is live); under ``ctx.lock``."""
+        receiver = self.receivers.get((room, request_id))
+        return None if receiver is None else receiver.created
 
     # --- used by receivers (under ctx.lock) ------------------------------------------
 

@@ -96,6 +96,12 @@ class KVReceiver:
             self._table.add(self)
         log.debug("%s: created (prefill node %r)", self.where, self.prefill_node)
 
+    @property
+    def created(self) -> float:
+        """When the receiver was made (``time.monotonic()``): its room's age,
+        by which decode grants staging oldest room first."""
+        return self._created
+
     def init(self, page_indices, aux_index: int | None = None, token_ids=None, skip_pages: int = 0,
              state_indices=None) -> None:
         """The decode pages (in request order) and aux slot to fill.

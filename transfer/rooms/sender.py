@@ -201,7 +201,7 @@ class KVSender:
         for job in plan.jobs:
             handle = self._ctx.transport.submit(job.session, job.plan,
                                                 lambda error, m=job.moved: self.on_chunk_done(error, m), ready=gate,
-                                                priority=self._created)  # a saturated link: oldest room first
+                                                priority=self.created)  # a saturated link: oldest room first
             if handle is not None:
                 self._jobs.append(handle)
         if plan.parts:
@@ -265,6 +265,12 @@ class KVSender:
     @property
     def terminal(self) -> bool:
         return self._state.terminal
+
+    @property
+    def created(self) -> float:
+        """When the sender was made (``time.monotonic()``): its room's age,
+        by which a saturated link and short staging serve the oldest room first."""
+        return self._created
 
     @property
     def decode_prefix_pages(self) -> int:

@@ -1,8 +1,10 @@
 """The staged path's message flow on decode (prefill's is
 :mod:`transfer.rooms.staged_prefill`).
 
-A StageRequest gets a region of the staging buffer (FIFO when it is full);
-ChunkStaged scatters the region into the request's pages and frees it. A
+A StageRequest gets a region of the staging buffer; when it is full the
+requests wait, the oldest room's first (the receiver's creation time, then
+the order they came in: a batch whose rooms stream layer groups finishes
+its rooms one after another, not all together at its end). ChunkStaged scatters the region into the request's pages and frees it. A
 fenced rank grants a room's whole region with its request instead, when it
 fits (:meth:`DecodeStaging.pregrant`): the room's parts land in it without
 asking, and it is freed when the room ends. Regions granted with requests
@@ -27,7 +29,8 @@ once; one with a lost writer poisons them (their arena is retired).
 
 from __future__ import annotations
 
-import collections
+import heapq
+import itertools
 import logging
 import time
 from typing import Callable, Protocol
@@ -71,13 +74,15 @@ class StagedReceiver(Protocol):
 class DecodeStaging:
     """Grants staging regions to prefill ranks and scatters what lands."""
 
-    def __init__(self, ctx: RoomContext, is_live: Callable[[int, int], bool], quarantine_s: float) -> None:
-        """``is_live(room, request_id)``: whether the room still has a live
-        receiver (called under ``ctx.lock``)."""
+    def __init__(self, ctx: RoomContext, created: Callable[[int, int], float | None], quarantine_s: float) -> None:
+        """``created(room, request_id)``: when the room's live receiver was
+        made (None: the room has none now; called under ``ctx.lock``)."""
         self.ctx = ctx
-        self.is_live = is_live
+        self.created = created
         self.quarantine_s = quarantine_s
-        self._queue: collections.deque[StageRequest] = collections.deque()
+        # waiting requests: (their room's creation time, arrival number, request), a heap: oldest room first
+        self._queue: list[tuple[float, int, StageRequest]] = []
+        self._arrivals = itertools.count()
         # (room, request id) -> (prefill TP rank, part) -> (offset, nbytes): a part's region
         self._granted: dict[tuple[int, int], dict[tuple[int, int], tuple[int, int]]] = {}
         # (room, request id) -> prefill TP rank -> (offset, nbytes): a room's region granted with its request
@@ -108,14 +113,15 @@ class DecodeStaging:
         """A room's staging, for a failure's message (under ``ctx.lock``): its
         regions granted per part or for the room, and its requests waiting."""
         key = (room, request_id)
-        queued = sum(1 for r in self._queue if (r.room, r.request_id) == key)
+        queued = sum(1 for _, _, r in self._queue if (r.room, r.request_id) == key)
         return (f"staging: {len(self._granted.get(key, {}))} part region(s) granted, "
                 f"{len(self._pregranted.get(key, {}))} room region(s) granted with the request, "
                 f"{queued} part request(s) waiting for room")
 
     def on_request(self, req: StageRequest) -> None:
         with self.ctx.lock:
-            self._queue.append(req)
+            created = self.created(req.room, req.request_id)
+            heapq.heappush(self._queue, (float("-inf") if created is None else created, next(self._arrivals), req))
         self.pump()
 
     def pump(self) -> float | None:
@@ -132,21 +138,23 @@ class DecodeStaging:
             return min(q[0] for q in self._quarantine) - now if self._quarantine else None
 
     def _grant(self, area) -> None:
-        """Grant the waiting requests in order, while regions fit (under the lock)."""
+        """Grant the waiting requests, oldest room first, while regions fit
+        (under the lock). The first that does not fit holds up the rest: a
+        large region is never starved by smaller ones."""
         while self._queue:
-            req = self._queue[0]
-            if not self.is_live(req.room, req.request_id):
-                self._queue.popleft()  # the room ended; its prefill learns from the abort
+            req = self._queue[0][2]
+            if self.created(req.room, req.request_id) is None:
+                heapq.heappop(self._queue)  # the room ended; its prefill learns from the abort
                 continue
             if req.nbytes > area.max_region_bytes:
-                self._queue.popleft()  # would never fit, and hold up the queue
+                heapq.heappop(self._queue)  # would never fit, and hold up the queue
                 log.warning("staging request of %d bytes from %s refused: larger than a region can be",
                             req.nbytes, req.prefill_endpoint)
                 continue
             offset = area.alloc(req.nbytes)
             if offset is None:
                 return
-            self._queue.popleft()
+            heapq.heappop(self._queue)
             self._granted.setdefault((req.room, req.request_id), {})[(req.prefill_tp_rank, req.part)] = \
                 (offset, req.nbytes)
             try:

@@ -23,6 +23,11 @@ to its layers' places in the part's slot of the room's region, or packed in
 a region of its own that it asks for. Its ChunkStaged names the group's
 layers, and decode scatters those while the forward pass goes on.
 
+Parts wait in the order of their room's age (the sender's creation time),
+then of their arrival: when staging is short the oldest room asks, and
+takes a local region, first, as decode grants its regions oldest room
+first, so a batch's rooms finish one after another.
+
 A part takes a local region only once it holds decode's (its grant, or the
 room's region granted with the request), and parts holding decode's region
 take local ones first, in order: every local region then belongs to a part
@@ -40,7 +45,8 @@ failed, when no write reads it); a part of a failed room counts as done.
 
 from __future__ import annotations
 
-import collections
+import bisect
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -66,6 +72,10 @@ class StagedSender(Protocol):
     """What the flow needs of a part's sender (a :class:`~transfer.rooms.sender.KVSender`)."""
 
     room: int
+
+    @property
+    def created(self) -> float:
+        """When the sender was made (``time.monotonic()``): its room's age."""
 
     @property
     def terminal(self) -> bool: ...
@@ -96,6 +106,7 @@ class StagedPart:
     remote_offset: int = -1  # decode's region, once granted
     since: float = field(default_factory=time.monotonic)
     handle: object = None  # the transport's handle of its write
+    seq: int = field(default_factory=itertools.count().__next__)  # its arrival, among parts of rooms as old
 
     def move(self, stage: str) -> None:
         self.stage, self.since = stage, time.monotonic()
@@ -109,12 +120,12 @@ class PrefillStaging:
         table's, read under ``ctx.lock``)."""
         self.ctx = ctx
         self.peers = peers
-        self._waiting: collections.deque[StagedPart] = collections.deque()
+        self._waiting: list[StagedPart] = []  # in _age order
         self._waiter = ReadyWaiter("kvferry-ready")
         self._granting: dict[tuple[int, int, int], StagedPart] = {}
         self._asked_bytes = 0  # local staging that the parts in _granting will need
         #: parts holding decode's region, waiting for a local one (served before anything else)
-        self._local: collections.deque[StagedPart] = collections.deque()
+        self._local: list[StagedPart] = []  # in _age order
         self._gated: set[StagedPart] = set()  # waiting for their ready gate
 
     def submit(self, sender: StagedSender, specs, ready=None) -> list[StagedPart]:
@@ -151,6 +162,7 @@ class PrefillStaging:
 
     def _queue(self, parts: list[StagedPart]) -> None:
         self._waiting.extend(parts)
+        self._waiting.sort(key=_age)
         self.pump()
 
     def _ready(self, parts: list[StagedPart], error) -> None:
@@ -169,15 +181,15 @@ class PrefillStaging:
     def pump(self) -> None:
         """Start the waiting parts: a part with decode's region already
         (granted with the request) is ready to write, whatever waits before
-        it; the others ask decode for one in order, holding nothing here,
-        while the bytes asked for fit the local staging. Then give free local
-        staging to the parts that hold decode's region, in order; write
-        those ready."""
+        it; the others ask decode for one oldest room first, holding nothing
+        here, while the bytes asked for fit the local staging. Then give free
+        local staging to the parts that hold decode's region, oldest room
+        first; write those ready."""
         ready = []
         with self.ctx.lock:
             # what on_chunk_done queues meanwhile (a re-entrant call) waits behind these
-            pending, self._waiting = self._waiting, collections.deque()
-            still: collections.deque[StagedPart] = collections.deque()
+            pending, self._waiting = self._waiting, []
+            still: list[StagedPart] = []
             for part in pending:
                 if part.sender.terminal:
                     self._finish(part, None, pump=False)  # counts as done for a failed room
@@ -204,17 +216,18 @@ class PrefillStaging:
                     self._asked_bytes -= need
                     self._finish(part, exc, pump=False)
             still.extend(self._waiting)
+            still.sort(key=_age)
             self._waiting = still
             while self._local:
                 part = self._local[0]
                 if part.sender.terminal:
-                    self._local.popleft()
+                    del self._local[0]
                     self._finish(part, None, pump=False)
                     continue
                 offset = self.ctx.staging.area.alloc(part.spec.write_bytes)
                 if offset is None:
                     break
-                self._local.popleft()
+                del self._local[0]
                 part.local_offset = offset
                 ready.append(part)
         for part in ready:
@@ -228,7 +241,7 @@ class PrefillStaging:
             ready.append(part)
         else:
             part.move("granted")
-            self._local.append(part)
+            bisect.insort(self._local, part, key=_age)
 
     def on_grant(self, grant: StageGrant) -> None:
         ready = []
@@ -332,6 +345,11 @@ class PrefillStaging:
             part.sender.on_chunk_done(error)
         if pump:
             self.pump()
+
+
+def _age(part: StagedPart) -> tuple[float, int]:
+    """The order parts wait in: their room's age, then their arrival."""
+    return part.sender.created, part.seq
 
 
 def _local_bytes(spec: PartSpec) -> int:
