@@ -4,9 +4,10 @@
 A StageRequest gets a region of the staging buffer; when it is full the
 requests wait, the oldest room's first (the receiver's creation time, then
 the order they came in: a batch whose rooms stream layer groups finishes
-its rooms one after another, not all together at its end). ChunkStaged scatters the region into the request's pages and frees it. A
-fenced rank grants a room's whole region with its request instead, when it
-fits (:meth:`DecodeStaging.pregrant`): the room's parts land in it without
+its rooms one after another, not all together at its end). ChunkStaged
+scatters the region into the request's pages and frees it. A fenced rank
+grants a room's whole region with its request instead, when it fits
+(:meth:`DecodeStaging.pregrant`): the room's parts land in it without
 asking, and it is freed when the room ends. Regions granted with requests
 hold at most half the staging (``PREGRANT_SHARE``): a request can come long
 before prefill computes its room (behind a full prefill scheduler), and the
