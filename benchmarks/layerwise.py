@@ -28,9 +28,9 @@ last ``send()``, the end of the forward, to decode's ``Success``; the
 plus exposed transfer; the table adds each batch's exposed transfer and
 the best cut the link allows (:func:`best_cut`). With ``--repeat K`` each
 cell runs K times, whole and layer-wise alternating, and the table gives the
-medians (:func:`merge_runs`; each run's p50 stays in the JSON). Real processes, the real engines (Mooncake over TCP,
-NIXL over UCX), real KV sizes of the stated models; bytes not verified (the
-suites do that).
+medians (:func:`merge_runs`; each run's p50 stays in the JSON). Real
+processes, the real engines (Mooncake over TCP, NIXL over UCX), real KV
+sizes of the stated models; bytes not verified (the suites do that).
 
 Per-layer compute, stated: ``c * (2 * P_layer * n + 4 * n^2 * d_attn) / F``
 for ``c`` requests of ``n`` prompt tokens batched together (attention is per
@@ -190,6 +190,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="")
     ap.add_argument("--table", default="", metavar="JSON", help="print the table of a run's --out file and exit")
     args = ap.parse_args(argv)
+    if args.repeat < 1:
+        ap.error("--repeat must be at least 1")
     if args.table:
         with open(args.table) as f:
             print("\n".join(table(json.load(f)["rows"])))
