@@ -391,6 +391,12 @@ def pd_complete(prefill: VLLMServer, decode: VLLMServer, model: str, prompt: lis
     params = first.get("kv_transfer_params")
     if not params:
         raise RuntimeError(f"prefill returned no kv_transfer_params: {first}")
-    reply = post(decode.url, _body(model, prompt, max_tokens, params), timeout_s)
+    t1 = time.monotonic()
+    try:
+        reply = post(decode.url, _body(model, prompt, max_tokens, params), timeout_s)
+    except Exception as exc:  # where the time went, for a failure seen only in CI
+        exc.add_note(f"pd_complete: prefill answered after {t1 - t0:.2f} s, decode failed "
+                     f"{time.monotonic() - t1:.2f} s later ({time.strftime('%H:%M:%S')})")
+        raise
     total = time.monotonic() - t0
     return Completion(tokens_of(reply), total, total, params)

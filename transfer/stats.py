@@ -316,9 +316,12 @@ class RoomCounter:
                          exposed_transfer_s=self.exposed_transfer_s)
 
 
-def failure_line(*, side: str, config, room: int, peer: str, reason: FailureReason, error: BaseException) -> str:
+def failure_line(*, side: str, config, room: int, peer: str, reason: FailureReason, error: BaseException,
+                 age_s: float | None = None) -> str:
     """The one WARNING line of a room failure (``config``: the rank's
-    ManagerConfig): key=value fields first, the error's own message last."""
+    ManagerConfig; ``age_s``: seconds from the scheduler's creating the room
+    to its failure): key=value fields first, the error's own message last."""
+    age = "-" if age_s is None else f"{age_s:.2f}s"
     return (f"room failed: side={side} node={config.node_id} dp={config.dp_rank} "
             f"tp={config.tp_rank}/{config.tp_size} room={room} peer={peer or '-'} reason={reason.value} "
-            f"error={type(error).__name__}: {error}")
+            f"age={age} error={type(error).__name__}: {error}")

@@ -25,7 +25,7 @@ PAGE_BYTES = PAGE_SIZE * NUM_HEADS * HEAD_DIM * 2 * NUM_LAYERS * 2  # bf16, K an
 # rank gets it in the room's final control message; see test_rooms_fence.py).
 STAGED = dict(staging_bytes=1 << 20, stage_part_bytes=4096, stage_below_bytes=1 << 20, write_fence=False)
 FAILURE = re.compile(r"^room failed: side=(prefill|decode) node=\S+ dp=\d+ tp=\d+/\d+ room=(\d+) peer=(\S+) "
-                     r"reason=([a-z_]+) error=(\w+): .+$")
+                     r"reason=([a-z_]+) age=(-|\d+\.\d\ds) error=(\w+): .+$")
 
 
 @pytest.mark.parametrize("error, reason", [
@@ -116,6 +116,7 @@ def test_an_abort_is_one_warning_line_per_side_with_its_reason(cluster, caplog):
         sides[m.group(1)] = m.groups()
     assert set(sides) == {"prefill", "decode"}
     assert sides["prefill"][3] == sides["decode"][3] == "aborted"
+    assert all(0 <= float(side[4].rstrip("s")) < 30 for side in sides.values()), sides  # the room's age
     assert sides["prefill"][2] == decode.mgr.rank.session and sides["decode"][2] == prefill.mgr.rank.session
     assert sender.stats().reason == receiver.stats().reason == "aborted"
     assert decode.mgr.stats().rooms == {("Failed", "aborted"): 1}

@@ -148,7 +148,7 @@ def test_step_payloads_merge_and_summarise():
     assert s["Throughput (MB/s)"] == 3.0 and s["Failed (timeout)"] == 3 and s["MB direct"] == 6.0
 
 
-@pytest.mark.parametrize("extra, lease", [({}, 30.0), ({"kvferry": {"bootstrap_timeout_s": 12}}, 12.0),
+@pytest.mark.parametrize("extra, lease", [({}, 30.0), ({"kvferry": {"bootstrap_timeout_s": 12}}, 30.0),
                                           ({"kvferry_lease_s": 5, "kvferry": {"bootstrap_timeout_s": 12}}, 5.0)])
 def test_the_lease_option_and_prefill_bootstrap_bound(extra, lease):
     c = ConnectorConfig.from_extra(extra, None)

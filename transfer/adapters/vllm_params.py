@@ -40,7 +40,7 @@ _MANAGER_KEYS = frozenset({
     "storage_fallback", "write_fence", "layerwise_min_tokens",
 })
 
-#: The lease when neither ``kvferry_lease_s`` nor ``kvferry.bootstrap_timeout_s`` is given (seconds).
+#: The lease when ``kvferry_lease_s`` is not given (seconds; vLLM NixlConnector's ``kv_lease_duration`` default).
 DEFAULT_LEASE_S = 30.0
 
 
@@ -58,11 +58,14 @@ class ConnectorConfig:
     - ``kvferry_query_port`` (prefill, default 0: off): answer vLLM's
       Mooncake routers' ``GET /query`` on ``kvferry_host`` at this port (see
       the protocol above);
-    - ``kvferry_lease_s`` (seconds; default ``kvferry.bootstrap_timeout_s``,
-      else 30): prefill keeps a finished request's blocks this long for a
-      decode request; then the worker ends the room (reason
+    - ``kvferry_lease_s`` (seconds, default 30, as vLLM's NixlConnector's
+      ``kv_lease_duration``): prefill keeps a finished request's blocks this
+      long for a decode request; then the worker ends the room (reason
       ``lease_expired``) and vLLM frees them. Counted from when the prefill
-      worker opened the room (the step after the request finished);
+      worker opened the room (the step after the request finished). It does
+      not follow ``kvferry.bootstrap_timeout_s`` (how long a lookup may
+      take): a short lookup bound must not lose a request whose decode
+      request lags behind prefill's answer;
     - ``kvferry_layer_groups`` (prefill, default 0: off): stream a request's
       KV in this many groups of layers during the forward pass that
       completes its prefill (:mod:`transfer.adapters.vllm_layerwise`);
@@ -106,7 +109,7 @@ class ConnectorConfig:
     def from_extra(extra: dict | None, engine_id: str | None) -> "ConnectorConfig":
         extra = dict(extra or {})
         manager = dict(extra.get("kvferry", {}))
-        lease = extra.get("kvferry_lease_s", manager.get("bootstrap_timeout_s", DEFAULT_LEASE_S))
+        lease = extra.get("kvferry_lease_s", DEFAULT_LEASE_S)
         return ConnectorConfig(
             bootstrap_addr=str(extra.get("kvferry_bootstrap_addr", "127.0.0.1:8998")),
             serve_bootstrap=bool(extra.get("kvferry_serve_bootstrap", False)),

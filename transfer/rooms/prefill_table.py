@@ -239,7 +239,9 @@ class PrefillRooms:
         if refused is None or time.monotonic() - refused[0] > self.ctx.config.bootstrap_timeout_s:
             return False
         self._finished[(req.room, req.request_id)] = None
-        self._tell_failed(req, f"{self.ctx.where} room {req.room} ended before this request arrived: {refused[1]}")
+        late = time.monotonic() - refused[0]
+        self._tell_failed(req, f"{self.ctx.where} room {req.room} ended {late:.2f} s before this request arrived: "
+                               f"{refused[1]}")
         return True
 
     def _abort_early(self, abort: RoomAbort) -> None:

@@ -39,8 +39,9 @@ class RoomCounts:
         if error is None:
             log.debug("%s: done (%d bytes)", self.where, self.counter.total_bytes)
         else:
-            log.warning("%s", failure_line(side=side, config=config, room=self.counter.room, peer=peer,
-                                           reason=reason, error=error))
+            c = self.counter
+            log.warning("%s", failure_line(side=side, config=config, room=c.room, peer=peer, reason=reason,
+                                           error=error, age_s=c.done_at - c.requested_at))
 
     # --- prefill ------------------------------------------------------------------------
 
