@@ -34,6 +34,7 @@ Stats: each worker reports the rooms that ended in a step
 
 from __future__ import annotations
 
+import collections
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -56,6 +57,10 @@ log = logging.getLogger("kvferry.vllm")
 
 # A request that generated its one token and stopped, or hit max_tokens: its prompt's KV is complete.
 _SENDABLE = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+
+# Decode: how many rooms it remembers as told to prefill (a few hundred KiB; a pre-aborted copy of a
+# request comes within seconds of the request's end).
+_ROOMS_KEPT = 8192
 
 # The workers of this process, by vLLM engine id. With vLLM's in-process
 # executor (one worker, TP and PP 1: scheduler and worker share the EngineCore process) the
@@ -177,6 +182,9 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         self._aborts: list[str] = []
         self._cancels: list[RecvSpec] = []
         self._holds: list[RecvSpec] = []
+        # decode: rooms a receive opened or a cancel told prefill of (the newest _ROOMS_KEPT): a later
+        # cancel of one of them is vLLM's notice for a request it failed (below), never sent on
+        self._rooms_seen: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._local_tokens: dict[str, int] = {}  # decode: prompt tokens its prefix cache holds, by request
         self._streamable: dict[str, _Streamable] = {}  # prefill, layer-wise: not yet in a step's streams
         self._streamed: set[str] = set()  # prefill, layer-wise: in a step's streams, not yet finished
@@ -253,6 +261,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             pages, states = self.groups.pages(ids, n), self.groups.state_items(ids, n, local)
         self._open_recvs.add(request.request_id)
+        self._seen(source.room)
         spec = RecvSpec(req_id=request.request_id, room=source.room, bootstrap_addr=source.bootstrap_addr,
                         node_id=source.node_id, pages=pages, token_ids=self._prompt(request),
                         skip_pages=local // self.block_size, states=states)
@@ -361,8 +370,24 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         once instead of at its lease."""
         self._local_tokens.pop(request.request_id, None)
         spec = _room_spec(request, params)
-        if spec is not None and not self._start_here(cancels=[spec]):
+        if spec is None or not self._seen(spec.room):
+            return
+        if not self._start_here(cancels=[spec]):
             self._cancels.append(spec)
+
+    def _seen(self, room: int) -> bool:
+        """Remember ``room`` as told to prefill; False: it was already.
+        vLLM's API server submits a pre-aborted copy of every decode request
+        that ended in an error or a client's disconnect, for connectors whose
+        request never reached the engine (``notify_kv_transfer_request_rejected``):
+        where this decode opened the room, its own end told prefill already."""
+        if room in self._rooms_seen:
+            self._rooms_seen.move_to_end(room)
+            return False
+        self._rooms_seen[room] = None
+        if len(self._rooms_seen) > _ROOMS_KEPT:
+            self._rooms_seen.popitem(last=False)
+        return True
 
     def _hold(self, request: "Request", params: dict) -> None:
         spec = _room_spec(request, params)
