@@ -58,7 +58,7 @@ log = logging.getLogger("kvferry.vllm")
 # A request that generated its one token and stopped, or hit max_tokens: its prompt's KV is complete.
 _SENDABLE = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 
-# Decode: how many rooms it remembers as told to prefill (a few hundred KiB; a pre-aborted copy of a
+# Decode: how many rooms it remembers as told to prefill (about 1 MiB; a pre-aborted copy of a
 # request comes within seconds of the request's end).
 _ROOMS_KEPT = 8192
 
