@@ -317,11 +317,10 @@ class RoomCounter:
 
 
 def failure_line(*, side: str, config, room: int, peer: str, reason: FailureReason, error: BaseException,
-                 age_s: float | None = None) -> str:
+                 age_s: float) -> str:
     """The one WARNING line of a room failure (``config``: the rank's
     ManagerConfig; ``age_s``: seconds from the scheduler's creating the room
     to its failure): key=value fields first, the error's own message last."""
-    age = "-" if age_s is None else f"{age_s:.2f}s"
     return (f"room failed: side={side} node={config.node_id} dp={config.dp_rank} "
             f"tp={config.tp_rank}/{config.tp_size} room={room} peer={peer or '-'} reason={reason.value} "
-            f"age={age} error={type(error).__name__}: {error}")
+            f"age={age_s:.2f}s error={type(error).__name__}: {error}")

@@ -25,7 +25,7 @@ PAGE_BYTES = PAGE_SIZE * NUM_HEADS * HEAD_DIM * 2 * NUM_LAYERS * 2  # bf16, K an
 # rank gets it in the room's final control message; see test_rooms_fence.py).
 STAGED = dict(staging_bytes=1 << 20, stage_part_bytes=4096, stage_below_bytes=1 << 20, write_fence=False)
 FAILURE = re.compile(r"^room failed: side=(prefill|decode) node=\S+ dp=\d+ tp=\d+/\d+ room=(\d+) peer=(\S+) "
-                     r"reason=([a-z_]+) age=(-|\d+\.\d\ds) error=(\w+): .+$")
+                     r"reason=([a-z_]+) age=(\d+\.\d\ds) error=(\w+): .+$")
 
 
 @pytest.mark.parametrize("error, reason", [

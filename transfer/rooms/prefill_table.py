@@ -236,10 +236,10 @@ class PrefillRooms:
 
     def _refuse(self, req: TransferRequest) -> bool:
         refused = self._refused.get(req.room)
-        if refused is None or time.monotonic() - refused[0] > self.ctx.config.bootstrap_timeout_s:
+        late = None if refused is None else time.monotonic() - refused[0]
+        if late is None or late > self.ctx.config.bootstrap_timeout_s:
             return False
         self._finished[(req.room, req.request_id)] = None
-        late = time.monotonic() - refused[0]
         self._tell_failed(req, f"{self.ctx.where} room {req.room} ended {late:.2f} s before this request arrived: "
                                f"{refused[1]}")
         return True
