@@ -233,9 +233,18 @@ class ServerProcess:
             return ""
 
     def kvferry_lines(self) -> str:
-        """kvferry's own lines in the server's log (rooms failed, requests failed)."""
+        """kvferry's own lines in the server's log (rooms failed, requests
+        failed); not vLLM's lines that print a request's or the server's
+        kvferry parameters (its config, ``--enable-log-requests``)."""
         return "\n".join(line for line in self.log_tail(10_000_000).splitlines()
-                         if "kvferry" in line and "kv_connector_extra_config" not in line)
+                         if "kvferry" in line and "kv_connector_extra_config" not in line
+                         and "request_logger.py" not in line)
+
+    def lines_naming(self, needles: list[str], last: int = 12, width: int = 400) -> list[str]:
+        """The log's last ``last`` lines that contain one of ``needles`` (a
+        request id, a room), each cut to ``width`` characters."""
+        lines = [line for line in self.log_tail(10_000_000).splitlines() if any(n in line for n in needles)]
+        return [line[:width] for line in lines[-last:]]
 
     def error_lines(self) -> str:
         """The log's lines that report an error (levels ERROR and CRITICAL,
@@ -288,7 +297,8 @@ class VLLMServer(ServerProcess):
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model, "--host", "127.0.0.1",
                "--port", str(self.port), "--enforce-eager", "--dtype", "bfloat16",
                "--enable-prefix-caching" if spec.prefix_caching else "--no-enable-prefix-caching",
-               "--max-model-len", str(spec.max_model_len), "--max-num-seqs", "16", *spec.args]
+               "--max-model-len", str(spec.max_model_len), "--max-num-seqs", "16",
+               "--enable-log-requests", *spec.args]  # each request's arrival, timed, for a failure's timeline
         if spec.kv_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(spec.kv_config)]
         env = dict(os.environ)
@@ -397,6 +407,10 @@ def pd_complete(prefill: VLLMServer, decode: VLLMServer, model: str, prompt: lis
     except Exception as exc:  # where the time went, for a failure seen only in CI
         exc.add_note(f"pd_complete: prefill answered after {t1 - t0:.2f} s, decode failed "
                      f"{time.monotonic() - t1:.2f} s later ({time.strftime('%H:%M:%S')})")
+        needles = [str(first.get("id") or "?"), str(params.get("kvferry_room", "?"))]
+        for server in (prefill, decode):
+            if lines := server.lines_naming(needles):
+                exc.add_note(f"{server.spec.name}'s lines naming {' or '.join(needles)}:\n" + "\n".join(lines))
         raise
     total = time.monotonic() - t0
     return Completion(tokens_of(reply), total, total, params)

@@ -74,3 +74,24 @@ def test_a_failed_tests_report_shows_a_live_servers_error_lines_with_the_line_af
         assert report["live: its last error lines"] == "ERROR handshake_failed: timed out\n  frame after it"
     finally:
         live.close()
+
+
+def test_kvferrys_lines_leave_out_vllms_request_log_and_a_failures_note_names_the_request(tmp_path):
+    code = ("print('(APIServer) INFO [request_logger.py:65] Received request cmpl-7-0: params: "
+            "extra_args={\"kv_transfer_params\": {\"kvferry_room\": 42, \"kvferry_node\": \"gone\"}}', flush=True)\n"
+            "print('(EngineCore) WARNING [corrupting.py:89] kvferry-test: finished request=cmpl-7-0-a room=42', "
+            "flush=True)\n"
+            "print('(Worker) WARNING [room_stats.py:43] room failed: side=prefill room=43', flush=True)\n"
+            "print('(Worker) WARNING [room_stats.py:43] room failed: side=prefill room=42', flush=True)\n")
+    server = _Proc(tmp_path, "prefill", code)
+    try:
+        server.proc.wait(30)
+        assert "gone" not in server.kvferry_lines()  # vLLM's echo of a request's parameters is not kvferry's
+        assert server.kvferry_lines().count("\n") == 0 and "finished request=cmpl-7-0-a" in server.kvferry_lines()
+        named = server.lines_naming(["cmpl-7", "room=42"])
+        assert [line.split("]")[0].split("[")[1] for line in named] == ["request_logger.py:65", "corrupting.py:89",
+                                                                       "room_stats.py:43"], named
+        assert named[-1].endswith("room=42")
+        assert all(len(line) <= 40 for line in server.lines_naming(["cmpl-7"], width=40))
+    finally:
+        server.close()

@@ -14,7 +14,9 @@ With ``KVFERRY_TEST_DIGEST=1`` in its environment it also logs, for every
 room that ended on this side (prefill: sent; decode: landed, before the step
 that reads it), one digest per block over all layers: ``kvferry-test: digest
 side=<prefill|decode> room=<room> blocks=<n> skip=<k> sha=<d0>,<d1>,...``
-(decode's blocks before ``skip`` are its own prefix cache's), and with vLLM's
+(decode's blocks before ``skip`` are its own prefix cache's), on prefill
+``kvferry-test: finished request=<id> room=<room>`` when the engine finished
+a request it sends (the scheduler's clock, for a failure's timeline), and with vLLM's
 hybrid KV-cache manager one line per other KV-cache group (a kvferry state
 pool): ``kvferry-test: group-digest side=... room=... group=<g> sha=...``, a
 block by position, ``-`` where this side does not hold or want it (a sliding
@@ -78,6 +80,14 @@ class CorruptingKvferryConnector(KvferryConnector):
                            seed=int(spec.get("seed", 0)))
             self._planned[request.request_id] = _ARMED[request.request_id] = c
         super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def request_finished_all_groups(self, request, block_ids):
+        delay, params = super().request_finished_all_groups(request, block_ids)
+        if params is not None and os.environ.get("KVFERRY_TEST_DIGEST") == "1":
+            # When the engine finished it, for a failure's note (harness.vllm.pd_complete):
+            # the rest of the answer's way (vLLM's API server, the client) has no kvferry in it.
+            log.warning("kvferry-test: finished request=%s room=%s", request.request_id, params.get("kvferry_room"))
+        return delay, params
 
     def build_connector_meta(self, scheduler_output) -> CorruptingMetadata:
         meta = super().build_connector_meta(scheduler_output)
