@@ -13,7 +13,7 @@ import re
 import time
 import warnings
 
-from harness.vllm import ServerSpec, VLLMServer, free_port, warm_up
+from harness.vllm import ServerSpec, VLLMServer, complete, free_port, warm_up
 
 TEST_CONNECTOR = {"kv_connector": "CorruptingKvferryConnector",
                   "kv_connector_module_path": "tests.engines.vllm.corrupting"}
@@ -123,6 +123,16 @@ def group_digests(server: VLLMServer, side: str) -> dict[tuple[int, int], list[s
     return {(int(m.group(1)), int(m.group(2))): m.group(3).split(",")
             for m in re.finditer(rf"kvferry-test: group-digest side={side} room=(\d+) group=(\d+) sha=([0-9a-f,-]+)",
                                  server.log_tail(10_000_000))}
+
+
+def reported(servers, model: str) -> None:
+    """Before a test reads its servers' kvferry numbers as a baseline: a
+    room that ended after its server's last engine step is reported at the
+    next step (seen in CI: a warm-up's or the previous test's room, counted
+    as this test's). A plain request on each server makes those steps, and
+    its answer comes after their numbers (the engine's outputs keep their order)."""
+    for server in servers:
+        complete(server, model, list(range(4, 24)), 2)
 
 
 def settled_metric(server: VLLMServer, name: str, want: float, timeout_s: float = 10.0, **labels: str) -> float:

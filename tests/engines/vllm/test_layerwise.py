@@ -30,8 +30,8 @@ pytest.importorskip("vllm")
 
 from harness.vllm import (VOCAB, ServerSpec, VLLMServer, _body, build_tiny_model, complete, free_port,  # noqa: E402
                           pd_complete, post, tokens_of)
-from tests.engines.vllm.pd_servers import (digests, kvferry_pair, logged, prompt_sources_since, running,  # noqa: E402
-                                           settled_metric)
+from tests.engines.vllm.pd_servers import (digests, kvferry_pair, logged, prompt_sources_since, reported,  # noqa: E402
+                                           running, settled_metric)
 
 MAX_TOKENS = 8
 LENGTHS = (37, 300, 1000)
@@ -71,6 +71,7 @@ def _check_blocks(prefill: VLLMServer, decode: VLLMServer, rooms: list[int]) -> 
 def test_concurrent_protocol_streams_the_layer_groups_during_prefills_forward_pass(layerwise):
     model, servers, bootstrap = layerwise
     prefill, decode = servers["prefill"], servers["decode"]
+    reported((prefill, decode), model)  # the warm-up's rooms counted before the baseline
     forward, after = prefill.gauge(GROUPS_METRIC, when="forward"), prefill.gauge(GROUPS_METRIC, when="after")
     before, parts = decode.metrics(), decode.gauge(PARTS_METRIC)
     rooms = []
@@ -106,6 +107,7 @@ def test_concurrent_protocol_streams_the_layer_groups_during_prefills_forward_pa
 def test_sequential_protocol_sends_every_group_once_decode_asks(layerwise):
     model, servers, _ = layerwise
     prefill, decode = servers["prefill"], servers["decode"]
+    reported((prefill, decode), model)  # the rooms before counted before the baseline
     after = prefill.gauge(GROUPS_METRIC, when="after")
     rooms = []
     for i, n in enumerate(LENGTHS):

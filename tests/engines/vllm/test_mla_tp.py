@@ -34,7 +34,8 @@ pytest.importorskip("vllm")
 
 from harness.vllm import (VOCAB, ServerSpec, VLLMServer, build_tiny_mla_model, complete, free_port,  # noqa: E402
                           pd_complete)
-from tests.engines.vllm.pd_servers import kvferry_pair, logged, prompt_sources_since, rank_digests, running  # noqa: E402
+from tests.engines.vllm.pd_servers import (kvferry_pair, logged, prompt_sources_since, rank_digests,  # noqa: E402
+                                           reported, running)
 from tests.engines.vllm.test_mla import MLA_BLOCK, MLA_BLOCK_BYTES, MODEL_NAME, NODE  # noqa: E402
 from tests.engines.vllm.test_pd import stats_of  # noqa: E402
 
@@ -58,6 +59,7 @@ def tp2(tmp_path_factory):
 def test_mla_from_prefill_tp2_to_decode_tp1_is_sent_once_byte_exact(tp2):
     model, servers = tp2
     prefill, decode = servers["prefill"], servers["decode"]
+    reported((prefill, decode), model)  # the warm-up's rooms counted before the baseline
     before = decode.metrics()
     moved_before = {name: stats_of(s) for name, s in (("prefill", prefill), ("decode", decode))}
     rooms = []

@@ -36,6 +36,7 @@ pytest.importorskip("vllm")
 
 from harness.vllm import (VOCAB, ServerSpec, VLLMServer, build_tiny_model, complete, free_port,  # noqa: E402
                           pd_complete, post, tokens_of, warm_up, _body)
+from tests.engines.vllm.pd_servers import reported  # noqa: E402
 
 MAX_TOKENS = 12
 LENGTHS = (100, 257, 640, 1000)
@@ -239,10 +240,7 @@ def test_the_connector_stats_on_both_servers_count_what_moved(cluster):
     prefill, decode = cluster.servers["prefill"], cluster.servers["decode"]
     lengths = (150, 700, 1000)
     want_bytes = sum(-(-n // BLOCK) for n in lengths) * BLOCK_BYTES  # 2 + 6 + 8 blocks
-    # A room that ended after its server's last engine step is reported at the next one (seen in CI: the
-    # previous test's room, counted here). A plain request on each server makes those steps first.
-    for server in (prefill, decode):
-        complete(server, cluster.model, prompt_of(20, 69), 2)
+    reported((prefill, decode), cluster.model)  # the previous test's rooms counted before the baseline
     before = {"prefill": stats_of(prefill), "decode": stats_of(decode)}
     for i, n in enumerate(lengths):
         got = pd_complete(prefill, decode, cluster.model, prompt_of(n, 70 + i), MAX_TOKENS)
