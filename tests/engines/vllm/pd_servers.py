@@ -128,8 +128,8 @@ def group_digests(server: VLLMServer, side: str) -> dict[tuple[int, int], list[s
 def reported(servers, model: str) -> None:
     """Before a test reads its servers' kvferry numbers as a baseline: a
     room that ended after its server's last engine step is reported at the
-    next step (seen in CI: a warm-up's or the previous test's room, counted
-    as this test's). A plain request on each server makes those steps, and
+    next step (a previous test's room in CI, a warm-up's here, counted as
+    the test's own). A plain request on each server makes those steps, and
     its answer comes after their numbers (the engine's outputs keep their order)."""
     for server in servers:
         complete(server, model, list(range(4, 24)), 2)
