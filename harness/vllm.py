@@ -407,8 +407,9 @@ def pd_complete(prefill: VLLMServer, decode: VLLMServer, model: str, prompt: lis
     except Exception as exc:  # where the time went, for a failure seen only in CI
         exc.add_note(f"pd_complete: prefill answered after {t1 - t0:.2f} s, decode failed "
                      f"{time.monotonic() - t1:.2f} s later ({time.strftime('%H:%M:%S')})")
-        needles = [str(first.get("id") or "?"), str(params.get("kvferry_room", "?"))]
-        for server in (prefill, decode):
+        # the request's id and its room (none for another connector's pair)
+        needles = [str(v) for v in (first.get("id"), params.get("kvferry_room")) if v is not None]
+        for server in (prefill, decode) if needles else ():
             if lines := server.lines_naming(needles):
                 exc.add_note(f"{server.spec.name}'s lines naming {' or '.join(needles)}:\n" + "\n".join(lines))
         raise
