@@ -38,7 +38,12 @@ withheld ones (:mod:`bootstrap.status`). Version 6: ``RoomStatus.exposed_s``
 (prefill's last ``send()`` to its success, for decode's exposed transfer time);
 then, omitted while unused, ``RankInfo.states``, ``TransferRequest.dst_states`` and
 ``ChunkStaged.state`` (per-request state pools), and ``ChunkStaged.layers``
-(a layer group's share of a staged part).
+(a layer group's share of a staged part). Version 7: a Mooncake rank's
+``PeerHello.transport_meta`` carries its metadata mode, relayed segment and
+probe region, and a prefill rank answers a hello only once its transport
+opened the way to the decode rank (``PeerHelloReply.field`` ``handshake``
+when it could not): a version-6 prefill rank would ignore the relayed
+segment and never reach a relaying decode rank.
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ import msgpack
 
 from bootstrap.errors import AuthError, ProtocolError
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 #: Largest encoded message accepted, in bytes. Control messages carry page
 #: lists and buffer descriptors, never KV bytes.

@@ -19,6 +19,7 @@
         ├── IncompatibleLayoutError  the handshake found a field that differs
         │   └── IncompatibleTransportError  the two sides use different transfer engines
         ├── TransferError            the engine failed to move bytes
+        │   └── HandshakeError       the way to a peer could not be opened (its handshake)
         ├── PeerError                the peer reported a failure or aborted the room
         ├── StateError               an API call that the room's state does not allow
         ├── ClosedError              the manager was closed

@@ -161,6 +161,27 @@ def _hold_gil(after_s: float, seconds: float, out: dict) -> threading.Thread:
     return thread
 
 
+class _CallTimer:
+    """The longest of the scheduler calls a command made (``poll``, ``send``,
+    ``init``, the room constructors): what a scheduler loop would have been
+    held up by."""
+
+    def __init__(self) -> None:
+        self.max_s, self.slowest = 0.0, ""
+
+    def time(self, name: str, fn, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            took = time.perf_counter() - t0
+            if took > self.max_s:
+                self.max_s, self.slowest = took, name
+
+    def report(self) -> dict:
+        return {"max_call_s": self.max_s, "slowest_call": self.slowest}
+
+
 def _error(obj) -> tuple[str, str]:
     try:
         obj.failure_exception()
@@ -185,17 +206,18 @@ class PrefillRank:
         reply: dict = {}
         hold = _hold_gil(*cmd["hold_gil"], reply) if cmd.get("hold_gil") else None
         live, out = {}, {}
+        calls = _CallTimer()
         for room in cmd["rooms"]:
             slot = room % spec.aux_slots
             write_aux(self.aux, slot, aux_row(spec, room))
-            live[room] = {"s": KVSender(mgr, spec.bootstrap, room), "t0": time.monotonic(), "chunks": None,
-                          "next_at": 0.0, "slot": slot}
+            live[room] = {"s": calls.time("KVSender", KVSender, mgr, spec.bootstrap, room), "t0": time.monotonic(),
+                          "chunks": None, "next_at": 0.0, "slot": slot}
         while live and time.monotonic() < deadline:
             seen = mgr.progress
             now = time.monotonic()
             for room, r in list(live.items()):
                 s = r["s"]
-                state = s.poll()
+                state = calls.time("poll", s.poll)
                 if room in abort and now - r["t0"] >= abort[room] and state not in (KVPoll.Success, KVPoll.Failed):
                     s.abort("aborted by the test's prefill scheduler")
                     state = s.poll()
@@ -203,7 +225,7 @@ class PrefillRank:
                     pages = _plan(spec, cmd, room)
                     step = spec.chunk_pages or len(pages)
                     sizes = [min(step, len(pages) - i) for i in range(0, len(pages), step)]
-                    s.init(len(pages), r["slot"], token_ids=prompt_of(spec, pages, cmd))
+                    calls.time("init", s.init, len(pages), r["slot"], token_ids=prompt_of(spec, pages, cmd))
                     r["chunks"] = [pages, sizes, 0]
                 if r["chunks"] is not None and r["chunks"][1] and now >= r["next_at"] \
                         and state in (KVPoll.WaitingForInput, KVPoll.Transferring):
@@ -212,10 +234,11 @@ class PrefillRank:
                     if groups:  # layer-wise: the chunk's layer groups one per round, the last layers first
                         if not r.get("groups"):
                             r["groups"] = split_layers(layers, groups)
-                        s.send(pages[off:off + n], last=len(sizes) == 1, layers=r["groups"].pop(0))
+                        calls.time("send", s.send, pages[off:off + n], last=len(sizes) == 1,
+                                   layers=r["groups"].pop(0))
                         chunk_done = not r["groups"]
                     else:
-                        s.send(pages[off:off + n], last=len(sizes) == 1)
+                        calls.time("send", s.send, pages[off:off + n], last=len(sizes) == 1)
                         chunk_done = True
                     if chunk_done:
                         sizes.pop(0)
@@ -230,7 +253,7 @@ class PrefillRank:
             out[room] = {"state": "Stuck", "error_type": "", "error": "command timed out", "ended_at": time.time()}
         if hold is not None:
             hold.join(max(0.0, deadline - time.monotonic()))
-        return {"results": out, **reply}
+        return {"results": out, **reply, **calls.report()}
 
 
 class DecodeRank:
@@ -273,6 +296,7 @@ class DecodeRank:
         reply: dict = {}
         hold = _hold_gil(*cmd["hold_gil"], reply) if cmd.get("hold_gil") else None
         live, out, guarded = {}, {}, []
+        calls = _CallTimer()
         for room in cmd["rooms"]:
             src = _plan(spec, cmd, room)
             n = len(src)
@@ -284,19 +308,21 @@ class DecodeRank:
             slot = (room * 7) % spec.aux_slots
             for region in self.aux:
                 region[slot] = 0
-            r = KVReceiver(mgr, spec.bootstrap, room, prefill_node=spec.node_id)
+            created_at = time.time()
+            r = calls.time("KVReceiver", KVReceiver, mgr, spec.bootstrap, room, prefill_node=spec.node_id)
             if room in cmd.get("abort_at_once", ()):
                 r.abort("aborted by the test's decode scheduler before its first poll")
             elif room in cmd.get("bad_pages", ()):
                 r.init(np.append(dst.numpy()[:-1], spec.decode_pages + 5), slot)
             else:
-                r.init(dst.numpy(), slot, token_ids=prompt_of(spec, src, cmd))
-            live[room] = {"r": r, "dst": dst, "slot": slot, "t0": time.monotonic(), "src": src}
+                calls.time("init", r.init, dst.numpy(), slot, token_ids=prompt_of(spec, src, cmd))
+            live[room] = {"r": r, "dst": dst, "slot": slot, "t0": time.monotonic(), "src": src,
+                          "created_at": created_at}
         while live and time.monotonic() < deadline:
             seen = mgr.progress
             now = time.monotonic()
             for room, x in list(live.items()):
-                state = x["r"].poll()
+                state = calls.time("poll", x["r"].poll)
                 due = (room in abort and now - x["t0"] >= abort[room]) or \
                     (room in on_first_byte and bool(first[x["dst"][0]].any()))
                 if due and state not in (KVPoll.Success, KVPoll.Failed):
@@ -306,7 +332,7 @@ class DecodeRank:
                     continue
                 kind, msg = _error(x["r"])
                 res = {"state": state.name, "error_type": kind, "error": msg, "ended_at": time.time(),
-                       "from_storage": x["r"].pages_from_storage, "pages": len(x["src"]),
+                       "created_at": x["created_at"], "from_storage": x["r"].pages_from_storage, "pages": len(x["src"]),
                        "mismatches": self._check(room, x["dst"], x["slot"], x["src"])
                        if state is KVPoll.Success else []}
                 out[room] = res
@@ -329,7 +355,7 @@ class DecodeRank:
                 self.free.extend(int(p) for p in dst)
         if hold is not None:
             hold.join(max(0.0, deadline - time.monotonic()))
-        return {"results": out, **reply}
+        return {"results": out, **reply, **calls.report()}
 
 
 def main(argv=None) -> int:
@@ -355,6 +381,7 @@ def main(argv=None) -> int:
     mgr = KVManager(cfg, pools, aux=aux)
     rank = PrefillRank(spec, mgr, aux) if prefill else DecodeRank(spec, mgr, tensors, aux)
     emit("READY", {"session": mgr.rank.session, "endpoint": mgr.rank.control_endpoint,
+                   "handshake_port": getattr(mgr.transport, "handshake_port", 0),
                    "metrics_port": mgr.metrics.port if mgr.metrics is not None else 0, **_stats(mgr)})
     for line in sys.stdin:
         cmd = json.loads(line)

@@ -15,7 +15,7 @@ _EXPORTS = {
     "EngineConfig": "transfer.config", "ManagerConfig": "transfer.config", "Role": "transfer.config",
     "manager_config_from_env": "transfer.config",
     **{name: "transfer.errors" for name in (
-        "AuthError", "BootstrapError", "BootstrapRefused", "BootstrapUnavailable", "ClosedError",
+        "AuthError", "BootstrapError", "BootstrapRefused", "BootstrapUnavailable", "ClosedError", "HandshakeError",
         "IncompatibleLayoutError", "IncompatibleTransportError", "InsecureBindError", "KVFerryError", "KVTimeoutError",
         "MemoryReleasedError", "PageIndexError", "PeerError",
         "ProtocolError", "RequestError", "StateError", "StorageClosedError", "StorageError", "StorageMissError",

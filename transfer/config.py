@@ -74,6 +74,18 @@ class EngineConfig:
     rate of 4 MiB ones).
     ``progress_timeout_s`` bounds how long an
     outstanding descriptor can hang on a stalled peer.
+    ``mooncake_metadata``: how an engine learns a peer's segment. ``relay``
+    (the default): the segment descriptors travel in kvferry's own
+    handshake, through a small metadata store process per kvferry process,
+    so a fresh pair never waits on the peer engine's handshake listener
+    (which serves one connection at a time: an idle connection on it held
+    first rooms 5 s each); ``p2p``: Mooncake's ``P2PHANDSHAKE``, a handshake
+    with that listener (keep health checks and port scanners off it). Both
+    sides of a room must use the same one; the handshake refuses a
+    mismatch by name (docs/transports.md).
+    ``handshake_timeout_s`` bounds opening the way to a new peer (the
+    segment lookup and a probe write, before any room's bytes go there):
+    past it the peer's rooms fail with a HandshakeError naming it.
     ``max_inflight_bytes_per_peer`` caps the bytes kvferry has handed the
     Mooncake engine for one peer (0: 256 MiB over TCP, 1 GiB over RDMA,
     tens of milliseconds of either link); what waits beyond it goes oldest
@@ -89,6 +101,8 @@ class EngineConfig:
     max_descriptor_bytes: int = 4 << 20
     max_inflight_bytes_per_peer: int = 0
     progress_timeout_s: int = 10
+    mooncake_metadata: str = "relay"
+    handshake_timeout_s: float = 3.0
     log_level: str = "OFF"
     backend: str = "mooncake"
     nixl_backend: str = "UCX"
@@ -113,6 +127,9 @@ class EngineConfig:
             raise ValueError("EngineConfig.max_inflight_per_peer must stay below the engine's cap of 65535")
         if self.max_inflight_bytes_per_peer < 0:
             raise ValueError("EngineConfig.max_inflight_bytes_per_peer must be >= 0 (0: by protocol)")
+        if self.mooncake_metadata not in ("relay", "p2p"):
+            raise ValueError(f"EngineConfig.mooncake_metadata must be 'relay' or 'p2p', got {self.mooncake_metadata!r}")
+        _positive(self, "handshake_timeout_s")
 
     @property
     def inflight_bytes_per_peer(self) -> int:
@@ -124,7 +141,12 @@ class EngineConfig:
     def mooncake_env(self) -> dict[str, str]:
         """The ``MC_*`` variables an engine of this config needs (read when a
         TransferEngine is constructed); see the module docstring."""
-        env = {"MC_LOG_LEVEL": "ERROR" if self.log_level == "OFF" else self.log_level, "MC_TRANSFER_TIMEOUT": str(max(5, self.progress_timeout_s))}
+        env = {"MC_LOG_LEVEL": "ERROR" if self.log_level == "OFF" else self.log_level,
+               "MC_TRANSFER_TIMEOUT": str(max(5, self.progress_timeout_s))}
+        if self.mooncake_metadata == "relay":
+            # With a metadata server the engine advertises this address for its RPC and data ports
+            # (otherwise the host's first LAN address: none in a loopback-only namespace).
+            env["MC_TCP_BIND_ADDRESS"] = self.hostname
         if self.protocol == "tcp":
             env.update({
                 # The engine rejects (and may wedge on) more than queue+pending entries

@@ -42,6 +42,14 @@ class TransferError(KVFerryError):
         self.peer, self.code = peer, code
 
 
+class HandshakeError(TransferError):
+    """The way to a peer could not be opened before any of its rooms' bytes
+    moved (the transfer engine's handshake with it failed or ran past
+    ``EngineConfig.handshake_timeout_s``): ``peer`` names it, the message
+    says what the engine was doing. The rooms through that peer fail with
+    it; the next room tries the handshake afresh."""
+
+
 class PeerError(KVFerryError):
     """The other side reported a failure of the room, or aborted it."""
 
@@ -103,7 +111,7 @@ class StorageMissError(StorageError):
 
 __all__ = [
     "AuthError", "BootstrapError", "BootstrapRefused", "BootstrapUnavailable", "ClosedError",
-    "IncompatibleLayoutError", "IncompatibleTransportError", "InsecureBindError", "KVFerryError", "KVTimeoutError", "PageIndexError", "PeerError",
+    "HandshakeError", "IncompatibleLayoutError", "IncompatibleTransportError", "InsecureBindError", "KVFerryError", "KVTimeoutError", "PageIndexError", "PeerError",
     "ProtocolError", "RequestError", "StateError", "StorageClosedError", "StorageError", "StorageMissError",
     "StorageTimeoutError", "StorageUnavailableError", "TransferError", "UnknownNodeError",
 ]

@@ -384,13 +384,15 @@ class KVManager:
         ch, staging = self.channel, self.context.staging
         storage = self.storage.stats_fields() if self.storage is not None else {}
         with self._lock:
+            handshakes = self.transport.handshake_counts() if self.config.role is Role.PREFILL else \
+                self.rooms.links.handshake_counts()
             return self._totals.snapshot(
                 live_rooms=self.rooms.num_live, peers_live=self.watch.num_watched,
                 control_received=ch.num_received, control_malformed=ch.num_malformed,
                 control_unauthenticated=ch.num_unauthenticated,
                 staging_capacity_bytes=staging.area.nbytes if staging is not None else 0,
                 staging_bytes_in_use=staging.area.nbytes - staging.area.free_bytes if staging is not None else 0,
-                **storage)
+                **storage, **handshakes)
 
     def close(self) -> None:
         """Stop the threads, unregister (prefill), fail live rooms and tell

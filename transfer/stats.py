@@ -147,6 +147,9 @@ class RoomStats:
     #: last send(), or that call's ready event completing) to Success, the transfer time a request's first
     #: token waits for (None: not measured)
     exposed_transfer_s: float | None = None
+    #: decode: how long the room waited for its prefill ranks to answer the handshake (they answer once their
+    #: transport opened its way to this rank: a segment lookup and a probe write); 0 when its link was ready
+    handshake_wait_s: float = 0.0
 
     @property
     def total_bytes(self) -> int:
@@ -181,7 +184,12 @@ class ManagerStats:
     unhandshaken: a request from a decode rank without a handshake);
     ``staging_*``: the staging buffer (0 without one); ``storage_pages``:
     by (op, result): read hit|miss, write written|present|failed;
-    ``storage_bytes``: by op (read, write).
+    ``storage_bytes``: by op (read, write). ``handshake*``: prefill, the
+    transport's opens of the way to decode ranks (a segment lookup and a
+    probe write each: opened, failed, of those timed out, their seconds,
+    running now); decode, this rank's handshakes with prefill ranks
+    (answered, refused for a failed open, unanswered within
+    ``rpc_timeout_s``, the seconds waited for the answers, waiting now).
     """
 
     side: str
@@ -204,6 +212,11 @@ class ManagerStats:
     staging_capacity_bytes: int = 0
     storage_pages: dict[tuple[str, str], int] = field(default_factory=dict)
     storage_bytes: dict[str, int] = field(default_factory=dict)
+    handshakes: int = 0
+    handshake_failures: int = 0
+    handshake_timeouts: int = 0
+    handshake_seconds: float = 0.0
+    handshakes_in_progress: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -306,8 +319,8 @@ class RoomCounter:
         t.rooms[key] = t.rooms.get(key, 0) + 1
         return self.reason
 
-    def snapshot(self, state: str) -> RoomStats:
-        return RoomStats(side=self.totals.side, room=self.room, state=state,
+    def snapshot(self, state: str, handshake_wait_s: float = 0.0) -> RoomStats:
+        return RoomStats(side=self.totals.side, room=self.room, state=state, handshake_wait_s=handshake_wait_s,
                          reason=self.reason.value if self.reason is not None else None, bytes=dict(self.bytes),
                          descriptors=dict(self.descriptors), num_parts=self.num_parts,
                          pages_from_storage=self.pages_from_storage, requested_at=self.requested_at,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from transfer.config import EngineConfig
-from transfer.errors import ClosedError, KVTimeoutError, TransferError
+from transfer.errors import ClosedError, HandshakeError, KVTimeoutError, ProtocolError, TransferError
 from transfer.plan import TransferPlan
 from transfer.ready import ReadyGate
 from transfer.storage.nixl.probe import nixl_missing_reason
@@ -50,9 +50,14 @@ class Pair:
         self.announce()
 
     def announce(self) -> None:
-        """The target's metadata to the writer, as kvferry's handshake carries it."""
-        if self.b.peer_metadata is not None:
-            self.a.peer_metadata.add_peer(self.b.session, self.b.peer_metadata.metadata())
+        """The target's metadata to the writer, as kvferry's handshake
+        carries it; returns once the writer opened its way to the target."""
+        opened = Done()
+        self.a.open_peer(self.b.session, self.blob(), opened)
+        assert opened.wait() is None
+
+    def blob(self) -> bytes:
+        return self.b.peer_metadata.metadata() if self.b.peer_metadata is not None else b""
 
     def plan(self, src_pages, dst_pages, *, dst_base: int | None = None) -> TransferPlan:
         base = self.dst.ctypes.data if dst_base is None else dst_base
@@ -98,6 +103,40 @@ def test_it_names_itself(pair):
         assert isinstance(t.describe(), str) and t.describe()
         assert t.peer_metadata is None or callable(t.peer_metadata.metadata)
     assert pair.a.session != pair.b.session and pair.a.kind == pair.b.kind
+
+
+def test_open_peer_calls_back_once_open_and_again_at_once(pair):
+    # Pair() opened a -> b already: the way is open, the callback runs at once on this thread
+    again = Done()
+    pair.a.open_peer(pair.b.session, pair.blob(), again)
+    assert again.calls == [None] and again.threads == [threading.current_thread().name]
+    counts = pair.a.handshake_counts()
+    assert counts["handshakes"] == 1 and counts["handshake_failures"] == 0 and counts["handshakes_in_progress"] == 0
+    assert counts["handshake_seconds"] > 0
+
+
+def test_the_first_open_runs_on_the_opener_and_never_on_the_callers_thread(pair):
+    third = _build(pair.a.kind, pair.fabric)
+    third.register([(pair.src.ctypes.data, pair.src.nbytes)])  # NIXL and the loopback read registered memory only
+    try:
+        opened = Done()
+        t0 = time.perf_counter()
+        third.open_peer(pair.b.session, pair.blob(), opened)
+        returned_s = time.perf_counter() - t0
+        assert opened.wait() is None and opened.threads == ["kvferry-opener"]
+        assert returned_s < 0.05, f"open_peer took {returned_s * 1e3:.1f} ms on the caller's thread"
+        done = Done()
+        third.submit(pair.b.session, pair.plan([9], [10]), done, None)
+        assert done.wait() is None and pair.page(pair.dst, 10) == pair.page(pair.src, 9)
+    finally:
+        third.close()
+
+
+def test_a_malformed_handshake_blob_is_refused_at_once(pair):
+    if pair.a.peer_metadata is None:
+        pytest.skip("this transport's peers carry no metadata")
+    with pytest.raises(ProtocolError):
+        pair.a.open_peer("127.0.0.1:7", b"not metadata", Done())
 
 
 def test_a_plan_lands_byte_exact_and_calls_back_once_on_the_worker(pair):
@@ -179,7 +218,10 @@ def test_a_cancelled_plan_fails_without_writing(pair):
 def test_a_write_to_an_unknown_peer_fails(pair):
     done = Done()
     pair.a.submit("127.0.0.1:1", pair.plan([6], [6]), done, None)
-    assert isinstance(done.wait(), TransferError)
+    error = done.wait()
+    assert isinstance(error, TransferError) and "127.0.0.1:1" in str(error)
+    if pair.a.kind != "loopback":  # the fabric reaches every session: its copy fails, not the open
+        assert isinstance(error, HandshakeError) and "handshake" in str(error)
 
 
 def test_unregistered_memory_takes_no_new_write(pair):

@@ -39,12 +39,9 @@ def test_jobs_beyond_the_window_go_lowest_priority_first_and_land_byte_exact():
     b.register([(dst.ctypes.data, dst.nbytes)])
     order: list[str] = []
     try:
-        # A first write opens the peer's segment; then the worker is held while three jobs queue
-        # (in an order that is not their priority's), so that its next round sees all three.
-        warm: list = []
-        a.submit(b.session, _plan(src, dst, 0, PIECE), warm.append, None)
-        _wait(lambda: warm, "the first write")
-        assert warm == [None]
+        # The way to the peer is opened first (as kvferry's handshake does); then the worker is held
+        # while three jobs queue (in an order that is not their priority's), so that its next round sees all three.
+        _open(a, b)
         offset = 0
         with a._worker._step_lock:
             for name in ("new", "old", "middle"):
@@ -83,6 +80,7 @@ def test_an_older_room_overtakes_newer_ones_already_queued():
                      None, priority=1.0)
 
     try:
+        _open(a, b)
         jobs = [a.submit(b.session, _plan(src, dst, i * piece, piece), newer_done, None, priority=9.0)
                 for i in range(newer_n)]
         # a job held back says what holds the link
@@ -95,6 +93,14 @@ def test_an_older_room_overtakes_newer_ones_already_queued():
     finally:
         a.close()
         b.close()
+
+
+def _open(a: MooncakeTransport, b: MooncakeTransport) -> None:
+    """``a`` opens its way to ``b`` from ``b``'s handshake metadata, as a prefill rank does."""
+    opened: list = []
+    a.open_peer(b.session, b.metadata(), opened.append)
+    _wait(lambda: opened, "the open")
+    assert opened == [None]
 
 
 def _plan(src, dst, offset: int, n: int) -> TransferPlan:

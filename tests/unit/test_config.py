@@ -63,10 +63,21 @@ def test_apply_mooncake_env_keeps_operator_values(monkeypatch):
 def test_mooncake_env_sets_tcp_variables_for_tcp_engines_only():
     tcp = EngineConfig(protocol="tcp").mooncake_env()
     rdma = EngineConfig(protocol="rdma").mooncake_env()
-    assert set(rdma) == {"MC_LOG_LEVEL", "MC_TRANSFER_TIMEOUT"}
+    assert set(rdma) == {"MC_LOG_LEVEL", "MC_TRANSFER_TIMEOUT", "MC_TCP_BIND_ADDRESS"}
     assert set(tcp) - set(rdma) == {"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER",
                                     "MC_TCP_ADMISSION_TIMEOUT_MS", "MC_TCP_PROGRESS_TIMEOUT_SEC",
                                     "MC_TCP_STATUS_TIMEOUT_SEC"}
+
+
+def test_the_relay_advertises_the_engine_s_own_host_and_p2p_leaves_it_alone():
+    # With a metadata server Mooncake advertises MC_TCP_BIND_ADDRESS, else the host's first LAN address
+    # (none in a loopback-only namespace: initialize fails).
+    assert EngineConfig(hostname="10.1.2.3").mooncake_env()["MC_TCP_BIND_ADDRESS"] == "10.1.2.3"
+    assert "MC_TCP_BIND_ADDRESS" not in EngineConfig(mooncake_metadata="p2p").mooncake_env()
+    with pytest.raises(ValueError, match="mooncake_metadata"):
+        EngineConfig(mooncake_metadata="etcd")
+    with pytest.raises(ValueError, match="handshake_timeout_s"):
+        EngineConfig(handshake_timeout_s=0)
 
 
 def test_a_user_set_mooncake_variable_survives(monkeypatch):

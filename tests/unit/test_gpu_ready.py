@@ -188,13 +188,13 @@ def test_the_mooncake_worker_submits_a_gated_job_only_once_its_event_completed()
     after = _Job("peer", [0x3000], [0xB000], [8], results.append)  # another room's job to the same peer
     t.admit(gated)
     t.admit(after)
-    assert t.step() == (0, True)  # the gated job is still held
+    assert t.step(True) == (0, True)  # the gated job is still held
     assert engine.writes == [0x3000] and event.num_queries >= 1  # the late event holds back its job only
     assert results == [None]
-    t.step()
+    t.step(True)
     assert engine.writes == [0x3000] and results == [None]
     event.complete()
-    assert t.step() == (0, False)
+    assert t.step(True) == (0, False)
     assert engine.writes == [0x3000, 0x1000, 0x2000] and results == [None, None]
 
 
@@ -204,7 +204,7 @@ def test_the_mooncake_worker_fails_a_job_whose_event_is_late():
     job = _Job("peer", [0x1000], [0x9000], [8], results.append, ready=ReadyGate(FakeEvent(), 0.0, "room 2"))
     time.sleep(0.01)
     t.admit(job)
-    t.step()
+    t.step(True)
     assert engine.writes == []
     assert len(results) == 1 and isinstance(results[0], TransferError)
     assert "did not complete within 0 s" in str(results[0])

@@ -146,22 +146,34 @@ def test_a_raising_callback_is_logged_and_the_worker_goes_on(caplog):
     assert calls == [None] and "a completion callback raised" in caplog.text
 
 
+class _Job(str):
+    """A job of the fake side: its name, to one peer."""
+
+    peer = "peer-0"
+
+
 class _BusySide:
-    """An engine side whose first step blocks until released."""
+    """An engine side whose first step blocks until released (its peer opens at once)."""
 
     def __init__(self) -> None:
         self.stepping, self.release = threading.Event(), threading.Event()
         self.held, self.failed = [], []
 
+    def open(self, peer, blob, pause) -> None:
+        """Nothing to open."""
+
+    def describe_open(self, link) -> str:
+        return ""
+
     def admit(self, job) -> None:
         self.held.append(job)
 
-    def step(self):
+    def step(self, may_submit):
         self.stepping.set()
         self.release.wait(5)
         return 0, bool(self.held)
 
-    def fail(self, job) -> None:
+    def fail(self, job, error=None) -> None:
         self.failed.append(job)
 
     def fail_all(self) -> None:
@@ -175,16 +187,17 @@ class _BusySide:
 def test_close_fails_the_jobs_left_in_the_queue_and_refuses_new_ones():
     side = _BusySide()
     worker = PollingWorker(side)
+    worker.put(_Job("x"))  # its peer opens (the opener's thread), then the loop steps and blocks
     side.stepping.wait(5)  # the loop is busy: it takes none of the jobs queued behind
-    worker.put("a")
-    worker.put("b")
+    worker.put(_Job("a"))
+    worker.put(_Job("b"))
     assert worker.close(0.2) is True  # the step runs past the bound
     assert side.failed == ["a", "b"]
     with pytest.raises(ClosedError):
-        worker.put("c")
+        worker.put(_Job("c"))
     side.release.set()
     worker._thread.join(5)
-    assert not worker._thread.is_alive() and side.failed == ["a", "b"]  # each job failed once
+    assert not worker._thread.is_alive() and side.failed == ["a", "b", "x"]  # each job failed once
     assert worker.close(5.0) is False  # idempotent
 
 
@@ -192,7 +205,7 @@ def test_the_loop_admits_steps_and_fails_what_it_holds_at_close():
     side = _BusySide()
     side.release.set()
     worker = PollingWorker(side)
-    worker.put("a")
+    worker.put(_Job("a"))
     deadline = time.monotonic() + 5
     while side.held != ["a"] and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -205,7 +218,7 @@ def test_health_tells_a_worker_stuck_in_an_engine_round_from_an_idle_one():
     side = _BusySide()
     worker = PollingWorker(side)
     try:
-        worker.put("a")
+        worker.put(_Job("a"))
         assert side.stepping.wait(5)
         time.sleep(1.2)
         assert "in one engine round for 1." in worker.health()

@@ -31,11 +31,18 @@ def pair():
     dst = np.zeros(256 * PAGE, dtype=np.uint8)
     a.register([(src.ctypes.data, src.nbytes)])
     b.register([(dst.ctypes.data, dst.nbytes)])
-    a.add_peer(b.session, b.metadata())
+    _open(a, b)
     yield a, b, src, dst
     a.close()
     b.close()
     mp.undo()
+
+
+def _open(a, b) -> None:
+    """``a`` opens its way to ``b`` from ``b``'s metadata now (kvferry's handshake carries it)."""
+    done, result = threading.Event(), []
+    a.open_peer(b.session, b.metadata(), lambda error: (result.append(error), done.set()))
+    assert done.wait(20) and result == [None], result
 
 
 def _run(transport, peer, plan) -> TransferError | None:
@@ -79,7 +86,7 @@ def test_an_unknown_peer_fails_the_plan(pair):
 def test_memory_the_peer_deregistered_is_refused_once_it_announced_it(pair):
     a, b, src, dst = pair
     b.unregister([(dst.ctypes.data, dst.nbytes)])
-    a.add_peer(b.session, b.metadata())
+    _open(a, b)
     try:
         dst[:PAGE] = 0
         error = _run(a, b.session, _plan(src.ctypes.data, [5], dst.ctypes.data, [0]))
@@ -87,7 +94,7 @@ def test_memory_the_peer_deregistered_is_refused_once_it_announced_it(pair):
         assert not dst[:PAGE].any()  # nothing landed
     finally:
         b.register([(dst.ctypes.data, dst.nbytes)])
-        a.add_peer(b.session, b.metadata())
+        _open(a, b)
 
 
 def test_submit_after_close_raises_and_close_is_idempotent():
@@ -106,7 +113,10 @@ from transfer.transport.nixl.transport import NixlTransport
 a, b = NixlTransport(EngineConfig(backend="nixl")), NixlTransport(EngineConfig(backend="nixl"))
 buf = np.zeros(1 << 16, dtype=np.uint8)
 a.register([(buf.ctypes.data, buf.nbytes)])
-a.add_peer(b.session, b.metadata())
+import threading
+opened = threading.Event()
+a.open_peer(b.session, b.metadata(), lambda error: opened.set())
+assert opened.wait(20)
 {close}
 print("ok", flush=True)
 """
@@ -163,7 +173,7 @@ def test_long_descriptors_are_cut_into_max_descriptor_bytes_pieces(monkeypatch):
         dst = np.zeros(1 << 20, dtype=np.uint8)
         a.register([(src.ctypes.data, src.nbytes)])
         b.register([(dst.ctypes.data, dst.nbytes)])
-        a.add_peer(b.session, b.metadata())
+        _open(a, b)
         plan = TransferPlan(np.array([src.ctypes.data], dtype=np.uint64), np.array([dst.ctypes.data], dtype=np.uint64),
                             np.array([src.nbytes - 4096], dtype=np.uint64))
         assert _run(a, b.session, plan) is None

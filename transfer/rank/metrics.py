@@ -29,6 +29,11 @@ Exported (units in names, labels of bounded cardinality, no room ids)::
     kvferry_storage_bytes_total{role,op}         read|write
     kvferry_prefetch_wait_seconds{role}          histogram: decode init to prefetch settled
     kvferry_exposed_transfer_seconds{role}       histogram: prefill's forward end (last send() or event) to Success
+    kvferry_handshakes_total{role,result}        opened|failed (prefill: its transport's opens of the way to
+                                                 decode ranks; decode: its handshakes answered or refused)
+    kvferry_handshake_timeouts_total{role}       handshakes given up at their bound (counted in failed too)
+    kvferry_handshake_seconds_total{role}        seconds the finished handshakes took
+    kvferry_handshakes_in_progress{role}         handshakes running now
 """
 
 from __future__ import annotations
@@ -120,6 +125,14 @@ class _Collector:
                         "Decode rooms from the end of prefill's forward (its last send(), or that send's event) "
                         "to Success",
                         lambda s: s.exposed_transfer_seconds)
+        yield counter("kvferry_handshakes", "Handshakes with peers (prefill: its transport opening its way to a "
+                      "decode rank; decode: its handshakes answered), by result", ["result"],
+                      [(("opened",), lambda s: s.handshakes), (("failed",), lambda s: s.handshake_failures)])
+        yield counter("kvferry_handshake_timeouts", "Handshakes given up at their time bound", [],
+                      [((), lambda s: s.handshake_timeouts)])
+        yield counter("kvferry_handshake_seconds", "Seconds the finished handshakes took", [],
+                      [((), lambda s: s.handshake_seconds)])
+        yield gauge("kvferry_handshakes_in_progress", "Handshakes running now", lambda s: s.handshakes_in_progress)
 
 
 class _Endpoint:

@@ -13,8 +13,9 @@ from typing import Callable
 
 from bootstrap.messages import AttentionKind, PoolRole, RankInfo
 from transfer import tp
-from transfer.errors import (BootstrapError, BootstrapRefused, BootstrapUnavailable, IncompatibleLayoutError,
-                             IncompatibleTransportError, KVFerryError, PeerError, ProtocolError, UnknownNodeError)
+from transfer.errors import (BootstrapError, BootstrapRefused, BootstrapUnavailable, HandshakeError,
+                             IncompatibleLayoutError, IncompatibleTransportError, KVFerryError, PeerError,
+                             ProtocolError, UnknownNodeError)
 from transfer.layout import check_compatible
 from transfer.messages import PeerHello, PeerHelloReply, PoolAssignment
 from transfer.rooms.context import LookupClient, RoomContext
@@ -29,6 +30,8 @@ _RETRY_S = 0.02
 _IDLE_S = 1.0
 # How long a refused lookup fails new rooms before one is tried again.
 _REFUSAL_S = 1.0
+#: A handshake not answered after this long is logged as a warning (once per hello).
+SLOW_HANDSHAKE_S = 1.0
 # A ready link used within this long is kept under liveness watch even with
 # no live room, so a prefill rank that died while idle is noticed (and its
 # link forgotten) before the next room needs it.
@@ -60,6 +63,16 @@ class Link:
         self.last_wanted = time.monotonic()
         self.created_at = time.monotonic()
         self.introduced: set[str] = set()  # sessions this rank's hello went to after a refused layout
+        #: when this link began waiting for its prefill ranks' handshake answers (0: it has not), and when
+        #: it was ready (0: not yet): the wait the rooms created meanwhile report (RoomStats.handshake_wait_s)
+        self.handshake_since = 0.0
+        self.ready_at = 0.0
+
+    def handshake_wait(self, since: float, now: float) -> float:
+        """How long of ``[since, now]`` this link waited on its handshakes."""
+        if not self.handshake_since:
+            return 0.0
+        return max(0.0, min(self.ready_at or now, now) - max(self.handshake_since, since))
 
     @property
     def name(self) -> str:
@@ -67,14 +80,15 @@ class Link:
         return f"prefill node {node!r} dp {dp} (bootstrap {addr})"
 
 
-def _final(exc: KVFerryError, reached: bool) -> bool:
+def _final(exc: KVFerryError, reached: bool, refusing_s: float, peer_timeout_s: float) -> bool:
     """Whether a lookup failure fails rooms at once instead of being retried:
     an error reply (an unknown node, after the server's grace time; a refused
-    or unauthenticated request), or a refused connection to a server this
-    rank never reached (a wrong address; one it reached before is taken for
-    restarting). A timeout is retried within the room's bootstrap bound."""
+    or unauthenticated request), a refused connection to a server this rank
+    never reached (a wrong address), or to one it reached before that has
+    refused for ``refusing_s`` > ``peer_timeout_s`` (the node is down: a
+    restart takes less). A timeout is retried within the room's bootstrap bound."""
     if isinstance(exc, BootstrapRefused):
-        return not reached
+        return not reached or refusing_s > peer_timeout_s
     return not isinstance(exc, BootstrapUnavailable)
 
 
@@ -88,12 +102,19 @@ def _located(exc: KVFerryError, where: str) -> KVFerryError:
 
 
 class _Hello:
-    __slots__ = ("sent_at", "ok", "error")
+    __slots__ = ("sent_at", "ok", "error", "answered_at", "warned")
 
     def __init__(self) -> None:
         self.sent_at = time.monotonic()
         self.ok = False
         self.error: KVFerryError | None = None
+        self.answered_at = 0.0
+        self.warned = False  # the slow-handshake warning was logged
+
+    @property
+    def wait_s(self) -> float:
+        """How long the hello waited (so far) for its answer."""
+        return (self.answered_at or time.monotonic()) - self.sent_at
 
 
 class LinkResolver:
@@ -119,6 +140,10 @@ class LinkResolver:
         self._hellos: dict[str, _Hello] = {}
         self._clients: dict[str, LookupClient] = {}
         self._reached: set[str] = set()  # bootstrap addresses that answered at least once
+        self._refusing: dict[str, float] = {}  # reached addresses refusing connections now -> since when
+        # this rank's handshakes (ManagerStats.handshake*): answered, refused for a failed open, unanswered
+        self._num_answered = self._num_refused = self._num_unanswered = 0
+        self._answer_seconds = 0.0
         self._wake = threading.Event()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="kvferry-resolver", daemon=True)
@@ -188,10 +213,25 @@ class LinkResolver:
         hello = self._hellos.get(msg.session)
         if hello is not None:
             hello.ok = msg.ok
-            if not msg.ok:
-                kind = IncompatibleTransportError if msg.field == "transport" else IncompatibleLayoutError
+            if msg.ok:
+                hello.answered_at = time.monotonic()
+                self._num_answered += 1
+                self._answer_seconds += hello.wait_s
+            elif msg.field == "handshake":
+                self._num_refused += 1
+                hello.error = tag_reason(HandshakeError(f"{self.ctx.where}: prefill rank {msg.session} could not open "
+                                                        f"its transport's way to this rank: {msg.reason}",
+                                                        peer=msg.session), FailureReason.PEER_LOST)
+            else:
+                kind = IncompatibleTransportError if msg.field.startswith("transport") else IncompatibleLayoutError
                 hello.error = kind(msg.field, "decode side", "prefill side", detail=msg.reason)
             self._wake.set()
+
+    def handshake_counts(self) -> dict[str, float]:
+        """This rank's handshakes, in ManagerStats' fields (under ctx.lock)."""
+        return {"handshakes": self._num_answered, "handshake_failures": self._num_refused + self._num_unanswered,
+                "handshake_timeouts": self._num_unanswered, "handshake_seconds": self._answer_seconds,
+                "handshakes_in_progress": sum(1 for h in self._hellos.values() if not h.ok and h.error is None)}
 
     def hello(self) -> PeerHello:
         """This rank's hello, with its transport's current metadata (NIXL)."""
@@ -230,7 +270,7 @@ class LinkResolver:
                 try:
                     reply = self._lookup(addr, node, 0)
                 except (BootstrapUnavailable, ProtocolError, BootstrapError) as exc:
-                    if not _final(exc, addr in self._reached):
+                    if not self._final(addr, exc):
                         log.debug("dp size of %s at %s: %s", node, addr, exc)
                         continue
                     with self.ctx.lock:  # refused: retrying will not help
@@ -271,9 +311,21 @@ class LinkResolver:
     def _lookup(self, addr: str, node: str, dp_rank: int):
         """A strict, partial lookup (an unknown node raises UnknownNodeError;
         a group not complete yet lists the ranks registered so far)."""
-        reply = self._client(addr).lookup(node, dp_rank, strict=True, partial=True)
+        try:
+            reply = self._client(addr).lookup(node, dp_rank, strict=True, partial=True)
+        except BootstrapRefused:
+            if addr in self._reached:
+                self._refusing.setdefault(addr, time.monotonic())
+            raise
         self._reached.add(addr)
+        self._refusing.pop(addr, None)
         return reply
+
+    def _final(self, addr: str, exc: KVFerryError) -> bool:
+        """Whether ``exc`` of a lookup at ``addr`` fails the rooms (see :func:`_final`)."""
+        since = self._refusing.get(addr)
+        return _final(exc, addr in self._reached, 0.0 if since is None else time.monotonic() - since,
+                      self.ctx.config.peer_timeout_s)
 
     def _client(self, addr: str) -> LookupClient:
         client = self._clients.get(addr)
@@ -287,8 +339,11 @@ class LinkResolver:
             try:
                 reply = self._lookup(addr, node, dp)
             except BootstrapUnavailable as exc:
-                if _final(exc, addr in self._reached):
-                    raise _located(exc, f"{self.ctx.where}: looking up {link.name}") from exc
+                if self._final(addr, exc):
+                    since = self._refusing.get(addr)
+                    down = (f" (it answered before, and has refused connections for "
+                            f"{time.monotonic() - since:.1f} s: the prefill node is down)") if since else ""
+                    raise _located(exc, f"{self.ctx.where}: looking up {link.name}{down}") from exc
                 link.progress = str(exc)
                 return
             except BootstrapError as exc:
@@ -323,19 +378,31 @@ class LinkResolver:
                 if hello.error is not None:
                     raise hello.error
                 if not hello.ok:
+                    if not hello.warned and hello.wait_s > SLOW_HANDSHAKE_S:
+                        hello.warned = True
+                        log.warning("%s: prefill rank %d of %s (session %s) has not answered this rank's handshake "
+                                    "for %.1f s: it is opening its transport's way to this rank (at most its "
+                                    "EngineConfig.handshake_timeout_s)", self.ctx.where, p, link.name, session,
+                                    hello.wait_s)
                     if time.monotonic() - hello.sent_at > self.ctx.config.rpc_timeout_s:
                         # A dead rank the server still lists, or one restarting: look the node up
                         # again (its rooms fail at their bootstrap timeout if it never answers).
                         del self._hellos[session]
+                        self._num_unanswered += 1
                         link.progress = (f"prefill rank {p} at {link.ranks[p].control_endpoint} did not answer "
                                          f"the handshake within {self.ctx.config.rpc_timeout_s:g} s; looking it up again")
                         link.ranks, link.routes = {}, {}
                         return
                     pending.append(p)
             if pending:
-                link.progress = f"waiting for the handshake of prefill ranks {pending}"
+                now = time.monotonic()
+                link.handshake_since = link.handshake_since or min(self._hellos[link.ranks[p].session].sent_at
+                                                                   for p in pending)
+                link.progress = (f"waiting for the handshake of prefill ranks {pending} for "
+                                 f"{now - link.handshake_since:.1f} s (they answer once their transport opened "
+                                 "its way to this rank)")
             else:
-                link.state = LinkState.READY
+                link.state, link.ready_at = LinkState.READY, time.monotonic()
 
     def _route(self, link: Link, ranks: dict[int, RankInfo], prefill_tp: int) -> bool:
         """The routes of this rank's rooms to the group of ``prefill_tp``

@@ -328,25 +328,41 @@ class PrefillRooms:
             reply = PeerHelloReply(session=self.ctx.rank.session, ok=False, field=exc.field,
                                    reason=f"{self.ctx.where}: {exc}")
         else:
-            reply = self._load_transport_meta(hello)
+            reply = self._open_peer(hello, origin)
             if reply is None:
+                return  # answered once the transport opened the way to the peer
+        self.ctx.channel.send(hello.rank.control_endpoint, reply)
+
+    def _open_peer(self, hello: PeerHello, origin: str) -> PeerHelloReply | None:
+        """Have the transport open its way to the decode peer (its segment,
+        a probe write: :mod:`transfer.transport.opener`, off this thread) and
+        answer the hello once it is open, or could not be (``field``
+        ``handshake``: decode's rooms through this rank fail with a
+        HandshakeError). Returns the refusal of a hello whose transport
+        metadata this side cannot use, else None."""
+        session, endpoint = hello.rank.session, hello.rank.control_endpoint
+
+        def opened(error) -> None:
+            if error is None:
                 with self.ctx.lock:
                     self.peers[session] = hello.rank
                     self._origins[session] = origin
                 reply = PeerHelloReply(session=self.ctx.rank.session, ok=True, field="", reason="")
-        self.ctx.channel.send(hello.rank.control_endpoint, reply)
+            else:
+                log.error("%s: could not open the way to decode rank %s: %s", self.ctx.where, session, error)
+                reply = PeerHelloReply(session=self.ctx.rank.session, ok=False, field="handshake",
+                                       reason=f"{self.ctx.where}: {error}")
+            try:
+                self.ctx.channel.send(endpoint, reply)
+            except KVFerryError as exc:
+                log.warning("%s: the handshake reply to %s was not sent: %s", self.ctx.where, endpoint, exc)
 
-    def _load_transport_meta(self, hello: PeerHello) -> PeerHelloReply | None:
-        """Give the decode peer's transport metadata (NIXL) to this rank's
-        transport; None when it took it, or none was needed, else the refusal."""
-        exchange = self.ctx.transport.peer_metadata
-        if exchange is None:
-            return None
         try:
-            exchange.add_peer(hello.rank.session, hello.transport_meta)
+            self.ctx.transport.open_peer(session, hello.transport_meta, opened)
         except KVFerryError as exc:
-            log.error("%s: refused decode rank %s: %s", self.ctx.where, hello.rank.session, exc)
-            return PeerHelloReply(session=self.ctx.rank.session, ok=False, field="transport",
+            log.error("%s: refused decode rank %s: %s", self.ctx.where, session, exc)
+            field = exc.field if isinstance(exc, IncompatibleLayoutError) else "transport"
+            return PeerHelloReply(session=self.ctx.rank.session, ok=False, field=field,
                                   reason=f"{self.ctx.where}: {exc}")
         return None
 

@@ -74,6 +74,7 @@ class KVReceiver:
                                    on_change=lambda: ctx.changed(self, self._phases.poll))
         self._created = time.monotonic()
         self._link: Link | None = None
+        self._seen_link: Link | None = None  # the link bootstrapping looked at last (it may be waiting)
         self._pages: np.ndarray | None = None  # decode page ids, request order, and the aux slot: from init()
         self._aux_index, self._init_at = -1, 0.0
         self._states: tuple = ()  # per state pool: decode item indices (int32), or None: from init()
@@ -223,7 +224,9 @@ class KVReceiver:
         """What this room received so far, and when (any time, from any thread)."""
         with self._ctx.lock:
             self._counter.pages_from_storage = self.pages_from_storage
-            return self._counter.snapshot(self._phases.poll.name)
+            link = self._link or self._seen_link
+            wait = link.handshake_wait(self._created, time.monotonic()) if link is not None else 0.0
+            return self._counter.snapshot(self._phases.poll.name, handshake_wait_s=wait)
 
     def release(self, error: BaseException) -> None:
         """The scheduler releases the KV memory (``KVManager.release_memory``):
@@ -394,6 +397,7 @@ class KVReceiver:
     def _bootstrap(self, now: float) -> None:
         config = self._ctx.config
         link = self._table.link(self.bootstrap_addr, self.prefill_node, self.prefill_dp_rank, self.room)
+        self._seen_link = link
         if link is not None and link.state is LinkState.FAILED:
             self._table.forget(link)
             self._link = link

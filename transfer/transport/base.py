@@ -17,6 +17,20 @@ The contract every implementation keeps:
   TCP transport validates a write request once, at its start): callers must
   never reuse such memory for anything read. Raises TransferError when the
   engine refuses.
+- ``open_peer(peer, blob, callback)`` opens the way to ``peer`` before any
+  plan goes there (``blob``: what the peer's handshake carried,
+  ``PeerHello.transport_meta``; again when the peer's memory changed). It
+  checks the blob at once (ProtocolError for a malformed one,
+  IncompatibleTransportError for one this side cannot use) and returns at
+  once: the engine's part (Mooncake: the segment lookup and a probe write;
+  NIXL: loading the peer agent's metadata) runs on the transport's
+  ``kvferry-open-call`` thread, bounded by ``handshake_timeout_s``
+  (:mod:`transfer.transport.opener`). ``callback(None)`` once the peer is
+  open, ``callback(HandshakeError)`` when it could not be, on the opener
+  thread (at once when it was open already). A plan to a peer that is not
+  open waits for it (and asks for its open, with no blob, if none was
+  asked), and fails with that HandshakeError: no plan's first write runs
+  the engine's handshake, and no caller's thread waits for one.
 - ``submit(peer, plan, callback, ready, priority=0.0)`` returns at once, from any
   thread. An empty plan calls ``callback(None)`` before returning and returns
   None; otherwise it returns a :class:`TransferHandle`. ``ready`` (a
@@ -30,8 +44,9 @@ The contract every implementation keeps:
   (staged parts pass 0: they hold staging on both sides). Mooncake hands
   its engine at most ``EngineConfig.inflight_bytes_per_peer`` per peer and
   keeps the rest in that order; NIXL and the loopback ignore it.
-- ``callback(error)`` runs exactly once per non-empty plan, on the
-  transport's worker thread, after every descriptor it submitted finished
+- ``callback(error)`` runs exactly once per non-empty plan, on a thread of
+  the transport's (its worker; the opener, for a plan whose peer could not
+  be opened) or in ``pump()``, after every descriptor it submitted finished
   or failed (so the source memory may be reused when it runs): ``None`` on
   success, a :class:`~transfer.errors.TransferError` naming the peer
   otherwise. It must be quick and must not call back into the transport's
@@ -42,7 +57,8 @@ The contract every implementation keeps:
 - ``pump()`` moves the transport's work along now, on the caller's thread
   (submits what is queued, checks what is in flight, runs the callbacks of
   plans that ended), and returns at once when there is nothing to do or
-  another thread is at it: it never blocks. A busy scheduler's poll calls it,
+  another thread is at it: it never blocks (while a peer open holds the
+  engine's lock it submits nothing). A busy scheduler's poll calls it,
   so that its transfers move without another thread getting the
   interpreter lock. A transport may do nothing here (its own thread does it all).
 - ``close()`` fails the outstanding plans (their callbacks get a
@@ -59,9 +75,12 @@ The contract every implementation keeps:
   still in the engine, ended) and whether the worker is stuck in an engine
   call: what a failure's message needs to tell a hung engine from a lost
   message. It never blocks.
-- ``peer_metadata``: None for an engine whose peers handshake on their own
-  (Mooncake); otherwise a :class:`PeerMetadata`, the exchange kvferry's
-  handshake carries for it (NIXL).
+- ``peer_metadata``: a :class:`PeerMetadata`, this side's part of kvferry's
+  handshake (Mooncake: its metadata mode, relayed segment and probe region;
+  NIXL: its agent's metadata), or None for an engine that needs none.
+- ``handshake_counts()``: the opener's counters (``handshakes``,
+  ``handshake_failures``, ``handshake_timeouts``, ``handshake_seconds``,
+  ``handshakes_in_progress``), for the rank's stats and ``/metrics``.
 
 Every transport passes the conformance suite ``tests/transport/test_conformance.py``.
 """
@@ -85,16 +104,13 @@ class PeerMetadata(Protocol):
     """What a transport needs carried between peers before one can write into
     the other: a decode rank's :meth:`metadata` travels in its handshake
     (``PeerHello.transport_meta``) and is given to the prefill rank's
-    :meth:`add_peer`; again whenever the decode rank's registered memory
-    changed (a fenced rank's arenas), before any grant names new memory."""
+    ``Transport.open_peer``; again whenever the decode rank's registered
+    memory changed (a fenced rank's arenas), before any grant names new
+    memory."""
 
     def metadata(self) -> bytes:
-        """This transport's metadata now (its registered memory included)."""
-
-    def add_peer(self, session: str, blob: bytes) -> None:
-        """Take a peer's :meth:`metadata` (again, when it changed); returns at
-        once, from the control thread. ProtocolError for a malformed blob;
-        a plan to ``session`` fails until a good one was taken."""
+        """This transport's metadata now (its registered memory included);
+        never blocks."""
 
 
 class Transport(Protocol):
@@ -111,6 +127,11 @@ class Transport(Protocol):
     def register(self, regions: list[tuple[int, int]]) -> None: ...
 
     def unregister(self, regions: list[tuple[int, int]]) -> None: ...
+
+    def open_peer(self, peer: str, blob: bytes,
+                  callback: Callable[[TransferError | None], None] | None = None) -> None: ...
+
+    def handshake_counts(self) -> dict[str, float]: ...
 
     def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback, ready,
                priority: float = 0.0) -> TransferHandle | None: ...

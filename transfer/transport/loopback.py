@@ -11,7 +11,8 @@ fabric also routes the control messages of
 :class:`~transfer.control.loopback.LoopbackChannel` s.
 
 Faults, for tests: ``hold_writes`` / ``release_writes`` stop and resume every
-transport before its next descriptor (a write "in flight"); ``break_writes``
+transport before its next descriptor (a write "in flight"); ``hold_opens`` /
+``release_opens`` hold every transport's peer opens (a stalled handshake); ``break_writes``
 fails the writes to a session; ``hold`` / ``release`` keep the messages to an
 endpoint queued; ``cut`` / ``mend`` drop every message to and from an
 endpoint (a lost peer); ``drop_if`` drops the messages a predicate picks;
@@ -61,7 +62,7 @@ def _inside(regions: list[tuple[int, int]], addr: int, nbytes: int) -> bool:
 
 class LoopbackTransport:
     kind = "loopback"
-    peer_metadata = None
+    peer_metadata = None  # the fabric knows every transport
 
     def __init__(self, fabric: "LoopbackFabric", session: str) -> None:
         self.session = session
@@ -98,6 +99,25 @@ class LoopbackTransport:
         self._worker.put(job)
         return job
 
+    def open_peer(self, peer: str, blob: bytes, callback=None) -> None:
+        """Open the way to ``peer`` (see :mod:`transfer.transport.base`): the
+        fabric reaches every transport at once, so the opener's call only
+        waits while the fabric's ``hold_opens`` is set (a test's stalled handshake)."""
+        self._worker.opener.open(peer, blob, callback)
+
+    def open(self, peer: str, blob: bytes, pause) -> None:
+        """The opener's engine call: nothing to open, but a held handshake
+        (which holds no engine lock: other peers' copies go on)."""
+        while not self._fabric.opens_open.wait(0.02):
+            if self._closed.is_set():
+                raise TransferError(f"transport closed while opening the way to {peer}", peer=peer)
+
+    def describe_open(self, link) -> str:
+        return "the test holds the fabric's handshakes" if not self._fabric.opens_open.is_set() else ""
+
+    def handshake_counts(self) -> dict[str, float]:
+        return self._worker.opener.counters()
+
     def describe_job(self, job: _Job) -> str:
         """Where a plan :meth:`submit` took stands, and the worker's health (for a failure's message)."""
         what = (f"write to {job.peer} ended" if job.done
@@ -113,12 +133,12 @@ class LoopbackTransport:
     def admit(self, job: _Job) -> None:
         self._held.append(job)
 
-    def step(self) -> tuple[int, bool]:
+    def step(self, may_submit: bool) -> tuple[int, bool]:
         """Copy every job whose ready gate is done, in order (a late event
-        holds back its own job only)."""
+        holds back its own job only; nothing while a peer open holds the engine)."""
         held, self._held = self._held, []
         for job in held:
-            waiting = not self._closed.is_set() and gate_state(job.ready, job.peer)[0]
+            waiting = not self._closed.is_set() and (not may_submit or gate_state(job.ready, job.peer)[0])
             if waiting and job.cancelled:  # never started: nothing to wait for
                 self._end(job, TransferError(f"transfer to {job.peer} cancelled", peer=job.peer))
             elif waiting:
@@ -132,8 +152,8 @@ class LoopbackTransport:
         job.done = True
         run_callback(job.callback, error)
 
-    def fail(self, job: _Job) -> None:
-        self._end(job, closed_error(job.peer))
+    def fail(self, job: _Job, error: TransferError | None = None) -> None:
+        self._end(job, error or closed_error(job.peer))
 
     def idle(self) -> None:
         """Nothing accumulates here without jobs."""
@@ -190,6 +210,8 @@ class LoopbackFabric:
         self._channels: dict[str, LoopbackChannel] = {}
         self.writes_open = threading.Event()
         self.writes_open.set()
+        self.opens_open = threading.Event()  # cleared: every transport's peer opens wait (a held handshake)
+        self.opens_open.set()
         self.broken: set[str] = set()
         self._held: dict[str, list[tuple[bytes, str]]] = {}
         self._cut: set[str] = set()
@@ -268,6 +290,12 @@ class LoopbackFabric:
             ch.deliver(payload, origin=origin)
 
     # --- faults -------------------------------------------------------------------
+
+    def hold_opens(self) -> None:
+        self.opens_open.clear()
+
+    def release_opens(self) -> None:
+        self.opens_open.set()
 
     def hold_writes(self) -> None:
         """Transports stop before their next descriptor (writes stay in flight)."""

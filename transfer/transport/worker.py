@@ -1,15 +1,19 @@
 """The polling worker every engine's transport runs on, and what they share
 of :mod:`transfer.transport.base`'s contract: the job queue and the worker
 thread with a bounded ``close()``, the loop that admits jobs and sleeps by
-the bytes in flight, the ready-gate check, and the guard that runs a
-completion callback exactly once and survives its exceptions.
+the bytes in flight, the ready-gate check, the peer opens that come before
+any job to a peer (:mod:`transfer.transport.opener`), and the guard that
+runs a completion callback exactly once and survives its exceptions.
 
 A transport gives the worker its :class:`EngineSide`: ``admit`` takes a
 queued job, ``step`` submits what may go and checks what is in flight,
-``fail`` fails one job at close. They run one at a time under the worker's
-step lock: on the worker thread, or on any thread that calls
-:meth:`PollingWorker.pump` (a busy scheduler's, which then needs no other
-thread to get the interpreter lock for its transfers to move). The loop
+``fail`` fails one job, ``open`` opens the way to a peer (on the opener's
+thread, never under the step lock). ``admit``, ``step`` and the failures
+at close run one at a time under the worker's step lock: on the worker
+thread, or on any thread that calls :meth:`PollingWorker.pump` (a busy
+scheduler's, which then needs no other thread to get the interpreter lock
+for its transfers to move). A job reaches ``admit`` only once its peer
+(``job.peer``) is open; until then the opener holds it. The loop
 blocks on the queue only while the engine side holds nothing; otherwise it
 sleeps a quarter of the time the bytes in flight need at
 :data:`ASSUMED_BYTES_PER_S`, within [:data:`MIN_SLEEP_S`,
@@ -35,6 +39,8 @@ from typing import Protocol
 
 from transfer.errors import ClosedError, KVFerryError, TransferError
 from transfer.transport.base import DoneCallback
+from transfer.transport.opener import PeerOpener
+from transfer.transport.peers import PeerLink
 
 log = logging.getLogger("kvferry.transport")
 
@@ -93,15 +99,29 @@ class EngineSide(Protocol):
     the worker's step lock)."""
 
     def admit(self, job) -> None:
-        """Take a job that ``submit`` queued."""
+        """Take a job that ``submit`` queued (its peer is open)."""
 
-    def step(self) -> tuple[int, bool]:
-        """One round: submit what may go, check what is in flight, run the
-        callbacks of jobs that ended. Returns (bytes in flight, whether any
-        job is held: in flight, or waiting for its ready gate)."""
+    def step(self, may_submit: bool) -> tuple[int, bool]:
+        """One round: submit what may go (nothing while ``may_submit`` is
+        False: a peer open holds the engine's lock), check what is in
+        flight, run the callbacks of jobs that ended. Returns (bytes in
+        flight, whether any job is held: in flight, or waiting for its ready
+        gate)."""
 
-    def fail(self, job) -> None:
-        """Fail a job at close (its callback gets a TransferError), once."""
+    def fail(self, job, error: TransferError | None = None) -> None:
+        """Fail a job that never reached the engine, or every job at close
+        (its callback gets ``error``, by default a closed-transport
+        TransferError), once."""
+
+    def open(self, peer: str, blob: bytes, pause) -> None:
+        """Open the way to ``peer`` (``blob``: what its handshake carried;
+        empty when the peer sent none, and again with new metadata): on the
+        opener thread, blocking as long as the engine does, an engine call
+        that holds the engine's own lock inside ``with pause():``. Raises
+        TransferError when the peer cannot be reached."""
+
+    def describe_open(self, link: PeerLink) -> str:
+        """What the engine is doing for an open past its deadline, in words."""
 
     def fail_all(self) -> None:
         """Fail every job held, at close."""
@@ -115,7 +135,7 @@ class PollingWorker:
     """A transport's job queue and ``kvferry-transport`` thread running
     ``engine``'s loop."""
 
-    def __init__(self, engine: EngineSide) -> None:
+    def __init__(self, engine: EngineSide, *, open_timeout_s: float = 5.0) -> None:
         self.engine = engine
         self.closed = threading.Event()
         #: loop rounds so far (what completion tracking costs), and those run by pump()
@@ -128,6 +148,9 @@ class PollingWorker:
         self._held = False  # the engine side holds jobs (in flight or waiting): pump() has work
         self._busy_since: float | None = None  # when the engine round now running began (None: none runs)
         self._last_round_at = time.monotonic()  # when the last engine round ended
+        #: the peer opens that come before any job to a peer
+        self.opener = PeerOpener(engine.open, timeout_s=open_timeout_s, step_lock=self._step_lock,
+                                 release=self._release, fail=engine.fail, describe=engine.describe_open)
         self._thread = threading.Thread(target=self._loop, name="kvferry-transport", daemon=True)
         self._thread.start()
 
@@ -149,11 +172,25 @@ class PollingWorker:
             raise ClosedError("transport is closed")
 
     def put(self, job) -> None:
-        """Queue a job; ClosedError once the transport is closed."""
+        """Queue a job (held by the opener until its peer is open);
+        ClosedError once the transport is closed."""
+        self.check_open()
+        if not self.opener.admits(job):
+            return
         with self._cond:
             self.check_open()
             self._queue.append(job)
             self._cond.notify()
+
+    def _release(self, jobs: list) -> None:
+        """Jobs whose peer opened: queued (failed, when closed meanwhile)."""
+        with self._cond:
+            if not self._stop:
+                self._queue.extend(jobs)
+                self._cond.notify()
+                return
+        for job in jobs:
+            self.engine.fail(job)
 
     def wake(self) -> None:
         """Make the loop step at once (the engine side has news of its own)."""
@@ -196,7 +233,7 @@ class PollingWorker:
 
     def _admit_and_step(self) -> int:
         self._admit_queued()
-        inflight, self._held = self.engine.step()
+        inflight, self._held = self.engine.step(not self.opener.paused)
         self.num_rounds += 1
         return inflight
 
@@ -233,6 +270,7 @@ class PollingWorker:
             self.closed.set()
             self._stop = True
             self._cond.notify()
+        self.opener.close()
         self._thread.join(timeout_s)  # a step that runs past the bound: its jobs fail when it ends
         for job in self._take():
             if job is not _WAKE:

@@ -7,8 +7,9 @@ defaults, :func:`~transfer.transport.nixl.api.backend_params`). It keeps the con
 One agent per transport, no listener thread (it binds every interface and
 answers anyone): a decode rank's agent metadata and registered regions
 travel in kvferry's handshake (:meth:`NixlTransport.metadata`, loaded by the
-prefill side with :meth:`NixlTransport.add_peer`: the transport is its own
-:class:`~transfer.transport.base.PeerMetadata`; see
+prefill side's opener thread, :meth:`NixlTransport.open`, which also makes
+UCX's connection to the peer before any plan goes there: the transport is
+its own :class:`~transfer.transport.base.PeerMetadata`; see
 :mod:`transfer.transport.nixl.peers`). A plan becomes one NIXL transfer
 request with the plan's descriptor lists (split only past
 ``_MAX_DESCS_PER_REQUEST``), posted and polled on the worker thread; NIXL
@@ -43,11 +44,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from transfer.config import EngineConfig
-from transfer.errors import TransferError
+from transfer.errors import HandshakeError, TransferError
 from transfer.plan import TransferPlan, split_entries
 from transfer.transport.base import DoneCallback
 from transfer.transport.nixl.api import backend_params, import_api, new_agent
 from transfer.transport.nixl.peers import PeerRegions, decode_metadata, encode_metadata
+from transfer.transport.peers import OpenCallback, PeerLink
 from transfer.transport.worker import PollingWorker, close_at_exit, closed_error, gate_state, run_callback
 
 #: Sent with every write request. NIXL's UCX backend then completes a request only once UCX
@@ -108,7 +110,7 @@ class NixlTransport:
 
     @property
     def peer_metadata(self) -> "NixlTransport":
-        """This transport is its own metadata exchange (:meth:`metadata`, :meth:`add_peer`)."""
+        """This transport is its own metadata exchange (:meth:`metadata`)."""
         return self
 
     def __init__(self, config: EngineConfig, *, memory: str = "DRAM", device_id: int = 0) -> None:
@@ -138,7 +140,6 @@ class NixlTransport:
         self._lock = threading.Lock()
         self._registered: dict[int, int] = {}  # addr -> nbytes
         self._peers: dict[str, _Peer] = {}
-        self._pending: dict[str, tuple[bytes, PeerRegions]] = {}  # session -> metadata not loaded yet
         self.num_bytes = 0
         self.num_descriptors = 0
         #: NIXL transfer requests posted so far
@@ -147,7 +148,7 @@ class NixlTransport:
         self._waiting: list[_Job] = []  # the worker's: not posted yet (a ready gate not done)
         self._posted: list[_Job] = []  # the worker's: requests running
         self._drained_at = time.monotonic()  # notifications last discarded (the worker's)
-        self._worker = PollingWorker(self)
+        self._worker = PollingWorker(self, open_timeout_s=config.handshake_timeout_s)
         close_at_exit(self)
 
     def describe(self) -> str:
@@ -191,39 +192,49 @@ class NixlTransport:
             regions = list(self._registered.items())
         return encode_metadata(self._agent.get_agent_metadata(), regions)
 
-    def add_peer(self, session: str, blob: bytes) -> None:
-        """Take a peer's :meth:`metadata` (again, when its memory changed);
-        returns at once. ProtocolError for a malformed blob. NIXL loads it on
-        the worker thread, before any later plan to that peer is posted:
-        loading connects to the peer (measured 0.13-0.17 s on an idle 2-core
-        host, seconds under load), which must not stall the caller's thread
-        (the control thread, whose silence would look like a dead peer)."""
-        agent_md, regions = decode_metadata(blob)
-        with self._lock:
-            self._pending[session] = (agent_md, regions)
-        self._worker.wake()
+    def open_peer(self, peer: str, blob: bytes, callback: OpenCallback | None = None) -> None:
+        """Take a peer's :meth:`metadata` (again, when its memory changed)
+        and open the way to it; returns at once (ProtocolError for a
+        malformed blob, here). The opener thread loads it and connects
+        (:meth:`open`; measured 0.13-0.17 s on an idle 2-core host, seconds
+        under load), which must stall no caller's thread (the control
+        thread's silence would look like a dead peer; a scheduler's would
+        freeze its engine)."""
+        if blob:
+            decode_metadata(blob)
+        self._worker.opener.open(peer, blob, callback)
 
-    def _load_pending(self) -> None:
-        """Load the metadata ``add_peer`` took (worker thread)."""
-        with self._lock:
-            pending, self._pending = self._pending, {}
-        for session, (agent_md, regions) in pending.items():
-            try:
+    def open(self, peer: str, blob: bytes, pause) -> None:
+        """The opener's engine call: load the peer agent's metadata and make
+        UCX's connection to it (the agent's lock held: inside ``pause()``)."""
+        if not blob:
+            raise HandshakeError(f"no NIXL metadata of peer {peer} (no handshake with it)", peer=peer)
+        agent_md, regions = decode_metadata(blob)
+        try:
+            with pause():
                 name = self._agent.add_remote_agent(agent_md)
-                peer = _Peer(name.decode() if isinstance(name, bytes) else str(name), regions)
-            except Exception as exc:
-                log.error("NIXL could not load the metadata of peer %s: %s", session, exc)
-                peer = _Peer("", regions, TransferError(f"cannot load the NIXL metadata of peer {session}: "
-                                                        f"{type(exc).__name__}: {exc}", peer=session))
-            with self._lock:
-                self._peers[session] = peer
+                name = name.decode() if isinstance(name, bytes) else str(name)
+                self._agent.make_connection(name, [self.backend])
+        except Exception as exc:
+            raise HandshakeError(f"cannot load the NIXL metadata of peer {peer} or connect to it: "
+                                 f"{type(exc).__name__}: {exc}", peer=peer) from exc
+        with self._lock:
+            self._peers[peer] = _Peer(name, regions)
+
+    def describe_open(self, link: PeerLink) -> str:
+        """What NIXL is doing for an open past its deadline."""
+        return "NIXL is loading its agent's metadata and connecting to it (UCX wire-up)"
+
+    def handshake_counts(self) -> dict[str, float]:
+        """The opener's counters (see :meth:`~transfer.transport.opener.PeerOpener.counters`)."""
+        return self._worker.opener.counters()
 
     # --- transfers --------------------------------------------------------------
 
     def submit(self, peer: str, plan: TransferPlan, callback: DoneCallback, ready,
                priority: float = 0.0) -> _Job | None:
         """Queue ``plan`` for writing into ``peer`` (a session whose
-        metadata :meth:`add_peer` loaded); returns at once. See
+        metadata :meth:`open_peer` took); returns at once. See
         :mod:`transfer.transport.base`. ``priority`` is not used: a plan is
         posted, as one NIXL request, as soon as it is ready, and UCX runs
         the posted requests side by side (holding plans back until the
@@ -252,14 +263,12 @@ class NixlTransport:
     def admit(self, job: _Job) -> None:
         self._waiting.append(job)
 
-    def step(self) -> tuple[int, bool]:
-        if self._pending:
-            self._load_pending()
+    def step(self, may_submit: bool) -> tuple[int, bool]:
         if time.monotonic() - self._drained_at > _DRAIN_NOTIFS_S:
             self._drain_notifs()
         still = []
         for job in self._waiting:
-            if not job.cancelled and gate_state(job.ready, job.peer)[0]:
+            if not may_submit or (not job.cancelled and gate_state(job.ready, job.peer)[0]):
                 still.append(job)  # a late event holds back its own job only
             elif self._post(job):
                 self._posted.append(job)
@@ -374,12 +383,12 @@ class NixlTransport:
         run_callback(job.callback, error)
         return True
 
-    def fail(self, job: _Job) -> None:
+    def fail(self, job: _Job, error: TransferError | None = None) -> None:
         for handle in job.handles:
             self._release(handle)
         job.handles = []
         job.done = True
-        run_callback(job.callback, closed_error(job.peer))
+        run_callback(job.callback, error or closed_error(job.peer))
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the worker (outstanding plans fail; their requests are
