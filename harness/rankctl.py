@@ -162,24 +162,50 @@ def _hold_gil(after_s: float, seconds: float, out: dict) -> threading.Thread:
 
 
 class _CallTimer:
-    """The longest of the scheduler calls a command made (``poll``, ``send``,
-    ``init``, the room constructors): what a scheduler loop would have been
-    held up by."""
+    """The scheduler calls a command made (``poll``, ``send``, ``init``, the
+    room constructors), timed: what a scheduler loop would have been held up
+    by. Per call also the part the kernel kept the thread runnable but off
+    the CPU (its run-queue wait, from ``/proc/thread-self/schedstat``: other
+    processes on a busy machine), so that ``max_call_s`` can be told from
+    ``max_held_s``, the longest a call held its caller up by its own work or
+    by waiting (a lock, the interpreter lock, the network): wall minus run-queue wait."""
 
     def __init__(self) -> None:
         self.max_s, self.slowest = 0.0, ""
+        self.max_held_s, self.most_held = 0.0, ""
+        self.num_calls = 0
+        self.top: list[tuple[float, str]] = []  # the five slowest, (seconds, what)
 
     def time(self, name: str, fn, *args, **kwargs):
-        t0 = time.perf_counter()
+        q0, t0 = _run_queue_s(), time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
             took = time.perf_counter() - t0
+            queued = _run_queue_s() - q0
+            held = max(0.0, took - queued)
+            self.num_calls += 1
             if took > self.max_s:
                 self.max_s, self.slowest = took, name
+            if held > self.max_held_s:
+                self.max_held_s, self.most_held = held, name
+            if len(self.top) < 5 or took > self.top[-1][0]:
+                what = f"{name} {took * 1e3:.2f} ms ({queued * 1e3:.2f} of them waiting for a CPU)"
+                self.top = sorted(self.top + [(took, what)], reverse=True)[:5]
 
     def report(self) -> dict:
-        return {"max_call_s": self.max_s, "slowest_call": self.slowest}
+        return {"max_call_s": self.max_s, "slowest_call": self.slowest, "max_held_s": self.max_held_s,
+                "most_held_call": self.most_held, "num_calls": self.num_calls,
+                "slowest_calls": [what for _, what in self.top]}
+
+
+def _run_queue_s() -> float:
+    """This thread's time runnable but waiting for a CPU so far (0 where the kernel does not say)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) * 1e-9
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def _error(obj) -> tuple[str, str]:
@@ -379,6 +405,8 @@ def main(argv=None) -> int:
                                  prefill_side(0) if prefill else "decode")
     aux = aux_buffers(spec)  # one region unless spec.aux_regions names several
     mgr = KVManager(cfg, pools, aux=aux)
+    if spec.touch_staging:  # a warmed-up server's staging: no first-touch page faults inside a scheduler call
+        mgr.touch_staging()
     rank = PrefillRank(spec, mgr, aux) if prefill else DecodeRank(spec, mgr, tensors, aux)
     emit("READY", {"session": mgr.rank.session, "endpoint": mgr.rank.control_endpoint,
                    "handshake_port": getattr(mgr.transport, "handshake_port", 0),

@@ -1,0 +1,132 @@
+"""Fresh prefill -> decode pairs and neighbours on a rank's handshake port:
+what :mod:`benchmarks.cold_start` measures and ``tests/scale`` checks.
+
+:func:`run_pair` starts a NEW prefill and a NEW decode process
+(:mod:`harness.rankctl`), puts a :class:`Neighbour` on decode's handshake
+port, and runs two 4 MiB rooms one after the other (random bytes, every byte
+checked by decode), each timed from decode's ``KVReceiver(...)`` to the
+``poll()`` that returned Success; prefill reports the longest of its
+scheduler calls.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from harness.ranks import Rank
+from harness.workload import PoolSpec, Spec
+
+VARIANTS = ("none", "probe", "idle1", "idle2")
+# 4 layers of 8 KV heads x 128 x bf16: 16 KiB per token, 256 tokens: 4 MiB in one send.
+MODEL = PoolSpec(role="target", attention="mha", num_layers=4, total_heads=8, head_dim=128)
+
+
+def pair_spec(bootstrap: str, node: str) -> Spec:
+    return Spec(bootstrap=bootstrap, prefill_pools=(MODEL,), decode_pools=(MODEL,), page_size=16,
+                prefill_pages=64, decode_pages=256, aux_slots=64, min_tokens=256, max_tokens=256,
+                chunk_pages=0, page_placement="scattered", timeout_s=60.0, seed=7, node_id=node)
+
+
+class Neighbour:
+    """What another process on the host does to one port, ``variant``:
+    ``none``; ``probe``, a connect-and-close every 100 ms (a TCP health
+    check); ``idleN``, N connections opened and left idle (a port scanner, a
+    probe that never closes). ``close()`` stops it and closes its sockets."""
+
+    def __init__(self, variant: str, port: int, host: str = "127.0.0.1") -> None:
+        self.variant, self.addr = variant, (host, port)
+        self.sockets: list[socket.socket] = []
+        self._stop = threading.Event()
+        self._thread = None
+        self.num_connects = 0
+        if variant.startswith("idle"):
+            for _ in range(int(variant[4:])):
+                self.sockets.append(socket.create_connection(self.addr, timeout=2.0))
+                self.num_connects += 1
+        elif variant == "probe":
+            self._thread = threading.Thread(target=self._probe, daemon=True)
+            self._thread.start()
+        elif variant != "none":
+            raise ValueError(f"unknown neighbour {variant!r} (one of {', '.join(VARIANTS)})")
+
+    def _probe(self) -> None:
+        while not self._stop.wait(0.1):
+            try:
+                socket.create_connection(self.addr, timeout=1.0).close()
+                self.num_connects += 1
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(2.0)
+        for s in self.sockets:
+            s.close()
+
+
+def handshake_port(ready: dict) -> int:
+    """Decode's handshake port from rankctl's READY (older transports: the session's port)."""
+    return int(ready.get("handshake_port") or ready["session"].rpartition(":")[2])
+
+
+def run_pair(bootstrap: str, index: int, variant: str, config: dict | None = None) -> dict:
+    """One fresh pair: both ranks started, the neighbour on decode's
+    handshake port, two rooms one after the other; what each took."""
+    spec = pair_spec(bootstrap, f"cold-{variant}-{index}-{os.getpid()}")
+    prefill = decode = neighbour = None
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            starting = [pool.submit(Rank, role, spec, config) for role in ("prefill", "decode")]
+            prefill, decode = (f.result() for f in starting)
+        neighbour = Neighbour(variant, handshake_port(decode.ready))
+        rooms = []
+        for k, room in enumerate((spec.first_room + 2 * index, spec.first_room + 2 * index + 1)):
+            with ThreadPoolExecutor(2) as pool:
+                sent = pool.submit(prefill.rooms, [room], 60.0)
+                got = decode.rooms([room], 60.0)
+                sent = sent.result()
+            d, p = got["results"][str(room)], sent["results"][str(room)]
+            rooms.append({"room": room, "state": d["state"], "prefill_state": p["state"],
+                          "latency_s": d["ended_at"] - d["created_at"], "error": d["error"] or p["error"],
+                          "error_type": d["error_type"] or p["error_type"],
+                          "mismatches": d.get("mismatches", []),
+                          "prefill_max_call_s": sent["max_call_s"], "prefill_slowest_call": sent["slowest_call"],
+                          "decode_max_call_s": got["max_call_s"], "decode_slowest_call": got["slowest_call"]})
+        return {"variant": variant, "pair": index, "rooms": rooms,
+                "neighbour_connects": neighbour.num_connects}
+    finally:
+        if neighbour is not None:
+            neighbour.close()
+        for r in (prefill, decode):
+            if r is not None:
+                r.close()
+
+
+def _q(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def summarize(pairs: list[dict]) -> list[dict]:
+    """Per variant and room (first, second): min / median / p99 / max
+    latency of the rooms that succeeded, failures, and prefill's longest
+    scheduler call."""
+    rows = []
+    for variant in dict.fromkeys(p["variant"] for p in pairs):
+        mine = [p for p in pairs if p["variant"] == variant]
+        for k, which in enumerate(("first", "second")):
+            rooms = [p["rooms"][k] for p in mine if len(p["rooms"]) > k]
+            ok = [r["latency_s"] for r in rooms if r["state"] == "Success" and not r["mismatches"]]
+            calls = [r["prefill_max_call_s"] for r in rooms]
+            rows.append({"variant": variant, "room": which, "num": len(rooms), "failed": len(rooms) - len(ok),
+                         "min_s": min(ok, default=float("nan")), "median_s": statistics.median(ok) if ok else float("nan"),
+                         "p99_s": _q(ok, 0.99) if ok else float("nan"), "max_s": max(ok, default=float("nan")),
+                         "prefill_max_call_s": max(calls, default=0.0),
+                         "errors": sorted({f"{r['error_type']}: {r['error']}"[:300] for r in rooms
+                                           if r["state"] != "Success" or r["mismatches"]})})
+    return rows
