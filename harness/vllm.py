@@ -377,20 +377,6 @@ def complete(server: VLLMServer, model: str, prompt: list[int], max_tokens: int,
     return Completion(tokens_of(reply), total, total)
 
 
-def warm_up(prefill: VLLMServer, decode: VLLMServer, model: str) -> str:
-    """One PD request from ``prefill`` to ``decode``, not checked; returns
-    what became of it (for the test's output). A prefill engine's first
-    write to a decode engine opens its Mooncake segment by a P2P handshake
-    inside the write call, which has stalled for 30 s in CI (the peer's
-    handshake listener held; docs/observability.md, not found why): the
-    tests that check a cluster's first requests warm each pair up first."""
-    try:
-        pd_complete(prefill, decode, model, list(range(4, 40)), 1)
-        return "ok"
-    except Exception as exc:  # noqa: BLE001 - reported, not checked
-        return f"failed: {exc}"
-
-
 def pd_complete(prefill: VLLMServer, decode: VLLMServer, model: str, prompt: list[int], max_tokens: int,
                 timeout_s: float = 120.0, prefill_params: dict | None = None) -> Completion:
     """The proxy protocol: prefill with max_tokens=1 and do_remote_decode,

@@ -1,7 +1,7 @@
 """What the model-family vLLM tests share: kvferry's test connector config,
 the server sets they start (a single-instance reference, a kvferry pair, and
 vLLM's own NixlConnector pair where the honest reference is another
-connector), running them for a module (ready, warmed up, closed), the
+connector), running them for a module (ready, closed), the
 decode metrics a run moved, and the digests the test connector logs
 (``corrupting.py``: its lines' format is defined there).
 """
@@ -11,9 +11,8 @@ from __future__ import annotations
 import contextlib
 import re
 import time
-import warnings
 
-from harness.vllm import ServerSpec, VLLMServer, complete, free_port, warm_up
+from harness.vllm import ServerSpec, VLLMServer, complete, free_port
 
 TEST_CONNECTOR = {"kv_connector": "CorruptingKvferryConnector",
                   "kv_connector_module_path": "tests.engines.vllm.corrupting"}
@@ -53,25 +52,14 @@ def nixl_pair(model: str, root: str) -> dict[str, VLLMServer]:
 
 
 @contextlib.contextmanager
-def running(servers: dict[str, VLLMServer], model: str, timeout_s: float = 300):
-    """``servers`` once all serve, the kvferry pair and a NixlConnector pair
-    warmed up (``harness.vllm.warm_up``, its outcome printed); closed at the
-    end. The reference pair's first request, too, makes its connector's first
-    handshake (a ZMQ query with a 5 s receive timeout in vLLM's NixlConnector,
-    then a UCX connection): once in CI that request got HTTP 500 from
-    NixlConnector's decode where it never did here, under load neither. A
-    failed warm-up is a warning in the run's summary, with the decode's error
-    lines, so that a cause seen in CI is kept."""
+def running(servers: dict[str, VLLMServer], timeout_s: float = 300):
+    """``servers`` once all serve; closed at the end. No request is made:
+    each test's first PD request is its cluster's first, and is checked
+    (a fresh pair opens its transport's way while the hello is answered,
+    before any room: docs/transports.md, "Opening a peer")."""
     try:
         for server in servers.values():
             server.wait_ready(timeout_s)
-        for prefill, decode in (("prefill", "decode"), ("nixl-prefill", "nixl-decode")):
-            if prefill in servers:
-                outcome = warm_up(servers[prefill], servers[decode], model)
-                print(f"warm-up request ({prefill} -> {decode}): {outcome}")
-                if outcome != "ok":
-                    warnings.warn(f"{prefill} -> {decode} warm-up {outcome}; {decode}'s error lines:\n"
-                                  f"{servers[decode].error_lines()[-3000:]}", stacklevel=1)
         yield servers
     finally:
         for server in servers.values():
@@ -128,8 +116,7 @@ def group_digests(server: VLLMServer, side: str) -> dict[tuple[int, int], list[s
 def reported(servers, model: str) -> None:
     """Before a test reads its servers' kvferry numbers as a baseline: a
     room that ended after its server's last engine step is reported at the
-    next step (a previous test's room in CI, a warm-up's here, counted as
-    the test's own). A plain request on each server makes those steps, and
+    next step (a previous test's room, counted as the test's own). A plain request on each server makes those steps, and
     its answer comes after their numbers (the engine's outputs keep their order)."""
     for server in servers:
         complete(server, model, list(range(4, 24)), 2)

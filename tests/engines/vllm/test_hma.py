@@ -44,7 +44,7 @@ def hma(tmp_path_factory):
     bootstrap = f"127.0.0.1:{free_port()}"
     servers = {"reference": VLLMServer(ServerSpec("reference", model, 0, args=ARGS), str(root)),
                **kvferry_pair(model, str(root), bootstrap, NODE, MODEL_NAME, args=ARGS)}
-    with running(servers, model):
+    with running(servers):
         yield model, servers
 
 

@@ -47,7 +47,7 @@ def gdn(tmp_path_factory):
     bootstrap = f"127.0.0.1:{free_port()}"
     servers = {"reference": VLLMServer(ServerSpec("reference", model, 0), str(root)), **nixl_pair(model, str(root)),
                **kvferry_pair(model, str(root), bootstrap, "gdn-prefill", "tiny-qwen3-next")}
-    with running(servers, model):
+    with running(servers):
         yield model, servers, bootstrap
 
 

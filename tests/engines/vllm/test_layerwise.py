@@ -51,7 +51,7 @@ def layerwise(tmp_path_factory):
                               # every prompt here is shorter than layerwise_min_tokens' default: stream them anyway
                               prefill_kv={"extra": {"kvferry_layer_groups": GROUPS},
                                           "manager": {"layerwise_min_tokens": 0}})}
-    with running(servers, model):
+    with running(servers):
         yield model, servers, bootstrap
 
 
@@ -71,7 +71,6 @@ def _check_blocks(prefill: VLLMServer, decode: VLLMServer, rooms: list[int]) -> 
 def test_concurrent_protocol_streams_the_layer_groups_during_prefills_forward_pass(layerwise):
     model, servers, bootstrap = layerwise
     prefill, decode = servers["prefill"], servers["decode"]
-    reported((prefill, decode), model)  # the warm-up's rooms counted before the baseline
     forward, after = prefill.gauge(GROUPS_METRIC, when="forward"), prefill.gauge(GROUPS_METRIC, when="after")
     before, parts = decode.metrics(), decode.gauge(PARTS_METRIC)
     rooms = []

@@ -43,7 +43,7 @@ def mla(tmp_path_factory):
     bootstrap = f"127.0.0.1:{free_port()}"
     servers = {"reference": VLLMServer(ServerSpec("reference", model, 0), str(root)), **nixl_pair(model, str(root)),
                **kvferry_pair(model, str(root), bootstrap, NODE, MODEL_NAME)}
-    with running(servers, model):
+    with running(servers):
         yield model, servers
 
 

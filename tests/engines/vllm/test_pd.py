@@ -35,12 +35,12 @@ import pytest
 pytest.importorskip("vllm")
 
 from harness.vllm import (VOCAB, ServerSpec, VLLMServer, build_tiny_model, complete, free_port,  # noqa: E402
-                          pd_complete, post, tokens_of, warm_up, _body)
+                          pd_complete, post, tokens_of, _body)
 from tests.engines.vllm.pd_servers import reported  # noqa: E402
 
 MAX_TOKENS = 12
 LENGTHS = (100, 257, 640, 1000)
-# peer_timeout_s is kvferry's default: a vLLM warm-up that starves kvferry's Python threads
+# peer_timeout_s is kvferry's default: a vLLM start that starves kvferry's Python threads
 # for seconds no longer passes for a dead peer (the connection's heartbeats are answered by
 # libzmq's own threads; see docs/reliability.md).
 KVFERRY = {"bootstrap_timeout_s": 15, "transfer_timeout_s": 30, "model_name": "tiny-llama"}
@@ -155,8 +155,7 @@ def cluster(tmp_path_factory):
             c.start(name)
         for server in c.servers.values():
             server.wait_ready()
-        print(f"warm-up request: {warm_up(c.servers['prefill'], c.servers['decode'], model)}")
-        yield c
+        yield c  # no warm-up: the first test's first PD request is the cluster's first, checked
     finally:
         c.close()
 

@@ -46,7 +46,7 @@ def spec(tmp_path_factory):
     bootstrap = f"127.0.0.1:{free_port()}"
     servers = {"reference": VLLMServer(ServerSpec("reference", model, 0, args=args), str(root)),
                **kvferry_pair(model, str(root), bootstrap, NODE, "tiny-llama-spec", args=args)}
-    with running(servers, model):
+    with running(servers):
         yield model, servers, bootstrap
 
 
