@@ -1,4 +1,5 @@
-"""The Mooncake transport: the only module of ``transfer`` that talks to the
+"""The Mooncake transport: with :mod:`~transfer.transport.mooncake.peer_open`
+(which opens its peers), the only code of ``transfer`` that talks to the
 Mooncake transfer engine. It keeps the contract of :mod:`transfer.transport.base`.
 
 :class:`MooncakeTransport` owns one ``TransferEngine`` and one worker thread
@@ -6,7 +7,7 @@ that moves plans. The engine learns its peers' segments through kvferry's
 metadata relay (``EngineConfig.mooncake_metadata="relay"``, the default:
 :mod:`transfer.transport.mooncake.relay`) or by Mooncake's P2P handshake
 (``"p2p"``). Either way the way to a peer is opened before any plan goes
-there (:meth:`MooncakeTransport.open`, on the worker's opener thread: the
+there (:mod:`transfer.transport.mooncake.peer_open`, on the worker's opener thread: the
 segment lookup, then a probe write of a few bytes into the region the peer's
 handshake named), so no room's first write runs a handshake. A plan's entries are
 submitted one descriptor at a time with ``transfer_submit_write`` and polled
@@ -45,17 +46,15 @@ from __future__ import annotations
 
 import collections
 import logging
-import secrets
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from transfer.config import EngineConfig
-from transfer.errors import HandshakeError, TransferError
+from transfer.errors import TransferError
 from transfer.plan import TransferPlan, split_entries
 from transfer.transport.base import DoneCallback
-from transfer.transport.mooncake.peer_meta import MooncakePeerMeta, check_peer_meta, decode_peer_meta
+from transfer.transport.mooncake.peer_meta import check_peer_meta, decode_peer_meta
+from transfer.transport.mooncake.peer_open import MooncakePeers
 from transfer.transport.peers import OpenCallback, PeerLink
 from transfer.transport.mooncake.process import (apply_mooncake_env, keep_forever, quiet_engine_start, rdma_devices,
                                                  stderr_discarded)
@@ -143,35 +142,16 @@ class MooncakeTransport:
         except ImportError as exc:
             raise TransferError(f"the Mooncake transfer engine is not installed: {exc}") from exc
         self.config = config
-        self.mode = config.mooncake_metadata
         self._engine = TransferEngine()
-        self._store = None
-        if self.mode == "relay":
-            from transfer.transport.mooncake.relay import relay_store
-            self._store = relay_store()
-            # A new name per engine: a restarted peer is never taken for its old engine.
-            name, server = f"{config.hostname}:kvferry-{secrets.token_hex(8)}", self._store.url
-        else:
-            name, server = config.hostname, "P2PHANDSHAKE"
+        #: its name, metadata mode, probe region and the peers it opened
+        self.peers = MooncakePeers(config)
         with stderr_discarded(quiet_engine_start(config)):
-            rc = self._engine.initialize(name, server, config.protocol, config.device_name)
-        if rc != 0:
-            raise TransferError(f"Mooncake initialize({name!r}, {'kvferry relay' if self._store else server}, "
-                                f"{config.protocol!r}) returned {rc}", code=rc)
-        self.session = name if self.mode == "relay" else f"{config.hostname}:{self._engine.get_rpc_port()}"
+            self.peers.initialize(self._engine)
+        self.session = self.peers.session
         #: the port of the engine's handshake listener (P2P: the session's; relay: RDMA's connection requests)
         self.handshake_port = self._engine.get_rpc_port()
         self._registered: list[int] = []
-        # The probe region a peer writes when it opens the way to this rank (and the source of this
-        # rank's own probes): registered, so that an RDMA write from or into it is valid.
-        self._probe = np.zeros(64, dtype=np.uint8)
-        self._probe_addr = int(self._probe.ctypes.data)
-        rc = self._engine.batch_register_memory([self._probe_addr], [self._probe.nbytes])
-        if rc != 0:
-            raise TransferError(f"registering the probe region with Mooncake returned {rc}", code=rc)
-        self._meta = self._own_meta()
-        #: peer -> what its open is doing now ("segment", "probe"), for a late open's message
-        self._open_phase: dict[str, str] = {}
+        self._meta = self.peers.own_meta()
         self.num_descriptors = 0
         self.num_bytes = 0
         #: engine status checks so far (what completion tracking costs)
@@ -183,8 +163,6 @@ class MooncakeTransport:
         self._inflight_peer_bytes: dict[str, int] = collections.defaultdict(int)
         self._outstanding: dict[str, collections.deque[tuple[int, _Job, int]]] = \
             collections.defaultdict(collections.deque)
-        #: peers whose segment the engine opened (their probe write landed)
-        self._opened: set[str] = set()
         self._worker = PollingWorker(self, open_timeout_s=config.handshake_timeout_s)
         close_at_exit(self)
 
@@ -195,7 +173,7 @@ class MooncakeTransport:
 
     def describe(self) -> str:
         """The transport actually in use, in words (for one log line)."""
-        how = "metadata relayed by kvferry" if self.mode == "relay" else "P2P handshake"
+        how = "metadata relayed by kvferry" if self.peers.mode == "relay" else "P2P handshake"
         what = f"Mooncake {self.config.protocol}, {how} (session {self.session}, handshake port {self.handshake_port})"
         if self.config.protocol == "rdma" and not rdma_devices():
             what += ("; protocol 'rdma' was asked for, but this host has no RDMA device (/sys/class/infiniband "
@@ -213,7 +191,7 @@ class MooncakeTransport:
         if rc != 0:
             raise TransferError(f"registering {len(regions)} KV buffers with Mooncake returned {rc}", code=rc)
         self._registered.extend(addrs)
-        self._meta = self._own_meta()
+        self._meta = self.peers.own_meta()
 
     def unregister(self, regions: list[tuple[int, int]]) -> None:
         """Unregister regions given to :meth:`register` (by address). The TCP
@@ -227,16 +205,9 @@ class MooncakeTransport:
             raise TransferError(f"unregistering {len(addrs)} buffers from Mooncake returned {rc}", code=rc)
         gone = set(addrs)
         self._registered = [a for a in self._registered if a not in gone]
-        self._meta = self._own_meta()
+        self._meta = self.peers.own_meta()
 
     # --- peers ----------------------------------------------------------------------
-
-    def _own_meta(self) -> bytes:
-        """What a peer needs to open the way here (relay: the entries the
-        engine published for this segment, as they are now)."""
-        entries = tuple(sorted(self._store.entries(self.session).items())) if self._store is not None else ()
-        return MooncakePeerMeta(mode=self.mode, probe_addr=self._probe_addr, probe_bytes=self._probe.nbytes,
-                                entries=entries).encode()
 
     def metadata(self) -> bytes:
         """This rank's part of the handshake (``PeerHello.transport_meta``)."""
@@ -247,64 +218,16 @@ class MooncakeTransport:
         :mod:`transfer.transport.base`): checked here (ProtocolError,
         IncompatibleTransportError at once), opened on the opener thread."""
         if blob:
-            check_peer_meta(decode_peer_meta(blob), peer, self.mode)
+            check_peer_meta(decode_peer_meta(blob), peer, self.peers.mode)
         self._worker.opener.open(peer, blob, callback)
 
     def open(self, peer: str, blob: bytes, pause) -> None:
-        """The opener's engine call (see :class:`~transfer.transport.worker.EngineSide`):
-        relay: the peer's entries into this process's store; then, the first
-        time, the probe write that makes the engine open the segment (relay:
-        a lookup in the store; P2P: the handshake with the peer's listener,
-        under the engine's one mutex: inside ``pause()``) and, on RDMA,
-        build its endpoints. A peer sent no blob: a zero-length write (P2P
-        only: it opens the segment)."""
-        meta = decode_peer_meta(blob) if blob else None
-        if self._store is not None:
-            if meta is None:
-                raise HandshakeError(f"no Mooncake segment of {peer} was relayed to this rank: its handshake "
-                                     "carried none (only ranks that handshook can be written to)", peer=peer)
-            self._open_phase[peer] = "relay"
-            self._store.put(dict(meta.entries))
-        if peer in self._opened:
-            return  # again with new metadata: the store has it (the engine checks addresses at the peer)
-        self._open_phase[peer] = "segment"
-        dst, nbytes = (meta.probe_addr, meta.probe_bytes) if meta is not None else (0, 0)
-        with pause():
-            tid = self._engine.transfer_submit_write(peer, self._probe_addr, dst, nbytes)
-        if tid == 0:
-            raise HandshakeError(f"Mooncake could not open the segment of {peer} ({self._how_opened(peer)})",
-                                 peer=peer)
-        self._open_phase[peer] = "probe"
-        give_up = time.monotonic() + self.config.handshake_timeout_s + 1.0
-        wait = 2e-4
-        while (status := self._engine.transfer_check_status(tid)) == 0 and time.monotonic() < give_up:
-            time.sleep(wait)
-            wait = min(wait * 2, 5e-3)
-        if status != 1:
-            raise HandshakeError(f"the probe write of {nbytes} bytes to {peer} "
-                                 f"{'is still pending' if status == 0 else 'failed'} (Mooncake status {status}; "
-                                 f"its data port is unreachable, or the peer does not answer)", peer=peer,
-                                 code=status)
-        self._opened.add(peer)
-        self._open_phase.pop(peer, None)
-
-    def _how_opened(self, peer: str) -> str:
-        if self._store is not None:
-            return "a lookup of its relayed descriptor in kvferry's metadata store"
-        return (f"Mooncake's P2P handshake with its listener at {peer}, which serves one connection at a time: "
-                "each connection ahead of it, an idle one from a port scanner or a health check that does not "
-                "close among them, holds it up to 5 s")
+        """The opener's engine call (see :mod:`transfer.transport.mooncake.peer_open`)."""
+        self.peers.open(peer, blob, pause)
 
     def describe_open(self, link: PeerLink) -> str:
         """What the engine is doing for an open past its deadline (see the worker's EngineSide)."""
-        phase = self._open_phase.get(link.peer, "")
-        if phase == "relay":
-            return "putting its relayed descriptor into kvferry's metadata store"
-        if phase == "segment":
-            return f"the engine is opening its segment by {self._how_opened(link.peer)}"
-        if phase == "probe":
-            return "the probe write into its memory is still pending (its data port does not answer)"
-        return "not started yet"
+        return self.peers.describe_open(link)
 
     def handshake_counts(self) -> dict[str, float]:
         """The opener's counters (see :meth:`~transfer.transport.opener.PeerOpener.counters`)."""

@@ -69,7 +69,6 @@ _agent_ids = itertools.count()
 class _Peer:
     agent: str
     regions: PeerRegions
-    error: TransferError | None = None  # NIXL refused its metadata
 
 
 @dataclass
@@ -303,10 +302,8 @@ class NixlTransport:
         error = gate_error
         if job.cancelled:
             error = TransferError(f"transfer to {peer} cancelled", peer=peer)
-        elif error is None and target is None:
+        elif error is None and target is None:  # its open failed and a later one was not asked for yet
             error = TransferError(f"no NIXL metadata of peer {peer} (no handshake with it)", peer=peer)
-        elif error is None and target.error is not None:
-            error = target.error
         elif error is None and (bad := target.regions.first_outside(plan.dst_addrs, plan.lengths)) >= 0:
             error = TransferError(f"descriptor {bad}: destination [{int(plan.dst_addrs[bad]):#x}, "
                                   f"+{int(plan.lengths[bad])}) is outside the memory {peer} registered", peer=peer)
