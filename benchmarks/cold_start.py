@@ -22,6 +22,15 @@ READY) after both ranks are up and before the first room:
 ``--pairs`` pairs per variant; every room must succeed with exact bytes (a
 failure is reported with its message and counted, not hidden). ``--json F``
 writes every measurement.
+
+``--streaming``: one prefill rank P streams 4 MiB rooms to decode rank D1,
+one after another, while other decode ranks join P ``--events`` times each:
+a new process, a restarted one (the previous joiner killed), one with two
+idle connections on its handshake port. The table gives D1's latency over
+its rooms that overlapped no join and over those that overlapped each kind
+of join's window (from the joiner being up to its first room done: its
+lookup, hello, P's open of its segment and its first room), and the
+joiners' first rooms (:func:`harness.cold_pairs.run_streaming`).
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ import json
 import os
 import time
 
-from harness.cold_pairs import VARIANTS, run_pair, summarize
+from harness.cold_pairs import VARIANTS, run_pair, run_streaming, streaming_summary, summarize
 from harness.launch import BootstrapProcess
 
 def table(rows: list[dict]) -> str:
@@ -52,9 +61,14 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--config", default="{}", help="ManagerConfig fields for both ranks, as JSON")
     ap.add_argument("--json", default="")
+    ap.add_argument("--streaming", action="store_true",
+                    help="instead: one pair streams rooms while other decode ranks join its prefill rank")
+    ap.add_argument("--events", type=int, default=8, help="--streaming: joins of each kind")
     args = ap.parse_args(argv)
     os.environ.setdefault("KVFERRY_FORKSERVER", "1")
     config = json.loads(args.config)
+    if args.streaming:
+        return _streaming(args, config)
     server = BootstrapProcess()
     pairs = []
     started = time.monotonic()
@@ -75,6 +89,21 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"pairs": pairs, "summary": rows}, f, indent=1)
     return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
+def _streaming(args, config: dict) -> int:
+    with BootstrapProcess() as server:
+        run = run_streaming(server.address, events=args.events, config=config)
+    rows = streaming_summary(run)
+    print("| D1's rooms while | n | failed | p50 / p99 / max ms | joins (failed) | joiner's first room max ms |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['while']} | {r['num']} | {r['failed']} | {r['p50_s'] * 1e3:.1f} / {r['p99_s'] * 1e3:.1f} / "
+              f"{r['max_s'] * 1e3:.1f} | {r['joins']} ({r['joins_failed']}) | {r['join_first_room_max_s'] * 1e3:.1f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"run": run, "summary": rows}, f, indent=1)
+    return 0 if all(r["failed"] == 0 and r["joins_failed"] == 0 for r in rows) else 1
 
 
 if __name__ == "__main__":

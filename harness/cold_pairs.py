@@ -15,6 +15,7 @@ import os
 import socket
 import statistics
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from harness.ranks import Rank
@@ -129,4 +130,105 @@ def summarize(pairs: list[dict]) -> list[dict]:
                          "prefill_max_call_s": max(calls, default=0.0),
                          "errors": sorted({f"{r['error_type']}: {r['error']}"[:300] for r in rooms
                                            if r["state"] != "Success" or r["mismatches"]})})
+    return rows
+
+
+#: What joins the streaming pair's prefill rank (:func:`run_streaming`).
+JOINS = ("new", "restarted", "held")
+
+
+def run_streaming(bootstrap: str, *, events: int = 8, config: dict | None = None, env: dict | None = None,
+                  gap_s: float = 0.3) -> dict:
+    """One prefill rank P streams rooms to decode rank D1, one after another,
+    while other decode ranks join P: ``new`` (a fresh process), ``restarted``
+    (the previous joiner killed and a fresh one in its place), ``held`` (a
+    fresh one with two idle connections on its handshake port), each
+    ``events`` times, with quiet stretches between. Every room is byte-exact
+    or reported. Returns D1's rooms (``created_at``, ``latency_s``) and each
+    join's window: from the joiner being up (its process and manager built:
+    not kvferry's to speed up) to its first room done, i.e. its lookup, hello,
+    open and first room."""
+    base = pair_spec(bootstrap, f"stream-{os.getpid()}")
+    spec = Spec(**{**base.__dict__, "aux_slots": 4096, "timeout_s": 600.0})
+    n_streamed = 4000
+    d1_rooms = list(range(spec.first_room, spec.first_room + n_streamed))
+    join_rooms = [spec.first_room + n_streamed + i for i in range(events * len(JOINS))]
+    prefill = d1 = joiner = None
+    stop = threading.Event()
+    d1_out: list[dict] = []
+    windows: list[dict] = []
+    try:
+        prefill = Rank("prefill", spec, config, env=env)
+        d1 = Rank("decode", spec, config, env=env)
+        # P takes D1's rooms as a scheduler takes a stream of requests (a few live at once, in order), and
+        # holds the joiners' rooms from the start
+        prefill.send(op="rooms", rooms=d1_rooms, eager=join_rooms, window=4, timeout_s=spec.timeout_s)
+
+        def stream() -> None:
+            for room in d1_rooms:
+                if stop.is_set():
+                    return
+                r = d1.rooms([room], 60.0)["results"][str(room)]
+                d1_out.append({"room": room, "state": r["state"], "mismatches": r.get("mismatches", []),
+                               "created_at": r["created_at"], "ended_at": r["ended_at"],
+                               "latency_s": r["ended_at"] - r["created_at"], "error": r["error"]})
+
+        streamer = threading.Thread(target=stream, daemon=True)
+        streamer.start()
+        time.sleep(2 * gap_s)
+        k = 0
+        for _ in range(events):
+            for kind in JOINS:
+                time.sleep(gap_s)
+                if kind != "restarted" and joiner is not None:
+                    joiner.close()
+                elif joiner is not None:
+                    joiner.kill()
+                    joiner.close()
+                joiner = Rank("decode", spec, config, env=env)
+                neighbour = Neighbour("idle2" if kind == "held" else "none", handshake_port(joiner.ready))
+                try:
+                    up = time.time()
+                    room = join_rooms[k]
+                    k += 1
+                    r = joiner.rooms([room], 60.0)["results"][str(room)]
+                finally:
+                    neighbour.close()
+                windows.append({"kind": kind, "start": up, "end": r["ended_at"], "room": room, "state": r["state"],
+                                "latency_s": r["ended_at"] - r["created_at"], "error": r["error"],
+                                "mismatches": r.get("mismatches", [])})
+        time.sleep(2 * gap_s)
+        stop.set()
+        streamer.join(120)
+    finally:
+        stop.set()
+        for r in (joiner, d1, prefill):
+            if r is not None:
+                r.close()
+    return {"d1": d1_out, "joins": windows}
+
+
+def streaming_summary(run: dict) -> list[dict]:
+    """D1's latency (p50 / p99 / max) over its rooms that overlap no join
+    window (``quiet``) and over those that overlap a window of each kind,
+    and each kind's first-room latency; failures counted."""
+    d1, joins = run["d1"], run["joins"]
+
+    def overlaps(room: dict, w: dict) -> bool:
+        return room["created_at"] < w["end"] and room["ended_at"] > w["start"]
+
+    rows = []
+    groups = {"quiet": [r for r in d1 if not any(overlaps(r, w) for w in joins)]}
+    for kind in JOINS:
+        groups[kind] = [r for r in d1 if any(overlaps(r, w) for w in joins if w["kind"] == kind)]
+    for name, rooms in groups.items():
+        ok = [r["latency_s"] for r in rooms if r["state"] == "Success" and not r["mismatches"]]
+        joined = [w["latency_s"] for w in joins if w["kind"] == name and w["state"] == "Success"
+                  and not w["mismatches"]]
+        rows.append({"while": name, "num": len(rooms), "failed": len(rooms) - len(ok),
+                     "p50_s": statistics.median(ok) if ok else float("nan"),
+                     "p99_s": _q(ok, 0.99) if ok else float("nan"), "max_s": max(ok, default=float("nan")),
+                     "joins": len([w for w in joins if w["kind"] == name]),
+                     "joins_failed": len([w for w in joins if w["kind"] == name]) - len(joined),
+                     "join_first_room_max_s": max(joined, default=float("nan"))})
     return rows

@@ -110,6 +110,7 @@ def _stats(mgr: KVManager) -> dict:
             "fenced": mgr.rank.fenced,
             "arenas_retired": getattr(mgr.context.staging.area, "num_retired", 0) if mgr.context.staging else 0,
             "pages_read": mgr.storage.num_pages_read if mgr.storage else 0,
+            "handshake_stale_writes": mgr.transport.handshake_counts().get("handshake_stale_writes", 0),
             **{name.removeprefix("num_"): getattr(mgr.rooms, name) for name in _ROOM_COUNTERS
                if hasattr(mgr.rooms, name)}}
 
@@ -233,12 +234,23 @@ class PrefillRank:
         hold = _hold_gil(*cmd["hold_gil"], reply) if cmd.get("hold_gil") else None
         live, out = {}, {}
         calls = _CallTimer()
-        for room in cmd["rooms"]:
+
+        def start(room: int) -> None:
             slot = room % spec.aux_slots
             write_aux(self.aux, slot, aux_row(spec, room))
             live[room] = {"s": calls.time("KVSender", KVSender, mgr, spec.bootstrap, room), "t0": time.monotonic(),
                           "chunks": None, "next_at": 0.0, "slot": slot}
-        while live and time.monotonic() < deadline:
+
+        # ``window``: at most this many of ``rooms`` live at once, in order (a scheduler taking a stream of
+        # requests; 0: all at once); the ``eager`` rooms all at once besides
+        window = int(cmd.get("window", 0)) or len(cmd["rooms"])
+        eager = set(cmd.get("eager", []))
+        queued = list(cmd["rooms"])
+        for room in eager:
+            start(room)
+        while (live or queued) and time.monotonic() < deadline:
+            while queued and sum(1 for r in live if r not in eager) < window:
+                start(queued.pop(0))
             seen = mgr.progress
             now = time.monotonic()
             for room, r in list(live.items()):
@@ -275,7 +287,7 @@ class PrefillRank:
                     out[room] = {"state": state.name, "error_type": kind, "error": msg, "ended_at": time.time()}
                     del live[room]
             mgr.wait_for_progress(seen, 0.01)
-        for room in live:
+        for room in [*live, *queued]:
             out[room] = {"state": "Stuck", "error_type": "", "error": "command timed out", "ended_at": time.time()}
         if hold is not None:
             hold.join(max(0.0, deadline - time.monotonic()))

@@ -217,6 +217,10 @@ class ManagerStats:
     handshake_timeouts: int = 0
     handshake_seconds: float = 0.0
     handshakes_in_progress: int = 0
+    #: prefill, Mooncake: probe writes that failed on a data connection the engine still pooled for an
+    #: earlier process at the peer's address and port (a restarted peer got its old port back; each such
+    #: open takes Mooncake's 1 s reconnect cool-down)
+    handshake_stale_writes: int = 0
 
     @property
     def total_bytes(self) -> int:

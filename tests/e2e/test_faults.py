@@ -384,6 +384,66 @@ def test_a_restarted_prefill_is_served_without_a_stall(cluster):
         assert took < 1.0, f"the room after a prefill restart took {took:.2f} s"
 
 
+@pytest.mark.parametrize("victim", ["prefill", "decode"])
+def test_the_first_room_after_a_kill_and_restart_lands_within_a_second(cluster, victim):
+    """A rank killed (SIGKILL) and started again: the new process is a new
+    engine with a new session. Its first room (a new lookup, and the prefill
+    rank's open of the way to the new, or still known, decode rank) lands
+    within 1 s of decode's asking, byte-exact: no segment of the old
+    process is used, no handshake stalls."""
+    prefill, decode = cluster.rank("prefill"), cluster.rank("decode")
+    _warm(prefill, decode)
+    for i in range(3):
+        stale_before = prefill.stats()["handshake_stale_writes"] if victim == "decode" else 0
+        old = prefill.ready["session"] if victim == "prefill" else decode.ready["session"]
+        if victim == "prefill":
+            prefill.kill()
+            prefill = cluster.rank("prefill")
+        else:
+            decode.kill()
+            decode = cluster.rank("decode")
+        new = prefill.ready["session"] if victim == "prefill" else decode.ready["session"]
+        assert new != old
+        room = 60 + i
+        prefill.send(op="rooms", rooms=[room], timeout_s=30)
+        d = decode.rooms([room], timeout_s=30)
+        assert_all_success(prefill.reply(), [room])
+        assert_all_success(d, [room])
+        r = d["results"][str(room)]
+        took = r["ended_at"] - r["created_at"]
+        # A restarted decode may get the data port of a dead one back (Mooncake picks it at random among
+        # 2,000): its prefill's pooled connections to that port are dead, and Mooncake reconnects them after
+        # a fixed 1 s cool-down (the open's probe writes take that, so the room's bytes never hit them).
+        stale = prefill.stats()["handshake_stale_writes"] - stale_before
+        print(f"  {victim} restart {i}: first room {took * 1000:.0f} ms (stale pooled connections met: {stale})")
+        assert took < (1.0 if not stale else 1.6), f"the first room after a {victim} restart took {took:.2f} s"
+
+
+@pytest.mark.parametrize("asked_after_s", [0.0, FAST["peer_timeout_s"] + 1.0], ids=["at-once", "link-forgotten"])
+def test_a_dead_prefill_node_fails_new_rooms_within_the_peer_timeout(cluster, asked_after_s):
+    """The prefill node dies with its bootstrap server (as where the server
+    runs in the prefill's process: SGLang's bootstrap port, vLLM's
+    kvferry_serve_bootstrap) after decode had reached both: decode's new
+    rooms fail within ``peer_timeout_s``, saying the node refuses
+    connections, not at the bootstrap bound (30 s here), so that the
+    scheduler answers its router, which moves on. At once (the rooms find the
+    dead rank's link, and liveness finds it gone), and once the link was
+    forgotten (the rooms look the node up, and its address refuses)."""
+    prefill, decode = cluster.rank("prefill"), cluster.rank("decode")
+    _warm(prefill, decode)
+    prefill.kill()
+    cluster.server.proc.kill()
+    cluster.server.proc.wait(5)
+    time.sleep(asked_after_s)
+    asked = time.time()
+    d = decode.rooms([70, 71], timeout_s=60)
+    for room, r in d["results"].items():
+        took = r["ended_at"] - asked
+        print(f"  room {room}: {r['error_type']} after {took:.2f} s: {r['error'][:160]}")
+        assert r["state"] == "Failed" and took < FAST["peer_timeout_s"] + 2.0, r
+        assert "refused" in r["error"] or "gone" in r["error"], r
+
+
 def test_wrong_bootstrap_address_and_unknown_node_fail_at_once():
     """A bootstrap address where nothing listens, and a prefill node id the
     server does not know (it is past its grace time): rooms fail in well

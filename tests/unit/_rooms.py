@@ -75,7 +75,7 @@ class Cluster:
 
     def rank(self, role: Role, *, heads: int = NUM_HEADS, total_heads: int | None = None,
              page_size: int = PAGE_SIZE, aux_row_bytes: tuple[int, ...] | None = None, states=(),
-             draft_layers: int = 0, **overrides) -> Rank:
+             draft_layers: int = 0, handshake_timeout_s: float = 5.0, **overrides) -> Rank:
         """A manager with one MHA pool of ``heads`` KV heads (of ``total_heads``
         in the model) and an aux tensor (``aux_row_bytes``: one aux region of
         each row size instead); prefill's are random, decode's zero.
@@ -101,7 +101,8 @@ class Cluster:
         kv = [MHAPool(k=k, v=v, total_kv_heads=total_heads)]
         if draft_layers:
             kv.append(MHAPool(k=dk, v=dv, total_kv_heads=total_heads, role=PoolRole.DRAFT))
-        mgr = KVManager(cfg, kv, aux=aux, transport=self.fabric.transport(), channel_factory=self.fabric.channel,
+        mgr = KVManager(cfg, kv, aux=aux, transport=self.fabric.transport(handshake_timeout_s=handshake_timeout_s),
+                        channel_factory=self.fabric.channel,
                         states=pools)
         self.stack.callback(mgr.close)
         rank = Rank(mgr, k, v, aux, pools, (*dk, *dv))

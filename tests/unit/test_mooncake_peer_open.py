@@ -190,3 +190,123 @@ def test_relay_a_silent_data_port_stalls_only_its_own_peer():
         listener.close()
         writer.close()
         good.close()
+
+
+class Forwarder:
+    """A TCP port that forwards each connection to ``upstream`` (a data port);
+    ``cut()`` closes every connection it carries (the process behind died),
+    and a later connection goes to whatever ``upstream`` is then."""
+
+    def __init__(self, upstream: int) -> None:
+        self.upstream = upstream
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.sock.settimeout(0.1)
+        self.port = self.sock.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        self._stop = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                down, _ = self.sock.accept()
+            except OSError:
+                continue
+            up = socket.create_connection(("127.0.0.1", self.upstream))
+            self.conns += [down, up]
+            for a, b in ((down, up), (up, down)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def cut(self) -> None:
+        for c in self.conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            c.close()
+        self.conns = []
+
+    def close(self) -> None:
+        self._stop.set()
+        self.cut()
+        self.sock.close()
+
+
+def _behind(target: MooncakeTransport, name: str, port: int) -> bytes:
+    """``target``'s handshake blob, as if its segment were named ``name`` and
+    its data port were ``port`` (a forwarder to it)."""
+    meta = decode_peer_meta(target.metadata())
+    entries = []
+    for key, value in meta.entries:
+        body = json.loads(value)
+        if "tcp_data_port" in body:
+            body["tcp_data_port"] = port
+        entries.append((key.replace(target.session, name), json.dumps(body).replace(target.session, name)))
+    return MooncakePeerMeta(mode="relay", probe_addr=meta.probe_addr, probe_bytes=meta.probe_bytes,
+                            entries=tuple(entries)).encode()
+
+
+def test_a_peer_on_the_dead_peer_s_data_port_is_opened_before_its_first_write():
+    """Mooncake pools its data connections by the peer's address and port:
+    a restarted peer that got its predecessor's data port back (Mooncake
+    picks ports at random among 2,000) finds the dead process's connections
+    pooled, each failing one write. The open's probe bursts go on until one
+    lands whole, so the first room's writes land; the cost is Mooncake's
+    fixed 1 s reconnect cool-down, counted. A forwarder stands for the port:
+    its connections cut is the first peer dying."""
+    writer = MooncakeTransport(EngineConfig(protocol="tcp"))
+    first, second = MooncakeTransport(EngineConfig(protocol="tcp")), MooncakeTransport(EngineConfig(protocol="tcp"))
+    src = np.random.default_rng(8).integers(0, 256, 1 << 20, dtype=np.uint8)
+    dsts = [np.zeros(1 << 20, dtype=np.uint8) for _ in range(2)]
+    writer.register([(src.ctypes.data, src.nbytes)])
+    for t, dst in zip((first, second), dsts):
+        t.register([(dst.ctypes.data, dst.nbytes)])
+    port_of = {t: _data_port(t.metadata()) for t in (first, second)}
+    forwarder = Forwarder(port_of[first])
+    piece = src.nbytes // 16  # a room's write of several descriptors: over several pooled connections
+
+    def room(name: str, dst: np.ndarray):
+        plan = TransferPlan(np.array([src.ctypes.data + i * piece for i in range(16)], dtype=np.uint64),
+                            np.array([dst.ctypes.data + i * piece for i in range(16)], dtype=np.uint64),
+                            np.full(16, piece, dtype=np.uint64))
+        done = Done()
+        writer.submit(name, plan, done, None)
+        return done.wait(5.0)
+
+    try:
+        for name, target, dst, stale in (("127.0.0.1:kvferry-dead", first, dsts[0], 0),
+                                         ("127.0.0.1:kvferry-restarted", second, dsts[1], 1)):
+            opened = Done()
+            t0 = time.monotonic()
+            writer.open_peer(name, _behind(target, name, forwarder.port), opened)
+            assert opened.wait(5.0) is None
+            open_s = time.monotonic() - t0
+            assert room(name, dst) is None and bytes(dst) == bytes(src), name
+            counts = writer.handshake_counts()
+            assert (counts["handshake_stale_writes"] > 0) == bool(stale), (name, counts)
+            assert open_s < (0.5 if not stale else 2.0), (name, open_s)
+            forwarder.cut()  # the first peer dies: the writer's pooled connections to the port are dead
+            forwarder.upstream = port_of[second]  # and its successor listens there
+    finally:
+        forwarder.close()
+        for t in (writer, first, second):
+            t.close()
+
+
+def _data_port(blob: bytes) -> int:
+    return next(json.loads(v)["tcp_data_port"] for k, v in decode_peer_meta(blob).entries if "/ram/" in k)

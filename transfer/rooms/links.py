@@ -211,7 +211,7 @@ class LinkResolver:
 
     def on_hello_reply(self, msg: PeerHelloReply) -> None:
         hello = self._hellos.get(msg.session)
-        if hello is not None:
+        if hello is not None and not hello.ok and hello.error is None:  # one answer per hello counts
             hello.ok = msg.ok
             if msg.ok:
                 hello.answered_at = time.monotonic()

@@ -64,14 +64,14 @@ class LoopbackTransport:
     kind = "loopback"
     peer_metadata = None  # the fabric knows every transport
 
-    def __init__(self, fabric: "LoopbackFabric", session: str) -> None:
+    def __init__(self, fabric: "LoopbackFabric", session: str, handshake_timeout_s: float = 5.0) -> None:
         self.session = session
         self._fabric = fabric
         self.regions: list[tuple[int, int]] = []
         self.num_bytes = 0
         self.num_descriptors = 0
         self._held: list[_Job] = []  # the worker's: jobs whose ready gate is not done
-        self._worker = PollingWorker(self)
+        self._worker = PollingWorker(self, open_timeout_s=handshake_timeout_s)
         self._closed = self._worker.closed
 
     def describe(self) -> str:
@@ -223,10 +223,10 @@ class LoopbackFabric:
 
     # --- building -----------------------------------------------------------------
 
-    def transport(self, host: str = "127.0.0.1") -> LoopbackTransport:
+    def transport(self, host: str = "127.0.0.1", handshake_timeout_s: float = 5.0) -> LoopbackTransport:
         """A new transport (pass it to ``KVManager(..., transport=)``); its
         session is ``HOST:N``, like a Mooncake session on that host."""
-        t = LoopbackTransport(self, f"{host}:{next(self._ids)}")
+        t = LoopbackTransport(self, f"{host}:{next(self._ids)}", handshake_timeout_s)
         with self._lock:
             self._transports[t.session] = t
         return t

@@ -14,11 +14,16 @@ The open is a probe write of :data:`PROBE_BYTES` into the region the peer's
 handshake named: the engine opens the segment inside that write's submit
 (relay: a lookup in the store; P2P: a handshake with the peer's listener,
 under the engine's one mutex, hence inside ``pause()``), connects its data
-path and, on RDMA, builds the endpoints, before any room's bytes follow.
+path and, on RDMA, builds the endpoints; then bursts of
+:data:`PROBE_BURST` probes until one lands whole, so that every pooled data
+connection to the peer's address and port works (a restarted peer may have
+its old port back, and the dead process's connections are still pooled),
+before any room's bytes follow.
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 
@@ -29,7 +34,14 @@ from transfer.errors import HandshakeError, TransferError
 from transfer.transport.mooncake.peer_meta import MooncakePeerMeta, decode_peer_meta
 from transfer.transport.peers import PeerLink
 
+log = logging.getLogger("kvferry.transport")
+
 PROBE_BYTES = 64
+#: Probe writes in flight at once after the first: more than the engine's data connections per peer
+#: (``MC_TCP_LANES_PER_PEER``, 4 by default), so that a burst reaches each of them.
+PROBE_BURST = 8
+#: Bursts after which a peer whose probes keep failing is given up (its HandshakeError says so).
+MAX_PROBE_ROUNDS = 8
 
 
 class MooncakePeers:
@@ -44,13 +56,16 @@ class MooncakePeers:
             self.store = relay_store()
         # The probe region a peer writes when it opens the way to this rank (and the source of this
         # rank's own probes): registered with the engine, so that an RDMA write from or into it is valid.
-        self._probe = np.zeros(PROBE_BYTES, dtype=np.uint8)
-        self.probe_addr = int(self._probe.ctypes.data)
+        self._probe_buf = np.zeros(PROBE_BYTES, dtype=np.uint8)
+        self.probe_addr = int(self._probe_buf.ctypes.data)
         #: peers whose segment the engine opened (their probe write landed)
         self.opened: set[str] = set()
         self._phase: dict[str, str] = {}  # peer -> what its open is doing now, for a late open's message
         self._engine = None
         self.session = ""
+        #: probe writes that failed on a connection the engine had pooled for a dead process at the same
+        #: address and port (a restarted peer), before a burst of them all landed
+        self.num_stale_writes = 0
 
     def initialize(self, engine) -> None:
         """Initialize ``engine`` (a Mooncake ``TransferEngine``) for this mode
@@ -95,23 +110,56 @@ class MooncakePeers:
             return  # again with new metadata: the store has it (the engine checks addresses at the peer)
         self._phase[peer] = "segment"
         dst, nbytes = (meta.probe_addr, meta.probe_bytes) if meta is not None else (0, 0)
-        with pause():
-            tid = self._engine.transfer_submit_write(peer, self.probe_addr, dst, nbytes)
-        if tid == 0:
+        give_up = time.monotonic() + self.config.handshake_timeout_s + 1.0
+        statuses = self._probe(peer, dst, nbytes, 1, pause, give_up)  # the first submit opens the segment
+        # Then a burst that reaches every data connection: the engine pools its connections by the peer's
+        # address and data port, and a restarted peer that got its old port back finds the dead process's
+        # connections still pooled; each fails one write (measured: a probe of a peer reusing a port failed
+        # with "failed to read WRITE ack frame", the next write of the same connection succeeded). So
+        # burst until every probe of a burst landed, before any room's bytes take those connections.
+        rounds, stale_before = 0, self.num_stale_writes
+        while nbytes and not (statuses == [1] * len(statuses) and len(statuses) == PROBE_BURST):
+            if 0 in statuses or rounds == MAX_PROBE_ROUNDS or time.monotonic() > give_up:
+                raise HandshakeError(
+                    f"the probe write of {nbytes} bytes to {peer} "
+                    f"{'is still pending' if 0 in statuses else 'failed'} (Mooncake statuses {statuses} in "
+                    f"{rounds + 1} round(s); its data port is unreachable, or the peer does not answer)",
+                    peer=peer, code=next((st for st in statuses if st != 1), None))
+            rounds += 1
+            self.num_stale_writes += statuses.count(-1)
+            statuses = self._probe(peer, dst, nbytes, PROBE_BURST, None, give_up)
+        if not nbytes and statuses != [1]:
+            raise HandshakeError(f"Mooncake could not open the segment of {peer} (status {statuses})", peer=peer)
+        if rounds:
+            log.warning("opening the way to %s: %d probe write(s) failed on data connections the engine still "
+                        "pooled for an earlier process at the same address and port (a restarted peer that got its "
+                        "old port back); Mooncake reconnected them after its 1 s cool-down", peer,
+                        self.num_stale_writes - stale_before)
+        self.opened.add(peer)
+        self._phase.pop(peer, None)
+
+    def _probe(self, peer: str, dst: int, nbytes: int, count: int, pause, give_up: float) -> list[int]:
+        """``count`` probe writes at once; their statuses (1 landed, 0 still
+        pending at ``give_up``, negative failed). The submits run inside
+        ``pause()`` when given (the first opens the segment)."""
+        submit = self._engine.transfer_submit_write
+        if pause is not None:
+            with pause():
+                tids = [submit(peer, self.probe_addr, dst, nbytes) for _ in range(count)]
+        else:
+            tids = [submit(peer, self.probe_addr, dst, nbytes) for _ in range(count)]
+        if 0 in tids:
             raise HandshakeError(f"Mooncake could not open the segment of {peer} ({self.how_opened(peer)})",
                                  peer=peer)
         self._phase[peer] = "probe"
-        give_up = time.monotonic() + self.config.handshake_timeout_s + 1.0
+        statuses = [0] * count
         wait = 2e-4
-        while (status := self._engine.transfer_check_status(tid)) == 0 and time.monotonic() < give_up:
-            time.sleep(wait)
-            wait = min(wait * 2, 5e-3)
-        if status != 1:
-            raise HandshakeError(f"the probe write of {nbytes} bytes to {peer} "
-                                 f"{'is still pending' if status == 0 else 'failed'} (Mooncake status {status}; "
-                                 "its data port is unreachable, or the peer does not answer)", peer=peer, code=status)
-        self.opened.add(peer)
-        self._phase.pop(peer, None)
+        while 0 in statuses and time.monotonic() < give_up:
+            statuses = [st if st else self._engine.transfer_check_status(tid) for tid, st in zip(tids, statuses)]
+            if 0 in statuses:
+                time.sleep(wait)
+                wait = min(wait * 2, 5e-3)
+        return statuses
 
     def how_opened(self, peer: str) -> str:
         """How the engine opens ``peer``'s segment, in words."""

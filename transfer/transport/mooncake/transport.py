@@ -230,8 +230,9 @@ class MooncakeTransport:
         return self.peers.describe_open(link)
 
     def handshake_counts(self) -> dict[str, float]:
-        """The opener's counters (see :meth:`~transfer.transport.opener.PeerOpener.counters`)."""
-        return self._worker.opener.counters()
+        """The opener's counters (see :meth:`~transfer.transport.opener.PeerOpener.counters`), and
+        ``handshake_stale_writes`` (:attr:`~transfer.transport.mooncake.peer_open.MooncakePeers.num_stale_writes`)."""
+        return {**self._worker.opener.counters(), "handshake_stale_writes": self.peers.num_stale_writes}
 
     # --- transfers --------------------------------------------------------------
 
