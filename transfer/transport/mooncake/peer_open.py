@@ -14,15 +14,16 @@ The open is a probe write of :data:`PROBE_BYTES` into the region the peer's
 handshake named: the engine opens the segment inside that write's submit
 (relay: a lookup in the store; P2P: a handshake with the peer's listener,
 under the engine's one mutex, hence inside ``pause()``), connects its data
-path and, on RDMA, builds the endpoints; then bursts of
-:data:`PROBE_BURST` probes until one lands whole, so that every pooled data
-connection to the peer's address and port works (a restarted peer may have
-its old port back, and the dead process's connections are still pooled),
-before any room's bytes follow.
+path and, on RDMA, builds the endpoints. Where an earlier peer had the same
+address and data port (a restarted peer got its old port back, and the dead
+process's connections are still pooled; P2P: always, the port is not known
+here), bursts of :data:`PROBE_BURST` probes follow until one lands whole, so
+that every pooled data connection works before any room's bytes follow.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import time
@@ -44,6 +45,22 @@ PROBE_BURST = 8
 MAX_PROBE_ROUNDS = 8
 
 
+def data_address(meta: MooncakePeerMeta) -> tuple[str, int] | None:
+    """(host, TCP data port) a relayed peer's writes connect to, which the
+    engine pools its connections by (None: not relayed, or not TCP)."""
+    host = port = None
+    try:
+        for key, value in meta.entries:
+            body = json.loads(value)
+            if "/rpc_meta/" in key:
+                host = body.get("ip_or_host_name")
+            elif body.get("tcp_data_port"):
+                port = int(body["tcp_data_port"])
+    except (ValueError, TypeError, AttributeError):
+        return None
+    return (host, port) if host and port else None
+
+
 class MooncakePeers:
     """One engine's name, metadata mode, probe region and the peers it opened."""
 
@@ -61,6 +78,7 @@ class MooncakePeers:
         #: peers whose segment the engine opened (their probe write landed)
         self.opened: set[str] = set()
         self._phase: dict[str, str] = {}  # peer -> what its open is doing now, for a late open's message
+        self._addresses: set[tuple[str, int]] = set()  # (host, data port) of every relayed peer opened
         self._engine = None
         self.session = ""
         #: probe writes that failed on a connection the engine had pooled for a dead process at the same
@@ -112,7 +130,12 @@ class MooncakePeers:
         dst, nbytes = (meta.probe_addr, meta.probe_bytes) if meta is not None else (0, 0)
         give_up = time.monotonic() + self.config.handshake_timeout_s + 1.0
         statuses = self._probe(peer, dst, nbytes, 1, pause, give_up)  # the first submit opens the segment
-        # Then a burst that reaches every data connection: the engine pools its connections by the peer's
+        address = data_address(meta) if meta is not None else None
+        if statuses == [1] and address is not None and address not in self._addresses:
+            statuses = [1] * PROBE_BURST  # no earlier peer had this address and port: nothing stale is pooled
+        if address is not None:
+            self._addresses.add(address)
+        # Else a burst that reaches every data connection: the engine pools its connections by the peer's
         # address and data port, and a restarted peer that got its old port back finds the dead process's
         # connections still pooled; each fails one write (measured: a probe of a peer reusing a port failed
         # with "failed to read WRITE ack frame", the next write of the same connection succeeded). So
