@@ -153,7 +153,7 @@ class MooncakePeers:
             statuses = self._probe(peer, dst, nbytes, PROBE_BURST, None, give_up)
         if not nbytes and statuses != [1]:
             raise HandshakeError(f"Mooncake could not open the segment of {peer} (status {statuses})", peer=peer)
-        if rounds:
+        if self.num_stale_writes > stale_before:
             log.warning("opening the way to %s: %d probe write(s) failed on data connections the engine still "
                         "pooled for an earlier process at the same address and port (a restarted peer that got its "
                         "old port back); Mooncake reconnected them after its 1 s cool-down", peer,

@@ -137,6 +137,9 @@ class MooncakeTransport:
 
     def __init__(self, config: EngineConfig) -> None:
         apply_mooncake_env(config)
+        if config.mooncake_metadata == "relay":  # its process starts while the engine is imported and built
+            from transfer.transport.mooncake.relay import start_relay_store
+            start_relay_store()
         try:
             from mooncake.engine import TransferEngine
         except ImportError as exc:
