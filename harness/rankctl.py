@@ -111,6 +111,7 @@ def _stats(mgr: KVManager) -> dict:
             "arenas_retired": getattr(mgr.context.staging.area, "num_retired", 0) if mgr.context.staging else 0,
             "pages_read": mgr.storage.num_pages_read if mgr.storage else 0,
             "handshake_stale_writes": mgr.transport.handshake_counts().get("handshake_stale_writes", 0),
+            "rooms_relinked": mgr.stats().rooms_relinked,
             **{name.removeprefix("num_"): getattr(mgr.rooms, name) for name in _ROOM_COUNTERS
                if hasattr(mgr.rooms, name)}}
 

@@ -221,6 +221,9 @@ class ManagerStats:
     #: earlier process at the peer's address and port (a restarted peer got its old port back; each such
     #: open takes Mooncake's 1 s reconnect cool-down)
     handshake_stale_writes: int = 0
+    #: decode: rooms that asked their prefill node afresh, its rank found gone before it took their request
+    #: (a killed node restarted; see ``KVReceiver.peer_lost``)
+    rooms_relinked: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -241,6 +244,7 @@ class RankTotals:
         self.num_parts = 0
         self.num_unhandshaken = 0
         self.num_peers_lost = 0
+        self.num_relinked = 0
         self.room_seconds, self.first_byte_seconds, self.prefetch_wait_seconds = _Hist(), _Hist(), _Hist()
         self.exposed_transfer_seconds = _Hist()
 
@@ -256,7 +260,8 @@ class RankTotals:
                             first_byte_seconds=self.first_byte_seconds.snapshot(),
                             prefetch_wait_seconds=self.prefetch_wait_seconds.snapshot(),
                             exposed_transfer_seconds=self.exposed_transfer_seconds.snapshot(),
-                            control_unhandshaken=self.num_unhandshaken, peers_lost=self.num_peers_lost, **live)
+                            control_unhandshaken=self.num_unhandshaken, peers_lost=self.num_peers_lost,
+                            rooms_relinked=self.num_relinked, **live)
 
 
 class RoomCounter:

@@ -2,6 +2,7 @@
 from either side, drain-before-fail (and a lost peer ending the drain),
 storage fallback."""
 
+import threading
 import time
 
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 from transfer import KVPoll, KVReceiver, KVSender, KVTimeoutError, PeerError, StorageMissError
 from transfer.rooms.decode_phases import DecodePhase
 
-from ._rooms import Role, assert_landed, random_pages, run_room, transferring, wait_until
+from ._rooms import Role, assert_landed, random_pages, run_room, terminal, transferring, wait_until
 
 
 def test_a_request_after_the_sender_failed_is_refused_at_once(cluster):
@@ -159,3 +160,47 @@ def test_a_decode_timeout_names_its_rooms_staging(cluster):
     assert "no completion from prefill ranks [0]" in str(caught.value)
     assert "staging: 2 part region(s) granted, 0 room region(s) granted with the request" in str(caught.value)
     cluster.fabric.release_writes()
+
+
+def test_a_room_asked_of_a_killed_prefill_rank_asks_the_restarted_node(cluster, monkeypatch):
+    """A prefill rank killed (no goodbye) and started again before decode's
+    liveness saw it go: the next room takes the old, still ready link and its
+    request goes nowhere. Once the old address refuses connections, the room
+    (whose request no rank took, and no byte landed) looks the node up again
+    and asks the new rank, under a new request id: it succeeds, byte-exact,
+    and is counted (``rooms_relinked``); the scheduler saw Transferring all along."""
+    from transfer.control.base import Link
+    from transfer.messages import PeerBye
+
+    prefill, decode = cluster.rank(Role.PREFILL), cluster.rank(Role.DECODE)
+    rng = np.random.default_rng(11)
+    src, dst = random_pages(rng, 8), random_pages(rng, 8)
+    assert all(e.poll() is KVPoll.Success for e in run_room(prefill, decode, 40, src, dst))
+    old = prefill.mgr.rank.control_endpoint
+    seen_dead = threading.Event()
+    real_link = cluster.fabric.link
+    monkeypatch.setattr(cluster.fabric, "link", lambda s, d: Link.UP if d == old and not seen_dead.is_set()
+                        else real_link(s, d))
+    cluster.fabric.drop_if(lambda m: isinstance(m, PeerBye))  # killed: it says no goodbye
+    prefill.mgr.close()
+    cluster.fabric.drop_if(None)
+    restarted = cluster.rank(Role.PREFILL)
+    sender = KVSender(restarted.mgr, None, 41)
+    src, dst = random_pages(rng, 8), random_pages(rng, 8)
+    receiver = KVReceiver(decode.mgr, decode.mgr.config.bootstrap_addr, 41)
+    receiver.init(dst, 2)
+    wait_until(decode.mgr, lambda: receiver.phase is DecodePhase.TRANSFERRING, what="request sent")
+    first_id = receiver.request_id
+    seen = []
+    seen_dead.set()  # liveness now finds the old address refusing connections
+    wait_until(decode.mgr, lambda: seen.append(receiver.poll()) or receiver.phase is not DecodePhase.TRANSFERRING
+               or receiver.request_id != first_id, what="room relinked")
+    wait_until(restarted.mgr, lambda: sender.poll() is not KVPoll.Bootstrapping, what="restarted rank asked")
+    sender.init(len(src), 1)
+    sender.send(src, last=True)
+    wait_until(decode.mgr, lambda: terminal(sender, receiver), what="room terminal")
+    assert (sender.poll(), receiver.poll()) == (KVPoll.Success, KVPoll.Success)
+    assert receiver.request_id != first_id
+    assert_landed(restarted, decode, src, dst)
+    assert decode.mgr.stats().rooms_relinked == 1
+    assert set(seen) == {KVPoll.Transferring}

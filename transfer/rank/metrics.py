@@ -22,6 +22,7 @@ Exported (units in names, labels of bounded cardinality, no room ids)::
     kvferry_live_rooms{role}                     rooms not ended
     kvferry_peers{role,state="live"}             peers under liveness watch now
     kvferry_peers_lost_total{role}               peers given up for silence
+    kvferry_rooms_relinked_total{role}           decode rooms re-asked of a restarted prefill node
     kvferry_control_messages_received_total{role}
     kvferry_control_messages_dropped_total{role,reason}   malformed|unauthenticated|unhandshaken
     kvferry_staging_bytes_in_use{role}, kvferry_staging_capacity_bytes{role}
@@ -109,6 +110,9 @@ class _Collector:
         yield gauge("kvferry_peers", "Peers under liveness watch", lambda s: s.peers_live, ["state"], ["live"])
         yield counter("kvferry_peers_lost", "Peers given up after peer_timeout_s of silence", [],
                       [((), lambda s: s.peers_lost)])
+        yield counter("kvferry_rooms_relinked", "Decode rooms that asked their prefill node afresh, its rank "
+                      "found gone before it took their request (a restarted node)", [],
+                      [((), lambda s: s.rooms_relinked)])
         yield counter("kvferry_control_messages_received", "Control messages received", [],
                       [((), lambda s: s.control_received)])
         yield counter("kvferry_control_messages_dropped", "Control messages dropped, by reason", ["reason"],

@@ -133,7 +133,7 @@ class PeerWatch:
             log.warning("%s: peer %s %s: failing its rooms", self.where, session, why)
             # Its socket stays: what its rooms' failure sends it (their aborts) reaches it if it
             # was only stopped and comes back.
-            self.rooms.peer_lost(session, why)
+            self.rooms.peer_lost(session, why, gone=session in gone)
         if now >= self._next_sweep:  # timeouts fire here, not only when a scheduler polls
             self._next_sweep = now + SWEEP_INTERVAL_S
             self.rooms.expire()

@@ -7,6 +7,9 @@ reports (:class:`~transfer.state.KVPoll`)::
     WAITING_FOR_INPUT  WaitingForInput  link ready, init() not called yet
     PREFETCHING        WaitingForInput  init() done, loading leading pages from storage
     TRANSFERRING       Transferring     requests out, waiting for every prefill rank
+    RELINKING          Transferring     the prefill rank asked was found gone before it took the
+                                        request or wrote a byte: the node is looked up again
+                                        (restarted: its new rank is asked, with a new request id)
     DRAINING           Transferring     failed; waiting for prefill ranks (and its own scatters
                                         and storage prefetch) to stop writing
     RESTORING          (unchanged)      failed; loading the room from storage
@@ -18,6 +21,7 @@ Moves::
     BOOTSTRAPPING -> WAITING_FOR_INPUT -> PREFETCHING -> TRANSFERRING -> SUCCESS
                                       \\---------------> TRANSFERRING
     TRANSFERRING -> DRAINING -> RESTORING -> SUCCESS
+    TRANSFERRING -> RELINKING -> TRANSFERRING (once per room)
     PREFETCHING -> DRAINING (failed while a storage batch still loads the pages)
     any live phase -> RESTORING (a failure with nothing left writing)
     any non-terminal phase -> FAILED
@@ -42,6 +46,7 @@ class DecodePhase(enum.Enum):
     WAITING_FOR_INPUT = "waiting for input"
     PREFETCHING = "prefetching"
     TRANSFERRING = "transferring"
+    RELINKING = "relinking"
     DRAINING = "draining"
     RESTORING = "restoring"
     SUCCESS = "success"
@@ -58,7 +63,7 @@ _SUCCESSOR = {KVPoll.Bootstrapping: KVPoll.WaitingForInput, KVPoll.WaitingForInp
               KVPoll.Transferring: KVPoll.Success}
 
 #: Phases in which the room has not failed yet (a failure may still start).
-LIVE = frozenset({P.BOOTSTRAPPING, P.WAITING_FOR_INPUT, P.PREFETCHING, P.TRANSFERRING})
+LIVE = frozenset({P.BOOTSTRAPPING, P.WAITING_FOR_INPUT, P.PREFETCHING, P.TRANSFERRING, P.RELINKING})
 #: Phases of a room that failed and is being wound up (drained, restored).
 ENDING = frozenset({P.DRAINING, P.RESTORING})
 TERMINAL = frozenset({P.SUCCESS, P.FAILED})
@@ -67,7 +72,8 @@ _NEXT: dict[DecodePhase, frozenset[DecodePhase]] = {
     P.BOOTSTRAPPING: frozenset({P.WAITING_FOR_INPUT, P.RESTORING}),
     P.WAITING_FOR_INPUT: frozenset({P.PREFETCHING, P.TRANSFERRING, P.RESTORING}),
     P.PREFETCHING: frozenset({P.TRANSFERRING, P.DRAINING, P.RESTORING}),
-    P.TRANSFERRING: frozenset({P.SUCCESS, P.DRAINING, P.RESTORING}),
+    P.TRANSFERRING: frozenset({P.SUCCESS, P.DRAINING, P.RESTORING, P.RELINKING}),
+    P.RELINKING: frozenset({P.TRANSFERRING, P.RESTORING}),
     P.DRAINING: frozenset({P.RESTORING}),
     P.RESTORING: frozenset({P.SUCCESS}),
     P.SUCCESS: frozenset(),
@@ -77,7 +83,7 @@ _NEXT: dict[DecodePhase, frozenset[DecodePhase]] = {
 #: What poll() reports in each phase (None: unchanged).
 POLL: dict[DecodePhase, KVPoll | None] = {
     P.BOOTSTRAPPING: KVPoll.Bootstrapping, P.WAITING_FOR_INPUT: KVPoll.WaitingForInput,
-    P.PREFETCHING: KVPoll.WaitingForInput, P.TRANSFERRING: KVPoll.Transferring,
+    P.PREFETCHING: KVPoll.WaitingForInput, P.TRANSFERRING: KVPoll.Transferring, P.RELINKING: KVPoll.Transferring,
     P.DRAINING: KVPoll.Transferring, P.RESTORING: None, P.SUCCESS: KVPoll.Success, P.FAILED: KVPoll.Failed,
 }
 

@@ -52,7 +52,7 @@ class Receiver(Protocol):
     def on_message(self, msg) -> None: ...
 
 
-    def peer_lost(self, session: str, why: str) -> None: ...
+    def peer_lost(self, session: str, why: str, *, gone: bool = False) -> None: ...
 
     def fail(self, error: BaseException, *, drain: bool = True) -> None: ...
 
@@ -89,10 +89,11 @@ class DecodeRooms:
     def add(self, receiver: Receiver) -> None:
         self.receivers[(receiver.room, receiver.request_id)] = receiver
 
-    def remove(self, receiver: Receiver) -> None:
-        """The room ended: it gets no more messages, and its staging regions
-        still granted go to quarantine (fenced: are freed, or poisoned when
-        its writers were lost)."""
+    def remove(self, receiver: Receiver, *, writers_lost: bool | None = None) -> None:
+        """The room ended (or drops its request to ask afresh): it gets no
+        more messages, and its staging regions still granted go to quarantine
+        (fenced: are freed, or poisoned when its writers were lost:
+        ``writers_lost``, else the receiver's own word)."""
         self.receivers.pop((receiver.room, receiver.request_id), None)
         link = receiver.link
         if link is not None:
@@ -100,7 +101,8 @@ class DecodeRooms:
                 if p in link.ranks:
                     self.unacked.forget(link.ranks[p].session, receiver.request_id)
         if self.staging is not None:
-            self.staging.release_room(receiver.room, receiver.request_id, receiver.writers_lost)
+            self.staging.release_room(receiver.room, receiver.request_id,
+                                      receiver.writers_lost if writers_lost is None else writers_lost)
 
     def link(self, addr: str, node: str, dp_rank: int | None, room: int) -> Link | None:
         """The link for a room; None while the node's DP size is unknown."""
@@ -220,14 +222,16 @@ class DecodeRooms:
                     peers[link.ranks[p].session] = link.ranks[p].control_endpoint
         return peers
 
-    def peer_lost(self, session: str, why: str) -> None:
-        """A prefill rank went silent or is gone (``why``): forget every link through it (the next
-        room looks the node up afresh) and fail the rooms that await it."""
+    def peer_lost(self, session: str, why: str, *, gone: bool = False) -> None:
+        """A prefill rank went silent or is gone (``why``; ``gone``: its address refuses
+        connections): forget every link through it (the next room looks the node up afresh)
+        and fail the rooms that await it (or, gone before it took their requests, have them
+        ask the node afresh: :meth:`KVReceiver.peer_lost`)."""
         with self.ctx.lock:
-            self.links.forget_session(session)
+            self.links.forget_session(session, why)
             receivers = list(self.receivers.values())
         for r in receivers:
-            r.peer_lost(session, why)
+            r.peer_lost(session, why, gone=gone)
 
     def on_message(self, msg, origin: str = "") -> None:
         """A control message from ``origin`` (see :mod:`transfer.control.base`)."""

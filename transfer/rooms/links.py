@@ -186,19 +186,34 @@ class LinkResolver:
 
     def watched(self, now: float) -> dict[str, str]:
         """Session -> control endpoint of the sending ranks of ready links
-        used within ``_WATCH_IDLE_LINKS_S``."""
+        used within ``_WATCH_IDLE_LINKS_S``, and of the prefill ranks whose
+        answer to this rank's hello is awaited (one that died meanwhile
+        must fail its link's rooms, not leave them to the bootstrap bound)."""
         peers = {}
         for link in self.links.values():
             if link.state is LinkState.READY and now - link.last_wanted < _WATCH_IDLE_LINKS_S:
                 for p in link.routes:
                     peers[link.ranks[p].session] = link.ranks[p].control_endpoint
+            elif link.state is LinkState.RESOLVING:
+                for p in link.routes:
+                    hello = self._hellos.get(link.ranks[p].session)
+                    if hello is not None and not hello.ok and hello.error is None:
+                        peers[link.ranks[p].session] = link.ranks[p].control_endpoint
         return peers
 
-    def forget_session(self, session: str) -> None:
-        """A prefill rank went silent: forget every link through it (the next
-        room looks the node up afresh)."""
+    def forget_session(self, session: str, why: str = "") -> None:
+        """A prefill rank went silent or is gone (``why``; empty: it said
+        goodbye): forget every ready link through it (the next room looks
+        the node up afresh); a link still waiting for its handshake fails,
+        with its rooms."""
         for link in [l for l in self.links.values() if any(r.session == session for r in l.ranks.values())]:
-            self.forget(link)
+            if why and link.state is LinkState.RESOLVING:
+                p = next(p for p, r in link.ranks.items() if r.session == session)
+                link.state, link.error = LinkState.FAILED, tag_reason(PeerError(
+                    f"{self.ctx.where}: prefill rank {p} of {link.name} ({session}) {why}, before it answered "
+                    "this rank's handshake"), FailureReason.PEER_LOST)
+            else:
+                self.forget(link)
         self._hellos.pop(session, None)
 
     def forget(self, link: Link) -> None:

@@ -410,8 +410,9 @@ class PrefillRooms:
         return {req.decode_session: req.decode_endpoint
                 for s in self.senders.values() if not s.terminal for req in s.requests}
 
-    def peer_lost(self, session: str, why: str) -> None:
-        """A decode rank went silent or is gone (``why``): fail the rooms it asked for."""
+    def peer_lost(self, session: str, why: str, *, gone: bool = False) -> None:
+        """A decode rank went silent or is gone (``why``): fail the rooms it asked for
+        (``gone`` or not: a decode rank's rooms do not outlive it)."""
         with self.ctx.lock:
             senders = [s for s in self.senders.values()
                        if any(r.decode_session == session for r in s.requests)]

@@ -32,6 +32,8 @@ from transfer.stats import FailureReason, RoomStats, tag_reason
 log = logging.getLogger("kvferry.receiver")
 
 P = DecodePhase
+# Phases bounded by transfer_timeout_s from init().
+_TIMED = frozenset({P.TRANSFERRING, P.RELINKING})
 
 
 class KVReceiver:
@@ -87,6 +89,7 @@ class KVReceiver:
         self._prefix = 0  # leading pages the scheduler holds (init's skip_pages)
         self._skip = 0  # leading pages held or prefetched from storage: prefill does not send them
         self._may_fall_back = False
+        self._relinks = 0  # times the room asked the node afresh (RELINKING)
         #: pages of this room restored from storage (prefetch and fallback)
         self.pages_from_storage = 0
         #: False when the room succeeded from storage without its draft pages
@@ -201,10 +204,12 @@ class KVReceiver:
             if ph.phase is P.PREFETCHING and self._prefetched(now):
                 ph.move(P.TRANSFERRING)
                 self._send_requests()
-            if ph.phase is P.TRANSFERRING and now - self._init_at > ctx.config.transfer_timeout_s:
+            if ph.phase is P.RELINKING:
+                self._relinked()
+            if ph.phase in _TIMED and now - self._init_at > ctx.config.transfer_timeout_s:
                 self.fail(KVTimeoutError(
                     f"{self.where}: no completion from prefill ranks {sorted(self._awaiting)} of "
-                    f"{self._link.name} within {ctx.config.transfer_timeout_s:g} s "
+                    f"{(self._link or self._seen_link).name} within {ctx.config.transfer_timeout_s:g} s "
                     f"[{self._counter.total_bytes} bytes landed, {self._scattering} scatter(s) running, "
                     f"requests sent {now - self._requested_at:.1f} s ago"
                     + (f"; {self._table.staging.describe(self.room, self.request_id)}"
@@ -276,7 +281,7 @@ class KVReceiver:
     def on_message(self, msg) -> None:
         """A RoomStatus or RoomAbort for this room (under ``ctx.lock``)."""
         ph = self._phases
-        if ph.poll is not KVPoll.Transferring:
+        if ph.poll is not KVPoll.Transferring or ph.phase is P.RELINKING:
             return
         if ph.phase in ENDING:
             # Any terminal word from a rank means it writes no more.
@@ -344,14 +349,20 @@ class KVReceiver:
                 (not self._drain.ranks or self._drain.overdue(time.monotonic())):
             self._finish_fail(self._drain.error)
 
-    def peer_lost(self, session: str, why: str) -> None:
-        """Prefill rank ``session`` went silent or is gone (``why``)."""
+    def peer_lost(self, session: str, why: str, *, gone: bool = False) -> None:
+        """Prefill rank ``session`` went silent or is gone (``why``; ``gone``:
+        its address refuses connections, the process is no more)."""
         with self._ctx.lock:
             link = self._link
             if self._phases.phase not in LIVE | ENDING or link is None or not link.ranks:
                 return
             lost = {p for p in self.ranks_writing() if link.ranks[p].session == session}
             if not lost:
+                return
+            if gone and self._may_relink(lost):
+                log.info("%s: prefill rank %s of %s (%s) %s before it took the request: looking the node up "
+                         "again", self.where, min(lost), link.name, session, why)
+                self._relink()
                 return
             self._drain.writers_lost = True
             if self._phases.phase in ENDING:  # a dead rank writes no more
@@ -412,6 +423,43 @@ class KVReceiver:
             name = link.name if link is not None else f"prefill node {self.prefill_node!r}"
             self.fail(KVTimeoutError(f"{self.where}: {name} not ready after "
                                      f"{config.bootstrap_timeout_s:g} s: {what}"))
+
+    def _may_relink(self, lost: set[int]) -> bool:
+        """Whether the room may ask the node afresh, its ranks ``lost`` being
+        gone: it never did (once per room), every rank it asked is among them,
+        none acknowledged the request or sent a word or a byte for it (a
+        killed node restarted between its last room and this one: the new
+        process registered, the old link was not yet found dead)."""
+        return (self._phases.phase is P.TRANSFERRING and not self._relinks and set(self._link.routes) <= lost
+                and set(self._awaiting) == set(self._link.routes) and not self._scattering
+                and self._counter.total_bytes == 0
+                and all(self._table.unacked.pending(self._link.ranks[p].session, self.request_id)
+                        for p in self._link.routes))
+
+    def _relink(self) -> None:
+        """Drop the dead link's request (its staging grant retired with it) and
+        wait in RELINKING for the node's link afresh, under a new request id."""
+        self._relinks += 1
+        self._ctx.stats.num_relinked += 1
+        self._table.remove(self, writers_lost=True)  # the dead writer's staging regions are retired, not reused
+        self.request_id = random.getrandbits(63) | 1
+        self._link, self._awaiting = None, {}
+        self._phases.move(P.RELINKING)
+        self._table.add(self)
+        self._relinked()
+
+    def _relinked(self) -> None:
+        """RELINKING: once the node's new link is ready, send the requests."""
+        link = self._table.link(self.bootstrap_addr, self.prefill_node, self.prefill_dp_rank, self.room)
+        self._seen_link = link
+        if link is not None and link.state is LinkState.FAILED:
+            self._table.forget(link)
+            self._link = link
+            self.fail(link.error)
+        elif link is not None and link.state is LinkState.READY:
+            self._link = link
+            self._phases.move(P.TRANSFERRING)
+            self._send_requests()
 
     def _send_requests(self) -> None:
         """Ask each contacted prefill rank for its part (phase TRANSFERRING)."""

@@ -37,6 +37,10 @@ class UnackedRequests(Generic[Owner]):
         was queued."""
         self._pending.setdefault(session, {})[request_id] = (at, owner, tp_rank)
 
+    def pending(self, session: str, request_id: int) -> bool:
+        """Whether ``request_id`` went to ``session`` and awaits its acknowledgement."""
+        return request_id in self._pending.get(session, ())
+
     def forget(self, session: str, request_id: int) -> None:
         """The request's room ended: nothing more to expect of it."""
         pending = self._pending.get(session)
