@@ -42,6 +42,8 @@ class PeerWatch:
         self.config, self.session, self.endpoint, self.where = config, session, endpoint, where
         self.rooms, self.channel, self.lock, self.totals = rooms, channel, lock, totals
         self.liveness = Liveness(config.heartbeat_interval_s, config.peer_timeout_s)
+        # how long a connection stays UP after its peer stopped answering (transfer.control.base)
+        self._link_lag_s = config.peer_timeout_s / 2
         self._seq = 0
         self._pinged_at: dict[int, float] = {}  # ping seq -> when it was sent (the latest few)
         self._next_sweep = 0.0
@@ -110,7 +112,10 @@ class PeerWatch:
                 # a killed one is found once its address refuses a reconnection.
                 link = self.channel.link(endpoint)
                 if link is Link.UP:
-                    self.liveness.heard(session, now)
+                    # UP vouches for the peer only up to the connection's heartbeat bound (a stopped
+                    # process's connection stays UP for peer_timeout_s / 2): credited as heard then,
+                    # so a stopped peer is lost peer_timeout_s after it stopped, not half as long again.
+                    self.liveness.heard(session, now - self._link_lag_s)
                 elif link is Link.GONE:
                     gone.add(session)
             to_ping, lost = self.liveness.step(watched, now, gone)
