@@ -19,18 +19,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 
 import numpy as np
 
-from benchmarks.busy_loop import BusyConfig
+from benchmarks.busy_loop import FIRST_ROOM, BusyConfig
 from harness.launch import BootstrapProcess, child_env
 
 WORKLOADS = {
-    "short": BusyConfig(pages=32, requests=120, concurrency=1),  # 16 MiB: 512 pieces of 32 KiB
+    "short": BusyConfig(pages=32, requests=500, concurrency=1),  # 16 MiB: 512 pieces of 32 KiB
     "8k": BusyConfig(pages=512, requests=12, concurrency=1),  # 8,192 tokens: 256 MiB
     "c64": BusyConfig(pages=32, requests=256, concurrency=64, warmup=64),  # 64 short requests in flight
 }
@@ -40,11 +42,85 @@ SYSTEMS = ("kvferry", "kvferry-one", "mooncake", "nixl", "sglang")
 RANK_TIMEOUT_S = 900
 
 
-def _spawn(role: str, cfg: BusyConfig, *extra: str, python: str = sys.executable, module: str = "benchmarks.busy_ranks",
-           env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([python, "-m", module, role, "--config", cfg.to_json(), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**child_env(), **(env or {})})
+class Cell:
+    """The rank processes of one cell: spawned with their stdin a pipe, set
+    up (each says ``BUSY_READY``), then driven (:meth:`drive`)."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def spawn(self, role: str, cfg: BusyConfig, *extra: str, python: str = sys.executable,
+              module: str = "benchmarks.busy_ranks", env: dict | None = None, base_env: dict | None = None,
+              cwd: str | None = None) -> subprocess.Popen:
+        """``python -m module role --config CFG extra...``; its environment
+        ``base_env`` (None: :func:`child_env`) and ``env``."""
+        proc = subprocess.Popen([python, "-m", module, role, "--config", cfg.to_json(), *extra],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**(child_env() if base_env is None else base_env), **(env or {})}, cwd=cwd)
+        self.procs.append(proc)
+        return proc
+
+    def ready(self, proc: subprocess.Popen, timeout_s: float = 180.0) -> str:
+        return _line(proc, "BUSY_READY ", timeout_s)
+
+    def drive(self, cfg: BusyConfig, ranks: list[subprocess.Popen]) -> list[dict]:
+        """Feed ``cfg.num_rooms`` requests to every one of ``ranks`` (each
+        already ready), ``cfg.concurrency`` at a time, the next once both
+        sides said one ended; returns both sides' ``BUSY_RESULT`` dicts."""
+        lines: queue.Queue = queue.Queue()
+        for proc in ranks:
+            threading.Thread(target=_read_lines, args=(proc, lines), daemon=True).start()
+        left, open_sides, results, tail = list(range(cfg.num_rooms)), {}, [], []
+
+        def dispatch() -> None:
+            room = FIRST_ROOM + left.pop(0)
+            open_sides[room] = {"prefill", "decode"}
+            for proc in ranks:
+                proc.stdin.write(f"{room}\n")
+                proc.stdin.flush()
+
+        for _ in range(min(cfg.concurrency, len(left))):
+            dispatch()
+        deadline, eofs = time.monotonic() + RANK_TIMEOUT_S, 0
+        while len(results) < 2:
+            try:
+                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise RuntimeError(f"cell stalled; {len(open_sides)} rooms open:\n{''.join(tail)}") from None
+            if line is None:
+                eofs += 1
+                if eofs == len(ranks):
+                    raise RuntimeError(f"the ranks exited with {len(results)} results:\n{''.join(tail)}")
+            elif line.startswith("BUSY_DONE "):
+                side, room = line.split()[1:]
+                sides = open_sides[int(room)]
+                sides.discard(side)
+                if not sides:
+                    del open_sides[int(room)]
+                    if left:
+                        dispatch()
+                    elif not open_sides:
+                        for proc in ranks:
+                            proc.stdin.close()  # no more requests: the ranks report and exit
+            elif line.startswith("BUSY_RESULT "):
+                results.append(json.loads(line[len("BUSY_RESULT "):]))
+            else:
+                tail = (tail + [line])[-40:]
+        return results
+
+    def close(self) -> None:
+        for proc in self.procs:
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
+def _read_lines(proc: subprocess.Popen, out: queue.Queue) -> None:
+    for line in proc.stdout:
+        out.put(line)
+    out.put(None)
 
 
 def _line(proc: subprocess.Popen, prefix: str, timeout_s: float) -> str:
@@ -61,42 +137,40 @@ def _line(proc: subprocess.Popen, prefix: str, timeout_s: float) -> str:
     raise RuntimeError(f"no {prefix.strip()} line (exit {proc.poll()}):\n{''.join(tail)}")
 
 
-def _results(procs: list[tuple[subprocess.Popen, int]]) -> list[dict]:
-    """The ``BUSY_RESULT`` lines of each process (how many it prints: one per side it runs)."""
-    out = []
-    try:
-        for proc, num_sides in procs:
-            for _ in range(num_sides):
-                out.append(json.loads(_line(proc, "BUSY_RESULT ", RANK_TIMEOUT_S)))
-    finally:
-        for proc, _ in procs:
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-    return out
-
-
 def run_cell(system: str, cfg: BusyConfig) -> list[dict]:
     """Both sides' results of one system on one workload and mode."""
-    if system in ("kvferry", "kvferry-one"):
-        with BootstrapProcess() as server:
-            cfg = replace(cfg, bootstrap=server.address)
-            if system == "kvferry-one":
-                return _results([(_spawn("kvferry-both", cfg), 2)])
-            return _results([(_spawn("kvferry-prefill", cfg), 1), (_spawn("kvferry-decode", cfg), 1)])
     if system == "sglang":
         from benchmarks.busy_sglang import run_sglang_cell
         return run_sglang_cell(cfg)
-    engine = {"mooncake": "mc", "nixl": "nixl"}[system]
-    env = {"UCX_NET_DEVICES": "lo"} if engine == "nixl" else {}
-    decode = _spawn(f"{engine}-decode", cfg, env=env)
-    peer = _line(decode, "BUSY_READY ", 120).strip()
-    return _results([(_spawn(f"{engine}-prefill", cfg, "--peer", peer, env=env), 1), (decode, 1)])
+    cell = Cell()
+    try:
+        if system in ("kvferry", "kvferry-one"):
+            with BootstrapProcess() as server:
+                cfg = replace(cfg, bootstrap=server.address)
+                roles = ["kvferry-both"] if system == "kvferry-one" else ["kvferry-prefill", "kvferry-decode"]
+                ranks = [cell.spawn(role, cfg) for role in roles]
+                for proc in ranks:
+                    cell.ready(proc)
+                return cell.drive(cfg, ranks)
+        engine = {"mooncake": "mc", "nixl": "nixl"}[system]
+        env = {"UCX_NET_DEVICES": "lo"} if engine == "nixl" else {}
+        decode = cell.spawn(f"{engine}-decode", cfg, env=env)
+        peer = cell.ready(decode, 120).strip()
+        prefill = cell.spawn(f"{engine}-prefill", cfg, "--peer", peer, env=env)
+        cell.ready(prefill)
+        return cell.drive(cfg, [decode, prefill])
+    finally:
+        for proc in cell.procs:
+            if proc.poll() is None and proc.stdin and not proc.stdin.closed:
+                proc.stdin.close()
+        cell.close()
 
 
 def summarize(cfg: BusyConfig, results: list[dict]) -> dict:
-    """p50/p99 latency (ms) and GB/s over the measured rooms."""
+    """Latency (ms; p50, p99, p99.9, max) over the measured rooms, from
+    decode opening a room to both sides seeing it end; its two splits
+    (decode opened -> prefill sent, prefill sent -> both ended), their
+    medians; the ten slowest rooms' timelines; GB/s."""
     by_role = {r["role"]: r for r in results}
     pre, dec = by_role["prefill"], by_role["decode"]
     failed = sorted(set(pre.get("failed", [])) | set(dec.get("failed", [])))
@@ -104,22 +178,43 @@ def summarize(cfg: BusyConfig, results: list[dict]) -> dict:
         why = sorted(set(pre.get("errors", [])) | set(dec.get("errors", [])))
         raise RuntimeError(f"{len(failed)} of {cfg.num_rooms} rooms failed: {'; '.join(why)[:1000]}")
     rooms = sorted(int(r) for r in dec["created"])[cfg.warmup:]
-    ends = {r: max(pre["done"].get(str(r), np.inf), dec["done"].get(str(r), np.inf)) for r in rooms}
-    lat = [(ends[r] - dec["created"][str(r)]) * 1e3 for r in rooms]
-    span = max(ends.values()) - min(dec["created"][str(r)] for r in rooms)
-    return {"p50_ms": round(float(np.percentile(lat, 50)), 1), "p99_ms": round(float(np.percentile(lat, 99)), 1),
-            "gbps": round(cfg.request_bytes * len(rooms) / span / 1e9, 3),
+    timelines = []
+    for r in rooms:
+        k = str(r)
+        t0 = dec["created"][k]
+        end = max(pre["done"][k], dec["done"][k])
+        sent = pre.get("sent", {}).get(k, pre["created"][k])
+        timelines.append({"room": r, "ms": (end - t0) * 1e3, "to_send_ms": (sent - t0) * 1e3,
+                          "send_to_done_ms": (end - sent) * 1e3, "prefill_opened_ms": (pre["created"][k] - t0) * 1e3,
+                          "prefill_done_ms": (pre["done"][k] - t0) * 1e3, "decode_done_ms": (dec["done"][k] - t0) * 1e3,
+                          "at_s": t0 - dec["created"][str(rooms[0])]})
+    lat = np.array([t["ms"] for t in timelines])
+    span = max(t["at_s"] + t["ms"] / 1e3 for t in timelines)
+    slowest = sorted(timelines, key=lambda t: -t["ms"])[:10]
+    r1 = lambda x: round(float(x), 1)  # noqa: E731
+    return {"p50_ms": r1(np.percentile(lat, 50)), "p99_ms": r1(np.percentile(lat, 99)),
+            "p999_ms": r1(np.percentile(lat, 99.9)), "max_ms": r1(lat.max()),
+            "to_send_p50_ms": r1(np.median([t["to_send_ms"] for t in timelines])),
+            "send_to_done_p50_ms": r1(np.median([t["send_to_done_ms"] for t in timelines])),
+            "slowest": [{k: (round(v, 1) if isinstance(v, float) else v) for k, v in t.items()} for t in slowest],
+            "requests": len(rooms), "gbps": round(cfg.request_bytes * len(rooms) / span / 1e9, 3),
             "cpu_s": round(sum(r.get("cpu_s", 0.0) for r in results), 3),
             "control_msgs_per_request": round(sum(r.get("control_msgs", 0) for r in results) / cfg.num_rooms, 2)}
 
 
+_MEDIANED = ("p50_ms", "p99_ms", "p999_ms", "max_ms", "to_send_p50_ms", "send_to_done_p50_ms", "gbps", "cpu_s",
+             "control_msgs_per_request")
+
+
 def _median(rows: list[dict]) -> dict:
-    out = dict(rows[0])
-    for key in ("p50_ms", "p99_ms", "gbps", "cpu_s", "control_msgs_per_request"):
-        out[key] = round(float(np.median([r[key] for r in rows])), 3)
-    out["rounds"] = len(rows)
-    out["all_p50_ms"] = [r["p50_ms"] for r in rows]
-    out["all_p99_ms"] = [r["p99_ms"] for r in rows]
+    ok = [r for r in rows if "error" not in r] or rows
+    out = dict(ok[0])
+    for key in _MEDIANED:
+        out[key] = round(float(np.median([r[key] for r in ok])), 3)
+    out["rounds"] = len(ok)
+    out["all_p50_ms"] = [r["p50_ms"] for r in ok]
+    out["all_p99_ms"] = [r["p99_ms"] for r in ok]
+    out["all_max_ms"] = [r["max_ms"] for r in ok]
     return out
 
 
@@ -157,8 +252,7 @@ def main(argv=None) -> int:
                     try:
                         row.update(summarize(cfg, run_cell(system, cfg)))
                     except Exception as exc:  # a cell that fails is reported, the run goes on
-                        row.update(p50_ms=float("nan"), p99_ms=float("nan"), gbps=0.0, cpu_s=0.0,
-                                   control_msgs_per_request=0.0, error=f"{type(exc).__name__}: {exc}"[:2000])
+                        row.update({k: float("nan") for k in _MEDIANED}, error=f"{type(exc).__name__}: {exc}"[:2000])
                     runs[system].append(row)
                     print(json.dumps(row), flush=True)
             rows += [_median(r) for r in runs.values() if r]
@@ -172,10 +266,20 @@ def main(argv=None) -> int:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'workload':8} {'mode':12} {'system':12} {'p50 ms':>8} {'p99 ms':>8} {'GB/s':>7} {'msgs/req':>9}")
+    print(f"{'workload':8} {'mode':12} {'system':12} {'p50':>7} {'p99':>7} {'p99.9':>7} {'max':>7} "
+          f"{'->send':>7} {'send->':>7} {'GB/s':>7} {'msgs/req':>9}   (ms)")
     for r in rows:
-        print(f"{r['workload']:8} {r['mode']:12} {r['system']:12} {r['p50_ms']:8.1f} {r['p99_ms']:8.1f} "
-              f"{r['gbps']:7.3f} {r['control_msgs_per_request']:9.2f}" + (f"  {r['error'][:60]}" if "error" in r else ""))
+        print(f"{r['workload']:8} {r['mode']:12} {r['system']:12} {r['p50_ms']:7.1f} {r['p99_ms']:7.1f} "
+              f"{r['p999_ms']:7.1f} {r['max_ms']:7.1f} {r['to_send_p50_ms']:7.1f} {r['send_to_done_p50_ms']:7.1f} "
+              f"{r['gbps']:7.3f} {r['control_msgs_per_request']:9.2f}"
+              + (f"  {r['error'][:60]}" if "error" in r else ""))
+    for r in rows:
+        if r.get("slowest"):
+            print(f"slowest of {r['workload']} {r['mode']} {r['system']} (ms from decode's open: prefill opened, "
+                  "sent, prefill done, decode done; at s into the run):")
+            for t in r["slowest"]:
+                print(f"  room {t['room']}: {t['ms']:.1f} = {t['prefill_opened_ms']:.1f} / {t['to_send_ms']:.1f} / "
+                      f"{t['prefill_done_ms']:.1f} / {t['decode_done_ms']:.1f}  at {t['at_s']:.2f}")
 
 
 if __name__ == "__main__":

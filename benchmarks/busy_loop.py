@@ -1,6 +1,7 @@
 """What the busy-scheduler benchmark shares between its rank processes: the
-configuration, the pool geometry, each room's pages, and the scheduler loop
-it drives every system with (:class:`Scheduler`).
+configuration, the pool geometry, each room's pages, the scheduler loop it
+drives every system with (:class:`Scheduler`) and the pipe its requests
+come from (:class:`Feed`).
 
 A serving engine drives its transfer backend from a scheduler loop whose
 thread is busy in Python for most of each step (SGLang's scheduler, vLLM's
@@ -8,11 +9,22 @@ model runner). The benchmark's loop runs one step every ``step_s``: idle, a
 sleep; busy, ``busy_share`` of the step pure-Python work (the rest a sleep);
 with ``extra_thread`` one more thread does pure-Python work all the time (a
 tokenizer, a metrics exporter). Each step then polls the live rooms once.
+
+Requests come as a serving engine's do, from outside: the driver
+(:mod:`benchmarks.busy`) writes each request's room to every rank process's
+stdin, at most ``concurrency`` at a time, the next once both sides reported
+one done (``BUSY_DONE side room`` on stdout). A rank's loop takes what its
+pipe holds without blocking, opens those rooms (decode: the receiver and
+its pages; prefill: the sender), steps, and polls each live room once; so
+nothing of a system's runs between steps but its own threads, as in
+SGLang's scheduler and vLLM's ``get_finished``.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -20,6 +32,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from harness.busywork import python_work
+
+#: The first request's room (the rest follow in order).
+FIRST_ROOM = 1000
 
 
 @dataclass(frozen=True)
@@ -127,3 +142,32 @@ def result_line(role: str, created: dict, done: dict, **extra) -> str:
     """What a rank prints: per room its creation and end times (wall clock,
     comparable between processes of one host)."""
     return "BUSY_RESULT " + json.dumps({"role": role, "created": created, "done": done, **extra})
+
+
+class Feed:
+    """The driver's requests: room numbers, one per line on this process's
+    stdin, read without blocking (:meth:`take`, once a step); ``closed``
+    once the driver closed the pipe (no more requests)."""
+
+    def __init__(self) -> None:
+        self._fd = sys.stdin.fileno()
+        os.set_blocking(self._fd, False)
+        self._buf = b""
+        self.closed = False
+
+    def take(self) -> list[int]:
+        try:
+            data = os.read(self._fd, 1 << 16)
+        except BlockingIOError:
+            return []
+        if not data:
+            self.closed = True
+            return []
+        *lines, self._buf = (self._buf + data).split(b"\n")
+        return [int(line) for line in lines if line.strip()]
+
+    @staticmethod
+    def done(side: str, room: int) -> None:
+        """Tell the driver ``side`` (prefill, decode) ended ``room``."""
+        sys.stdout.write(f"BUSY_DONE {side} {room}\n")
+        sys.stdout.flush()

@@ -6,16 +6,19 @@
   bootstrap server is the driver's); ``kvferry-both``: both managers and
   one loop in one process, as ``examples/one_host.py`` runs them;
 - ``mc-prefill``, ``mc-decode``: raw Mooncake. Decode sends each request
-  (room, its pages) over a zmq pair; prefill, at its next step, writes the
-  pages with one ``batch_transfer_async_write``, waits for it at the step
-  after (``get_batch_transfer_status``) and answers ``done``;
+  (room, its pages) over a zmq pair; prefill, at its next step once the
+  driver told it of the room too, writes the pages with one
+  ``batch_transfer_async_write``, waits for it at the step after
+  (``get_batch_transfer_status``) and answers ``done``;
 - ``nixl-prefill``, ``nixl-decode``: raw NIXL (UCX) the same way, one
   prepared transfer per request, its state checked once per step.
 
-Every rank runs the scheduler loop of :mod:`benchmarks.busy_loop` and
-prints one ``BUSY_RESULT`` line: per room its creation and end times.
-Raw decode ranks print ``BUSY_READY <json>`` first (where prefill reaches
-them). Every wait is bounded.
+Every rank prints ``BUSY_READY <json>`` once set up (raw decode ranks:
+where prefill reaches them), runs the scheduler loop of
+:mod:`benchmarks.busy_loop` on the requests of its pipe
+(:class:`~benchmarks.busy_loop.Feed`), says ``BUSY_DONE`` for each room a
+side ends, and prints one ``BUSY_RESULT`` line per side at the end: per
+room when it was opened, sent (prefill) and ended. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -29,10 +32,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from benchmarks.busy_loop import BusyConfig, DecodePages, Scheduler, result_line, src_pages
+from benchmarks.busy_loop import FIRST_ROOM, BusyConfig, DecodePages, Feed, Scheduler, result_line, src_pages
 
 TIMEOUT_S = 600.0
-FIRST_ROOM = 1000
 
 
 # --- kvferry ---------------------------------------------------------------------------
@@ -61,17 +63,20 @@ def _kvferry_manager(cfg: BusyConfig, prefill: bool):
 
 
 class _KVPrefill:
+    """Prefill's side of the loop: a sender per room it is told of; on
+    WaitingForInput, ``init`` and one ``send`` of every page."""
+
+    side = "prefill"
+
     def __init__(self, cfg: BusyConfig, mgr) -> None:
         self.cfg, self.mgr = cfg, mgr
-        self.next, self.live, self.created, self.done, self.failed, self.errors = 0, {}, {}, {}, [], set()
+        self.live, self.created, self.sent, self.done, self.failed, self.errors = {}, {}, {}, {}, [], set()
 
-    def open(self) -> None:
+    def open(self, rooms) -> None:
         from transfer.rooms.sender import KVSender
-        while self.next < self.cfg.num_rooms and len(self.live) < self.cfg.concurrency:
-            room = FIRST_ROOM + self.next
-            self.live[room] = [KVSender(self.mgr, self.cfg.bootstrap, room), False]
+        for room in rooms:
             self.created[room] = time.time()
-            self.next += 1
+            self.live[room] = [KVSender(self.mgr, self.cfg.bootstrap, room), False]
 
     def poll(self) -> None:
         from transfer.state import KVPoll
@@ -81,6 +86,7 @@ class _KVPrefill:
             if state is KVPoll.WaitingForInput and not sent:
                 pages = src_pages(self.cfg, room - FIRST_ROOM)
                 sender.init(len(pages))
+                self.sent[room] = time.time()
                 sender.send(pages, last=True)
                 entry[1] = True
                 state = sender.poll()
@@ -90,27 +96,26 @@ class _KVPrefill:
                     self.failed.append(room)
                     self.errors.add(_error_of(sender))
                 del self.live[room]
-
-    @property
-    def busy(self) -> bool:
-        return self.next < self.cfg.num_rooms or bool(self.live)
+                Feed.done(self.side, room)
 
 
 class _KVDecode:
+    """Decode's side: a receiver and its pages per room it is told of."""
+
+    side = "decode"
+
     def __init__(self, cfg: BusyConfig, mgr) -> None:
         self.cfg, self.mgr, self.alloc = cfg, mgr, DecodePages(cfg)
-        self.next, self.live, self.created, self.done, self.failed, self.errors = 0, {}, {}, {}, [], set()
+        self.live, self.created, self.sent, self.done, self.failed, self.errors = {}, {}, {}, {}, [], set()
 
-    def open(self) -> None:
+    def open(self, rooms) -> None:
         from transfer.rooms.receiver import KVReceiver
-        while self.next < self.cfg.num_rooms and len(self.live) < self.cfg.concurrency:
-            room = FIRST_ROOM + self.next
+        for room in rooms:
             self.created[room] = time.time()
             receiver = KVReceiver(self.mgr, self.cfg.bootstrap, room, prefill_node=self.cfg.node_id)
             dst = self.alloc.take()
             receiver.init(dst)
             self.live[room] = (receiver, dst)
-            self.next += 1
 
     def poll(self) -> None:
         from transfer.state import KVPoll
@@ -123,10 +128,7 @@ class _KVDecode:
                     self.errors.add(_error_of(receiver))
                 self.alloc.give(dst)
                 del self.live[room]
-
-    @property
-    def busy(self) -> bool:
-        return self.next < self.cfg.num_rooms or bool(self.live)
+                Feed.done(self.side, room)
 
 
 def _error_of(obj) -> str:
@@ -155,28 +157,31 @@ def _wait_for_node(mgr, cfg: BusyConfig) -> None:
 def run_kvferry(cfg: BusyConfig, role: str) -> int:
     sides = []
     if role in ("kvferry-prefill", "kvferry-both"):
-        sides.append(("prefill", _KVPrefill(cfg, _kvferry_manager(cfg, True))))
+        sides.append(_KVPrefill(cfg, _kvferry_manager(cfg, True)))
     if role in ("kvferry-decode", "kvferry-both"):
         decode = _KVDecode(cfg, _kvferry_manager(cfg, False))
         _wait_for_node(decode.mgr, cfg)
-        sides.append(("decode", decode))
-    sched = Scheduler(cfg)
+        sides.append(decode)
+    print("BUSY_READY {}", flush=True)
+    feed, sched = Feed(), Scheduler(cfg)
     cpu0, deadline = time.process_time(), time.monotonic() + TIMEOUT_S
-    while any(side.busy for _, side in sides) and time.monotonic() < deadline:
-        for _, side in sides:
-            side.open()
+    while not (feed.closed and not any(side.live for side in sides)) and time.monotonic() < deadline:
+        rooms = feed.take()
+        for side in sorted(sides, key=lambda s: s.side):  # decode's receiver first, as the request reaches it first
+            side.open(rooms)
         sched.step()
-        for _, side in sides:
+        for side in sides:
             side.poll()
     sched.stop()
     cpu = time.process_time() - cpu0
-    for name, side in sides:
-        print(result_line(name, side.created, side.done, failed=side.failed, errors=sorted(side.errors)[:5],
-                          cpu_s=cpu / len(sides),
-                          control_msgs=side.mgr.channel.num_received), flush=True)
-    for _, side in sides:
+    for side in sides:
+        print(result_line(side.side, side.created, side.done, sent=side.sent, failed=side.failed + sorted(side.live),
+                          errors=sorted(side.errors)[:5], cpu_s=cpu / len(sides),
+                          control_msgs=side.mgr.channel.num_received,
+                          handed_over=getattr(side.mgr.channel, "num_handed_over", 0)), flush=True)
+    for side in sides:
         side.mgr.close()
-    return 0 if all(not side.failed and not side.live for _, side in sides) else 1
+    return 0 if all(not side.failed and not side.live for side in sides) else 1
 
 
 # --- raw engines ----------------------------------------------------------------------
@@ -233,23 +238,22 @@ def run_raw_decode(cfg: BusyConfig, engine: str) -> int:
     if not sock.poll(120_000):
         raise SystemExit("no prefill connected")
     assert json.loads(sock.recv())["op"] == "hello"
-    alloc, sched = DecodePages(cfg), Scheduler(cfg)
-    created, done, live, nxt = {}, {}, {}, 0
+    alloc, sched, feed = DecodePages(cfg), Scheduler(cfg), Feed()
+    created, done, live = {}, {}, {}
     deadline = time.monotonic() + TIMEOUT_S
-    while (nxt < cfg.num_rooms or live) and time.monotonic() < deadline:
-        while nxt < cfg.num_rooms and len(live) < cfg.concurrency:
-            room = FIRST_ROOM + nxt
+    while not (feed.closed and not live) and time.monotonic() < deadline:
+        for room in feed.take():
             created[room] = time.time()
             live[room] = alloc.take()
             sock.send(json.dumps({"op": "req", "room": room, "pages": live[room].tolist()}).encode())
-            nxt += 1
         sched.step()
         for msg in _messages(sock):
             done[msg["room"]] = time.time()
             alloc.give(live.pop(msg["room"]))
+            Feed.done("decode", msg["room"])
     sched.stop()
     print(result_line("decode", created, done, failed=[r for r in created if r not in done]), flush=True)
-    return 0 if len(done) == cfg.num_rooms else 1
+    return 0 if not live else 1
 
 
 def run_raw_prefill(cfg: BusyConfig, engine: str, peer: dict) -> int:
@@ -266,10 +270,15 @@ def run_raw_prefill(cfg: BusyConfig, engine: str, peer: dict) -> int:
         remote = agent.add_remote_agent(bytes.fromhex(peer["meta"]))
     sock, _ = _pair(bind=False, endpoint=peer["endpoint"])
     sock.send(json.dumps({"op": "hello"}).encode())
-    sched = Scheduler(cfg)
-    created, done, pending, waiting = {}, {}, [], []  # waiting: submitted in an earlier step
+    print("BUSY_READY {}", flush=True)
+    sched, feed = Scheduler(cfg), Feed()
+    # told: rooms the driver gave this rank, asked: decode's pages of each; a room is written once both came
+    created, sent, done, told, asked, pending, waiting = {}, {}, {}, set(), {}, [], []
     deadline = time.monotonic() + TIMEOUT_S
-    while len(done) < cfg.num_rooms and time.monotonic() < deadline:
+    while not (feed.closed and not told and not waiting) and time.monotonic() < deadline:
+        for room in feed.take():
+            created[room] = time.time()
+            told.add(room)
         sched.step()
         if engine == "mc" and waiting:  # submitted a step ago: wait for them (the engine spins, GIL released)
             if eng.get_batch_transfer_status([bid for _, bid in waiting]) != 0:
@@ -287,12 +296,15 @@ def run_raw_prefill(cfg: BusyConfig, engine: str, peer: dict) -> int:
         for room in pending:
             done[room] = time.time()
             sock.send(json.dumps({"op": "done", "room": room}).encode())
+            Feed.done("prefill", room)
         pending = []
         for msg in _messages(sock):
-            room = msg["room"]
-            created[room] = time.time()
+            asked[msg["room"]] = msg["pages"]
+        for room in sorted(told & asked.keys()):
+            told.discard(room)
             src = _page_addrs(cfg, arena.ctypes.data, cfg.prefill_pages, src_pages(cfg, room - FIRST_ROOM))
-            dst = _page_addrs(cfg, peer["addr"], cfg.decode_pages, np.asarray(msg["pages"], dtype=np.int64))
+            dst = _page_addrs(cfg, peer["addr"], cfg.decode_pages, np.asarray(asked.pop(room), dtype=np.int64))
+            sent[room] = time.time()
             if engine == "mc":
                 bid = eng.batch_transfer_async_write(peer["session"], src.tolist(), dst.tolist(), sizes.tolist())
                 if bid == 0:
@@ -306,8 +318,8 @@ def run_raw_prefill(cfg: BusyConfig, engine: str, peer: dict) -> int:
                     raise SystemExit("NIXL refused a write")
                 waiting.append((room, handle))
     sched.stop()
-    print(result_line("prefill", created, done, failed=[]), flush=True)
-    return 0 if len(done) == cfg.num_rooms else 1
+    print(result_line("prefill", created, done, sent=sent, failed=sorted(told)), flush=True)
+    return 0 if not told and not waiting else 1
 
 
 def main(argv=None) -> int:

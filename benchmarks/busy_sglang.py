@@ -28,10 +28,9 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from benchmarks.busy_loop import BusyConfig, DecodePages, Scheduler, result_line, src_pages
+from benchmarks.busy_loop import FIRST_ROOM, BusyConfig, DecodePages, Feed, Scheduler, result_line, src_pages
 
 TIMEOUT_S = 600.0
-FIRST_ROOM = 1000
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = os.path.join(ROOT, ".venv-sglang", "bin", "python")
 
@@ -41,7 +40,7 @@ PYTHON = os.path.join(ROOT, ".venv-sglang", "bin", "python")
 
 def run_sglang_cell(cfg: BusyConfig) -> list[dict]:
     """Both sides' ``BUSY_RESULT`` dicts of one cell."""
-    from benchmarks.busy import _line, _results
+    from benchmarks.busy import Cell, _line
     from tests.engines.sglang.procs import MODEL_CONFIG, child_env, free_port
 
     port = free_port()
@@ -55,19 +54,22 @@ def run_sglang_cell(cfg: BusyConfig) -> list[dict]:
                        "num_attention_heads": cfg.heads, "head_dim": cfg.head_dim,
                        "hidden_size": cfg.heads * cfg.head_dim}, f)
         common = ["--port", str(port), "--model-dir", model_dir]
-
-        def spawn(*args: str) -> subprocess.Popen:
-            return subprocess.Popen([PYTHON, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    env=env, cwd=ROOT)
-
-        server = spawn("-m", "tests.engines.sglang.rank", "--role", "bootstrap", "--backend", "mooncake",
-                       "--timeout", str(TIMEOUT_S), *common)
+        server = subprocess.Popen([PYTHON, "-m", "tests.engines.sglang.rank", "--role", "bootstrap", "--backend",
+                                   "mooncake", "--timeout", str(TIMEOUT_S), *common], stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+        cell, ranks = Cell(), []
         try:
             _line(server, "READY ", 120)
-            ranks = [spawn("-m", "benchmarks.busy_sglang", role, "--config", cfg.to_json(), *common)
-                     for role in ("prefill", "decode")]
-            return _results([(proc, 1) for proc in ranks])
+            ranks += [cell.spawn(role, cfg, *common, python=PYTHON, module="benchmarks.busy_sglang", base_env=env,
+                                cwd=ROOT) for role in ("prefill", "decode")]
+            for proc in ranks:
+                cell.ready(proc)
+            return cell.drive(cfg, ranks)
         finally:
+            for proc in ranks:
+                if proc.stdin and not proc.stdin.closed:
+                    proc.stdin.close()
+            cell.close()
             server.kill()
             server.wait(30)
 
@@ -81,7 +83,8 @@ def _rank(cfg: BusyConfig, role: str, port: int, model_dir: str):
     pages = cfg.prefill_pages if role == "prefill" else cfg.decode_pages
     a = SimpleNamespace(role=role, backend="mooncake", port=port, tp_rank=0, tp_size=1, pool="mha", draft=False,
                         layers=cfg.layers, heads=cfg.heads, head_dim=cfg.head_dim, page_size=cfg.page_size,
-                        pool_pages=pages + 1, model_dir=model_dir, seed=cfg.seed, scenario="bench")
+                        pool_pages=pages + 1, model_dir=model_dir, seed=cfg.seed, scenario="bench", dp_size=1,
+                        load_balance="auto", state="", kv_checksum=False)
     return Rank(a)
 
 
@@ -108,26 +111,26 @@ def run_prefill(cfg: BusyConfig, rank, group, addr: str) -> dict:
     from sglang.srt.disaggregation.utils import poll_and_all_reduce
 
     live: dict[int, list] = {}
-    created, done, failed, nxt, errors = {}, {}, [], 0, {}
-    sched = Scheduler(cfg)
+    created, sent, done, failed, errors = {}, {}, {}, [], {}
+    print("BUSY_READY {}", flush=True)
+    sched, feed = Scheduler(cfg), Feed()
     cpu0, deadline = time.process_time(), time.monotonic() + TIMEOUT_S
-    while (nxt < cfg.num_rooms or live) and time.monotonic() < deadline:
-        while nxt < cfg.num_rooms and len(live) < cfg.concurrency:
-            room = FIRST_ROOM + nxt
+    while not (feed.closed and not live) and time.monotonic() < deadline:
+        for room in feed.take():
             live[room] = [rank.sender_cls(mgr=rank.mgr, bootstrap_addr=addr, bootstrap_room=room), False]
             created[room] = time.time()
-            nxt += 1
         sched.step()
         rooms = list(live)
         polls = poll_and_all_reduce([live[r][0] for r in rooms], group)
         for room, poll in zip(rooms, polls):
-            sender, sent = live[room]
-            if poll == KVPoll.WaitingForInput and not sent:
+            sender, was_sent = live[room]
+            if poll == KVPoll.WaitingForInput and not was_sent:
                 pages = src_pages(cfg, room - FIRST_ROOM) + 1
                 slot = room % len(rank.meta.bootstrap_room)
                 sender.init(len(pages), slot)
                 rank.meta.bootstrap_room[slot] = 0
                 rank.meta.bootstrap_room[slot, 0] = room
+                sent[room] = time.time()
                 sender.send(pages.astype(np.int32))
                 live[room][1] = True
             elif poll in (KVPoll.Success, KVPoll.Failed):
@@ -136,9 +139,10 @@ def run_prefill(cfg: BusyConfig, rank, group, addr: str) -> dict:
                     failed.append(room)
                     errors.setdefault(_error_of(sender), room)
                 del live[room]
+                Feed.done("prefill", room)
     sched.stop()
-    return dict(created=created, done=done, failed=failed + sorted(live), cpu_s=time.process_time() - cpu0,
-                errors=list(errors)[:5])
+    return dict(created=created, done=done, sent=sent, failed=failed + sorted(live),
+                cpu_s=time.process_time() - cpu0, errors=list(errors)[:5])
 
 
 def run_decode(cfg: BusyConfig, rank, group, addr: str) -> dict:
@@ -152,13 +156,13 @@ def run_decode(cfg: BusyConfig, rank, group, addr: str) -> dict:
         time.sleep(0.05)
     alloc = DecodePages(cfg)
     live: dict[int, tuple] = {}
-    created, done, failed, nxt, errors = {}, {}, [], 0, {}
-    sched = Scheduler(cfg)
+    created, done, failed, errors = {}, {}, [], {}
+    print("BUSY_READY {}", flush=True)
+    sched, feed = Scheduler(cfg), Feed()
     cpu0, deadline = time.process_time(), time.monotonic() + TIMEOUT_S
     slots = len(rank.meta.bootstrap_room)
-    while (nxt < cfg.num_rooms or live) and time.monotonic() < deadline:
-        while nxt < cfg.num_rooms and len(live) < cfg.concurrency:
-            room = FIRST_ROOM + nxt
+    while not (feed.closed and not live) and time.monotonic() < deadline:
+        for room in feed.take():
             created[room] = time.time()
             receiver = rank.receiver_cls(mgr=rank.mgr, bootstrap_addr=addr, bootstrap_room=room)
             receiver.init(0)
@@ -166,7 +170,6 @@ def run_decode(cfg: BusyConfig, rank, group, addr: str) -> dict:
             rank.meta.clear_slot(slot)
             receiver.send_metadata((dst + 1).astype(np.int32), slot, None)
             live[room] = (receiver, dst, slot)
-            nxt += 1
         sched.step()
         rooms = list(live)
         gate = [SimpleNamespace(req=SimpleNamespace(bootstrap_host="127.0.0.1"), metadata_buffer_index=live[r][2])
@@ -180,6 +183,7 @@ def run_decode(cfg: BusyConfig, rank, group, addr: str) -> dict:
                     errors.setdefault(_error_of(live[room][0]), room)
                 alloc.give(live[room][1])
                 del live[room]
+                Feed.done("decode", room)
     sched.stop()
     return dict(created=created, done=done, failed=failed + sorted(live), cpu_s=time.process_time() - cpu0,
                 errors=list(errors)[:5])

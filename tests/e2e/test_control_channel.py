@@ -125,3 +125,72 @@ def test_drain_never_blocks_and_every_message_is_handled_once_in_order():
         gate.set()
         sender.close()
         receiver.close()
+
+
+def _scheduler_and_messages(busy: bool, n: int = 60):
+    """A receiving channel whose "scheduler" thread steps every 10 ms (busy:
+    pure-Python work; idle: a sleep) and drains after each step, and a
+    sending channel in the same process sending ``n`` pings 7 ms apart.
+    Returns (per message: (seq, handling thread, latency s), the channel's
+    hand-overs)."""
+    from harness.busywork import python_work
+
+    handled, sent_at = [], {}
+    rx = ZmqChannel(OPTIONS, lambda msg, origin: handled.append(
+        (msg.seq, threading.current_thread().name, time.monotonic() - sent_at[msg.seq])))
+    tx = ZmqChannel(OPTIONS, lambda msg, origin: None)
+    stop = threading.Event()
+
+    def scheduler() -> None:
+        while not stop.is_set():
+            python_work(0.010) if busy else time.sleep(0.010)
+            rx.drain()
+
+    sched = threading.Thread(target=scheduler, name="scheduler")
+    try:
+        tx.send(rx.endpoint, PeerPing(session="tx", endpoint=tx.endpoint, seq=0))  # connect first
+        sent_at[0] = time.monotonic()
+        deadline = time.monotonic() + 5
+        while not handled and time.monotonic() < deadline:
+            time.sleep(0.01)
+        sched.start()
+        time.sleep(0.1)
+        for seq in range(1, n + 1):
+            sent_at[seq] = time.monotonic()
+            tx.send(rx.endpoint, PeerPing(session="tx", endpoint=tx.endpoint, seq=seq))
+            time.sleep(0.007)
+        while len(handled) < n + 1 and time.monotonic() < deadline + 10:
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        if sched.is_alive():
+            sched.join(5)
+        tx.close()
+        rx.close()
+    assert [s for s, _, _ in handled] == list(range(n + 1)), "each message once, in order"
+    return handled[1:], rx.num_handed_over
+
+
+def test_the_channel_thread_leaves_messages_to_a_busy_draining_scheduler():
+    """Behind a scheduler thread that is busy in Python and drains every
+    step, the channel's own thread (which would wait a switch interval for
+    the interpreter lock at every turn, holding the receive lock) leaves the
+    messages to the scheduler's drain: most are handled there."""
+    handled, handed_over = _scheduler_and_messages(busy=True)
+    on_scheduler = sum(1 for _, thread, _ in handled if thread == "scheduler")
+    lat = sorted(t for _, _, t in handled)
+    print(f"  busy: {on_scheduler} of {len(handled)} on the scheduler's thread, {handed_over} hand-overs, "
+          f"latency p50 {lat[len(lat) // 2] * 1e3:.1f} ms, max {lat[-1] * 1e3:.1f} ms")
+    assert handed_over > 0
+    assert on_scheduler >= 0.8 * len(handled)
+
+
+def test_an_idle_scheduler_gets_no_hand_over():
+    """A scheduler that sleeps between its drains leaves the lock free: the
+    channel's thread handles messages as they come, without waiting."""
+    handled, handed_over = _scheduler_and_messages(busy=False)
+    lat = sorted(t for _, _, t in handled)
+    print(f"  idle: {handed_over} hand-overs, latency p50 {lat[len(lat) // 2] * 1e3:.1f} ms, "
+          f"max {lat[-1] * 1e3:.1f} ms")
+    assert handed_over <= 0.1 * len(handled)
+    assert lat[len(lat) // 2] < 0.005
