@@ -24,9 +24,11 @@ behind a busy 10 ms scheduler step, 4.5 ms of it running), and it holds the
 receive lock all along, so the scheduler's own ``drain()`` finds nothing to
 do and every later message waits too. So when another thread drained within
 the last :data:`_DRAINER_ACTIVE_S` and the lock is contended now (a
-``sleep(0)`` took longer than :data:`_CONTENDED_S` to get it back), the
-channel's thread leaves the waiting messages to that thread for up to
-:data:`_HANDOVER_S`, and handles what is still there after that.
+``sleep(0)`` took longer than :data:`_CONTENDED_S` to get it back, or a
+recent drain of the channel's thread waited for it: :data:`_CONVOY_S`), the
+channel's thread leaves the waiting messages to that thread while it keeps
+draining (looking every :data:`_HANDOVER_S`, for at most
+:data:`_HANDOVER_MAX_S`), and handles what is still there after that.
 
 Connections: every DEALER sends ZMTP heartbeats (answered by libzmq's own
 I/O thread, no Python involved) and is watched through a socket monitor, so
@@ -70,8 +72,14 @@ _CONNECTED = zmq.EVENT_CONNECTED  # TCP connected (a stopped process's kernel st
 _DRAINER_ACTIVE_S = 0.050
 # The interpreter lock is contended when giving it up and getting it back takes this long.
 _CONTENDED_S = 0.0005
-# How long the channel's thread leaves waiting messages to such a drainer before it handles them itself.
-_HANDOVER_S = 0.025
+# A drain by the channel's thread that waited this much longer than it ran (for the interpreter lock) marks
+# the lock contended for the next _CONVOY_MEMORY_S (the sleep(0) probe misses a scheduler inside a C call).
+_CONVOY_S = 0.002
+_CONVOY_MEMORY_S = 10.0
+# How often the channel's thread, leaving messages to such a drainer, looks whether they were taken, and for
+# how long at most before it handles them itself.
+_HANDOVER_S = 0.010
+_HANDOVER_MAX_S = 0.100
 # Plain ints: zmq's enum flags combine through Python code, on every drain.
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
@@ -134,6 +142,7 @@ class ZmqChannel:
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
         self._drained_at = float("-inf")  # when a thread other than the channel's last drained
+        self._convoy_until = float("-inf")  # the lock taken for contended until then (see _CONVOY_S)
         #: times the channel's thread left waiting messages to a draining scheduler (see the module docstring)
         self.num_handed_over = 0
         self._closed = threading.Event()
@@ -222,10 +231,16 @@ class ZmqChannel:
         finally:
             self._recv_lock.release()
 
-    def _drain_locked(self) -> int:
+    def _drain_locked(self, own: bool = False) -> int:
+        """Read and handle until the socket is empty; ``own`` (the channel's
+        thread): stop after a message once the lock is known contended and a
+        drainer is active, leaving the rest to it."""
         count = 0
         router = self._router
         while not self._closed.is_set():
+            if own and count and time.monotonic() < self._convoy_until \
+                    and time.monotonic() - self._drained_at < _DRAINER_ACTIVE_S:
+                return count
             try:
                 # Asked first: a receive that finds nothing raises, and most drains find nothing.
                 if not router.getsockopt(_EVENTS) & _POLLIN:
@@ -271,8 +286,11 @@ class ZmqChannel:
         signalled: set[int] = set()  # monitor fds to read (ZMQ_FD is edge-triggered: read until EAGAIN)
         while not self._closed.is_set():
             self._hand_over()
+            wall, cpu = time.monotonic(), time.thread_time()
             with self._recv_lock:
-                self._drain_locked()
+                handled = self._drain_locked(own=True)
+            if handled and (time.monotonic() - wall) - (time.thread_time() - cpu) > _CONVOY_S:
+                self._convoy_until = time.monotonic() + _CONVOY_MEMORY_S  # it waited for the lock meanwhile
             with self._send_lock:
                 new, self._monitors_new = self._monitors_new, []
             for endpoint, mon in new:
@@ -303,12 +321,25 @@ class ZmqChannel:
         module docstring); returns at once otherwise."""
         if time.monotonic() - self._drained_at > _DRAINER_ACTIVE_S or not self._router.getsockopt(_EVENTS) & _POLLIN:
             return
-        t = time.perf_counter()
-        time.sleep(0)  # gives the lock up: back at once unless another thread wanted it
-        if time.perf_counter() - t < _CONTENDED_S:
-            return
+        if time.monotonic() > self._convoy_until:
+            t = time.perf_counter()
+            time.sleep(0)  # gives the lock up: back at once unless another thread wanted it
+            if time.perf_counter() - t < _CONTENDED_S:
+                return
         self.num_handed_over += 1
-        self._closed.wait(_HANDOVER_S)  # the lock released; the drainer's next drain takes them
+        since = time.monotonic()
+        # Waits with the lock released; the drainer's next drain takes the messages. Handled here once
+        # it has stopped draining (nothing for _DRAINER_ACTIVE_S), or after _HANDOVER_MAX_S.
+        while True:
+            t = time.monotonic()
+            if self._closed.wait(_HANDOVER_S):
+                return
+            now = time.monotonic()
+            if now - t > _HANDOVER_S + _CONVOY_S:  # it waited for the lock on waking: contended still
+                self._convoy_until = now + _CONVOY_MEMORY_S
+            if not self._router.getsockopt(_EVENTS) & _POLLIN or now - self._drained_at > _DRAINER_ACTIVE_S \
+                    or now - since > _HANDOVER_MAX_S:
+                return
 
     def _read_monitor(self, endpoint: str, mon: zmq.Socket) -> bool:
         """Take a monitor's events (until EAGAIN: its ``ZMQ_FD`` is
