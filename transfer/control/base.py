@@ -29,6 +29,11 @@ The contract every implementation keeps:
   one at a time and in order whichever thread runs them. A scheduler whose
   thread is busy makes progress this way without waiting for the channel's
   thread to get the interpreter lock.
+- ``settle(timeout_s)`` hands every message that has arrived to the
+  handler before it returns: it waits up to ``timeout_s`` for a drain in
+  progress on another thread, then drains what is left. A rank calls it
+  before it gives up on a peer found gone, so that what the peer said
+  before it went (a completion queued behind a busy scheduler) counts.
 - ``link(endpoint)``: the connection to a peer this channel sends to, as
   the transport itself sees it, with no Python thread of either process
   involved (a :class:`Link`). zmq: ``UP`` once its ZMTP handshake succeeded
@@ -88,6 +93,8 @@ class ControlChannel(Protocol):
     def send(self, endpoint: str, msg) -> None: ...
 
     def drain(self) -> int: ...
+
+    def settle(self, timeout_s: float) -> int: ...
 
     def link(self, endpoint: str) -> Link: ...
 

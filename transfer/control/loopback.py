@@ -81,6 +81,19 @@ class LoopbackChannel:
         finally:
             self._handling.release()
 
+    def settle(self, timeout_s: float) -> int:
+        """Handle every due message, waiting up to ``timeout_s`` for a drain in progress."""
+        if not self._handling.acquire(timeout=timeout_s):
+            return 0
+        try:
+            count = 0
+            while (item := self._take_due()) is not None:
+                self._handle(*item[1:])
+                count += 1
+            return count
+        finally:
+            self._handling.release()
+
     def _take_due(self) -> tuple[float, bytes, str] | None:
         with self._cond:
             if self._inbox and self._inbox[0][0] <= time.monotonic() and not self._closed:

@@ -231,6 +231,17 @@ class ZmqChannel:
         finally:
             self._recv_lock.release()
 
+    def settle(self, timeout_s: float) -> int:
+        """Handle every message that has arrived (see the contract), waiting
+        up to ``timeout_s`` for a drain in progress; not a drainer's drain
+        (it does not count for the hand-over)."""
+        if not self._recv_lock.acquire(timeout=timeout_s):
+            return 0
+        try:
+            return self._drain_locked()
+        finally:
+            self._recv_lock.release()
+
     def _drain_locked(self, own: bool = False) -> int:
         """Read and handle until the socket is empty; ``own`` (the channel's
         thread): stop after a message once the lock is known contended and a

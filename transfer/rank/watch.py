@@ -131,6 +131,8 @@ class PeerWatch:
                 self.channel.send(endpoint, ping)
             except KVFerryError as exc:
                 log.debug("%s: ping to %s not sent: %s", self.where, endpoint, exc)
+        if lost:  # what a lost peer said before it went counts first (queued behind a busy scheduler, say)
+            self.channel.settle(self.config.rpc_timeout_s)
         for session in lost:
             why = "gone: its control endpoint refuses connections (the process exited or was killed)" \
                 if session in gone else \
