@@ -70,20 +70,15 @@ class LoopbackChannel:
 
     def drain(self) -> int:
         """Handle every due message now, on this thread (0 when the delivery thread is handling)."""
-        if not self._handling.acquire(blocking=False):
-            return 0
-        try:
-            count = 0
-            while (item := self._take_due()) is not None:
-                self._handle(*item[1:])
-                count += 1
-            return count
-        finally:
-            self._handling.release()
+        return self._handle_due(self._handling.acquire(blocking=False))
 
     def settle(self, timeout_s: float) -> int:
         """Handle every due message, waiting up to ``timeout_s`` for a drain in progress."""
-        if not self._handling.acquire(timeout=timeout_s):
+        return self._handle_due(self._handling.acquire(timeout=timeout_s))
+
+    def _handle_due(self, acquired: bool) -> int:
+        """Handle the due messages, ``_handling`` held (``acquired``; released here); 0 if not."""
+        if not acquired:
             return 0
         try:
             count = 0

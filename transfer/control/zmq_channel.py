@@ -224,18 +224,17 @@ class ZmqChannel:
         0 at once when another thread is doing so."""
         if threading.get_ident() != self._thread.ident:
             self._drained_at = time.monotonic()
-        if not self._recv_lock.acquire(blocking=False):
-            return 0
-        try:
-            return self._drain_locked()
-        finally:
-            self._recv_lock.release()
+        return self._drain_if(self._recv_lock.acquire(blocking=False))
 
     def settle(self, timeout_s: float) -> int:
         """Handle every message that has arrived (see the contract), waiting
         up to ``timeout_s`` for a drain in progress; not a drainer's drain
         (it does not count for the hand-over)."""
-        if not self._recv_lock.acquire(timeout=timeout_s):
+        return self._drain_if(self._recv_lock.acquire(timeout=timeout_s))
+
+    def _drain_if(self, acquired: bool) -> int:
+        """Drain with the receive lock held (``acquired``; released here); 0 if not."""
+        if not acquired:
             return 0
         try:
             return self._drain_locked()

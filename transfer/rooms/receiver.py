@@ -407,18 +407,11 @@ class KVReceiver:
 
     def _bootstrap(self, now: float) -> None:
         config = self._ctx.config
-        link = self._table.link(self.bootstrap_addr, self.prefill_node, self.prefill_dp_rank, self.room)
-        self._seen_link = link
-        if link is not None and link.state is LinkState.FAILED:
-            self._table.forget(link)
-            self._link = link
-            self.fail(link.error)
-            return
-        if link is not None and link.state is LinkState.READY:
-            self._link = link
+        if self._take_link() is not None:
             self._phases.move(P.WAITING_FOR_INPUT)
             return
-        if now - self._created > config.bootstrap_timeout_s:
+        link = self._seen_link
+        if self._link is None and now - self._created > config.bootstrap_timeout_s:  # not failed with its link
             what = link.progress if link is not None else "prefill DP size unknown"
             name = link.name if link is not None else f"prefill node {self.prefill_node!r}"
             self.fail(KVTimeoutError(f"{self.where}: {name} not ready after "
@@ -450,16 +443,24 @@ class KVReceiver:
 
     def _relinked(self) -> None:
         """RELINKING: once the node's new link is ready, send the requests."""
+        if self._take_link() is not None:
+            self._phases.move(P.TRANSFERRING)
+            self._send_requests()
+
+    def _take_link(self) -> Link | None:
+        """The room's link once it is ready (taken as the room's); a failed
+        one is forgotten and fails the room (taken too: None returned)."""
         link = self._table.link(self.bootstrap_addr, self.prefill_node, self.prefill_dp_rank, self.room)
         self._seen_link = link
         if link is not None and link.state is LinkState.FAILED:
             self._table.forget(link)
             self._link = link
             self.fail(link.error)
-        elif link is not None and link.state is LinkState.READY:
+            return None
+        if link is not None and link.state is LinkState.READY:
             self._link = link
-            self._phases.move(P.TRANSFERRING)
-            self._send_requests()
+            return link
+        return None
 
     def _send_requests(self) -> None:
         """Ask each contacted prefill rank for its part (phase TRANSFERRING)."""
