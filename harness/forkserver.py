@@ -37,6 +37,9 @@ import threading
 import time
 
 ENV = "KVFERRY_FORKSERVER"
+# More modules for the server to import before it forks (comma-separated; an
+# engine's suite preloads the engine): children that ask for others fork from another server.
+PRELOAD_ENV = "KVFERRY_FORKSERVER_PRELOAD"
 _PRELOAD = ("torch", "numpy", "msgpack")
 _STATUS = struct.Struct("!qi")  # pid, then the exit code as Popen reports it (negative: signal)
 # Variables read when the interpreter, torch or its libraries start: children
@@ -108,7 +111,8 @@ def _alive(pid: int) -> bool:
 
 
 def _startup_env(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith(_STARTUP_PREFIXES) and k != "PYTHONUNBUFFERED"}
+    return {k: v for k, v in env.items()
+            if (k.startswith(_STARTUP_PREFIXES) and k != "PYTHONUNBUFFERED") or k == PRELOAD_ENV}
 
 
 class _Server:
@@ -153,18 +157,20 @@ def _get_server(env: dict[str, str]) -> _Server | None:
 
 
 def spawn_module(module: str, args: list[str], *, env: dict[str, str], cwd: str | None = None,
-                 stdin=None, stdout=None, stderr=None, text: bool = False):
+                 stdin=None, stdout=None, stderr=None, text: bool = False, start_new_session: bool = False):
     """``subprocess.Popen([python, "-m", module, *args], ...)``, by fork from
     the warm server where :func:`enabled`. ``stdin``/``stdout`` take
     ``subprocess.PIPE``, a file object or None; ``stderr`` also
     ``subprocess.STDOUT`` (not ``PIPE``: a forked child's handle has no
-    ``stderr``)."""
+    ``stderr``). ``start_new_session``: the child leads a session and
+    process group of its own, as with Popen (a forked child makes it first
+    thing, so a group kill sent before then finds no group: kill the pid)."""
     if stderr == subprocess.PIPE:
         raise ValueError("spawn_module: stderr=PIPE is not supported; use subprocess.STDOUT or a file")
     server = _get_server(env) if enabled() else None
     if server is None:
         return subprocess.Popen([sys.executable, "-m", module, *args], env=env, cwd=cwd, stdin=stdin,
-                                stdout=stdout, stderr=stderr, text=text)
+                                stdout=stdout, stderr=stderr, text=text, start_new_session=start_new_session)
     ours, close_after = [], []  # our pipe ends; fds to close once sent
 
     def child_end(spec, fallback: int, write: bool) -> int:
@@ -185,7 +191,8 @@ def spawn_module(module: str, args: list[str], *, env: dict[str, str], cwd: str 
     fd_in = child_end(stdin, 0, write=False)
     fd_out = child_end(stdout, 1, write=True)
     fd_err = fd_out if stderr == subprocess.STDOUT else child_end(stderr, 2, write=True)
-    request = json.dumps({"module": module, "args": list(args), "env": env, "cwd": cwd or os.getcwd()}).encode()
+    request = json.dumps({"module": module, "args": list(args), "env": env, "cwd": cwd or os.getcwd(),
+                          "new_session": start_new_session}).encode()
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.settimeout(30)
@@ -211,7 +218,7 @@ def spawn_module(module: str, args: list[str], *, env: dict[str, str], cwd: str 
 def _serve(path: str):
     """Answer spawn requests until the parent goes; in a forked child,
     return the function that runs its module (the caller's stack unwound)."""
-    for name in _PRELOAD:
+    for name in (*_PRELOAD, *filter(None, os.environ.get(PRELOAD_ENV, "").split(","))):
         __import__(name)
     parent = os.getppid()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -265,6 +272,8 @@ def _run_child(request: dict, fds: list[int]) -> None:
     """In the forked child: become ``python -m MODULE ARGS``."""
     import runpy
 
+    if request.get("new_session"):
+        os.setsid()
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
     for fd in set(fds):

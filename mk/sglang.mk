@@ -30,7 +30,7 @@ $(SGLANG_STAMP): pyproject.toml mk/sglang.mk | debian-libs
 	@touch $(SGLANG_STAMP)
 
 test-sglang: setup-sglang
-	PYTHONPATH=$(CURDIR):$(CURDIR)/tests/engines/sglang/stubs timeout 900 $(SGLANG_PY) -m pytest -q -p no:cacheprovider tests/engines/sglang
+	PYTHONPATH=$(CURDIR):$(CURDIR)/tests/engines/sglang/stubs timeout 900 $(SGLANG_PY) -m pytest -q -p no:cacheprovider --durations=5 tests/engines/sglang
 
 bench-sglang: setup-sglang
 	PYTHONPATH=$(CURDIR):$(CURDIR)/tests/engines/sglang/stubs timeout 1500 $(SGLANG_PY) -m benchmarks.sglang --out docs/sglang.md

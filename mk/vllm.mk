@@ -35,7 +35,7 @@ $(VLLM_STAMP): mk/vllm.mk pyproject.toml | debian-libs
 
 # Two real vLLM servers (prefill, decode) and a single reference instance, one core each.
 test-vllm: setup-vllm
-	timeout 1800 $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/engines/vllm
+	timeout 1800 $(VLLM_PY) -m pytest -q -p no:cacheprovider --durations=15 tests/engines/vllm
 
 demo-vllm: setup-vllm
 	timeout 900 $(VLLM_PY) -m examples.vllm_demo

@@ -7,13 +7,13 @@ import os
 import queue
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness.forkserver import PRELOAD_ENV, spawn_module
 from harness.ports import free_port, free_ports
 
 # A config.json-only model: SGLang's own backends read the model config at start-up.
@@ -23,6 +23,9 @@ MODEL_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "h
                 "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16"}
 ROOT = Path(__file__).resolve().parents[3]
 STUBS = Path(__file__).resolve().parent / "stubs"
+# Imported once by the fork server the ranks fork from (harness/forkserver.py, where the suite turns it on):
+# SGLang costs about 15 CPU-s per process to import on two cores, most of a run.
+PRELOAD = "sglang.srt.server_args,sglang.srt.disaggregation.utils,sglang.srt.mem_cache.memory_pool"
 
 
 def model_config(extra_args) -> dict:
@@ -44,6 +47,7 @@ def child_env(extra: dict | None = None) -> dict:
     env.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     env.setdefault("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", "60")
     env.setdefault("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "60")
+    env.setdefault(PRELOAD_ENV, PRELOAD)
     env.update(extra or {})
     return env
 
@@ -51,7 +55,7 @@ def child_env(extra: dict | None = None) -> dict:
 @dataclass
 class Proc:
     name: str
-    popen: subprocess.Popen
+    popen: subprocess.Popen  # or harness.forkserver's handle of a forked rank
     lines: "queue.Queue[str]" = field(default_factory=queue.Queue)
     log: list = field(default_factory=list)
     taken: dict = field(default_factory=dict)
@@ -94,14 +98,14 @@ class Proc:
         if self.popen.poll() is None:
             try:
                 os.killpg(self.popen.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            except ProcessLookupError:  # a forked rank not yet leading its group
+                self.popen.kill()
             self.popen.wait(timeout=10)
 
 
 def start(name: str, args: list[str], env: dict) -> Proc:
-    popen = subprocess.Popen([sys.executable, "-u", "-m", "tests.engines.sglang.rank", *args], cwd=ROOT, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    popen = spawn_module("tests.engines.sglang.rank", args, env={**env, "PYTHONUNBUFFERED": "1"}, cwd=str(ROOT),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     proc = Proc(name, popen)
 
     def pump():

@@ -22,6 +22,7 @@ which run last.
 
 from __future__ import annotations
 
+import http.client
 import json
 import random
 import re
@@ -278,22 +279,35 @@ def test_the_lease_frees_blocks_no_decode_asked_for(cluster):
         time.sleep(0.2)
 
 
-BUSY_TOKENS = 1000  # each of decode's 16 sequence slots generates this many: longer than the lease here
+BUSY_TOKENS = 2000  # each of decode's 16 sequence slots asks for this many: the test ends them, not their length
+QUEUED_S = LEASE_S + 6  # how long the PD request waits in decode's queue before the test frees a slot
+
+
+def _start_busy(decode: VLLMServer, model: str, n: int) -> list[http.client.HTTPConnection]:
+    """``n`` long requests on decode, each on a connection of its own, not
+    read: closing a connection makes vLLM abort its request."""
+    host, _, port = decode.url.removeprefix("http://").rpartition(":")
+    conns = []
+    for i in range(n):
+        conn = http.client.HTTPConnection(host, int(port), timeout=600)
+        conn.request("POST", "/v1/completions", json.dumps(_body(model, prompt_of(8, 900 + i), BUSY_TOKENS, None)),
+                     {"Content-Type": "application/json"})
+        conns.append(conn)
+    return conns
 
 
 def test_a_request_queued_on_decode_past_the_lease_still_gets_its_kv(cluster):
-    """Decode's 16 sequence slots generate long answers, so a PD request
-    waits in decode's queue longer than prefill's lease (8 s). Meanwhile
+    """Decode's 16 sequence slots are taken by long answers, so a PD request
+    waits in decode's queue longer than prefill's lease (8 s); then the test
+    ends them (it closes their connections) and the request runs. Meanwhile
     decode holds its room at prefill (RoomHold, renewed), prefill keeps the
-    blocks, and the request then gets its KV: its tokens equal a single
-    instance's, every prompt token came from prefill, and no lease expired."""
+    blocks, and the request then gets its KV: no lease expired, its tokens
+    equal a single instance's, and every prompt token came from prefill."""
     prefill, decode = cluster.servers["prefill"], cluster.servers["decode"]
     n = 300
     prompt, want = prompt_of(n, 90), cluster.reference(n, seed=90)
     expired = prefill.gauge("vllm:kvferry_failed_transfers_total", reason="lease_expired")
-    busy = [prompt_of(8, 900 + i) for i in range(16)]
-    replies, threads = _each_on_a_thread(
-        lambda i: post(decode.url, _body(cluster.model, busy[i], BUSY_TOKENS, None), 600), range(16))
+    busy = _start_busy(decode, cluster.model, 16)
     try:
         started = time.monotonic()
         while decode.gauge("vllm:num_requests_running") < 16:
@@ -302,18 +316,27 @@ def test_a_request_queued_on_decode_past_the_lease_still_gets_its_kv(cluster):
         before = decode.metrics()
         first = post(prefill.url, _body(cluster.model, prompt, 1, {"do_remote_decode": True}), 120)
         asked = time.monotonic()
-        reply = post(decode.url, _body(cluster.model, prompt, MAX_TOKENS, first["kv_transfer_params"]), 600)
-        waited = time.monotonic() - asked
+        replies, threads = _each_on_a_thread(
+            lambda _: post(decode.url, _body(cluster.model, prompt, MAX_TOKENS, first["kv_transfer_params"]), 300),
+            ["pd"])
+        while time.monotonic() - asked < QUEUED_S:
+            assert "pd" not in replies, f"decode answered after {time.monotonic() - asked:.1f} s: {replies}"
+            time.sleep(0.2)
+        assert decode.gauge("vllm:num_requests_running") == 16 and decode.gauge("vllm:num_requests_waiting") == 1, \
+            "the PD request is not the one queued behind the 16 long ones"
     finally:
-        for t in threads:
-            t.join(600)
-    assert all(not isinstance(r, Exception) for r in replies.values()), replies
-    print(f"the request waited {waited:.1f} s in decode's queue (prefill's lease: {LEASE_S:g} s)")
-    assert waited > LEASE_S + 2, f"decode answered in {waited:.1f} s: the request did not wait past the lease"
-    assert tokens_of(reply) == want, (tokens_of(reply), want, decode.kvferry_lines())
+        for conn in busy:
+            conn.close()
+    threads[0].join(300)
+    waited = time.monotonic() - asked
+    print(f"the request waited {QUEUED_S:g} s in decode's queue (prefill's lease: {LEASE_S:g} s), answered after "
+          f"{waited:.1f} s")
+    why = f"decode:\n{decode.kvferry_lines()}\nprefill:\n{prefill.kvferry_lines()}"
+    assert not isinstance(replies.get("pd"), Exception), (replies, why)
+    assert prefill.gauge("vllm:kvferry_failed_transfers_total", reason="lease_expired") == expired, why
+    assert tokens_of(replies["pd"]) == want, (tokens_of(replies["pd"]), want, why)
     after = decode.metrics()
-    assert after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0) == n
-    assert prefill.gauge("vllm:kvferry_failed_transfers_total", reason="lease_expired") == expired
+    assert after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0) == n, (before, after, why)
 
 
 def test_the_comparison_catches_kv_of_another_prompt(cluster):
