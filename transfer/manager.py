@@ -133,6 +133,7 @@ class KVManager:
             self.channel: ControlChannel = factory(ChannelOptions(
                 host=config.host, secret=config.secret or None, heartbeat_interval_s=config.heartbeat_interval_s,
                 peer_timeout_s=config.peer_timeout_s), self._on_message)
+            self.channel.round_times = self._totals.round_times
         except BaseException:
             self.transport.close()
             raise
@@ -169,7 +170,7 @@ class KVManager:
         self.registration = None
         if config.role is Role.PREFILL:
             self.registration = Registration(config, self.rank, self.bootstrap_client, self._learned_sessions,
-                                             self.where)
+                                             self.where, self._totals.round_times)
             try:
                 self.registration.register()
             except BaseException:

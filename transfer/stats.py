@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -224,6 +225,10 @@ class ManagerStats:
     #: decode: rooms that asked their prefill node afresh, its rank found gone before it took their request
     #: (a killed node restarted; see ``KVReceiver.peer_lost``)
     rooms_relinked: int = 0
+    #: rounds of the rank's periodic work by task, and each task's longest round in CPU seconds (a bound
+    #: on how long it kept the interpreter lock from the scheduler: see :class:`RoundTimes`)
+    periodic_rounds: dict[str, int] = field(default_factory=dict)
+    periodic_max_cpu_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -233,8 +238,58 @@ class ManagerStats:
         return sum(n for (s, r), n in self.rooms.items() if s == state and reason in (None, r))
 
 
+#: The rank's periodic tasks, as :class:`RoundTimes` names them.
+PERIODIC_TASKS = ("liveness", "sweep", "register", "resolver", "control")
+
+
+class RoundTimes:
+    """The CPU time of each round of a rank's periodic work, by task
+    (:data:`PERIODIC_TASKS`): ``liveness`` (a heartbeat round), ``sweep``
+    (every live room polled for its timeouts), ``register`` (a
+    re-registration), ``resolver`` (a round of the link resolver),
+    ``control`` (the channel thread's idle wake-up). A thread holds the
+    interpreter lock only while it runs, so a round's CPU time bounds how
+    long it kept the lock from the scheduler. Each task's thread writes its
+    own entries (its own lock, not the rank's: the measure takes none of
+    what ``poll()`` needs)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.rounds: dict[str, int] = {}
+        self.max_cpu_s: dict[str, float] = {}
+
+    def round(self, task: str) -> "_Round":
+        """``with times.round("liveness"): ...`` measures one round."""
+        return _Round(self, task)
+
+    def add(self, task: str, cpu_s: float) -> None:
+        with self._lock:
+            self.rounds[task] = self.rounds.get(task, 0) + 1
+            if cpu_s > self.max_cpu_s.get(task, 0.0):
+                self.max_cpu_s[task] = cpu_s
+
+    def snapshot(self) -> dict:
+        """The :class:`ManagerStats` fields."""
+        with self._lock:
+            return {"periodic_rounds": dict(self.rounds), "periodic_max_cpu_s": dict(self.max_cpu_s)}
+
+
+class _Round:
+    __slots__ = ("times", "task", "start")
+
+    def __init__(self, times: RoundTimes, task: str) -> None:
+        self.times, self.task = times, task
+
+    def __enter__(self) -> None:
+        self.start = time.thread_time()
+
+    def __exit__(self, *exc) -> None:
+        self.times.add(self.task, time.thread_time() - self.start)
+
+
 class RankTotals:
-    """One rank's running totals; changed under ``ctx.lock`` only."""
+    """One rank's running totals; changed under ``ctx.lock`` only
+    (``round_times`` under its own)."""
 
     def __init__(self, side: str) -> None:
         self.side = side
@@ -247,6 +302,7 @@ class RankTotals:
         self.num_relinked = 0
         self.room_seconds, self.first_byte_seconds, self.prefetch_wait_seconds = _Hist(), _Hist(), _Hist()
         self.exposed_transfer_seconds = _Hist()
+        self.round_times = RoundTimes()
 
     def room(self, room: int) -> "RoomCounter":
         return RoomCounter(self, room)
@@ -261,7 +317,7 @@ class RankTotals:
                             prefetch_wait_seconds=self.prefetch_wait_seconds.snapshot(),
                             exposed_transfer_seconds=self.exposed_transfer_seconds.snapshot(),
                             control_unhandshaken=self.num_unhandshaken, peers_lost=self.num_peers_lost,
-                            rooms_relinked=self.num_relinked, **live)
+                            rooms_relinked=self.num_relinked, **self.round_times.snapshot(), **live)
 
 
 class RoomCounter:

@@ -185,12 +185,23 @@ def test_the_channel_thread_leaves_messages_to_a_busy_draining_scheduler():
     assert on_scheduler >= 0.8 * len(handled)
 
 
-def test_an_idle_scheduler_gets_no_hand_over():
+@pytest.mark.parametrize("neighbours", [0, 2], ids=["alone", "beside-two-cpu-hogs"])
+def test_an_idle_scheduler_gets_no_hand_over(neighbours):
     """A scheduler that sleeps between its drains leaves the lock free: the
-    channel's thread handles messages as they come, without waiting."""
-    handled, handed_over = _scheduler_and_messages(busy=False)
+    channel's thread handles messages as they come, without waiting, also
+    when other processes keep every core busy (its thread then waits for a
+    core, not for the lock: CI once saw 11 hand-overs of 60 beside a busy
+    test worker)."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(neighbours)]
+    try:
+        handled, handed_over = _scheduler_and_messages(busy=False)
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait(5)
     lat = sorted(t for _, _, t in handled)
-    print(f"  idle: {handed_over} hand-overs, latency p50 {lat[len(lat) // 2] * 1e3:.1f} ms, "
-          f"max {lat[-1] * 1e3:.1f} ms")
-    assert handed_over <= 0.1 * len(handled)
-    assert lat[len(lat) // 2] < 0.005
+    on_channel = sum(1 for _, thread, _ in handled if thread == "kvferry-control")
+    print(f"  idle, {neighbours} CPU hogs: {handed_over} hand-overs, {on_channel} of {len(handled)} on the "
+          f"channel's thread, latency p50 {lat[len(lat) // 2] * 1e3:.1f} ms, max {lat[-1] * 1e3:.1f} ms")
+    assert handed_over <= 0.05 * len(handled)
+    assert on_channel >= 0.8 * len(handled)

@@ -89,6 +89,9 @@ class ControlChannel(Protocol):
     num_received: int
     num_malformed: int
     num_unauthenticated: int
+    #: where the channel's own thread counts its idle rounds (``control``; None: not counted), set by
+    #: its owner (a :class:`transfer.stats.RoundTimes`)
+    round_times: object | None
 
     def send(self, endpoint: str, msg) -> None: ...
 

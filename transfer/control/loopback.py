@@ -54,6 +54,7 @@ class LoopbackChannel:
         self._handling = threading.Lock()  # one thread at a time takes messages off the inbox and handles them
         self._closed = False
         self.num_received = 0
+        self.round_times = None  # see ControlChannel.round_times
         self.num_malformed = 0
         self.num_unauthenticated = 0
         self._thread = threading.Thread(target=self._run, name="kvferry-control", daemon=True)

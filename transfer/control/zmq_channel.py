@@ -25,7 +25,10 @@ receive lock all along, so the scheduler's own ``drain()`` finds nothing to
 do and every later message waits too. So when another thread drained within
 the last :data:`_DRAINER_ACTIVE_S` and the lock is contended now (a
 ``sleep(0)`` took longer than :data:`_CONTENDED_S` to get it back, or a
-recent drain of the channel's thread waited for it: :data:`_CONVOY_S`), the
+recent drain of the channel's thread waited for it: :data:`_CONVOY_S`;
+either only while the process's other threads ran as long meanwhile: a
+thread kept waiting by other processes on a loaded machine is not kept
+waiting by the lock, and hands nothing over), the
 channel's thread leaves the waiting messages to that thread while it keeps
 draining (looking every :data:`_HANDOVER_S`, for at most
 :data:`_HANDOVER_MAX_S`), and handles what is still there after that.
@@ -82,6 +85,12 @@ _HANDOVER_S = 0.010
 _HANDOVER_MAX_S = 0.100
 # Plain ints: zmq's enum flags combine through Python code, on every drain.
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+
+
+def _others_ran(proc0: float, own0: float) -> float:
+    """CPU seconds this process's other threads ran since ``time.process_time()``
+    was ``proc0`` and this thread's ``time.thread_time()`` was ``own0``."""
+    return (time.process_time() - proc0) - (time.thread_time() - own0)
 
 
 class _LinkState:
@@ -155,6 +164,7 @@ class ZmqChannel:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self.num_received = 0
+        self.round_times = None  # see ControlChannel.round_times
         self.num_malformed = 0
         self.num_unauthenticated = 0
         self._thread = threading.Thread(target=self._run, name="kvferry-control", daemon=True)
@@ -295,11 +305,13 @@ class ZmqChannel:
         monitors: dict[int, tuple[str, zmq.Socket]] = {}  # fd -> (endpoint, monitor)
         signalled: set[int] = set()  # monitor fds to read (ZMQ_FD is edge-triggered: read until EAGAIN)
         while not self._closed.is_set():
+            round_cpu = time.thread_time()
             self._hand_over()
-            wall, cpu = time.monotonic(), time.thread_time()
+            wall, cpu, proc = time.monotonic(), time.thread_time(), time.process_time()
             with self._recv_lock:
                 handled = self._drain_locked(own=True)
-            if handled and (time.monotonic() - wall) - (time.thread_time() - cpu) > _CONVOY_S:
+            if handled and (time.monotonic() - wall) - (time.thread_time() - cpu) > _CONVOY_S \
+                    and _others_ran(proc, cpu) > _CONVOY_S:
                 self._convoy_until = time.monotonic() + _CONVOY_MEMORY_S  # it waited for the lock meanwhile
             with self._send_lock:
                 new, self._monitors_new = self._monitors_new, []
@@ -314,6 +326,8 @@ class ZmqChannel:
                     poller.unregister(fd)
                     del monitors[fd]
                     mon.close(0)
+            if not handled and self.round_times is not None:  # an idle wake-up, or connection events
+                self.round_times.add("control", time.thread_time() - round_cpu)
             try:
                 # The interpreter lock is released while it waits.
                 signalled = {fd for fd, _ in poller.poll(_IDLE_WAKE_MS)}
@@ -332,9 +346,9 @@ class ZmqChannel:
         if time.monotonic() - self._drained_at > _DRAINER_ACTIVE_S or not self._router.getsockopt(_EVENTS) & _POLLIN:
             return
         if time.monotonic() > self._convoy_until:
-            t = time.perf_counter()
+            t, proc, own = time.perf_counter(), time.process_time(), time.thread_time()
             time.sleep(0)  # gives the lock up: back at once unless another thread wanted it
-            if time.perf_counter() - t < _CONTENDED_S:
+            if time.perf_counter() - t < _CONTENDED_S or _others_ran(proc, own) < _CONTENDED_S:
                 return
         self.num_handed_over += 1
         since = time.monotonic()

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Callable
 from bootstrap.messages import RankInfo
 from transfer.config import ManagerConfig
 from transfer.errors import BootstrapError, BootstrapUnavailable, KVFerryError
+from transfer.stats import RoundTimes
 
 if TYPE_CHECKING:
     from bootstrap.client import BootstrapClient
@@ -39,11 +40,12 @@ LEARN_EVERY = 10
 class Registration:
     """``client(addr)`` opens a bootstrap client (the caller's factory);
     ``on_sessions(sessions)`` gets the node's prefill sessions, a set that
-    only grows, on the registration thread."""
+    only grows, on the registration thread; each re-registration is a
+    ``register`` round of ``round_times``."""
 
     def __init__(self, config: ManagerConfig, rank: RankInfo, client: Callable[[str], "BootstrapClient"],
-                 on_sessions: Callable[[frozenset[str]], None], where: str) -> None:
-        self.config, self.rank, self.where = config, rank, where
+                 on_sessions: Callable[[frozenset[str]], None], where: str, round_times: RoundTimes) -> None:
+        self.config, self.rank, self.where, self.round_times = config, rank, where, round_times
         self._client, self._on_sessions = client, on_sessions
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -97,20 +99,21 @@ class Registration:
         try:
             learned, n = self._learn(client), 0
             while not self._stop.wait(self.config.register_interval_s):
-                try:
-                    client.register(self.rank)
-                    n += 1
-                    if not learned or n % LEARN_EVERY == 0:
-                        learned = self._learn(client)
-                except KVFerryError as exc:
-                    if reachable:
-                        log.warning("%s: re-registration failed (will keep trying): %s", self.where, exc)
-                    reachable = False
-                    continue
-                if not reachable:
-                    log.warning("%s: registered again with bootstrap server %s", self.where,
-                                self.config.bootstrap_addr)
-                reachable = True
+                with self.round_times.round("register"):
+                    try:
+                        client.register(self.rank)
+                        n += 1
+                        if not learned or n % LEARN_EVERY == 0:
+                            learned = self._learn(client)
+                    except KVFerryError as exc:
+                        if reachable:
+                            log.warning("%s: re-registration failed (will keep trying): %s", self.where, exc)
+                        reachable = False
+                        continue
+                    if not reachable:
+                        log.warning("%s: registered again with bootstrap server %s", self.where,
+                                    self.config.bootstrap_addr)
+                    reachable = True
         finally:
             client.close()
 

@@ -102,6 +102,17 @@ class PeerWatch:
 
     def _round(self, now: float) -> bool:
         """One round; whether anything is watched or live."""
+        times = self.totals.round_times
+        with times.round("liveness"):
+            watched, live = self._heartbeats(now)
+        if now >= self._next_sweep:  # timeouts fire here, not only when a scheduler polls
+            self._next_sweep = now + SWEEP_INTERVAL_S
+            with times.round("sweep"):
+                self.rooms.expire()
+        return bool(watched or live)
+
+    def _heartbeats(self, now: float) -> tuple[dict, int]:
+        """Ping the watched peers, give up the lost ones; returns (watched, live rooms)."""
         with self.lock:
             watched = self.rooms.live_peers(now)
             live = self.rooms.num_live
@@ -141,7 +152,4 @@ class PeerWatch:
             # Its socket stays: what its rooms' failure sends it (their aborts) reaches it if it
             # was only stopped and comes back.
             self.rooms.peer_lost(session, why, gone=session in gone)
-        if now >= self._next_sweep:  # timeouts fire here, not only when a scheduler polls
-            self._next_sweep = now + SWEEP_INTERVAL_S
-            self.rooms.expire()
-        return bool(watched or live)
+        return watched, live

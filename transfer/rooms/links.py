@@ -277,42 +277,48 @@ class LinkResolver:
         while not self._closed:
             self._wake.wait(wait)
             self._wake.clear()
-            with self.ctx.lock:
-                self._expire(time.monotonic() - self.ctx.config.bootstrap_timeout_s)
-                dp_todo = [k for k, v in self.dp_sizes.items() if v == 0]
-                todo = [l for l in self.links.values() if l.state is LinkState.RESOLVING]
-            for addr, node in dp_todo:
-                try:
-                    reply = self._lookup(addr, node, 0)
-                except (BootstrapUnavailable, ProtocolError, BootstrapError) as exc:
-                    if not self._final(addr, exc):
-                        log.debug("dp size of %s at %s: %s", node, addr, exc)
-                        continue
-                    with self.ctx.lock:  # refused: retrying will not help
-                        self.dp_sizes.pop((addr, node), None)
-                        self._dp_refused[(addr, node)] = (time.monotonic(), _located(
-                            exc, f"{self.ctx.where}: looking up prefill node {node!r} at {addr}"))
+            with self.ctx.stats.round_times.round("resolver"):
+                wait = self._round()
+
+    def _round(self) -> float:
+        """One round: DP sizes and links to resolve, then the owner's due
+        work; returns how long to wait for the next."""
+        with self.ctx.lock:
+            self._expire(time.monotonic() - self.ctx.config.bootstrap_timeout_s)
+            dp_todo = [k for k, v in self.dp_sizes.items() if v == 0]
+            todo = [l for l in self.links.values() if l.state is LinkState.RESOLVING]
+        for addr, node in dp_todo:
+            try:
+                reply = self._lookup(addr, node, 0)
+            except (BootstrapUnavailable, ProtocolError, BootstrapError) as exc:
+                if not self._final(addr, exc):
+                    log.debug("dp size of %s at %s: %s", node, addr, exc)
                     continue
-                if reply.dp_size:
-                    with self.ctx.lock:
-                        self.dp_sizes[(addr, node)] = reply.dp_size
-            for link in todo:
-                try:
-                    self._step(link)
-                except KVFerryError as exc:
-                    with self.ctx.lock:
-                        link.state, link.error = LinkState.FAILED, exc
-                except Exception as exc:  # the resolver must outlive any one link
-                    log.exception("resolving %s", link.name)
-                    with self.ctx.lock:
-                        link.state = LinkState.FAILED
-                        link.error = ProtocolError(f"{link.name}: {type(exc).__name__}: {exc}")
-            if dp_todo or todo:
-                self._kick()
-            due = self._tick()
-            # Idle, it sleeps until woken (a room wants a link) or its owner's next due work.
-            resolving = dp_todo or any(l.state is LinkState.RESOLVING for l in todo)
-            wait = _RETRY_S if resolving else min(_IDLE_S, _IDLE_S if due is None else max(due, _RETRY_S))
+                with self.ctx.lock:  # refused: retrying will not help
+                    self.dp_sizes.pop((addr, node), None)
+                    self._dp_refused[(addr, node)] = (time.monotonic(), _located(
+                        exc, f"{self.ctx.where}: looking up prefill node {node!r} at {addr}"))
+                continue
+            if reply.dp_size:
+                with self.ctx.lock:
+                    self.dp_sizes[(addr, node)] = reply.dp_size
+        for link in todo:
+            try:
+                self._step(link)
+            except KVFerryError as exc:
+                with self.ctx.lock:
+                    link.state, link.error = LinkState.FAILED, exc
+            except Exception as exc:  # the resolver must outlive any one link
+                log.exception("resolving %s", link.name)
+                with self.ctx.lock:
+                    link.state = LinkState.FAILED
+                    link.error = ProtocolError(f"{link.name}: {type(exc).__name__}: {exc}")
+        if dp_todo or todo:
+            self._kick()
+        due = self._tick()
+        # Idle, it sleeps until woken (a room wants a link) or its owner's next due work.
+        resolving = dp_todo or any(l.state is LinkState.RESOLVING for l in todo)
+        return _RETRY_S if resolving else min(_IDLE_S, _IDLE_S if due is None else max(due, _RETRY_S))
 
     def _expire(self, horizon: float) -> None:
         """Stop resolving what no receiver asked for since ``horizon``."""
