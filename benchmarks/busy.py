@@ -199,7 +199,26 @@ def summarize(cfg: BusyConfig, results: list[dict]) -> dict:
             "slowest": [{k: (round(v, 1) if isinstance(v, float) else v) for k, v in t.items()} for t in slowest],
             "requests": len(rooms), "gbps": round(cfg.request_bytes * len(rooms) / span / 1e9, 3),
             "cpu_s": round(sum(r.get("cpu_s", 0.0) for r in results), 3),
-            "control_msgs_per_request": round(sum(r.get("control_msgs", 0) for r in results) / cfg.num_rooms, 2)}
+            "control_msgs_per_request": round(sum(r.get("control_msgs", 0) for r in results) / cfg.num_rooms, 2),
+            **_periodic(results)}
+
+
+def _periodic(results: list[dict]) -> dict:
+    """kvferry's ranks: each periodic task's longest round in CPU ms and its
+    rounds (both sides), and the longest garbage collection of the rank
+    processes (absent for the raw engines)."""
+    if not any("periodic_max_cpu_ms" in r for r in results):
+        return {}
+    longest: dict[str, float] = {}
+    rounds: dict[str, int] = {}
+    for r in results:
+        for task, ms in r.get("periodic_max_cpu_ms", {}).items():
+            longest[task] = round(max(longest.get(task, 0.0), ms), 3)
+        for task, n in r.get("periodic_rounds", {}).items():
+            rounds[task] = rounds.get(task, 0) + n
+    return {"periodic_max_cpu_ms": longest, "periodic_rounds": rounds,
+            "gc_max_ms": round(max(r.get("gc_max_ms", 0.0) for r in results), 3),
+            "gc_collections": sum(r.get("gc_collections", 0) for r in results)}
 
 
 _MEDIANED = ("p50_ms", "p99_ms", "p999_ms", "max_ms", "to_send_p50_ms", "send_to_done_p50_ms", "gbps", "cpu_s",
@@ -215,6 +234,10 @@ def _median(rows: list[dict]) -> dict:
     out["all_p50_ms"] = [r["p50_ms"] for r in ok]
     out["all_p99_ms"] = [r["p99_ms"] for r in ok]
     out["all_max_ms"] = [r["max_ms"] for r in ok]
+    if any("periodic_max_cpu_ms" in r for r in ok):  # the longest of every round, not the first round's
+        out["periodic_max_cpu_ms"] = {task: max(r.get("periodic_max_cpu_ms", {}).get(task, 0.0) for r in ok)
+                                      for task in sorted({t for r in ok for t in r.get("periodic_max_cpu_ms", {})})}
+        out["gc_max_ms"] = max(r.get("gc_max_ms", 0.0) for r in ok)
     return out
 
 

@@ -24,6 +24,7 @@ room when it was opened, sent (prefill) and ended. Every wait is bounded.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -154,6 +155,26 @@ def _wait_for_node(mgr, cfg: BusyConfig) -> None:
             time.sleep(0.05)
 
 
+class GcPauses:
+    """The interpreter's garbage collections while it runs (``gc.callbacks``):
+    how many, and the longest, in seconds: a collection stops every thread."""
+
+    def __init__(self) -> None:
+        self.count, self.max_s, self._start = 0, 0.0, None
+        gc.callbacks.append(self._on)
+
+    def _on(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.count += 1
+            self.max_s = max(self.max_s, time.perf_counter() - self._start)
+            self._start = None
+
+    def stop(self) -> None:
+        gc.callbacks.remove(self._on)
+
+
 def run_kvferry(cfg: BusyConfig, role: str) -> int:
     sides = []
     if role in ("kvferry-prefill", "kvferry-both"):
@@ -163,7 +184,7 @@ def run_kvferry(cfg: BusyConfig, role: str) -> int:
         _wait_for_node(decode.mgr, cfg)
         sides.append(decode)
     print("BUSY_READY {}", flush=True)
-    feed, sched = Feed(), Scheduler(cfg)
+    feed, sched, pauses = Feed(), Scheduler(cfg), GcPauses()
     cpu0, deadline = time.process_time(), time.monotonic() + TIMEOUT_S
     while not (feed.closed and not any(side.live for side in sides)) and time.monotonic() < deadline:
         rooms = feed.take()
@@ -173,12 +194,17 @@ def run_kvferry(cfg: BusyConfig, role: str) -> int:
         for side in sides:
             side.poll()
     sched.stop()
+    pauses.stop()
     cpu = time.process_time() - cpu0
     for side in sides:
+        stats = side.mgr.stats()
         print(result_line(side.side, side.created, side.done, sent=side.sent, failed=side.failed + sorted(side.live),
                           errors=sorted(side.errors)[:5], cpu_s=cpu / len(sides),
                           control_msgs=side.mgr.channel.num_received,
-                          handed_over=getattr(side.mgr.channel, "num_handed_over", 0)), flush=True)
+                          handed_over=getattr(side.mgr.channel, "num_handed_over", 0),
+                          periodic_rounds=stats.periodic_rounds,
+                          periodic_max_cpu_ms={k: v * 1e3 for k, v in stats.periodic_max_cpu_s.items()},
+                          gc_collections=pauses.count, gc_max_ms=pauses.max_s * 1e3), flush=True)
     for side in sides:
         side.mgr.close()
     return 0 if all(not side.failed and not side.live for side in sides) else 1

@@ -112,6 +112,7 @@ def _stats(mgr: KVManager) -> dict:
             "pages_read": mgr.storage.num_pages_read if mgr.storage else 0,
             "handshake_stale_writes": mgr.transport.handshake_counts().get("handshake_stale_writes", 0),
             "rooms_relinked": mgr.stats().rooms_relinked,
+            "periodic_max_cpu_ms": {k: round(v * 1e3, 3) for k, v in mgr.stats().periodic_max_cpu_s.items()},
             **{name.removeprefix("num_"): getattr(mgr.rooms, name) for name in _ROOM_COUNTERS
                if hasattr(mgr.rooms, name)}}
 

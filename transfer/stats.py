@@ -262,6 +262,13 @@ class RoundTimes:
         """``with times.round("liveness"): ...`` measures one round."""
         return _Round(self, task)
 
+    def slices(self, task: str) -> "_Slices":
+        """A round over many items (the sweep over every live room), cut in
+        slices: ``with times.slices("sweep") as s:`` and ``s.tick()`` between
+        items gives the interpreter lock up once the slice ran
+        :data:`SLICE_CPU_S`; each slice counts as a round."""
+        return _Slices(self, task)
+
     def add(self, task: str, cpu_s: float) -> None:
         with self._lock:
             self.rounds[task] = self.rounds.get(task, 0) + 1
@@ -272,6 +279,31 @@ class RoundTimes:
         """The :class:`ManagerStats` fields."""
         with self._lock:
             return {"periodic_rounds": dict(self.rounds), "periodic_max_cpu_s": dict(self.max_cpu_s)}
+
+
+#: A sliced round gives the interpreter lock up after this much CPU (its holds stay under a millisecond).
+SLICE_CPU_S = 0.0005
+
+
+class _Slices:
+    __slots__ = ("times", "task", "start")
+
+    def __init__(self, times: RoundTimes, task: str) -> None:
+        self.times, self.task = times, task
+
+    def __enter__(self) -> "_Slices":
+        self.start = time.thread_time()
+        return self
+
+    def tick(self) -> None:
+        ran = time.thread_time() - self.start
+        if ran > SLICE_CPU_S:
+            self.times.add(self.task, ran)
+            time.sleep(0)  # lets a waiting thread (the scheduler) take the interpreter lock
+            self.start = time.thread_time()
+
+    def __exit__(self, *exc) -> None:
+        self.times.add(self.task, time.thread_time() - self.start)
 
 
 class _Round:

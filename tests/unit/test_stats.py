@@ -227,3 +227,40 @@ def test_with_a_ready_event_the_exposed_transfer_time_runs_from_its_completion(c
     wait_until(decode.mgr, lambda: receiver.poll() is KVPoll.Success, what="decode success")
     d = receiver.stats()
     assert d.exposed_transfer_s is not None and 0 < d.exposed_transfer_s < 0.3, d
+
+
+def test_a_sliced_round_gives_the_interpreter_lock_up_every_half_millisecond():
+    """A sweep over many rooms (0.1 ms of CPU each here) is cut into slices
+    of about SLICE_CPU_S: each slice is a round, none much longer."""
+    from harness.busywork import python_work
+    from transfer.stats import SLICE_CPU_S, RoundTimes
+
+    times = RoundTimes()
+    with times.slices("sweep") as sweep:
+        for _ in range(50):
+            until = time.thread_time() + 0.0001
+            while time.thread_time() < until:
+                python_work(0.00002)
+            sweep.tick()
+    assert times.rounds["sweep"] >= 5000 * 1e-6 / SLICE_CPU_S / 2, times.rounds
+    assert times.max_cpu_s["sweep"] < 2 * SLICE_CPU_S, times.max_cpu_s
+    with times.round("liveness"):
+        pass
+    assert times.snapshot()["periodic_rounds"] == {"sweep": times.rounds["sweep"], "liveness": 1}
+
+
+def test_a_ranks_periodic_work_is_measured_round_by_round(cluster):
+    """The liveness thread's heartbeat rounds and sweeps, and decode's
+    resolver, show in ManagerStats with each task's longest round."""
+    prefill, decode = cluster.rank(Role.PREFILL), cluster.rank(Role.DECODE)
+    rng = np.random.default_rng(31)
+    run_room(prefill, decode, 51, random_pages(rng, 4), random_pages(rng, 4))
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and "sweep" not in decode.mgr.stats().periodic_rounds:
+        time.sleep(0.05)
+    for mgr in (prefill.mgr, decode.mgr):
+        s = mgr.stats()
+        assert s.periodic_rounds.get("liveness", 0) >= 1 and s.periodic_rounds.get("sweep", 0) >= 1, s.periodic_rounds
+        assert set(s.periodic_max_cpu_s) == set(s.periodic_rounds)
+        assert all(0 <= v < 1.0 for v in s.periodic_max_cpu_s.values()), s.periodic_max_cpu_s
+    assert decode.mgr.stats().periodic_rounds.get("resolver", 0) >= 1

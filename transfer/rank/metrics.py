@@ -35,6 +35,8 @@ Exported (units in names, labels of bounded cardinality, no room ids)::
     kvferry_handshake_timeouts_total{role}       handshakes given up at their bound (counted in failed too)
     kvferry_handshake_seconds_total{role}        seconds the finished handshakes took
     kvferry_handshakes_in_progress{role}         handshakes running now
+    kvferry_periodic_round_max_seconds{role,task}  the longest round of a periodic task, CPU seconds:
+                                                 task liveness|sweep|register|resolver|control
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import threading
 from typing import Callable
 
 from bootstrap.metrics import require_prometheus
-from transfer.stats import PATHS, POOLS, REASONS, Histogram, ManagerStats
+from transfer.stats import PATHS, PERIODIC_TASKS, POOLS, REASONS, Histogram, ManagerStats
 
 _ROOM_KEYS = [("Success", "")] + [("Failed", r) for r in REASONS]
 _DROPS = (("malformed", "control_malformed"), ("unauthenticated", "control_unauthenticated"),
@@ -137,6 +139,13 @@ class _Collector:
         yield counter("kvferry_handshake_seconds", "Seconds the finished handshakes took", [],
                       [((), lambda s: s.handshake_seconds)])
         yield gauge("kvferry_handshakes_in_progress", "Handshakes running now", lambda s: s.handshakes_in_progress)
+        longest = GaugeMetricFamily("kvferry_periodic_round_max_seconds",
+                                    "The longest round of each periodic task in CPU seconds (a bound on how long "
+                                    "it kept the interpreter lock from the scheduler)", labels=["role", "task"])
+        for role, stats in by_role.items():
+            for task in PERIODIC_TASKS:
+                longest.add_metric([role, task], max(st.periodic_max_cpu_s.get(task, 0.0) for st in stats))
+        yield longest
 
 
 class _Endpoint:

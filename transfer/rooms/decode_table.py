@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Protocol
+from typing import Callable, Protocol
 
 from transfer.errors import KVFerryError
 from transfer.messages import ChunkStaged, PeerBye, PeerHelloReply, RoomAbort, RoomHold, RoomStatus, StageRequest
@@ -260,13 +260,14 @@ class DecodeRooms:
                 return
         log.debug("%s: ignored a %s message", self.ctx.where, msg.KIND)
 
-    def expire(self) -> None:
+    def expire(self, tick: Callable[[], None] = lambda: None) -> None:
         """Poll the live receivers, so that their timeouts fire (the manager's
-        liveness thread, every half second or so)."""
+        liveness thread, every half second or so); ``tick()`` between two."""
         with self.ctx.lock:
             receivers = list(self.receivers.values())
         for r in receivers:
             r.update()
+            tick()
 
     def live_rooms(self) -> list:
         """The receivers whose pages a write may still land in (under the lock):

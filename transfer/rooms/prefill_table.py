@@ -21,7 +21,7 @@ import collections
 import logging
 import time
 import weakref
-from typing import Protocol
+from typing import Callable, Protocol
 
 from bootstrap.messages import RankInfo
 from transfer.errors import IncompatibleLayoutError, KVFerryError, PeerError, StateError
@@ -419,13 +419,14 @@ class PrefillRooms:
         for s in senders:
             s.fail(tag_reason(PeerError(f"{s.where}: decode rank {session} {why}"), FailureReason.PEER_LOST))
 
-    def expire(self) -> None:
+    def expire(self, tick: Callable[[], None] = lambda: None) -> None:
         """Poll the live senders, so that their timeouts fire (the manager's
-        liveness thread, every half second or so)."""
+        liveness thread, every half second or so); ``tick()`` between two."""
         with self.ctx.lock:
             senders = [s for s in self.senders.values() if not s.terminal]
         for s in senders:
             s.update()
+            tick()
 
     def live_rooms(self) -> list:
         """The senders whose writes may still read the pools: live ones, and
