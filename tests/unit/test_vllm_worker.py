@@ -315,3 +315,33 @@ def test_a_room_decode_holds_outlives_the_lease_and_lands_when_decode_asks(clust
     sent = d.num_holds
     time.sleep(0.5)
     assert d.num_holds == sent, "the hold was renewed after the room opened"
+
+
+def test_sleep_fails_the_rooms_in_flight_and_after_wake_up_rooms_land_byte_exact(cluster):
+    """vLLM 0.33's sleep hooks: unregister_kv_caches (release_memory) fails
+    decode's room waiting for its KV (its blocks reported as load errors)
+    and refuses a new one; restore_kv_caches (resume_memory) takes rooms
+    again, and the next lands byte-exact. Both are idempotent."""
+    p, prefill = worker(cluster, Role.PREFILL)
+    d, decode = worker(cluster, Role.DECODE)
+    rng = np.random.default_rng(41)
+    d.start([], [RecvSpec(req_id="waiting", room=700, bootstrap_addr=cluster.server.address, node_id="prefill",
+                          pages=(4, 5))])
+    d.release_memory()
+    d.release_memory()
+    wait_finished(d, {"waiting"}, 10)
+    assert d.load_errors() == {4, 5}
+    d.start([], [RecvSpec(req_id="asleep", room=701, bootstrap_addr=cluster.server.address, node_id="prefill",
+                          pages=(6,))])
+    wait_finished(d, {"asleep"}, 10)
+    assert d.load_errors() == {6}
+    d.resume_memory()
+    d.resume_memory()
+    src, dst = random_pages(rng, 3), np.array([10, 20, 30])
+    d.start([], [RecvSpec(req_id="awake", room=702, bootstrap_addr=cluster.server.address, node_id="prefill",
+                          pages=tuple(int(x) for x in dst))])
+    p.start([SendSpec(req_id="p-awake", room=702, pages=tuple(int(x) for x in src))], [])
+    wait_finished(d, {"awake"}, 10)
+    wait_finished(p, {"p-awake"}, 10)
+    assert d.load_errors() == set()
+    assert decode.page_bytes(dst) == prefill.page_bytes(src)

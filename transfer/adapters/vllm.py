@@ -476,6 +476,26 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.load_errors() if self.worker is not None else set()
 
+    # --- sleep mode (vLLM 0.33: KVConnectorBase_V1's three hooks; 0.32 calls none of them) -----------
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config=None) -> bool:
+        """Sleep mode keeps the KV cache's addresses (it frees or remaps the
+        memory behind them): kvferry lets go of it before and takes it back
+        after (the two hooks below)."""
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        """Before sleep frees or remaps the KV cache: live rooms fail, the
+        writes end, the transport lets go of the memory (worker side)."""
+        if self.worker is not None:
+            self.worker.release_memory()
+
+    def restore_kv_caches(self) -> None:
+        """After wake-up: the KV cache registered again, rooms taken again."""
+        if self.worker is not None:
+            self.worker.resume_memory()
+
     def shutdown(self) -> None:
         if self.worker is not None:
             if _LOCAL_WORKERS.get(self._engine_id) is self.worker:

@@ -501,6 +501,26 @@ class KvferryWorker:
         with self._lock:
             return len(self._rooms)
 
+    def release_memory(self) -> None:
+        """vLLM's sleep mode is about to free or remap the KV cache
+        (``unregister_kv_caches``, vLLM 0.33): every live room fails (decode:
+        its blocks reported as load errors; its peers told), kvferry waits
+        until no write reads or may still land in the blocks, then takes
+        them back from the transport (:meth:`KVManager.release_memory`);
+        until :meth:`resume_memory` a new room fails at once. Idempotent; a
+        no-op before ``register_kv_caches``. Raises KVTimeoutError while a
+        write is still in flight at ``transfer_timeout_s``: the memory must
+        not be freed then."""
+        if self.mgr is not None:
+            self.mgr.release_memory()
+
+    def resume_memory(self) -> None:
+        """vLLM woke up with the KV cache at the same addresses
+        (``restore_kv_caches``): register it again and take rooms again.
+        Idempotent."""
+        if self.mgr is not None:
+            self.mgr.resume_memory()
+
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
