@@ -263,11 +263,19 @@ def test_abort_from_decode(placement):
         prefill, decode = Rank("prefill", spec, FAST), Rank("decode", spec, FAST)
         try:
             _warm(prefill, decode)
-            told = 0
+            told = aborted = 0
             for room in (10, 11, 12):  # one at a time: the decode loop watches the room's first page
                 p, d = _both(prefill, decode, [room], d_opts={"abort_on_first_byte": [room], "guard_s": 1.0})
                 got, sent = d["results"][str(room)], p["results"][str(room)]
+                if placement == "scattered" and got["state"] == "Success":
+                    # Staged: the first page shows bytes only once decode scattered the first part, and every
+                    # part was granted with the request, so all may land within one poll() (its drain handles
+                    # every message that arrived) before the loop looks at the page (seen once in CI, a busy
+                    # machine): too late to abort, the room is byte-exact; another room shows the abort.
+                    assert got["mismatches"] == [], got
+                    continue
                 assert got["state"] == "Failed", got
+                aborted += 1
                 assert "aborted by the test's decode scheduler" in got["error"]
                 assert got["late_write"] is False, f"room {room}: a write landed after Failed"
                 if placement == "scattered" and sent["state"] == "Success":
@@ -277,6 +285,7 @@ def test_abort_from_decode(placement):
                     continue
                 assert sent["state"] == "Failed" and sent["error_type"] == "PeerError", sent
                 told += 1
+            assert aborted >= 1, "no room was aborted while its bytes were landing: the test showed nothing of it"
             assert told >= 1, "no abort reached prefill while it was writing: the test showed nothing of it"
             # An abort at once, most likely before any byte moved (on a loaded machine the room may
             # also have finished first, on one side or both); a decode success is byte-exact.

@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -192,11 +193,40 @@ def _fill(rank: Rank, r: Request, pages: list[int], items: list) -> None:
     """Write this rank's heads of the request's KV into its pages, and its
     share of the request's state into its state items (before any transfer:
     filling is not part of what is measured)."""
-    for key, t in rank.buffers:
-        view = t.view(-1, rank.a.page_size, t.shape[1], t.shape[2])
-        view[torch.as_tensor(pages, dtype=torch.long)] = rank.expected(r, key, t, 0, r.num_pages)
+    _write_pages(rank, r, pages, 0)
     for k, key, t, axis in _state_keys(rank):
         t[torch.as_tensor(items[k], dtype=torch.long)] = _state_share(rank, r.room, key, t, axis, len(items[k]))
+
+
+def _write_pages(rank: Rank, r: Request, pages: list[int], first_page: int, stale: bool = False) -> None:
+    """This rank's heads of the request's pages ``first_page...`` into ``pages``
+    (``stale``: zeros instead, what a forward pass still running left there)."""
+    for key, t in rank.buffers:
+        view = t.view(-1, rank.a.page_size, t.shape[1], t.shape[2])
+        idx = torch.as_tensor(pages, dtype=torch.long)
+        view[idx] = 0 if stale else rank.expected(r, key, t, first_page, len(pages))
+
+
+class LateWrite:
+    """A forward pass still writing a chunk's pages, as SGLang's early send of
+    a cached prefix meets it under overlap scheduling (the previous step's
+    forward on its stream): ``write`` runs ``delay_s`` later, on a thread of
+    its own; ``query()`` and ``synchronize()`` as a ``torch.cuda.Event``
+    recorded after it."""
+
+    def __init__(self, write, delay_s: float) -> None:
+        self._done = threading.Event()
+        threading.Timer(delay_s, self._run, (write,)).start()
+
+    def _run(self, write) -> None:
+        write()
+        self._done.set()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        self._done.wait()
 
 
 def _send(rank: Rank, r: Request, s, pages: list[int], prefix_pages: int, clock, items: list) -> None:
@@ -209,7 +239,12 @@ def _send(rank: Rank, r: Request, s, pages: list[int], prefix_pages: int, clock,
     for i, size in enumerate(r.chunks):
         if not s.should_send_kv_chunk(size, False):
             continue
-        s.send(np.asarray(suffix[offset:offset + size], dtype=np.int32))
+        chunk = suffix[offset:offset + size]
+        if r.action == "early_event" and i == 0:  # SGLang sets the event on the sender, then calls send()
+            _write_pages(rank, r, chunk, prefix_pages + offset, stale=True)
+            s._early_send_wait_event = LateWrite(
+                lambda c=chunk, first=prefix_pages + offset: _write_pages(rank, r, c, first), 0.5)
+        s.send(np.asarray(chunk, dtype=np.int32))
         offset += size
         if r.action == "prefill_abort" and i == 0:
             s.abort()

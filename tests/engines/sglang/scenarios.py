@@ -18,7 +18,7 @@ class Request:
     chunks: tuple[int, ...] = ()
     prefix_pages: int = 0
     action: str = ""  # "", "decode_abort" (every decode rank), "decode_abort_one" (its first TP rank),
-    # "prefill_abort", "kill", "release" (see below)
+    # "prefill_abort", "kill", "release", "early_event" (see below)
     corrupt: bool = False  # decode flips a landed byte before it checks the KV checksum
     after_release: bool = False  # decode asks for it only after its memory release and resume
     tags: tuple[str, ...] = field(default=())
@@ -49,6 +49,10 @@ def requests_of(name: str) -> list[Request]:
             Request(_BASE + 40, 6, (2,), action="release", tags=("in flight at the release",)),
             Request(_BASE + 41, 5, (2,), prefix_pages=1, after_release=True, tags=("after the resume",)),
         ]
+    if name == "early":
+        # SGLang's early send of a cached prefix under overlap scheduling: the first chunk's pages are still
+        # being written (for 0.5 s) when send() comes, with the event that says when they are done.
+        return [Request(_BASE + 50, 6, (2,), action="early_event", tags=("early send with a wait event",))]
     if name == "kill":
         return [Request(_BASE + 20, 6, (2,), action="kill", tags=("killed prefill",))]
     if name.startswith("bench"):

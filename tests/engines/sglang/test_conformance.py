@@ -239,6 +239,22 @@ def test_the_kv_checksum_row_travels_and_a_corrupted_page_is_caught():
             assert d["checksum_matches"] is (not req.corrupt), (req.tags, d)
 
 
+def test_an_early_send_reads_the_pages_only_once_sglangs_event_says_they_are_written():
+    """SGLang's prefill hands the sender ``_early_send_wait_event`` before an
+    early send of a cached prefix (the previous step's forward may still be
+    writing those pages): the first chunk's pages hold zeros until, 0.5 s
+    after send(), the event's writer puts their KV there; decode's pages must
+    hold that KV, byte for byte (they held the zeros when the sender dropped
+    the event)."""
+    with Run("early", pool="mha", timeout_s=120) as run:
+        run.finish()
+        decode = _results(run.decode)
+        for req in requests_of("early"):
+            (d,) = decode[req.room]
+            assert d["state"] == "Success", (req.tags, d)
+            assert d["page_bytes_checked"] > 0 and d["bad_page_bytes"] == 0, (req.tags, d)
+
+
 def test_memory_release_fails_the_room_in_flight_and_a_room_after_resume_lands_exact():
     """SGLang's release_memory_occupation on decode while a room is in flight
     (prefill sent one chunk and holds the rest): kvferry fails the room on both

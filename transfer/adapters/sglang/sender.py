@@ -72,6 +72,9 @@ class KvferryKVSender(BaseKVSender):
         self._state_indices = None  # per SGLang state type: this room's items (with the last chunk)
         self._started_s: float | None = None
         self._latency_s: float | None = None
+        # Set by SGLang's prefill before an early send of a cached prefix under overlap scheduling: the
+        # previous step's forward may still be writing those pages; that chunk's read waits for it.
+        self._early_send_wait_event = None
         if mgr.rooms_registrar is not None:  # the prefill routes rooms to DP ranks by another rule than room % dp
             mgr.rooms_registrar.register(self.bootstrap_room)
         try:
@@ -127,8 +130,9 @@ class KvferryKVSender(BaseKVSender):
             self._started_s = time.perf_counter()
         if last:  # the aux rows go with it: SGLang wrote them right before this call
             self._last_sent = True
+        ready, self._early_send_wait_event = self._early_send_wait_event, None  # it belongs to this chunk only
         try:
-            self._core.send(pages, last=last, state_indices=self._state_indices if last else None)
+            self._core.send(pages, last=last, ready=ready, state_indices=self._state_indices if last else None)
         except KVFerryError as exc:
             self._fail(exc)
 
