@@ -209,16 +209,19 @@ def _periodic(results: list[dict]) -> dict:
     processes (absent for the raw engines)."""
     if not any("periodic_max_cpu_ms" in r for r in results):
         return {}
-    longest: dict[str, float] = {}
     rounds: dict[str, int] = {}
     for r in results:
-        for task, ms in r.get("periodic_max_cpu_ms", {}).items():
-            longest[task] = round(max(longest.get(task, 0.0), ms), 3)
         for task, n in r.get("periodic_rounds", {}).items():
             rounds[task] = rounds.get(task, 0) + n
-    return {"periodic_max_cpu_ms": longest, "periodic_rounds": rounds,
+    return {"periodic_max_cpu_ms": _longest_by_task(results), "periodic_rounds": rounds,
             "gc_max_ms": round(max(r.get("gc_max_ms", 0.0) for r in results), 3),
             "gc_collections": sum(r.get("gc_collections", 0) for r in results)}
+
+
+def _longest_by_task(rows: list[dict]) -> dict[str, float]:
+    """Each periodic task's longest round (ms) over ``rows``' ``periodic_max_cpu_ms``."""
+    tasks = sorted({t for r in rows for t in r.get("periodic_max_cpu_ms", {})})
+    return {t: round(max(r.get("periodic_max_cpu_ms", {}).get(t, 0.0) for r in rows), 3) for t in tasks}
 
 
 _MEDIANED = ("p50_ms", "p99_ms", "p999_ms", "max_ms", "to_send_p50_ms", "send_to_done_p50_ms", "gbps", "cpu_s",
@@ -235,8 +238,7 @@ def _median(rows: list[dict]) -> dict:
     out["all_p99_ms"] = [r["p99_ms"] for r in ok]
     out["all_max_ms"] = [r["max_ms"] for r in ok]
     if any("periodic_max_cpu_ms" in r for r in ok):  # the longest of every round, not the first round's
-        out["periodic_max_cpu_ms"] = {task: max(r.get("periodic_max_cpu_ms", {}).get(task, 0.0) for r in ok)
-                                      for task in sorted({t for r in ok for t in r.get("periodic_max_cpu_ms", {})})}
+        out["periodic_max_cpu_ms"] = _longest_by_task(ok)
         out["gc_max_ms"] = max(r.get("gc_max_ms", 0.0) for r in ok)
     return out
 

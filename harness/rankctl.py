@@ -93,6 +93,7 @@ def prompt_of(spec: Spec, pages, cmd: dict) -> np.ndarray | None:
 
 
 def _stats(mgr: KVManager) -> dict:
+    totals = mgr.stats()
     rss = 0
     try:
         with open("/proc/self/statm") as f:
@@ -111,8 +112,8 @@ def _stats(mgr: KVManager) -> dict:
             "arenas_retired": getattr(mgr.context.staging.area, "num_retired", 0) if mgr.context.staging else 0,
             "pages_read": mgr.storage.num_pages_read if mgr.storage else 0,
             "handshake_stale_writes": mgr.transport.handshake_counts().get("handshake_stale_writes", 0),
-            "rooms_relinked": mgr.stats().rooms_relinked,
-            "periodic_max_cpu_ms": {k: round(v * 1e3, 3) for k, v in mgr.stats().periodic_max_cpu_s.items()},
+            "rooms_relinked": totals.rooms_relinked,
+            "periodic_max_cpu_ms": {k: round(v * 1e3, 3) for k, v in totals.periodic_max_cpu_s.items()},
             **{name.removeprefix("num_"): getattr(mgr.rooms, name) for name in _ROOM_COUNTERS
                if hasattr(mgr.rooms, name)}}
 

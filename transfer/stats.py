@@ -259,15 +259,12 @@ class RoundTimes:
         self.max_cpu_s: dict[str, float] = {}
 
     def round(self, task: str) -> "_Round":
-        """``with times.round("liveness"): ...`` measures one round."""
+        """``with times.round("liveness"): ...`` measures one round. A round
+        over many items (the sweep over every live room) calls ``tick()``
+        between two (``with times.round("sweep") as r:``): once the round ran
+        :data:`SLICE_CPU_S` it gives the interpreter lock up, and each such
+        slice counts as a round."""
         return _Round(self, task)
-
-    def slices(self, task: str) -> "_Slices":
-        """A round over many items (the sweep over every live room), cut in
-        slices: ``with times.slices("sweep") as s:`` and ``s.tick()`` between
-        items gives the interpreter lock up once the slice ran
-        :data:`SLICE_CPU_S`; each slice counts as a round."""
-        return _Slices(self, task)
 
     def add(self, task: str, cpu_s: float) -> None:
         with self._lock:
@@ -281,17 +278,17 @@ class RoundTimes:
             return {"periodic_rounds": dict(self.rounds), "periodic_max_cpu_s": dict(self.max_cpu_s)}
 
 
-#: A sliced round gives the interpreter lock up after this much CPU (its holds stay under a millisecond).
+#: A round that ticks gives the interpreter lock up after this much CPU (its holds stay under a millisecond).
 SLICE_CPU_S = 0.0005
 
 
-class _Slices:
+class _Round:
     __slots__ = ("times", "task", "start")
 
     def __init__(self, times: RoundTimes, task: str) -> None:
         self.times, self.task = times, task
 
-    def __enter__(self) -> "_Slices":
+    def __enter__(self) -> "_Round":
         self.start = time.thread_time()
         return self
 
@@ -301,19 +298,6 @@ class _Slices:
             self.times.add(self.task, ran)
             time.sleep(0)  # lets a waiting thread (the scheduler) take the interpreter lock
             self.start = time.thread_time()
-
-    def __exit__(self, *exc) -> None:
-        self.times.add(self.task, time.thread_time() - self.start)
-
-
-class _Round:
-    __slots__ = ("times", "task", "start")
-
-    def __init__(self, times: RoundTimes, task: str) -> None:
-        self.times, self.task = times, task
-
-    def __enter__(self) -> None:
-        self.start = time.thread_time()
 
     def __exit__(self, *exc) -> None:
         self.times.add(self.task, time.thread_time() - self.start)

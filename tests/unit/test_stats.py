@@ -236,7 +236,7 @@ def test_a_sliced_round_gives_the_interpreter_lock_up_every_half_millisecond():
     from transfer.stats import SLICE_CPU_S, RoundTimes
 
     times = RoundTimes()
-    with times.slices("sweep") as sweep:
+    with times.round("sweep") as sweep:
         for _ in range(50):
             until = time.thread_time() + 0.0001
             while time.thread_time() < until:
