@@ -30,7 +30,10 @@ so decode can check every byte; its TP rank's heads, with ``tp_rank`` and
   seconds (every Python thread of the rank waits; its C threads, libzmq's
   and the engine's, go on); the reply says when (``held_gil``).
   ``plans`` (room -> prefill page ids) replaces the seeded page choice of
-  a room on both sides; ``tokens`` (true: pass each room's prompt to
+  a room on both sides; ``announce_requested`` (prefill: print ``EVENT
+  {"requested": wall-clock time}`` once every room's decode request has
+  arrived, i.e. no room is bootstrapping: a fault after it cannot land
+  before a request); ``tokens`` (true: pass each room's prompt to
   ``init`` for the storage tier; ``tail_tokens``: how many the last page
   holds, default all). A room's prompt is derived from its
   prefill pages (the same page always holds the same tokens, as a prefix
@@ -249,6 +252,7 @@ class PrefillRank:
         window = int(cmd.get("window", 0)) or len(cmd["rooms"])
         eager = set(cmd.get("eager", []))
         queued = list(cmd["rooms"])
+        announce = bool(cmd.get("announce_requested"))
         for room in eager:
             start(room)
         while (live or queued) and time.monotonic() < deadline:
@@ -289,6 +293,9 @@ class PrefillRank:
                     kind, msg = _error(s)
                     out[room] = {"state": state.name, "error_type": kind, "error": msg, "ended_at": time.time()}
                     del live[room]
+            if announce and not queued and all(r["chunks"] is not None for r in live.values()):
+                emit("EVENT", {"requested": time.time()})
+                announce = False
             mgr.wait_for_progress(seen, 0.01)
         for room in [*live, *queued]:
             out[room] = {"state": "Stuck", "error_type": "", "error": "command timed out", "ended_at": time.time()}

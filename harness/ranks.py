@@ -63,6 +63,10 @@ class Rank:
         assert "crash" not in r, f"{self.role} rank crashed: {r['crash']}\n" + "".join(self.log[-40:])
         return r
 
+    def event(self, timeout_s: float = 30.0) -> dict:
+        """The next ``EVENT`` line the running command prints (``announce_requested``)."""
+        return self._wait("EVENT ", timeout_s)
+
     def rooms(self, rooms, timeout_s: float = 60.0, **opts) -> dict:
         self.send(op="rooms", rooms=list(rooms), timeout_s=timeout_s, **opts)
         return self.reply(timeout_s + 30)

@@ -148,8 +148,8 @@ def _scheduler_and_messages(busy: bool, n: int = 60):
 
     sched = threading.Thread(target=scheduler, name="scheduler")
     try:
+        sent_at[0] = time.monotonic()  # before the send: the handler may run before send() returns (CI did)
         tx.send(rx.endpoint, PeerPing(session="tx", endpoint=tx.endpoint, seq=0))  # connect first
-        sent_at[0] = time.monotonic()
         deadline = time.monotonic() + 5
         while not handled and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -229,9 +229,13 @@ def test_kill_9_is_found_within_5_s_at_the_default_settings(cluster, victim):
     prefill, decode = cluster.rank("prefill", config=defaults), cluster.rank("decode", config=defaults)
     _warm(prefill, decode)
     rooms = [10, 11, 12, 13]
-    prefill.send(op="rooms", rooms=rooms, timeout_s=60, chunk_delay_s=0.3)
+    prefill.send(op="rooms", rooms=rooms, timeout_s=60, chunk_delay_s=0.3, announce_requested=True)
     decode.send(op="rooms", rooms=rooms, timeout_s=60)
-    time.sleep(0.8)
+    # Kill only once every decode request reached prefill: a room whose request never left a killed decode
+    # is one prefill cannot tie to it, and waits out its bootstrap timeout (CI once killed decode 0.8 s in,
+    # before room 13's request, which then failed 29 s later)
+    assert "requested" in prefill.event(30)
+    time.sleep(0.3)
     killed, survivor = (prefill, decode) if victim == "prefill" else (decode, prefill)
     killed_at = killed.kill()
     res = survivor.reply()
