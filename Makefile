@@ -86,7 +86,7 @@ bench: setup
 
 # The serving engines' own environments and tests (mk/*.mk): real vLLM servers,
 # and SGLang's own classes driving kvferry across processes. Never part of `make test`.
-test-engines: test-sglang test-sglang-server test-vllm
+test-engines: test-sglang test-sglang-server test-vllm test-vllm-033
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -15,9 +15,9 @@ One run, the same prompts for every connector (``make bench-vllm``):
   protocol (``transfer_id``), with ``benchmarks/vllm_site`` on its servers'
   PYTHONPATH (no accelerator);
 - ``kvferry-router``: kvferry driven exactly as a router written for
-  MooncakeConnector drives it: ``GET /query`` on prefill's bootstrap
-  (kvferry's ``kvferry_query_port``) for its engine id, then prefill and
-  decode posted at once with Mooncake's params.
+  MooncakeConnector drives it: ``GET /query`` on prefill's bootstrap port
+  (HTTP; kvferry's ZMQ bootstrap is the next port) for its engine id, then
+  prefill and decode posted at once with Mooncake's params.
 
 ``--model mla`` serves a tiny DeepSeek-style MLA model instead of the Llama
 (the MLA row of issue 28; its table goes between ``<!-- bench-vllm-mla -->``
@@ -45,7 +45,7 @@ import time
 import urllib.request
 import uuid
 
-from harness.vllm import (VOCAB, ServerSpec, VLLMServer, _body, build_tiny_mla_model, build_tiny_model, free_port,
+from harness.vllm import (VOCAB, ServerSpec, VLLMServer, _body, build_tiny_mla_model, build_tiny_model, free_port, free_ports,
                           post)
 
 SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_site")
@@ -92,7 +92,7 @@ def kv_configs(name: str, ports: dict) -> tuple[dict, dict, dict, dict]:
     if name.startswith("kvferry"):
         extra = {"kvferry_bootstrap_addr": f"127.0.0.1:{ports['bootstrap']}", "kvferry_node": "prefill0"}
         base = {"kv_connector": "KvferryConnector", "kv_connector_module_path": "transfer.adapters.vllm"}
-        prefill = {**extra, "kvferry_serve_bootstrap": True, "kvferry_query_port": ports["query"]}
+        prefill = {**extra, "kvferry_serve_bootstrap": True}
         return ({**base, "kv_role": "kv_producer", "kv_connector_extra_config": prefill},
                 {**base, "kv_role": "kv_consumer", "kv_connector_extra_config": extra}, {}, {})
     if name in ("nixl", "nixl-tuned"):
@@ -128,7 +128,7 @@ def one_request(name: str, servers: dict, model: str, prompt: list[int], max_tok
             params = {"do_remote_prefill": True, "transfer_id": tid, "remote_engine_id": "prefill0",
                       "remote_bootstrap_addr": "http://127.0.0.1:8998"}
         elif name == "kvferry-router":  # as for MooncakeConnector: the engine id from prefill's /query
-            query = p.spec.kv_config["kv_connector_extra_config"]["kvferry_query_port"]
+            query = p.spec.kv_config["kv_connector_extra_config"]["kvferry_bootstrap_addr"].rpartition(":")[2]
             with urllib.request.urlopen(f"http://127.0.0.1:{query}/query", timeout=10) as r:
                 engine_id = json.loads(r.read())["0"]["engine_id"]
             params = {"do_remote_prefill": True, "transfer_id": tid, "remote_engine_id": engine_id,
@@ -144,7 +144,7 @@ def one_request(name: str, servers: dict, model: str, prompt: list[int], max_tok
 
 
 def run_connector(name: str, model: str, prompts: list[list[int]], max_tokens: int, log_dir: str) -> dict:
-    ports = {"bootstrap": free_port(), "query": free_port(), "nixl_p": free_port(), "nixl_d": free_port()}
+    ports = {"bootstrap": free_ports(2), "nixl_p": free_port(), "nixl_d": free_port()}
     if name == "single":
         specs = {"single": ServerSpec("single", model, 0)}
     else:

@@ -69,6 +69,26 @@ class SGLangServer(ServerProcess):
         self._spawn(cmd, env)
 
 
+class SGLangRouter(ServerProcess):
+    """sglang-router (the package on the index, Rust) in PD mode in front of
+    one prefill (its bootstrap port given, as users give it) and one decode
+    server, at its defaults but for the loopback addresses: it adds
+    ``bootstrap_host``, ``bootstrap_port`` and ``bootstrap_room`` to the
+    body and posts it to both at once."""
+
+    def __init__(self, prefill: SGLangServer, decode: SGLangServer, log_dir: str,
+                 python: str = sys.executable) -> None:
+        self.spec = SGLangSpec("sglang-router", "")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = os.path.join(log_dir, "sglang-router.log")
+        self.cmd = [python, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+                    "--prefill", prefill.url, str(prefill.spec.bootstrap_port), "--decode", decode.url,
+                    "--host", "127.0.0.1", "--port", str(self.port),
+                    "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+        self._spawn(self.cmd, dict(os.environ))
+
+
 def generate(server: SGLangServer, input_ids: list[int], max_new_tokens: int, timeout_s: float = 120.0,
              **extra) -> dict:
     """``/generate`` with greedy sampling; the reply (``output_ids``, ``meta_info``)."""

@@ -23,7 +23,7 @@ import urllib.request
 import weakref
 from dataclasses import dataclass, field
 
-from harness.ports import free_port
+from harness.ports import free_port, free_ports  # noqa: F401 (free_ports: the tests take it from here)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 1000
@@ -280,6 +280,28 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class VllmRouter(ServerProcess):
+    """vllm-router (the PD router on the package index, Rust) in PD mode in
+    front of one prefill and one decode server, at its defaults but for
+    the loopback addresses: ``--kv-connector`` ``nixl`` (prefill first, its
+    answered params to decode) or ``mooncake`` (it asks prefill's
+    ``bootstrap_port`` ``GET /query`` at start-up; per request prefill first
+    with a ``transfer_id``, then decode with Mooncake's params)."""
+
+    def __init__(self, connector: str, prefill: "VLLMServer", decode: "VLLMServer", log_dir: str,
+                 bootstrap_port: int | None = None, python: str = sys.executable) -> None:
+        self.spec = ServerSpec(f"vllm-router-{connector}", "", 0)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = os.path.join(log_dir, f"{self.spec.name}.log")
+        binary = os.path.join(os.path.dirname(python), "vllm-router")
+        self.cmd = [binary, "--vllm-pd-disaggregation", "--prefill", prefill.url,
+                    *([str(bootstrap_port)] if bootstrap_port is not None else []), "--decode", decode.url,
+                    "--kv-connector", connector, "--host", "127.0.0.1", "--port", str(self.port),
+                    "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+        self._spawn(self.cmd, dict(os.environ))
 
 
 class VLLMServer(ServerProcess):

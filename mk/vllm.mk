@@ -9,9 +9,14 @@ VLLM_VERSION ?= 0.32.0
 VLLM_TORCH_VERSION ?= 2.13.0
 VLLM_MOONCAKE_VERSION ?= 0.3.13.post1
 VLLM_NIXL_VERSION ?= 1.5.1
+VLLM_ROUTER_VERSION ?= 0.1.17
+# vLLM 0.33, the CUDA release GPU users install: its Python modules (no CUDA
+# libraries) over .venv-vllm's dependencies, for the API conformance tests.
+VLLM_NEXT_VERSION ?= 0.33.0
+VLLM_NEXT := .vllm-$(VLLM_NEXT_VERSION)
 VLLM_STAMP := $(VLLM_VENV)/.kvferry-vllm-setup
 
-.PHONY: setup-vllm test-vllm demo-vllm bench-vllm
+.PHONY: setup-vllm test-vllm test-vllm-033 demo-vllm bench-vllm
 
 setup-vllm: $(VLLM_STAMP)
 
@@ -29,13 +34,31 @@ $(VLLM_STAMP): mk/vllm.mk pyproject.toml | debian-libs
 	# vLLM imports `nixl`: the meta package that forwards to nixl_cu12 (no deps: it would pick a CUDA variant).
 	$(VLLM_PIP) install -q --disable-pip-version-check --no-deps nixl==$(VLLM_NIXL_VERSION)
 	$(VLLM_PIP) install -q --disable-pip-version-check pytest hypothesis
+	# The PD router users deploy in front of vLLM (Rust; test_pd.py runs kvferry's pair behind it).
+	$(VLLM_PIP) install -q --disable-pip-version-check vllm-router==$(VLLM_ROUTER_VERSION)
 	$(VLLM_PIP) install -q --disable-pip-version-check --no-deps -e .
 	$(VLLM_PY) -c "import vllm, torch, mooncake.engine, transfer.adapters.vllm"
+	test -x $(VLLM_VENV)/bin/vllm-router
 	@touch $(VLLM_STAMP)
 
 # Two real vLLM servers (prefill, decode) and a single reference instance, one core each.
 test-vllm: setup-vllm
 	timeout 1800 $(VLLM_PY) -m pytest -q -p no:cacheprovider --durations=15 tests/engines/vllm
+
+# The connector against vLLM $(VLLM_NEXT_VERSION)'s KVConnectorBase_V1 and its scheduler: the API
+# conformance tests and the scheduler half's tests (VLLM_TARGET_DEVICE=cpu: a VllmConfig needs a platform).
+test-vllm-033: $(VLLM_NEXT)/.kvferry-extracted
+	VLLM_TARGET_DEVICE=cpu PYTHONPATH=$(CURDIR)/$(VLLM_NEXT):$(CURDIR) timeout 600 $(VLLM_PY) -m pytest -q -p no:cacheprovider \
+		tests/engines/vllm/test_api.py tests/engines/vllm/test_scheduler_side.py tests/engines/vllm/test_stats_classes.py \
+		tests/engines/vllm/test_logging.py
+	VLLM_TARGET_DEVICE=cpu PYTHONPATH=$(CURDIR)/$(VLLM_NEXT):$(CURDIR) $(VLLM_PY) -c "import vllm; assert vllm.__version__ == '$(VLLM_NEXT_VERSION)', vllm.__file__"
+
+$(VLLM_NEXT)/.kvferry-extracted: $(VLLM_STAMP)
+	rm -rf $(VLLM_NEXT) && mkdir -p $(VLLM_NEXT)/wheel
+	$(VLLM_PIP) download -q --disable-pip-version-check --no-deps -d $(VLLM_NEXT)/wheel vllm==$(VLLM_NEXT_VERSION)
+	$(VLLM_PY) -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); z.extractall(sys.argv[2], [n for n in z.namelist() if n.startswith('vllm/') and not n.endswith('.so')])" $(VLLM_NEXT)/wheel/vllm-$(VLLM_NEXT_VERSION)-*.whl $(VLLM_NEXT)
+	rm -rf $(VLLM_NEXT)/wheel
+	@touch $@
 
 demo-vllm: setup-vllm
 	timeout 900 $(VLLM_PY) -m examples.vllm_demo

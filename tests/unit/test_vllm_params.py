@@ -1,8 +1,11 @@
-"""transfer.adapters.vllm_params: the vLLM connector's config and router params. Pure."""
+"""transfer.adapters.vllm_params: the vLLM connector's config and router params (pure);
+the prefill's HTTP bootstrap port and decode's map to kvferry's ZMQ bootstrap behind it."""
 
 from __future__ import annotations
 
+import socket
 import sys
+import time
 
 import pytest
 
@@ -88,7 +91,7 @@ def test_a_mooncake_router_finds_the_room_from_the_engine_id_query_gives():
     from transfer.adapters.vllm_params import engine_id_of, query_reply
 
     config = ConnectorConfig.from_extra({"kvferry_bootstrap_addr": "10.0.0.5:9000", "kvferry_node": "p0",
-                                         "kvferry_query_port": 8998}, "eng")
+                                         "kvferry_query_port": 8998}, "eng")  # a separate bootstrap server at 9000
     reply = query_reply(config, tp_size=2)
     assert reply["0"]["engine_id"] == engine_id_of(config) and sorted(reply["0"]["worker_addr"]) == ["0", "1"]
     src = source_of({"do_remote_prefill": True, "transfer_id": "t-9", "remote_engine_id": reply["0"]["engine_id"],
@@ -100,6 +103,35 @@ def test_a_mooncake_router_finds_the_room_from_the_engine_id_query_gives():
         ConnectorConfig.from_extra({"kvferry_query_port": 70000}, None)
 
 
+def test_a_prefill_serving_the_bootstrap_answers_http_on_its_port_and_zmq_beside_it():
+    """The README's prefill (serve_bootstrap, 8998): HTTP on 8998, the port
+    vLLM's Mooncake routers ask; kvferry's ZMQ bootstrap on 8999, which the
+    engine id, the /query workers and decode's params name."""
+    from transfer.adapters.vllm_params import decode_params, engine_id_of, query_reply
+
+    served = ConnectorConfig.from_extra({"kvferry_bootstrap_addr": "10.0.0.5:8998", "kvferry_serve_bootstrap": True,
+                                         "kvferry_node": "p0"}, None)
+    assert served.kvferry_addr == "10.0.0.5:8999" and served.http_ports == (8998,)
+    assert engine_id_of(served) == "p0@kvferry@10.0.0.5:8999"
+    assert query_reply(served, 2)["0"]["worker_addr"] == {"0": {"0": "10.0.0.5:8999"}, "1": {"0": "10.0.0.5:8999"}}
+    assert decode_params(5, served)["kvferry_bootstrap_addr"] == "10.0.0.5:8999"
+    own = ConnectorConfig.from_extra({"kvferry_serve_bootstrap": True, "kvferry_bootstrap_zmq_port": 7000,
+                                      "kvferry_query_port": 9100}, None)
+    assert own.kvferry_addr == "127.0.0.1:7000" and own.http_ports == (8998, 9100)
+    # a separate `python -m bootstrap` server: its port is kvferry's; /query only where kvferry_query_port says
+    apart = ConnectorConfig.from_extra({"kvferry_bootstrap_addr": "10.0.0.9:8998"}, None)
+    assert apart.kvferry_addr == "10.0.0.9:8998" and apart.http_ports == ()
+    assert ConnectorConfig.from_extra({"kvferry_query_port": 9100}, None).http_ports == (9100,)
+    # vLLM's Mooncake bootstrap port variable moves the default, as it moves MooncakeConnector's
+    assert ConnectorConfig.from_extra({}, None, env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": "9300"}).bootstrap_addr == \
+        "127.0.0.1:9300"
+    for clash in ({"kvferry_bootstrap_zmq_port": 8998}, {"kvferry_query_port": 8999}):
+        with pytest.raises(ValueError, match="is also an HTTP port"):
+            ConnectorConfig.from_extra({"kvferry_serve_bootstrap": True, **clash}, None)
+    with pytest.raises(ValueError, match="kvferry_bootstrap_zmq_port"):
+        ConnectorConfig.from_extra({"kvferry_serve_bootstrap": True, "kvferry_bootstrap_addr": "h:65535"}, None)
+
+
 def test_the_query_server_answers_get_query_as_vllms_mooncake_bootstrap_does():
     import json
     import urllib.error
@@ -109,11 +141,43 @@ def test_the_query_server_answers_get_query_as_vllms_mooncake_bootstrap_does():
     from transfer.adapters.vllm_query import QueryServer
 
     config = ConnectorConfig.from_extra({"kvferry_node": "p0"}, None)
-    server = QueryServer("127.0.0.1", 0, query_reply(config, 1))
+    server = QueryServer("127.0.0.1", 0, query_reply(config, 1), kvferry_port=4321)
     try:
         with urllib.request.urlopen(f"http://{server.address}/query", timeout=5) as r:
             assert json.loads(r.read()) == query_reply(config, 1)
+        with urllib.request.urlopen(f"http://{server.address}/kvferry", timeout=5) as r:
+            assert json.loads(r.read()) == {"port": 4321}
+        with urllib.request.urlopen(f"http://{server.address}/health", timeout=5) as r:
+            assert r.status == 200
         with pytest.raises(urllib.error.HTTPError, match="404"):
             urllib.request.urlopen(f"http://{server.address}/register", timeout=5)
     finally:
         server.close()
+
+
+def test_decode_finds_kvferrys_bootstrap_behind_a_front_door_and_takes_a_zmq_port_as_it_is():
+    """A request naming a prefill's HTTP bootstrap port (the concurrent
+    protocol's kvferry_bootstrap_addr, as configured) maps to kvferry's ZMQ
+    server there; a ZMQ port (a separate bootstrap server, or the address
+    prefill's params name) is itself, told at once by its greeting; a port
+    nobody listens on is taken as it is, not remembered."""
+    from bootstrap.server import BootstrapServer
+    from transfer.adapters.vllm_params import query_reply
+    from transfer.adapters.vllm_query import KvferryAddresses, QueryServer
+
+    zmq_server = BootstrapServer("127.0.0.1", 0).start()
+    door = QueryServer("127.0.0.1", 0, query_reply(ConnectorConfig(), 1), kvferry_port=zmq_server.port)
+    try:
+        addresses = KvferryAddresses(timeout_s=5.0)
+        assert addresses(door.address) == zmq_server.address
+        t0 = time.monotonic()
+        assert addresses(zmq_server.address) == zmq_server.address
+        assert time.monotonic() - t0 < 1.0, "a ZMQ port must be told by its greeting, not by a timeout"
+        closed = socket.socket()
+        closed.bind(("127.0.0.1", 0))
+        nobody = f"127.0.0.1:{closed.getsockname()[1]}"
+        closed.close()
+        assert addresses(nobody) == nobody and nobody not in addresses._known
+    finally:
+        door.close()
+        zmq_server.close()

@@ -345,3 +345,26 @@ def test_sleep_fails_the_rooms_in_flight_and_after_wake_up_rooms_land_byte_exact
     wait_finished(p, {"p-awake"}, 10)
     assert d.load_errors() == set()
     assert decode.page_bytes(dst) == prefill.page_bytes(src)
+
+
+def test_a_request_naming_the_prefills_http_bootstrap_port_lands_through_kvferrys_beside_it(cluster):
+    """The concurrent protocol's kvferry_bootstrap_addr as a router copies it
+    from the configuration: the port a serving prefill answers HTTP on.
+    Decode finds kvferry's ZMQ bootstrap behind it (GET /kvferry) and the
+    room lands byte-exact."""
+    from transfer.adapters.vllm_params import query_reply
+    from transfer.adapters.vllm_query import QueryServer
+
+    door = QueryServer("127.0.0.1", 0, query_reply(ConnectorConfig(), 1), kvferry_port=cluster.server.port)
+    cluster.stack.callback(door.close)
+    p, prefill = worker(cluster, Role.PREFILL)
+    d, decode = worker(cluster, Role.DECODE)
+    rng = np.random.default_rng(11)
+    src, dst = random_pages(rng, 5), np.array([40, 3, 17, 22, 9])
+    d.start([], [RecvSpec(req_id="d", room=300, bootstrap_addr=door.address, node_id="prefill",
+                          pages=tuple(int(x) for x in dst))])
+    p.start([SendSpec(req_id="p", room=300, pages=tuple(int(x) for x in src))], [])
+    wait_finished(d, {"d"}, 10)
+    wait_finished(p, {"p"}, 10)
+    assert d.load_errors() == set()
+    assert decode.page_bytes(dst) == prefill.page_bytes(src)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -163,7 +164,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         log_as_vllm()
         tc = vllm_config.kv_transfer_config
-        self.config = ConnectorConfig.from_extra(tc.kv_connector_extra_config, tc.engine_id)
+        self.config = ConnectorConfig.from_extra(tc.kv_connector_extra_config, tc.engine_id, env=os.environ)
         self.is_producer = tc.kv_role == "kv_producer"
         if tc.kv_role not in ("kv_producer", "kv_consumer"):
             raise ValueError(f"KvferryConnector: kv_role must be kv_producer or kv_consumer, got {tc.kv_role!r}")

@@ -16,10 +16,13 @@ Protocol (push from prefill; what a router or client sends):
   ``{"do_remote_prefill": true, "transfer_id": T, "kvferry_bootstrap_addr":
   B, "kvferry_node": N}`` at once; decode's request waits at prefill until
   prefill's pages are ready. The room is :func:`room_of` ``(T)``.
-- vLLM's MooncakeConnector router, unchanged: with ``kvferry_query_port``
-  set, prefill answers ``GET http://<kvferry_host>:<port>/query`` as
-  vLLM's Mooncake bootstrap server does (``{dp_rank: {"engine_id": E,
-  "worker_addr": {...}}}``); the router then POSTs decode
+- vLLM's MooncakeConnector router, unchanged: a prefill that serves the
+  bootstrap answers ``GET http://<host>:<bootstrap port>/query`` on that
+  port (8998, the port those routers ask), as vLLM's Mooncake bootstrap
+  server does (``{dp_rank: {"engine_id": E, "worker_addr": {...}}}``);
+  kvferry's own ZMQ bootstrap server listens on the next port
+  (:attr:`ConnectorConfig.kvferry_addr`). ``kvferry_query_port`` answers
+  ``/query`` on another port besides. The router then POSTs decode
   ``{"do_remote_prefill": true, "transfer_id": T, "remote_engine_id": E,
   "remote_bootstrap_addr": ...}``. ``E`` is :func:`engine_id_of`: the
   prefill node and kvferry's bootstrap address, which decode reads back.
@@ -48,16 +51,23 @@ DEFAULT_LEASE_S = 30.0
 class ConnectorConfig:
     """From ``kv_connector_extra_config``:
 
-    - ``kvferry_bootstrap_addr`` (``host:port``, default ``127.0.0.1:8998``):
-      the bootstrap server prefill registers with and names to decode;
+    - ``kvferry_bootstrap_addr`` (``host:port``, default ``127.0.0.1:`` and
+      ``VLLM_MOONCAKE_BOOTSTRAP_PORT`` or 8998): the bootstrap server prefill
+      registers with and names to decode;
     - ``kvferry_serve_bootstrap`` (bool, default false): the prefill worker
-      runs that server itself (else run ``python -m bootstrap``);
+      runs that server itself (else run ``python -m bootstrap``): that port
+      then speaks HTTP, as vLLM's Mooncake bootstrap port does (``GET
+      /query`` for vLLM's Mooncake routers, ``GET /kvferry``: ``{"port":
+      <kvferry's port>}``, ``GET /health``), and kvferry's ZMQ bootstrap
+      server listens beside it, on ``kvferry_bootstrap_zmq_port`` (default:
+      the next port);
     - ``kvferry_host`` (default ``127.0.0.1``): this rank's address for peers;
     - ``kvferry_node`` (default: vLLM's ``engine_id``): the prefill node's name;
     - ``kvferry_protocol`` (``tcp`` or ``rdma``, default ``tcp``);
-    - ``kvferry_query_port`` (prefill, default 0: off): answer vLLM's
-      Mooncake routers' ``GET /query`` on ``kvferry_host`` at this port (see
-      the protocol above);
+    - ``kvferry_query_port`` (prefill, default 0: none besides the served
+      bootstrap port): answer vLLM's Mooncake routers' ``GET /query`` on
+      ``kvferry_host`` at this port too (a prefill with a separate
+      ``python -m bootstrap`` server has no port of its own otherwise);
     - ``kvferry_lease_s`` (seconds, default 30, as vLLM's NixlConnector's
       ``kv_lease_duration``): prefill keeps a finished request's blocks this
       long for a decode request; then the worker ends the room (reason
@@ -83,7 +93,8 @@ class ConnectorConfig:
     node_id: str = "prefill"
     protocol: str = "tcp"
     lease_s: float = DEFAULT_LEASE_S
-    query_port: int = 0  # prefill: answer vLLM Mooncake routers' GET /query here (0: off)
+    query_port: int = 0  # prefill: answer vLLM Mooncake routers' GET /query here too (0: no other port)
+    bootstrap_zmq_port: int = 0  # serve_bootstrap: kvferry's ZMQ bootstrap server's port (0: the next port)
     layer_groups: int = 0  # prefill: stream in this many layer groups during the forward pass (0: off)
     manager: dict = field(default_factory=dict)
 
@@ -97,6 +108,14 @@ class ConnectorConfig:
             raise ValueError(f"kvferry_lease_s must be > 0, got {self.lease_s!r}")
         if not 0 <= self.query_port < 1 << 16:
             raise ValueError(f"kvferry_query_port must be a TCP port or 0, got {self.query_port!r}")
+        if not 0 <= self.bootstrap_zmq_port < 1 << 16 or (self.serve_bootstrap and int(port) + 1 >= 1 << 16
+                                                           and not self.bootstrap_zmq_port):
+            raise ValueError(f"kvferry_bootstrap_zmq_port must be a TCP port or 0 (the port after "
+                             f"kvferry_bootstrap_addr's), got {self.bootstrap_zmq_port!r}")
+        zmq_port = int(self.kvferry_addr.rpartition(":")[2])
+        if self.serve_bootstrap and zmq_port in self.http_ports:
+            raise ValueError(f"kvferry's ZMQ bootstrap port {zmq_port} (kvferry_bootstrap_zmq_port) is also an "
+                             "HTTP port of this prefill (kvferry_bootstrap_addr's or kvferry_query_port)")
         if not isinstance(self.layer_groups, int) or self.layer_groups < 0:
             raise ValueError(f"kvferry_layer_groups must be an int >= 0, got {self.layer_groups!r}")
         if ENGINE_SEP in self.node_id:
@@ -105,19 +124,40 @@ class ConnectorConfig:
         if unknown:
             raise ValueError(f"kvferry: unknown or unsupported ManagerConfig fields {sorted(unknown)}")
 
+    @property
+    def kvferry_addr(self) -> str:
+        """kvferry's ZMQ bootstrap server, where this side's ranks register
+        and decode looks them up: ``bootstrap_addr`` itself, or, where this
+        prefill serves the bootstrap (its port answers HTTP), the port beside it."""
+        if not self.serve_bootstrap:
+            return self.bootstrap_addr
+        host, _, port = self.bootstrap_addr.rpartition(":")
+        return f"{host}:{self.bootstrap_zmq_port or int(port) + 1}"
+
+    @property
+    def http_ports(self) -> tuple[int, ...]:
+        """The ports this prefill answers ``GET /query`` on (with ``/kvferry``
+        and ``/health``): the served bootstrap port and ``query_port``."""
+        served = (int(self.bootstrap_addr.rpartition(":")[2]),) if self.serve_bootstrap else ()
+        return tuple(dict.fromkeys(served + ((self.query_port,) if self.query_port else ())))
+
     @staticmethod
-    def from_extra(extra: dict | None, engine_id: str | None) -> "ConnectorConfig":
+    def from_extra(extra: dict | None, engine_id: str | None, env: dict | None = None) -> "ConnectorConfig":
+        """``env`` (default: none): the environment, for
+        ``VLLM_MOONCAKE_BOOTSTRAP_PORT`` (the default bootstrap port)."""
         extra = dict(extra or {})
         manager = dict(extra.get("kvferry", {}))
         lease = extra.get("kvferry_lease_s", DEFAULT_LEASE_S)
+        port = str((env or {}).get("VLLM_MOONCAKE_BOOTSTRAP_PORT", "")).strip() or "8998"
         return ConnectorConfig(
-            bootstrap_addr=str(extra.get("kvferry_bootstrap_addr", "127.0.0.1:8998")),
+            bootstrap_addr=str(extra.get("kvferry_bootstrap_addr", f"127.0.0.1:{port}")),
             serve_bootstrap=bool(extra.get("kvferry_serve_bootstrap", False)),
             host=str(extra.get("kvferry_host", "127.0.0.1")),
             node_id=str(extra.get("kvferry_node") or engine_id or "prefill"),
             protocol=str(extra.get("kvferry_protocol", "tcp")),
             lease_s=float(lease),
             query_port=int(extra.get("kvferry_query_port", 0)),
+            bootstrap_zmq_port=int(extra.get("kvferry_bootstrap_zmq_port", 0)),
             layer_groups=extra.get("kvferry_layer_groups", 0),
             manager=manager,
         )
@@ -210,7 +250,7 @@ ENGINE_SEP = "@kvferry@"
 
 def engine_id_of(config: ConnectorConfig) -> str:
     """The engine id prefill's ``/query`` gives vLLM's Mooncake routers."""
-    return f"{config.node_id}{ENGINE_SEP}{config.bootstrap_addr}"
+    return f"{config.node_id}{ENGINE_SEP}{config.kvferry_addr}"
 
 
 def query_reply(config: ConnectorConfig, tp_size: int) -> dict:
@@ -218,13 +258,13 @@ def query_reply(config: ConnectorConfig, tp_size: int) -> dict:
     shapes it: ``{dp_rank: {"engine_id", "worker_addr": {tp: {pp: addr}}}}``
     (the workers' addresses are kvferry's bootstrap: decode finds the ranks there)."""
     return {"0": {"engine_id": engine_id_of(config),
-                  "worker_addr": {str(tp): {"0": config.bootstrap_addr} for tp in range(tp_size)}}}
+                  "worker_addr": {str(tp): {"0": config.kvferry_addr} for tp in range(tp_size)}}}
 
 
 def decode_params(room: int, config: ConnectorConfig) -> dict:
     """What prefill returns in its response, for the router to send to decode."""
     return {"do_remote_prefill": True, "do_remote_decode": False, "kvferry_version": PARAMS_VERSION,
-            "kvferry_room": room, "kvferry_bootstrap_addr": config.bootstrap_addr, "kvferry_node": config.node_id}
+            "kvferry_room": room, "kvferry_bootstrap_addr": config.kvferry_addr, "kvferry_node": config.node_id}
 
 
 def source_of(params: dict) -> Source:

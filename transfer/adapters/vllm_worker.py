@@ -45,6 +45,7 @@ from transfer.adapters.vllm_groups import Group, GroupPlan, split_draft
 from transfer.adapters.vllm_groups import layer_order as _layer_order
 from transfer.adapters.vllm_layerwise import LayerStream, layer_groups
 from transfer.adapters.vllm_params import ConnectorConfig, RecvSpec, SendSpec, query_reply
+from transfer.adapters.vllm_query import KvferryAddresses, QueryServer
 from transfer.config import EngineConfig, ManagerConfig, Role
 from transfer.errors import KVFerryError
 from transfer.pools import FusedKVPool, MLAPool, describe_fused
@@ -208,8 +209,9 @@ class KvferryWorker:
         self.layout = layout or CacheLayout()
         self.groups = groups  # vLLM's KV-cache groups (None: every layer in one)
         self.mgr = None
-        self.server = None  # the bootstrap server (kvferry_serve_bootstrap)
-        self.query = None  # GET /query for vLLM's Mooncake routers (kvferry_query_port)
+        self.server = None  # kvferry's ZMQ bootstrap server (kvferry_serve_bootstrap)
+        self.query: list = []  # prefill: the HTTP ports (GET /query for vLLM's Mooncake routers)
+        self._kvferry_addr = KvferryAddresses()  # decode: a request's bootstrap address -> kvferry's ZMQ server
         self._lock = threading.Lock()
         self._rooms: dict[str, _Room] = {}
         self._by_handle: dict[int, _Room] = {}  # id(handle) of every listed room (it keeps the handle alive)
@@ -256,14 +258,9 @@ class KvferryWorker:
             pools.append(self._pool([kv_caches[n] for n in draft_names], PoolRole.DRAFT,
                                     lay.draft_kv_heads or lay.total_kv_heads))
         c = self.config
-        if c.serve_bootstrap and self.role is Role.PREFILL and self.tp_rank == 0:
-            from bootstrap.server import BootstrapServer
-            host, _, port = c.bootstrap_addr.rpartition(":")
-            self.server = BootstrapServer(host, int(port)).start()
-        if c.query_port and self.role is Role.PREFILL and self.tp_rank == 0:
-            from transfer.adapters.vllm_query import QueryServer
-            self.query = QueryServer(c.host, c.query_port, query_reply(c, self.tp_size))
-        mconfig = ManagerConfig(role=self.role, bootstrap_addr=c.bootstrap_addr, node_id=c.node_id,
+        if self.role is Role.PREFILL and self.tp_rank == 0:
+            self._serve()
+        mconfig = ManagerConfig(role=self.role, bootstrap_addr=c.kvferry_addr, node_id=c.node_id,
                                 host=c.host, tp_rank=self.tp_rank, tp_size=self.tp_size,
                                 engine=replace(EngineConfig(), protocol=c.protocol, hostname=c.host),
                                 **c.manager_fields(prefill=self.role is Role.PREFILL))
@@ -276,7 +273,30 @@ class KvferryWorker:
                  "%s, %d state pool(s), bootstrap %s", self.role.value, self.tp_rank, self.tp_size, len(layers),
                  len(draft_names), layers[0].shape[0],
                  layers[0][0].numel() * layers[0].element_size(), lay.vllm_layout or lay.kv_layout, len(states),
-                 c.bootstrap_addr)
+                 c.kvferry_addr)
+
+    def _serve(self) -> None:
+        """Prefill's TP rank 0: kvferry's ZMQ bootstrap server
+        (``kvferry_serve_bootstrap``) and the HTTP ports vLLM's Mooncake
+        routers ask (:mod:`~transfer.adapters.vllm_query`): the served
+        bootstrap port itself, and ``kvferry_query_port``."""
+        c = self.config
+        try:
+            if c.serve_bootstrap:
+                from bootstrap.server import BootstrapServer
+                host, _, port = c.kvferry_addr.rpartition(":")
+                self.server = BootstrapServer(host, int(port)).start()
+            served = int(c.bootstrap_addr.rpartition(":")[2]) if c.serve_bootstrap else None
+            zmq_port = int(c.kvferry_addr.rpartition(":")[2])
+            for port in c.http_ports:  # the served port on the bootstrap's host, kvferry_query_port on ours
+                host = c.bootstrap_addr.rpartition(":")[0] if port == served else c.host
+                self.query.append(QueryServer(host, port, query_reply(c, self.tp_size), zmq_port))
+        except BaseException:
+            self._close_servers()
+            raise
+        if c.serve_bootstrap:
+            log.info("kvferry bootstrap: HTTP (GET /query, /kvferry) on %s, kvferry's ZMQ server on %s",
+                     ", ".join(q.address for q in self.query), self.server.address)
 
     def _pool(self, layers: list, role: PoolRole, total_kv_heads: int | None):
         """One pool of vLLM's layers: MLA's latent (identical on every TP
@@ -356,7 +376,7 @@ class KvferryWorker:
                 heapq.heappush(self._leases, (time.monotonic() + self.config.lease_s, s.req_id))
         for r in recvs:
             try:
-                receiver = KVReceiver(self.mgr, r.bootstrap_addr, r.room, prefill_node=r.node_id)
+                receiver = KVReceiver(self.mgr, self._kvferry_addr(r.bootstrap_addr), r.room, prefill_node=r.node_id)
                 receiver.init(r.pages, token_ids=list(r.token_ids) or None, skip_pages=r.skip_pages,
                               state_indices=list(r.states) or None)
             except KVFerryError as exc:
@@ -444,7 +464,7 @@ class KvferryWorker:
 
         for c in cancels:
             try:
-                KVReceiver(self.mgr, c.bootstrap_addr, c.room, prefill_node=c.node_id).abort(
+                KVReceiver(self.mgr, self._kvferry_addr(c.bootstrap_addr), c.room, prefill_node=c.node_id).abort(
                     f"decode does not need request {c.req_id}'s KV (finished before it was scheduled, or its "
                     "own prefix cache holds the prompt)")
                 self.num_cancelled += 1
@@ -530,10 +550,10 @@ class KvferryWorker:
         self._close_servers()
 
     def _close_servers(self) -> None:
-        for server in (self.server, self.query):
+        for server in (self.server, *self.query):
             if server is not None:
                 server.close()
-        self.server = self.query = None
+        self.server, self.query = None, []
 
     # --- the driver ----------------------------------------------------------------
 
@@ -599,7 +619,7 @@ class KvferryWorker:
         for h in due:
             spec = h[0]
             try:
-                sent = self.mgr.hold_room(spec.bootstrap_addr, spec.room, prefill_node=spec.node_id,
+                sent = self.mgr.hold_room(self._kvferry_addr(spec.bootstrap_addr), spec.room, prefill_node=spec.node_id,
                                           hold_s=self.hold_s)
             except KVFerryError as exc:
                 log.warning("kvferry: request %s (room %d) not held at prefill: %s", spec.req_id, spec.room, exc)

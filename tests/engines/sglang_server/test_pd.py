@@ -69,3 +69,27 @@ def test_decode_tokens_equal_a_single_server(servers):
         lines = server.kvferry_lines()
         assert f"kvferry {server.spec.mode} rank tp 0/1 dp 0/1 ready" in lines, lines
         assert "failed" not in lines, lines
+
+
+def test_behind_sglang_router_unchanged_tokens_equal_a_single_server(servers, tmp_path):
+    """sglang-router 0.3.2 (the package users deploy), ``--pd-disaggregation``
+    at its defaults in front of the pair: it picks the room and posts the
+    same body to prefill and decode at once; decode's tokens equal the
+    single server's."""
+    pytest.importorskip("sglang_router")
+    from harness.sglang_server import SGLangRouter
+
+    reference, prefill, decode = servers["reference"], servers["prefill"], servers["decode"]
+    router = SGLangRouter(prefill, decode, str(tmp_path))
+    try:
+        router.wait_ready(90)
+        for i, n in enumerate((50, 300, 900)):
+            prompt = prompt_of(n, 100 + i)
+            want = generate(reference, prompt, MAX_NEW)["output_ids"]
+            got = generate(router, prompt, MAX_NEW)
+            assert got["output_ids"] == want, (n, got["output_ids"], want, router.log_tail())
+            assert got["meta_info"]["prompt_tokens"] == n
+    finally:
+        router.close()
+    lines = decode.kvferry_lines()
+    assert "failed" not in lines, lines

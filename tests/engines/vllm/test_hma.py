@@ -26,7 +26,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from harness.vllm import (SLIDING_WINDOW, VOCAB, ServerSpec, VLLMServer, build_tiny_sliding_model,  # noqa: E402
-                          complete, free_port, pd_complete)
+                          complete, free_ports, pd_complete)
 from tests.engines.vllm.pd_servers import (digests, group_digests, kvferry_pair, logged, prompt_sources_since,  # noqa: E402
                                            running)
 
@@ -41,7 +41,7 @@ NODE, MODEL_NAME = "hma-prefill", "tiny-gemma3"
 def hma(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-hma")
     model = build_tiny_sliding_model(str(root / "model"))
-    bootstrap = f"127.0.0.1:{free_port()}"
+    bootstrap = f"127.0.0.1:{free_ports(2)}"  # prefill serves HTTP there, kvferry's ZMQ bootstrap beside it
     servers = {"reference": VLLMServer(ServerSpec("reference", model, 0, args=ARGS), str(root)),
                **kvferry_pair(model, str(root), bootstrap, NODE, MODEL_NAME, args=ARGS)}
     with running(servers):

@@ -32,7 +32,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from harness.vllm import (VOCAB, ServerSpec, VLLMServer, _body, build_tiny_gdn_model, complete,  # noqa: E402
-                          free_port, pd_complete, post)
+                          free_ports, pd_complete, post)
 from tests.engines.vllm.pd_servers import (digests, group_digests, kvferry_pair, logged, nixl_pair,  # noqa: E402
                                            prompt_sources_since, running)
 
@@ -44,7 +44,7 @@ LENGTHS = (37, 100, 257, 640, 1000)
 def gdn(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-gdn")
     model = build_tiny_gdn_model(str(root / "model"))
-    bootstrap = f"127.0.0.1:{free_port()}"
+    bootstrap = f"127.0.0.1:{free_ports(2)}"  # prefill serves HTTP there, kvferry's ZMQ bootstrap beside it
     servers = {"reference": VLLMServer(ServerSpec("reference", model, 0), str(root)), **nixl_pair(model, str(root)),
                **kvferry_pair(model, str(root), bootstrap, "gdn-prefill", "tiny-qwen3-next")}
     with running(servers):

@@ -28,7 +28,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from harness.vllm import (VOCAB, ServerSpec, VLLMServer, _body, build_tiny_model, complete, free_port,  # noqa: E402
+from harness.vllm import (VOCAB, ServerSpec, VLLMServer, _body, build_tiny_model, complete, free_ports,  # noqa: E402
                           pd_complete, post, tokens_of)
 from tests.engines.vllm.pd_servers import (digests, kvferry_pair, logged, prompt_sources_since, reported,  # noqa: E402
                                            running, settled_metric)
@@ -45,7 +45,7 @@ PARTS_METRIC = "vllm:kvferry_num_descriptors_sum"  # per room, decode: the stage
 def layerwise(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-layerwise")
     model = build_tiny_model(str(root / "model"))
-    bootstrap = f"127.0.0.1:{free_port()}"
+    bootstrap = f"127.0.0.1:{free_ports(2)}"  # prefill serves HTTP there, kvferry's ZMQ bootstrap beside it
     servers = {"reference": VLLMServer(ServerSpec("reference", model, 0), str(root)),
                **kvferry_pair(model, str(root), bootstrap, NODE, "tiny-llama",
                               # every prompt here is shorter than layerwise_min_tokens' default: stream them anyway

@@ -24,7 +24,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from harness.vllm import (VOCAB, ServerSpec, VLLMServer, build_tiny_mla_model, complete, free_port,  # noqa: E402
+from harness.vllm import (VOCAB, ServerSpec, VLLMServer, build_tiny_mla_model, complete, free_ports,  # noqa: E402
                           pd_complete)
 from tests.engines.vllm.pd_servers import (digests, kvferry_pair, logged, nixl_pair, prompt_sources_since,  # noqa: E402
                                            running)
@@ -40,7 +40,7 @@ NODE, MODEL_NAME = "mla-prefill", "tiny-mla"
 def mla(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-mla")
     model = build_tiny_mla_model(str(root / "model"))
-    bootstrap = f"127.0.0.1:{free_port()}"
+    bootstrap = f"127.0.0.1:{free_ports(2)}"  # prefill serves HTTP there, kvferry's ZMQ bootstrap beside it
     servers = {"reference": VLLMServer(ServerSpec("reference", model, 0), str(root)), **nixl_pair(model, str(root)),
                **kvferry_pair(model, str(root), bootstrap, NODE, MODEL_NAME)}
     with running(servers):

@@ -32,7 +32,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from harness.vllm import (VOCAB, ServerSpec, VLLMServer, build_tiny_mla_model, complete, free_port,  # noqa: E402
+from harness.vllm import (VOCAB, ServerSpec, VLLMServer, build_tiny_mla_model, complete, free_ports,  # noqa: E402
                           pd_complete)
 from tests.engines.vllm.pd_servers import (kvferry_pair, logged, prompt_sources_since, rank_digests,  # noqa: E402
                                            running)
@@ -47,7 +47,7 @@ LENGTHS = (37, 300, 1000)
 def tp2(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-mla-tp")
     model = build_tiny_mla_model(str(root / "model"))
-    bootstrap = f"127.0.0.1:{free_port()}"
+    bootstrap = f"127.0.0.1:{free_ports(2)}"  # prefill serves HTTP there, kvferry's ZMQ bootstrap beside it
     servers = {"reference": VLLMServer(ServerSpec("reference", model, 1), str(root)),
                **kvferry_pair(model, str(root), bootstrap, NODE, MODEL_NAME,
                               prefill_env={"VLLM_CPU_OMP_THREADS_BIND": "0|0"},

@@ -35,7 +35,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from harness.vllm import (VOCAB, ServerSpec, VLLMServer, build_tiny_model, complete, free_port,  # noqa: E402
+from harness.vllm import (VOCAB, ServerSpec, VLLMServer, build_tiny_model, complete, free_ports,  # noqa: E402
                           pd_complete, post, tokens_of, _body)
 from tests.engines.vllm.pd_servers import reported  # noqa: E402
 
@@ -52,14 +52,12 @@ BLOCK = 128  # vLLM's CPU block size
 BLOCK_BYTES = 4 * 4 * BLOCK * 2 * 32 * 2  # layers x KV heads x tokens x (K and V) x head dim x bf16
 
 
-def kv_config(role: str, bootstrap: str, store: str, query: str = "") -> dict:
+def kv_config(role: str, bootstrap: str, store: str) -> dict:
     extra = {"kvferry_bootstrap_addr": bootstrap, "kvferry_node": "prefill0",
              "kvferry": {**KVFERRY, "storage_url": f"file://{store}"}}
-    if role == "kv_producer":
+    if role == "kv_producer":  # the bootstrap port answers HTTP (GET /query), kvferry's ZMQ server the next one
         extra["kvferry_serve_bootstrap"] = True
         extra["kvferry_lease_s"] = LEASE_S
-        if query:
-            extra["kvferry_query_port"] = int(query.rpartition(":")[2])
     config = {"kv_connector": "KvferryConnector", "kv_connector_module_path": "transfer.adapters.vllm",
               "kv_role": role, "kv_connector_extra_config": extra}
     if role == "kv_consumer":
@@ -111,8 +109,9 @@ class Cluster:
 
     def __init__(self, model: str, log_dir: str) -> None:
         self.model, self.log_dir = model, log_dir
-        self.bootstrap = f"127.0.0.1:{free_port()}"
-        self.query = f"127.0.0.1:{free_port()}"  # prefill's GET /query for vLLM's Mooncake routers
+        port = free_ports(2)
+        self.bootstrap = f"127.0.0.1:{port}"  # the prefill's bootstrap port: HTTP (GET /query, as Mooncake's)
+        self.kvferry = f"127.0.0.1:{port + 1}"  # kvferry's ZMQ bootstrap server beside it
         self.store = f"{log_dir}/store"  # kvferry's storage tier, shared by prefill and decode
         self.servers: dict[str, VLLMServer] = {}
         self.reference_tokens: dict[tuple[int, int], list[int]] = {}
@@ -120,8 +119,7 @@ class Cluster:
     def start(self, name: str) -> VLLMServer:
         decode_config = kv_config("kv_consumer", self.bootstrap, self.store)
         spec = {"reference": ServerSpec("reference", self.model, 0),
-                "prefill": ServerSpec("prefill", self.model, 0, kv_config("kv_producer", self.bootstrap, self.store,
-                                                                          query=self.query)),
+                "prefill": ServerSpec("prefill", self.model, 0, kv_config("kv_producer", self.bootstrap, self.store)),
                 "decode": ServerSpec("decode", self.model, 1, decode_config),
                 # decode with its own prefix cache on (vLLM's default): asks prefill only for the blocks it lacks
                 "decode-prefix": ServerSpec("decode-prefix", self.model, 1, decode_config, prefix_caching=True,
@@ -169,7 +167,7 @@ def test_decode_tokens_equal_a_single_instance_and_no_prompt_token_is_recomputed
         got = pd_complete(cluster.servers["prefill"], decode, cluster.model, prompt_of(n, i), MAX_TOKENS)
         assert len(got.tokens) == MAX_TOKENS
         assert got.tokens == want, f"{n} tokens: decode {got.tokens} != single instance {want}"
-        assert got.kv_params["kvferry_bootstrap_addr"] == cluster.bootstrap
+        assert got.kv_params["kvferry_bootstrap_addr"] == cluster.kvferry  # kvferry's ZMQ bootstrap, beside HTTP
     after = decode.metrics()
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     why = f"{delta}\ndecode:\n{decode.kvferry_lines()}\nprefill:\n{cluster.servers['prefill'].kvferry_lines()}"
@@ -203,19 +201,20 @@ def test_concurrent_protocol_with_a_router_transfer_id(cluster):
 
 
 def test_a_router_written_for_vllms_mooncake_connector_works_unchanged(cluster):
-    """The router's steps for MooncakeConnector: ask prefill's bootstrap for
-    its engine over HTTP (``GET /query``), pick a transfer_id, post prefill
-    and decode at once with Mooncake's params. Decode's tokens equal the
-    single instance's, every prompt token external."""
+    """The router's steps for MooncakeConnector: ask prefill's bootstrap port
+    (the configured one: kvferry's ZMQ server is beside it) for its engine
+    over HTTP (``GET /query``), pick a transfer_id, post prefill and decode
+    at once with Mooncake's params. Decode's tokens equal the single
+    instance's, every prompt token external."""
     prefill, decode = cluster.servers["prefill"], cluster.servers["decode"]
-    with urllib.request.urlopen(f"http://{cluster.query}/query", timeout=10) as r:
+    with urllib.request.urlopen(f"http://{cluster.bootstrap}/query", timeout=10) as r:
         engines = json.loads(r.read())
     engine_id = engines["0"]["engine_id"]
     n, seed = 290, 8
     prompt, want = prompt_of(n, seed), cluster.reference(n, seed)
     transfer_id = str(uuid.uuid4())
     params = {"do_remote_prefill": True, "transfer_id": transfer_id, "remote_engine_id": engine_id,
-              "remote_bootstrap_addr": f"http://{cluster.query}"}
+              "remote_bootstrap_addr": f"http://{cluster.bootstrap}"}
     before = decode.metrics()
     replies, threads = _each_on_a_thread(lambda name: post(
         (decode if name == "decode" else prefill).url,
@@ -230,6 +229,37 @@ def test_a_router_written_for_vllms_mooncake_connector_works_unchanged(cluster):
     after = decode.metrics()
     assert after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0) == n
     assert after.get("local_compute", 0) - before.get("local_compute", 0) == 0
+
+
+@pytest.mark.parametrize("connector", ["nixl", "mooncake"])
+def test_behind_vllm_router_unchanged_tokens_equal_a_single_instance(cluster, connector):
+    """vllm-router 0.1.17 (the package users deploy), PD mode, at its
+    defaults: ``nixl`` (prefill first, its answered kv_transfer_params to
+    decode) and ``mooncake`` (it asks the prefill's bootstrap port ``GET
+    /query`` at start-up and refuses to start without an answer; per
+    request prefill with a transfer_id, then decode with Mooncake's params). Through the router,
+    decode's tokens equal the single instance's, every prompt token
+    external."""
+    from harness.vllm import VllmRouter
+
+    prefill, decode = cluster.servers["prefill"], cluster.servers["decode"]
+    port = int(cluster.bootstrap.rpartition(":")[2])
+    router = VllmRouter(connector, prefill, decode, cluster.log_dir,
+                        bootstrap_port=port if connector == "mooncake" else None)
+    try:
+        router.wait_ready(90)
+        lengths, before = (150, 700, 1000), decode.metrics()
+        for i, n in enumerate(lengths):
+            seed = 40 + i
+            reply = post(router.url, _body(cluster.model, prompt_of(n, seed), MAX_TOKENS, None), 120)
+            assert tokens_of(reply) == cluster.reference(n, seed), \
+                f"{connector}: {n} tokens\nrouter:\n{router.log_tail()}\ndecode:\n{decode.kvferry_lines()}"
+        after = decode.metrics()
+        why = f"{connector}\nrouter:\n{router.log_tail()}\ndecode:\n{decode.kvferry_lines()}"
+        assert after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0) == sum(lengths), why
+        assert after.get("local_compute", 0) - before.get("local_compute", 0) == 0, why
+    finally:
+        router.close()
 
 
 def test_the_connector_stats_on_both_servers_count_what_moved(cluster):

@@ -25,8 +25,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from harness.vllm import VOCAB, ServerSpec, VLLMServer, build_tiny_model, complete, free_port, pd_complete  # noqa: E402
+from harness.vllm import VOCAB, ServerSpec, VLLMServer, build_tiny_model, complete, free_ports, pd_complete  # noqa: E402
 from bootstrap.client import BootstrapClient  # noqa: E402
+from transfer.adapters.vllm_query import KvferryAddresses  # noqa: E402
 from bootstrap.messages import PoolRole  # noqa: E402
 from tests.engines.vllm.pd_servers import digests, kvferry_pair, logged, prompt_sources_since, running  # noqa: E402
 
@@ -43,7 +44,7 @@ def spec(tmp_path_factory):
     draft = build_tiny_model(str(root / "draft"), seed=1)
     args = ("--speculative-config", json.dumps({"method": "draft_model", "model": draft,
                                                 "num_speculative_tokens": 2}))
-    bootstrap = f"127.0.0.1:{free_port()}"
+    bootstrap = f"127.0.0.1:{free_ports(2)}"  # prefill serves HTTP there, kvferry's ZMQ bootstrap beside it
     servers = {"reference": VLLMServer(ServerSpec("reference", model, 0, args=args), str(root)),
                **kvferry_pair(model, str(root), bootstrap, NODE, "tiny-llama-spec", args=args)}
     with running(servers):
@@ -53,7 +54,7 @@ def spec(tmp_path_factory):
 def test_a_drafts_kv_moves_as_the_draft_pool_byte_exact_and_tokens_equal_a_single_instance(spec):
     model, servers, bootstrap = spec
     prefill, decode = servers["prefill"], servers["decode"]
-    with BootstrapClient(bootstrap) as client:
+    with BootstrapClient(KvferryAddresses()(bootstrap)) as client:  # kvferry's ZMQ server behind prefill's HTTP port
         ranks = client.lookup(NODE, 0).ranks
     assert [(p.role, p.num_layers) for p in ranks[0].pools] == [(PoolRole.TARGET, 4), (PoolRole.DRAFT, 4)], \
         ranks[0].pools
