@@ -16,9 +16,12 @@ VLLM_NEXT_VERSION ?= 0.33.0
 VLLM_NEXT := .vllm-$(VLLM_NEXT_VERSION)
 VLLM_STAMP := $(VLLM_VENV)/.kvferry-vllm-setup
 
-.PHONY: setup-vllm test-vllm test-vllm-033 demo-vllm bench-vllm
+.PHONY: setup-vllm setup-vllm-all test-vllm test-vllm-033 demo-vllm bench-vllm
 
 setup-vllm: $(VLLM_STAMP)
+
+# Both vLLM releases' files (.ci/run builds the environments before the engine suites).
+setup-vllm-all: $(VLLM_STAMP) $(VLLM_NEXT)/.kvferry-extracted
 
 $(VLLM_STAMP): mk/vllm.mk pyproject.toml | debian-libs
 	@test -x $(VLLM_PY) || $(VLLM_PYTHON) -m venv $(VLLM_VENV)
