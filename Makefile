@@ -15,7 +15,7 @@ NIXL_VERSION ?= 1.5.1
 MOONCAKE_PKG ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo mooncake-transfer-engine || echo mooncake-transfer-engine-non-cuda)
 STAMP := $(VENV)/.kvferry-setup
 
-.PHONY: setup demo demo-load lint test test-layouts test-scale test-engines scale bench clean debian-libs
+.PHONY: setup demo demo-load lint test test-long test-layouts test-scale test-engines scale bench clean debian-libs
 
 setup: $(STAMP)
 
@@ -53,13 +53,20 @@ demo-load: setup
 	$(PY) -m examples.loopback_demo
 
 # Two workers (pytest-xdist), each test's rank processes forked from a warm
-# interpreter (harness/forkserver.py): about 6 minutes on two cores.
+# interpreter (harness/forkserver.py): about 7 minutes on two cores.
 PYTEST_WORKERS := -n 2 --dist worksteal
-# The soak runs alone after the rest: it checks that memory stays flat, and a
-# neighbouring test's load moves its processes' high-water marks.
+# The library's suite; the benchmarks' smoke runs and the soak are `make test-long`
+# (CI runs it next: together they outgrow `make test`'s ten minutes on two cores).
+LONG_TESTS := tests/e2e/test_bench_smoke.py tests/e2e/test_soak.py
 test: setup lint
-	$(PY) -m pytest -q $(PYTEST_WORKERS) --ignore=tests/layouts --deselect tests/e2e/test_soak.py
-	$(PY) -m pytest -q tests/e2e/test_soak.py
+	$(PY) -m pytest -q $(PYTEST_WORKERS) --ignore=tests/layouts $(addprefix --ignore=,$(LONG_TESTS))
+
+# The benchmarks' smoke runs (each benchmark mode end to end, its JSON checked),
+# then the soak alone: it checks that memory stays flat, and a neighbouring
+# test's load moves its processes' high-water marks. About 2 minutes.
+test-long: setup
+	timeout 900 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_WORKERS) tests/e2e/test_bench_smoke.py
+	timeout 600 $(PY) -m pytest -q -p no:cacheprovider tests/e2e/test_soak.py
 
 # Unused imports and variables, redefinitions, undefined names ([tool.ruff] in pyproject.toml).
 lint: setup

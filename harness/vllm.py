@@ -290,15 +290,19 @@ class VllmRouter(ServerProcess):
     ``bootstrap_port`` ``GET /query`` at start-up; per request prefill first
     with a ``transfer_id``, then decode with Mooncake's params)."""
 
-    def __init__(self, connector: str, prefill: "VLLMServer", decode: "VLLMServer", log_dir: str,
-                 bootstrap_port: int | None = None, python: str = sys.executable) -> None:
-        self.spec = ServerSpec(f"vllm-router-{connector}", "", 0)
+    def __init__(self, connector: str, prefill: "VLLMServer | None", decode: "VLLMServer | None", log_dir: str,
+                 bootstrap_port: int | None = None, discovery: str = "", python: str = sys.executable) -> None:
+        """``discovery`` (``host:port``): no worker URLs; the servers register
+        themselves there (``--vllm-discovery-address``)."""
+        self.spec = ServerSpec(f"vllm-router-{connector}{'-discovery' if discovery else ''}", "", 0)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = os.path.join(log_dir, f"{self.spec.name}.log")
         binary = os.path.join(os.path.dirname(python), "vllm-router")
-        self.cmd = [binary, "--vllm-pd-disaggregation", "--prefill", prefill.url,
-                    *([str(bootstrap_port)] if bootstrap_port is not None else []), "--decode", decode.url,
+        workers = ["--vllm-discovery-address", discovery] if discovery else \
+            ["--prefill", prefill.url, *([str(bootstrap_port)] if bootstrap_port is not None else []),
+             "--decode", decode.url]
+        self.cmd = [binary, "--vllm-pd-disaggregation", *workers,
                     "--kv-connector", connector, "--host", "127.0.0.1", "--port", str(self.port),
                     "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         self._spawn(self.cmd, dict(os.environ))

@@ -68,6 +68,11 @@ class ConnectorConfig:
       bootstrap port): answer vLLM's Mooncake routers' ``GET /query`` on
       ``kvferry_host`` at this port too (a prefill with a separate
       ``python -m bootstrap`` server has no port of its own otherwise);
+    - ``kvferry_router_discovery`` (``host:port``, default off): register
+      this server with vllm-router's ``--vllm-discovery-address`` there
+      (:mod:`~transfer.control.router_discovery`), with
+      ``kvferry_http_address`` (``host:port``, required with it): the
+      address the router sends this server's requests to;
     - ``kvferry_lease_s`` (seconds, default 30, as vLLM's NixlConnector's
       ``kv_lease_duration``): prefill keeps a finished request's blocks this
       long for a decode request; then the worker ends the room (reason
@@ -96,6 +101,8 @@ class ConnectorConfig:
     query_port: int = 0  # prefill: answer vLLM Mooncake routers' GET /query here too (0: no other port)
     bootstrap_zmq_port: int = 0  # serve_bootstrap: kvferry's ZMQ bootstrap server's port (0: the next port)
     layer_groups: int = 0  # prefill: stream in this many layer groups during the forward pass (0: off)
+    router_discovery: str = ""  # vllm-router's --vllm-discovery-address to register with ("": off)
+    http_address: str = ""  # this server's HTTP host:port, as the router reaches it (with router_discovery)
     manager: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -116,6 +123,13 @@ class ConnectorConfig:
         if self.serve_bootstrap and zmq_port in self.http_ports:
             raise ValueError(f"kvferry's ZMQ bootstrap port {zmq_port} (kvferry_bootstrap_zmq_port) is also an "
                              "HTTP port of this prefill (kvferry_bootstrap_addr's or kvferry_query_port)")
+        for name, addr in (("kvferry_router_discovery", self.router_discovery),
+                           ("kvferry_http_address", self.http_address)):
+            if addr and not (addr.rpartition(":")[0] and addr.rpartition(":")[2].isdigit()):
+                raise ValueError(f"{name} must be host:port, got {addr!r}")
+        if self.router_discovery and not self.http_address:
+            raise ValueError("kvferry_router_discovery needs kvferry_http_address: the host:port vllm-router "
+                             "sends this server's requests to (its --host and --port)")
         if not isinstance(self.layer_groups, int) or self.layer_groups < 0:
             raise ValueError(f"kvferry_layer_groups must be an int >= 0, got {self.layer_groups!r}")
         if ENGINE_SEP in self.node_id:
@@ -159,6 +173,8 @@ class ConnectorConfig:
             query_port=int(extra.get("kvferry_query_port", 0)),
             bootstrap_zmq_port=int(extra.get("kvferry_bootstrap_zmq_port", 0)),
             layer_groups=extra.get("kvferry_layer_groups", 0),
+            router_discovery=str(extra.get("kvferry_router_discovery", "")),
+            http_address=str(extra.get("kvferry_http_address", "")),
             manager=manager,
         )
 

@@ -211,6 +211,7 @@ class KvferryWorker:
         self.mgr = None
         self.server = None  # kvferry's ZMQ bootstrap server (kvferry_serve_bootstrap)
         self.query: list = []  # prefill: the HTTP ports (GET /query for vLLM's Mooncake routers)
+        self.discovery = None  # TP rank 0: registration with vllm-router (kvferry_router_discovery)
         self._kvferry_addr = KvferryAddresses()  # decode: a request's bootstrap address -> kvferry's ZMQ server
         self._lock = threading.Lock()
         self._rooms: dict[str, _Room] = {}
@@ -269,6 +270,11 @@ class KvferryWorker:
         except BaseException:
             self._close_servers()
             raise
+        if c.router_discovery and self.tp_rank == 0:  # once this rank can take rooms
+            from transfer.control.router_discovery import DiscoveryHeartbeat
+            self.discovery = DiscoveryHeartbeat(c.router_discovery, {
+                "type": "P" if self.role is Role.PREFILL else "D", "http_address": c.http_address,
+                "zmq_address": c.kvferry_addr, "dp_size": 1, "tp_size": self.tp_size})
         log.info("kvferry %s worker (TP rank %d of %d): %d layers (%d of a draft), %d blocks of %d bytes per layer, "
                  "%s, %d state pool(s), bootstrap %s", self.role.value, self.tp_rank, self.tp_size, len(layers),
                  len(draft_names), layers[0].shape[0],
@@ -550,10 +556,10 @@ class KvferryWorker:
         self._close_servers()
 
     def _close_servers(self) -> None:
-        for server in (self.server, *self.query):
+        for server in (self.discovery, self.server, *self.query):
             if server is not None:
                 server.close()
-        self.server, self.query = None, []
+        self.discovery, self.server, self.query = None, None, []
 
     # --- the driver ----------------------------------------------------------------
 

@@ -35,7 +35,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from harness.vllm import (VOCAB, ServerSpec, VLLMServer, build_tiny_model, complete, free_ports,  # noqa: E402
+from harness.vllm import (VOCAB, ServerSpec, VLLMServer, build_tiny_model, complete, free_port, free_ports,  # noqa: E402
                           pd_complete, post, tokens_of, _body)
 from tests.engines.vllm.pd_servers import reported  # noqa: E402
 
@@ -52,9 +52,13 @@ BLOCK = 128  # vLLM's CPU block size
 BLOCK_BYTES = 4 * 4 * BLOCK * 2 * 32 * 2  # layers x KV heads x tokens x (K and V) x head dim x bf16
 
 
-def kv_config(role: str, bootstrap: str, store: str) -> dict:
+def kv_config(role: str, bootstrap: str, store: str, discovery: str = "", port: int = 0) -> dict:
+    """``discovery``: register with vllm-router's ``--vllm-discovery-address``
+    there, as ``127.0.0.1:<port>`` (the server's own port)."""
     extra = {"kvferry_bootstrap_addr": bootstrap, "kvferry_node": "prefill0",
              "kvferry": {**KVFERRY, "storage_url": f"file://{store}"}}
+    if discovery:
+        extra.update(kvferry_router_discovery=discovery, kvferry_http_address=f"127.0.0.1:{port}")
     if role == "kv_producer":  # the bootstrap port answers HTTP (GET /query), kvferry's ZMQ server the next one
         extra["kvferry_serve_bootstrap"] = True
         extra["kvferry_lease_s"] = LEASE_S
@@ -113,14 +117,19 @@ class Cluster:
         self.bootstrap = f"127.0.0.1:{port}"  # the prefill's bootstrap port: HTTP (GET /query, as Mooncake's)
         self.kvferry = f"127.0.0.1:{port + 1}"  # kvferry's ZMQ bootstrap server beside it
         self.store = f"{log_dir}/store"  # kvferry's storage tier, shared by prefill and decode
+        # prefill and decode register with a vllm-router in discovery mode there (while none listens: nothing)
+        self.discovery = f"127.0.0.1:{free_port()}"
+        self.ports = {"prefill": free_port(), "decode": free_port()}  # kept across restarts: registered
         self.servers: dict[str, VLLMServer] = {}
         self.reference_tokens: dict[tuple[int, int], list[int]] = {}
 
     def start(self, name: str) -> VLLMServer:
         decode_config = kv_config("kv_consumer", self.bootstrap, self.store)
+        registered = {name: kv_config(role, self.bootstrap, self.store, self.discovery, self.ports[name])
+                      for name, role in (("prefill", "kv_producer"), ("decode", "kv_consumer"))}
         spec = {"reference": ServerSpec("reference", self.model, 0),
-                "prefill": ServerSpec("prefill", self.model, 0, kv_config("kv_producer", self.bootstrap, self.store)),
-                "decode": ServerSpec("decode", self.model, 1, decode_config),
+                "prefill": ServerSpec("prefill", self.model, 0, registered["prefill"], port=self.ports["prefill"]),
+                "decode": ServerSpec("decode", self.model, 1, registered["decode"], port=self.ports["decode"]),
                 # decode with its own prefix cache on (vLLM's default): asks prefill only for the blocks it lacks
                 "decode-prefix": ServerSpec("decode-prefix", self.model, 1, decode_config, prefix_caching=True,
                                             env={"KVFERRY_TEST_DIGEST": "1"}),
@@ -256,6 +265,37 @@ def test_behind_vllm_router_unchanged_tokens_equal_a_single_instance(cluster, co
                 f"{connector}: {n} tokens\nrouter:\n{router.log_tail()}\ndecode:\n{decode.kvferry_lines()}"
         after = decode.metrics()
         why = f"{connector}\nrouter:\n{router.log_tail()}\ndecode:\n{decode.kvferry_lines()}"
+        assert after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0) == sum(lengths), why
+        assert after.get("local_compute", 0) - before.get("local_compute", 0) == 0, why
+    finally:
+        router.close()
+
+
+def test_behind_vllm_router_in_discovery_mode_the_servers_register_themselves(cluster):
+    """vllm-router ``--vllm-discovery-address`` (no worker URLs): prefill and
+    decode register with it themselves (``kvferry_router_discovery``); the
+    router then serves PD requests (NIXL-style), tokens equal the single
+    instance's, every prompt token external."""
+    from harness.vllm import VllmRouter
+
+    decode = cluster.servers["decode"]
+    router = VllmRouter("nixl", None, None, cluster.log_dir, discovery=cluster.discovery)
+    try:
+        router.wait_ready(90)
+        lengths, before = (200, 640), decode.metrics()
+        deadline = time.monotonic() + 30
+        for i, n in enumerate(lengths):
+            seed = 60 + i
+            while True:  # the router answers 503 until both servers registered (every 2 s)
+                try:
+                    reply = post(router.url, _body(cluster.model, prompt_of(n, seed), MAX_TOKENS, None), 120)
+                    break
+                except urllib.error.HTTPError as exc:
+                    assert exc.code == 503 and time.monotonic() < deadline, f"{exc}\n{router.log_tail()}"
+                    time.sleep(0.5)
+            assert tokens_of(reply) == cluster.reference(n, seed), f"{n} tokens\n{router.log_tail()}"
+        after = decode.metrics()
+        why = f"router:\n{router.log_tail()}\ndecode:\n{decode.kvferry_lines()}"
         assert after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0) == sum(lengths), why
         assert after.get("local_compute", 0) - before.get("local_compute", 0) == 0, why
     finally:
