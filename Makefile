@@ -55,17 +55,20 @@ demo-load: setup
 # Two workers (pytest-xdist), each test's rank processes forked from a warm
 # interpreter (harness/forkserver.py): about 7 minutes on two cores.
 PYTEST_WORKERS := -n 2 --dist worksteal
-# The library's suite; the benchmarks' smoke runs and the soak are `make test-long`
-# (CI runs it next: together they outgrow `make test`'s ten minutes on two cores).
-LONG_TESTS := tests/e2e/test_bench_smoke.py tests/e2e/test_soak.py
+# The library's suite; the benchmarks' smoke runs, the control-plane fuzzer's
+# 3,000 bursts and the soak are `make test-long` (CI runs it next: together they
+# outgrow `make test`'s ten minutes on two cores).
+LONG_TESTS := tests/e2e/test_bench_smoke.py tests/e2e/test_bootstrap_load.py tests/e2e/test_fuzz.py \
+	tests/e2e/test_soak.py
 test: setup lint
 	$(PY) -m pytest -q $(PYTEST_WORKERS) --ignore=tests/layouts $(addprefix --ignore=,$(LONG_TESTS))
 
-# The benchmarks' smoke runs (each benchmark mode end to end, its JSON checked),
-# then the soak alone: it checks that memory stays flat, and a neighbouring
-# test's load moves its processes' high-water marks. About 2 minutes.
+# The benchmarks' smoke runs (each benchmark mode end to end, its JSON checked)
+# and the fuzzer, then the soak alone: it checks that memory stays flat, and a
+# neighbouring test's load moves its processes' high-water marks. About 3 minutes.
 test-long: setup
-	timeout 900 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_WORKERS) tests/e2e/test_bench_smoke.py
+	timeout 900 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_WORKERS) tests/e2e/test_bench_smoke.py \
+		tests/e2e/test_bootstrap_load.py tests/e2e/test_fuzz.py
 	timeout 600 $(PY) -m pytest -q -p no:cacheprovider tests/e2e/test_soak.py
 
 # Unused imports and variables, redefinitions, undefined names ([tool.ruff] in pyproject.toml).
