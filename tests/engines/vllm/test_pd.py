@@ -240,6 +240,30 @@ def test_a_router_written_for_vllms_mooncake_connector_works_unchanged(cluster):
     assert after.get("local_compute", 0) - before.get("local_compute", 0) == 0
 
 
+def _served_through(cluster, router, lengths: tuple[int, ...], first_seed: int, registering_s: float = 0.0) -> None:
+    """Once ``router`` is ready, one prompt of each length through it: decode's
+    tokens equal the single instance's, every prompt token external.
+    ``registering_s``: how long the router may answer 503 (no workers yet)."""
+    decode = cluster.servers["decode"]
+    router.wait_ready(90)
+    before, deadline = decode.metrics(), time.monotonic() + registering_s
+    for i, n in enumerate(lengths):
+        seed = first_seed + i
+        while True:
+            try:
+                reply = post(router.url, _body(cluster.model, prompt_of(n, seed), MAX_TOKENS, None), 120)
+                break
+            except urllib.error.HTTPError as exc:
+                assert exc.code == 503 and time.monotonic() < deadline, f"{exc}\n{router.log_tail()}"
+                time.sleep(0.5)
+        assert tokens_of(reply) == cluster.reference(n, seed), \
+            f"{router.spec.name}: {n} tokens\nrouter:\n{router.log_tail()}\ndecode:\n{decode.kvferry_lines()}"
+    after = decode.metrics()
+    why = f"{router.spec.name}\nrouter:\n{router.log_tail()}\ndecode:\n{decode.kvferry_lines()}"
+    assert after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0) == sum(lengths), why
+    assert after.get("local_compute", 0) - before.get("local_compute", 0) == 0, why
+
+
 @pytest.mark.parametrize("connector", ["nixl", "mooncake"])
 def test_behind_vllm_router_unchanged_tokens_equal_a_single_instance(cluster, connector):
     """vllm-router 0.1.17 (the package users deploy), PD mode, at its
@@ -256,17 +280,7 @@ def test_behind_vllm_router_unchanged_tokens_equal_a_single_instance(cluster, co
     router = VllmRouter(connector, prefill, decode, cluster.log_dir,
                         bootstrap_port=port if connector == "mooncake" else None)
     try:
-        router.wait_ready(90)
-        lengths, before = (150, 700, 1000), decode.metrics()
-        for i, n in enumerate(lengths):
-            seed = 40 + i
-            reply = post(router.url, _body(cluster.model, prompt_of(n, seed), MAX_TOKENS, None), 120)
-            assert tokens_of(reply) == cluster.reference(n, seed), \
-                f"{connector}: {n} tokens\nrouter:\n{router.log_tail()}\ndecode:\n{decode.kvferry_lines()}"
-        after = decode.metrics()
-        why = f"{connector}\nrouter:\n{router.log_tail()}\ndecode:\n{decode.kvferry_lines()}"
-        assert after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0) == sum(lengths), why
-        assert after.get("local_compute", 0) - before.get("local_compute", 0) == 0, why
+        _served_through(cluster, router, (150, 700, 1000), first_seed=40)
     finally:
         router.close()
 
@@ -278,26 +292,10 @@ def test_behind_vllm_router_in_discovery_mode_the_servers_register_themselves(cl
     instance's, every prompt token external."""
     from harness.vllm import VllmRouter
 
-    decode = cluster.servers["decode"]
     router = VllmRouter("nixl", None, None, cluster.log_dir, discovery=cluster.discovery)
     try:
-        router.wait_ready(90)
-        lengths, before = (200, 640), decode.metrics()
-        deadline = time.monotonic() + 30
-        for i, n in enumerate(lengths):
-            seed = 60 + i
-            while True:  # the router answers 503 until both servers registered (every 2 s)
-                try:
-                    reply = post(router.url, _body(cluster.model, prompt_of(n, seed), MAX_TOKENS, None), 120)
-                    break
-                except urllib.error.HTTPError as exc:
-                    assert exc.code == 503 and time.monotonic() < deadline, f"{exc}\n{router.log_tail()}"
-                    time.sleep(0.5)
-            assert tokens_of(reply) == cluster.reference(n, seed), f"{n} tokens\n{router.log_tail()}"
-        after = decode.metrics()
-        why = f"router:\n{router.log_tail()}\ndecode:\n{decode.kvferry_lines()}"
-        assert after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0) == sum(lengths), why
-        assert after.get("local_compute", 0) - before.get("local_compute", 0) == 0, why
+        # the router answers 503 until both servers registered (every 2 s)
+        _served_through(cluster, router, (200, 640), first_seed=60, registering_s=30)
     finally:
         router.close()
 
