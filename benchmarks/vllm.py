@@ -19,6 +19,15 @@ One run, the same prompts for every connector (``make bench-vllm``):
   (HTTP; kvferry's ZMQ bootstrap is the next port) for its engine id, then
   prefill and decode posted at once with Mooncake's params.
 
+- ``CONNECTOR@vllm-router-MODE``: the same servers behind vllm-router
+  (the package users deploy, unchanged, ``--vllm-pd-disaggregation
+  --kv-connector MODE``), the client's requests sent to the router, which
+  runs the PD flow itself: ``kvferry@vllm-router-nixl`` beside
+  ``nixl@vllm-router-nixl``, ``kvferry@vllm-router-mooncake`` beside
+  ``mooncake@vllm-router-mooncake`` (issue 41: TTFT behind the router,
+  beside the in-tree connector it was written for); ``make bench-vllm``
+  writes them into the ``bench-vllm-router`` block (``--block``).
+
 ``--model mla`` serves a tiny DeepSeek-style MLA model instead of the Llama
 (the MLA row of issue 28; its table goes between ``<!-- bench-vllm-mla -->``
 markers).
@@ -45,16 +54,19 @@ import time
 import urllib.request
 import uuid
 
-from harness.vllm import (VOCAB, ServerSpec, VLLMServer, _body, build_tiny_mla_model, build_tiny_model, free_port, free_ports,
-                          post)
+from harness.vllm import (VOCAB, ServerSpec, VLLMServer, VllmRouter, _body, build_tiny_mla_model, build_tiny_model,
+                          free_port, free_ports, post)
 
 SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_site")
 #: nixl-tuned: the NIXL agent's progress thread sleeps this long between polls
 #: (vLLM's NIXL agents spin it, delay 0), and one UCX worker thread (vLLM's default 4)
 NIXL_TUNED_DELAY_US, NIXL_TUNED_THREADS = 100, 1
-MARK, END = "<!-- bench-vllm -->", "<!-- /bench-vllm -->"
-MARK_MLA, END_MLA = "<!-- bench-vllm-mla -->", "<!-- /bench-vllm-mla -->"
 KVFERRY = ("kvferry", "kvferry-concurrent", "kvferry-router")
+#: behind vllm-router: (connector, router mode) rows, each kvferry's beside the in-tree one of its mode
+ROUTED = ("kvferry@vllm-router-nixl", "nixl@vllm-router-nixl", "kvferry@vllm-router-mooncake",
+          "mooncake@vllm-router-mooncake")
+#: MooncakeConnector's bootstrap port (VLLM_MOONCAKE_BOOTSTRAP_PORT's default), in the bench's own namespace
+MOONCAKE_BOOTSTRAP = 8998
 #: issue 28: on the Mooncake router's harness, kvferry's TTFT p50 at most this times MooncakeConnector's
 ROUTER_TARGET = 1.05
 VLLM_OWN = ("nixl", "nixl-tuned", "mooncake")
@@ -115,8 +127,9 @@ def kv_configs(name: str, ports: dict) -> tuple[dict, dict, dict, dict]:
 
 def one_request(name: str, servers: dict, model: str, prompt: list[int], max_tokens: int) -> dict:
     t0 = time.monotonic()
-    if name == "single":
-        tokens, ttft, last = stream(servers["single"].url, _body(model, prompt, max_tokens, None), t0)
+    front = servers.get("router", servers.get("single"))
+    if front is not None:  # one URL: a single server, or a router that runs the PD flow itself
+        tokens, ttft, last = stream(front.url, _body(model, prompt, max_tokens, None), t0)
         return {"tokens": tokens, "ttft_s": ttft, "total_s": last}
     p, d = servers["prefill"], servers["decode"]
     if name in SEQUENTIAL:  # prefill answers with decode's params
@@ -126,7 +139,7 @@ def one_request(name: str, servers: dict, model: str, prompt: list[int], max_tok
         tid = str(uuid.uuid4())
         if name == "mooncake":
             params = {"do_remote_prefill": True, "transfer_id": tid, "remote_engine_id": "prefill0",
-                      "remote_bootstrap_addr": "http://127.0.0.1:8998"}
+                      "remote_bootstrap_addr": f"http://127.0.0.1:{MOONCAKE_BOOTSTRAP}"}
         elif name == "kvferry-router":  # as for MooncakeConnector: the engine id from prefill's /query
             query = p.spec.kv_config["kv_connector_extra_config"]["kvferry_bootstrap_addr"].rpartition(":")[2]
             with urllib.request.urlopen(f"http://127.0.0.1:{query}/query", timeout=10) as r:
@@ -145,12 +158,14 @@ def one_request(name: str, servers: dict, model: str, prompt: list[int], max_tok
 
 def run_connector(name: str, model: str, prompts: list[list[int]], max_tokens: int, log_dir: str) -> dict:
     ports = {"bootstrap": free_ports(2), "nixl_p": free_port(), "nixl_d": free_port()}
+    base, _, via = name.partition("@")
     if name == "single":
         specs = {"single": ServerSpec("single", model, 0)}
     else:
-        pc, dc, penv, denv = kv_configs(name, ports)
-        specs = {"prefill": ServerSpec(f"{name}-prefill", model, 0, pc, env=penv),
-                 "decode": ServerSpec(f"{name}-decode", model, 1, dc, env=denv)}
+        pc, dc, penv, denv = kv_configs(base, ports)
+        tag = name.replace("@", "-")
+        specs = {"prefill": ServerSpec(f"{tag}-prefill", model, 0, pc, env=penv),
+                 "decode": ServerSpec(f"{tag}-decode", model, 1, dc, env=denv)}
     servers = {}
     try:
         for key, spec in specs.items():
@@ -158,9 +173,15 @@ def run_connector(name: str, model: str, prompts: list[list[int]], max_tokens: i
         t0 = time.monotonic()
         for server in servers.values():
             server.wait_ready()
+        if via:  # vllm-router-MODE: in mooncake mode it asks prefill's bootstrap port GET /query at start-up
+            mode = via.removeprefix("vllm-router-")
+            port = (MOONCAKE_BOOTSTRAP if base == "mooncake" else ports["bootstrap"]) if mode == "mooncake" else None
+            servers["router"] = VllmRouter(mode, servers["prefill"], servers["decode"], log_dir, bootstrap_port=port)
+            servers["router"].wait_ready(90)
         ready_s = time.monotonic() - t0
         metric_server = servers.get("decode", servers.get("single"))
-        one_request(name, servers, model, prompts[0], 2)  # warm-up, not counted
+        # warm-up, not timed; its tokens are checked against the reference's first two (summarize)
+        warm_up = one_request(name, servers, model, prompts[0], 2)["tokens"]
         before = metric_server.metrics()
         results = [one_request(name, servers, model, p, max_tokens) for p in prompts]
         after = metric_server.metrics()
@@ -168,7 +189,7 @@ def run_connector(name: str, model: str, prompts: list[list[int]], max_tokens: i
         for server in servers.values():
             server.close()
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-    return {"connector": name, "ready_s": ready_s, "results": results,
+    return {"connector": name, "ready_s": ready_s, "results": results, "warm_up_tokens": warm_up,
             "external_tokens": int(delta.get("external_kv_transfer", 0)),
             "local_tokens": int(delta.get("local_compute", 0))}
 
@@ -183,10 +204,11 @@ def percentile(values: list[float], q: float) -> float:
 def summarize(run: dict, reference: list[list[int]], prompts: list[list[int]]) -> dict:
     ttft = [r["ttft_s"] for r in run["results"]]
     equal = sum(r["tokens"] == ref for r, ref in zip(run["results"], reference))
+    warm_up_equal = reference[0] is not None and run["warm_up_tokens"] == reference[0][:2]
     return {"connector": run["connector"], "round": run.get("round", 1), "load_1m": run.get("load_1m", []),
             "requests": len(ttft), "ttft_p50_s": statistics.median(ttft),
             "ttft_p99_s": percentile(ttft, 0.99), "total_s": sum(r["total_s"] for r in run["results"]),
-            "tokens_equal": equal, "prompt_tokens": sum(map(len, prompts)),
+            "tokens_equal": equal, "warm_up_equal": warm_up_equal, "prompt_tokens": sum(map(len, prompts)),
             "prompt_tokens_received": run["external_tokens"], "prompt_tokens_computed": run["local_tokens"]}
 
 
@@ -198,7 +220,7 @@ def medians(rows: list[dict]) -> list[dict]:
         m = out.setdefault(r["connector"], {"connector": r["connector"], "p50": [], "p99": [], "all_equal": True})
         m["p50"].append(r["ttft_p50_s"])
         m["p99"].append(r["ttft_p99_s"])
-        m["all_equal"] &= r["tokens_equal"] == r["requests"]
+        m["all_equal"] &= r["tokens_equal"] == r["requests"] and r["warm_up_equal"]
     return [{"connector": m["connector"], "rounds": len(m["p50"]), "ttft_p50_s": statistics.median(m["p50"]),
              "ttft_p99_s": statistics.median(m["p99"]), "tokens_equal_every_round": m["all_equal"]}
             for m in out.values()]
@@ -216,6 +238,19 @@ def router_target(summary: list[dict]) -> dict | None:
             "ratio": ratio, "met": ratio <= ROUTER_TARGET}
 
 
+def behind_router(summary: list[dict]) -> list[dict]:
+    """Per vllm-router mode: kvferry's TTFT p50 behind it beside the in-tree
+    connector's behind the same router (medians over rounds)."""
+    by = {m["connector"]: m for m in summary}
+    out = []
+    for mode, theirs in (("nixl", "nixl"), ("mooncake", "mooncake")):
+        a, b = by.get(f"kvferry@vllm-router-{mode}"), by.get(f"{theirs}@vllm-router-{mode}")
+        if a and b:
+            out.append({"mode": mode, "kvferry_p50_s": a["ttft_p50_s"], "theirs": theirs,
+                        "theirs_p50_s": b["ttft_p50_s"], "ratio": a["ttft_p50_s"] / b["ttft_p50_s"]})
+    return out
+
+
 def target(summary: list[dict]) -> dict | None:
     """Issue 15's target: kvferry's TTFT p50 (its faster protocol) at or below
     the best of vLLM's own connectors (median over rounds); None when either
@@ -231,15 +266,16 @@ def target(summary: list[dict]) -> dict | None:
 
 def table(rows: list[dict]) -> str:
     head = ("| connector | round | load (1 min) | requests | TTFT p50 (s) | TTFT p99 (s) | total (s) | tokens equal | "
-            "prompt tokens received / computed on decode |\n|---|---|---|---|---|---|---|---|---|\n")
+            "warm-up equal | prompt tokens received / computed on decode |\n|---|---|---|---|---|---|---|---|---|---|\n")
     return head + "".join(
         f"| {r['connector']} | {r.get('round', 1)} | {'-'.join(f'{x:.1f}' for x in r.get('load_1m', []))} "
         f"| {r['requests']} | {r['ttft_p50_s']:.3f} | {r['ttft_p99_s']:.3f} | {r['total_s']:.2f} "
-        f"| {r['tokens_equal']}/{r['requests']} | {r['prompt_tokens_received']} / {r['prompt_tokens_computed']} "
+        f"| {r['tokens_equal']}/{r['requests']} | {'yes' if r['warm_up_equal'] else 'NO'} | {r['prompt_tokens_received']} / {r['prompt_tokens_computed']} "
         f"of {r['prompt_tokens']} |\n" for r in rows)
 
 
-def summary_table(summary: list[dict], verdict: dict | None, router: dict | None = None) -> str:
+def summary_table(summary: list[dict], verdict: dict | None, router: dict | None = None,
+                  routed: list[dict] = ()) -> str:
     text = ("| connector | rounds | TTFT p50 (s), median of rounds | TTFT p99 (s), median of rounds "
             "| tokens equal every round |\n|---|---|---|---|---|\n")
     text += "".join(f"| {m['connector']} | {m['rounds']} | {m['ttft_p50_s']:.3f} | {m['ttft_p99_s']:.3f} "
@@ -252,12 +288,16 @@ def summary_table(summary: list[dict], verdict: dict | None, router: dict | None
         text += (f"\nTarget (a Mooncake router against kvferry: TTFT p50 at most {ROUTER_TARGET}x "
                  f"MooncakeConnector's): {router['kvferry_router_p50_s']:.3f} s against "
                  f"{router['mooncake_p50_s']:.3f} s, {router['ratio']:.2f}x: {'met' if router['met'] else 'NOT MET'}.\n")
+    for r in routed:
+        text += (f"\nBehind vllm-router `--kv-connector {r['mode']}`: kvferry's TTFT p50 {r['kvferry_p50_s']:.3f} s, "
+                 f"the in-tree {r['theirs']} connector's {r['theirs_p50_s']:.3f} s ({r['ratio']:.2f}x).\n")
     return text
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.vllm")
-    ap.add_argument("--connectors", default="single,kvferry,kvferry-concurrent,kvferry-router,nixl,nixl-tuned,mooncake")
+    ap.add_argument("--connectors", default=",".join(("single", *KVFERRY, *VLLM_OWN)),
+                    help=f"comma-separated; behind vllm-router: {','.join(ROUTED)}")
     ap.add_argument("--rounds", type=int, default=1, help="run the connector list this many times, in turn")
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--max-tokens", type=int, default=8)
@@ -265,6 +305,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="bench-vllm.json")
     ap.add_argument("--doc", default="")
     ap.add_argument("--model", choices=("llama", "mla"), default="llama")
+    ap.add_argument("--block", default="", help="the --doc block to rewrite, between <!-- BLOCK --> and "
+                    "<!-- /BLOCK --> (default bench-vllm, or bench-vllm-mla with --model mla)")
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(4, VOCAB) for _ in range(rng.randrange(100, 1001))] for _ in range(args.requests)]
@@ -287,19 +329,20 @@ def main(argv=None) -> int:
     reference = [r["tokens"] for r in ref["results"]] if ref else [None] * len(prompts)
     rows = [summarize(r, reference, prompts) for r in runs if "error" not in r]
     summary = medians(rows)
-    verdict, router = target(summary), router_target(summary)
+    verdict, router, routed = target(summary), router_target(summary), behind_router(summary)
     with open(args.out, "w") as f:
         json.dump({"prompts": [len(p) for p in prompts], "max_tokens": args.max_tokens, "rounds": args.rounds,
                    "cores": os.cpu_count(), "model": args.model, "summary": summary, "target": verdict,
-                   "router_target": router, "rows": rows,
+                   "router_target": router, "behind_router": routed, "rows": rows,
                    "errors": [{"connector": r["connector"], "round": r["round"], "error": r["error"]}
                               for r in runs if "error" in r], "runs": runs}, f, indent=1)
-    text = table(rows) + "\n" + summary_table(summary, verdict, router)
+    text = table(rows) + "\n" + summary_table(summary, verdict, router, routed)
     print(text)
     if args.doc:
         with open(args.doc) as f:
             doc = f.read()
-        mark, end_mark = (MARK, END) if args.model == "llama" else (MARK_MLA, END_MLA)
+        block = args.block or ("bench-vllm" if args.model == "llama" else "bench-vllm-mla")
+        mark, end_mark = f"<!-- {block} -->", f"<!-- /{block} -->"
         start, end = doc.index(mark) + len(mark), doc.index(end_mark)
         with open(args.doc, "w") as f:
             f.write(doc[:start] + "\n" + text + doc[end:])

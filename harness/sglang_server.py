@@ -40,6 +40,7 @@ class SGLangSpec:
     bootstrap_port: int = 0
     env: dict = field(default_factory=dict)
     args: tuple = ()
+    host: str = "127.0.0.1"  # --host: its HTTP server, its bootstrap and its ranks' address
 
 
 class SGLangServer(ServerProcess):
@@ -48,10 +49,10 @@ class SGLangServer(ServerProcess):
     def __init__(self, spec: SGLangSpec, log_dir: str, python: str = sys.executable) -> None:
         self.spec = spec
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{spec.host}:{self.port}"
         self.log_path = os.path.join(log_dir, f"sglang-{spec.name}.log")
         cmd = [python, "-m", "sglang.launch_server", "--model-path", spec.model, "--device", "cpu",
-               "--host", "127.0.0.1", "--port", str(self.port), "--tp", "1", "--mem-fraction-static", "0.3",
+               "--host", spec.host, "--port", str(self.port), "--tp", "1", "--mem-fraction-static", "0.3",
                "--disable-cuda-graph", "--max-total-tokens", "8192", "--skip-server-warmup", *spec.args]
         if spec.mode:
             cmd += ["--disaggregation-mode", spec.mode, "--disaggregation-transfer-backend", spec.backend]
@@ -62,10 +63,13 @@ class SGLangServer(ServerProcess):
         env = dict(os.environ)
         paths = [REPO_ROOT, STUBS] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         env.update({"PYTHONPATH": os.pathsep.join(paths), "SGLANG_USE_CPU_ENGINE": "0", "KVFERRY_PROTOCOL": "tcp",
-                    "MC_TCP_BIND_ADDRESS": "127.0.0.1", "MC_LOG_LEVEL": "ERROR", "HF_HUB_OFFLINE": "1",
+                    "MC_TCP_BIND_ADDRESS": spec.host, "MC_LOG_LEVEL": "ERROR", "HF_HUB_OFFLINE": "1",
                     "TRANSFORMERS_OFFLINE": "1", "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60",
                     "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60"})
-        env.update(spec.env)
+        extra = dict(spec.env)
+        if "PYTHONPATH" in extra:  # in front of the repository and the stubs (a sitecustomize of its own wins)
+            env["PYTHONPATH"] = os.pathsep.join([extra.pop("PYTHONPATH"), env["PYTHONPATH"]])
+        env.update(extra)
         self._spawn(cmd, env)
 
 
@@ -74,7 +78,11 @@ class SGLangRouter(ServerProcess):
     one prefill (its bootstrap port given, as users give it) and one decode
     server, at its defaults but for the loopback addresses: it adds
     ``bootstrap_host``, ``bootstrap_port`` and ``bootstrap_room`` to the
-    body and posts it to both at once."""
+    body and posts it to both at once. Ready when its ``/readiness`` answers
+    200 (a healthy prefill and decode worker); its ``/health`` answers from
+    the start."""
+
+    ready_path = "/readiness"
 
     def __init__(self, prefill: SGLangServer, decode: SGLangServer, log_dir: str,
                  python: str = sys.executable) -> None:
@@ -105,7 +113,7 @@ def pd_generate(prefill: SGLangServer, decode: SGLangServer, input_ids: list[int
     """One request through a PD pair as SGLang's router sends it: the same
     body, with the prefill's bootstrap address and a room, to both at once.
     Returns (prefill's reply, decode's reply)."""
-    extra = {"bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.spec.bootstrap_port, "bootstrap_room": room}
+    extra = {"bootstrap_host": prefill.spec.host, "bootstrap_port": prefill.spec.bootstrap_port, "bootstrap_room": room}
     replies: dict = {}
 
     def run(name, server):

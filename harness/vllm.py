@@ -166,6 +166,7 @@ class ServerSpec:
     port: int = 0
     prefix_caching: bool = False
     args: tuple = ()  # more vLLM arguments, e.g. ("--block-size", "64")
+    host: str = "127.0.0.1"  # the address it serves on (a router forwards a prefill URL's host to decode)
 
 
 _RUNNING: "weakref.WeakSet[ServerProcess]" = weakref.WeakSet()  # started, neither closed nor killed
@@ -195,7 +196,7 @@ _ERROR = re.compile(r"\b(ERROR|CRITICAL|Traceback|Error|Exception|failed|failure
 
 class ServerProcess:
     """A serving engine's server process in its own process group, its output
-    in ``log_path``: waiting (bounded) until ``/health`` answers, the log's
+    in ``log_path``: waiting (bounded) until ``ready_path`` answers 200, the log's
     tail and kvferry's lines in it, and ``close()`` (SIGTERM, then SIGKILL).
     A subclass calls ``_spawn`` to start it."""
 
@@ -204,6 +205,8 @@ class ServerProcess:
     url: str
     log_path: str
     _log: object
+    #: answers 200 once the process serves (a router's own /health answers before it has workers)
+    ready_path = "/health"
 
     def _spawn(self, cmd: list[str], env: dict) -> None:
         self._log = open(self.log_path, "wb")
@@ -217,7 +220,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.spec.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                with urllib.request.urlopen(self.url + self.ready_path, timeout=2) as r:
                     if r.status == 200:
                         return self
             except (urllib.error.URLError, OSError):
@@ -291,10 +294,14 @@ class VllmRouter(ServerProcess):
     with a ``transfer_id``, then decode with Mooncake's params)."""
 
     def __init__(self, connector: str, prefill: "VLLMServer | None", decode: "VLLMServer | None", log_dir: str,
-                 bootstrap_port: int | None = None, discovery: str = "", python: str = sys.executable) -> None:
+                 bootstrap_port: int | None = None, discovery: str = "", dp_size: int = 1,
+                 python: str = sys.executable) -> None:
         """``discovery`` (``host:port``): no worker URLs; the servers register
-        themselves there (``--vllm-discovery-address``)."""
-        self.spec = ServerSpec(f"vllm-router-{connector}{'-discovery' if discovery else ''}", "", 0)
+        themselves there (``--vllm-discovery-address``). ``dp_size``:
+        ``--intra-node-data-parallel-size`` (each server taken for that many
+        DP engines, picked by the ``X-data-parallel-rank`` header)."""
+        self.spec = ServerSpec(f"vllm-router-{connector}{'-discovery' if discovery else ''}"
+                               f"{f'-dp{dp_size}' if dp_size > 1 else ''}", "", 0)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = os.path.join(log_dir, f"{self.spec.name}.log")
@@ -304,6 +311,7 @@ class VllmRouter(ServerProcess):
              "--decode", decode.url]
         self.cmd = [binary, "--vllm-pd-disaggregation", *workers,
                     "--kv-connector", connector, "--host", "127.0.0.1", "--port", str(self.port),
+                    *(["--intra-node-data-parallel-size", str(dp_size)] if dp_size > 1 else []),
                     "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         self._spawn(self.cmd, dict(os.environ))
 
@@ -314,13 +322,13 @@ class VLLMServer(ServerProcess):
     def __init__(self, spec: ServerSpec, log_dir: str, python: str = sys.executable) -> None:
         self.spec = spec
         self.port = spec.port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{spec.host}:{self.port}"
         self.log_path = os.path.join(log_dir, f"{spec.name}.log")
         restart = 1
         while os.path.exists(self.log_path):  # a restarted server keeps its predecessor's log
             self.log_path = os.path.join(log_dir, f"{spec.name}.{restart}.log")
             restart += 1
-        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model, "--host", "127.0.0.1",
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model, "--host", spec.host,
                "--port", str(self.port), "--enforce-eager", "--dtype", "bfloat16",
                "--enable-prefix-caching" if spec.prefix_caching else "--no-enable-prefix-caching",
                "--max-model-len", str(spec.max_model_len), "--max-num-seqs", "16",

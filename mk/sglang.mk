@@ -32,8 +32,11 @@ $(SGLANG_STAMP): pyproject.toml mk/sglang.mk | debian-libs
 test-sglang: setup-sglang
 	PYTHONPATH=$(CURDIR):$(CURDIR)/tests/engines/sglang/stubs timeout 900 $(SGLANG_PY) -m pytest -q -p no:cacheprovider --durations=5 tests/engines/sglang
 
-bench-sglang: setup-sglang
+bench-sglang: setup-sglang setup-sglang-server
 	PYTHONPATH=$(CURDIR):$(CURDIR)/tests/engines/sglang/stubs timeout 1500 $(SGLANG_PY) -m benchmarks.sglang --out docs/sglang.md
+	# Real servers behind sglang-router, kvferry beside SGLang's mooncake backend (whose bootstrap binds 0.0.0.0).
+	PYTHONPATH=$(CURDIR) timeout 2400 $$( [ "$$(id -u)" = 0 ] && echo "unshare -n" || echo "unshare -rn" ) sh -c 'ip link set lo up && \
+		$(SGLANG_SERVER_PY) -m benchmarks.sglang_router --rounds 3 --out bench-sglang-router.json --doc docs/sglang.md'
 
 # Real SGLang servers (tests/engines/sglang_server): SGLang serves on this CPU on its generic torch
 # path (SGLANG_USE_CPU_ENGINE=0; the CPU engine needs sgl_kernel's CPU build, which no index holds),

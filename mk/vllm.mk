@@ -70,6 +70,7 @@ demo-vllm: setup-vllm
 # interface: the whole run sits in a loopback-only network namespace (as root
 # `unshare -n`, else a user namespace, `unshare -rn`).
 bench-vllm: setup-vllm
-	timeout 3600 $$( [ "$$(id -u)" = 0 ] && echo "unshare -n" || echo "unshare -rn" ) sh -c 'ip link set lo up && $(VLLM_PY) -m benchmarks.vllm --rounds 3 --out bench-vllm.json --doc docs/vllm.md \
+	timeout 5400 $$( [ "$$(id -u)" = 0 ] && echo "unshare -n" || echo "unshare -rn" ) sh -c 'ip link set lo up && $(VLLM_PY) -m benchmarks.vllm --rounds 3 --out bench-vllm.json --doc docs/vllm.md \
+		&& $(VLLM_PY) -m benchmarks.vllm --connectors single,kvferry@vllm-router-nixl,nixl@vllm-router-nixl,kvferry@vllm-router-mooncake,mooncake@vllm-router-mooncake --rounds 3 --out bench-vllm-router.json --doc docs/vllm.md --block bench-vllm-router \
 		&& $(VLLM_PY) -m benchmarks.vllm --model mla --connectors single,kvferry,kvferry-router,nixl,mooncake --rounds 1 --out bench-vllm-mla.json --doc docs/vllm.md'
 

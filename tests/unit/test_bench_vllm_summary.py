@@ -1,11 +1,11 @@
 """bench-vllm's summary over rounds and its verdict on issue 15's TTFT target
 (pure functions of benchmarks.vllm; no vLLM needed)."""
 
-from benchmarks.vllm import medians, summarize, summary_table, table, target
+from benchmarks.vllm import behind_router, medians, summarize, summary_table, table, target
 
 
-def _run(connector: str, rnd: int, ttfts: list[float], tokens: list[list[int]]) -> dict:
-    return {"connector": connector, "round": rnd, "load_1m": [1.25, 2.0],
+def _run(connector: str, rnd: int, ttfts: list[float], tokens: list[list[int]], warm_up=(1, 2)) -> dict:
+    return {"connector": connector, "round": rnd, "load_1m": [1.25, 2.0], "warm_up_tokens": list(warm_up),
             "results": [{"tokens": t, "ttft_s": x, "total_s": x + 0.1} for x, t in zip(ttfts, tokens)],
             "external_tokens": 7, "local_tokens": 0}
 
@@ -14,14 +14,16 @@ REF = [[1, 2], [3, 4], [5, 6]]
 PROMPTS = [[9] * 3, [9] * 2, [9] * 2]
 
 
-def _rows(spec: dict[str, list[list[float]]], wrong: tuple[str, int] | None = None) -> list[dict]:
+def _rows(spec: dict[str, list[list[float]]], wrong: tuple[str, int] | None = None,
+          wrong_warm_up: tuple[str, int] | None = None) -> list[dict]:
     rows = []
     for connector, rounds in spec.items():
         for rnd, ttfts in enumerate(rounds, 1):
             tokens = [list(t) for t in REF]
             if wrong == (connector, rnd):
                 tokens[1] = [0, 0]
-            rows.append(summarize(_run(connector, rnd, ttfts, tokens), REF, PROMPTS))
+            warm_up = (1, 0) if wrong_warm_up == (connector, rnd) else (1, 2)  # REF[0][:2] is right
+            rows.append(summarize(_run(connector, rnd, ttfts, tokens, warm_up), REF, PROMPTS))
     return rows
 
 
@@ -56,3 +58,21 @@ def test_table_rows_name_round_and_load():
     lines = table(rows).splitlines()
     assert lines[2].startswith("| kvferry | 1 | 1.2-2.0 | 3 | 0.200 |") and "| 3/3 |" in lines[2]
     assert lines[3].startswith("| kvferry | 2 |") and "| 2/3 |" in lines[3]
+
+
+def test_a_wrong_warm_up_marks_the_round_and_the_connector():
+    rows = _rows({"kvferry": [[0.1, 0.2, 0.3], [0.1, 0.2, 0.3]]}, wrong_warm_up=("kvferry", 2))
+    assert [r["warm_up_equal"] for r in rows] == [True, False]
+    lines = table(rows).splitlines()
+    assert "| 3/3 | yes |" in lines[2] and "| 3/3 | NO |" in lines[3]
+    assert not medians(rows)[0]["tokens_equal_every_round"]
+
+
+def test_behind_router_sets_kvferry_beside_the_in_tree_connector_of_each_mode():
+    rows = _rows({"kvferry@vllm-router-nixl": [[0.2, 0.2, 0.2]], "nixl@vllm-router-nixl": [[0.8, 0.8, 0.8]],
+                  "kvferry@vllm-router-mooncake": [[0.3, 0.3, 0.3]]})
+    routed = behind_router(medians(rows))
+    assert [(r["mode"], r["theirs"], r["kvferry_p50_s"], r["theirs_p50_s"]) for r in routed] == \
+        [("nixl", "nixl", 0.2, 0.8)]  # mooncake mode: no in-tree row, no comparison
+    assert routed[0]["ratio"] == 0.25
+    assert "Behind vllm-router `--kv-connector nixl`" in summary_table(medians(rows), None, None, routed)

@@ -181,3 +181,32 @@ def test_decode_finds_kvferrys_bootstrap_behind_a_front_door_and_takes_a_zmq_por
     finally:
         door.close()
         zmq_server.close()
+
+
+@pytest.mark.parametrize("extra, host", [
+    ({"kvferry_bootstrap_addr": "10.0.0.5:8998", "kvferry_serve_bootstrap": True}, "10.0.0.5"),
+    ({"kvferry_bootstrap_addr": "127.0.0.2:8998", "kvferry_serve_bootstrap": True}, "127.0.0.2"),
+    ({"kvferry_bootstrap_addr": "127.0.0.2:8998"}, "127.0.0.1"),  # decode, its bootstrap on this machine
+    ({"kvferry_bootstrap_addr": "localhost:8998", "kvferry_serve_bootstrap": True}, "127.0.0.1"),
+    ({}, "127.0.0.1"),
+    ({"kvferry_bootstrap_addr": "10.0.0.5:8998", "kvferry_serve_bootstrap": True, "kvferry_host": "10.0.0.9"},
+     "10.0.0.9"),
+])
+def test_a_ranks_address_defaults_to_where_its_peers_reach_it(extra, host):
+    """A prefill that serves its bootstrap at a host of its own registers its
+    rank there (the routers forward that host to decode; loopback would send
+    decode's transfers to decode's own machine); an explicit kvferry_host wins."""
+    assert ConnectorConfig.from_extra(extra, "eng").host == host
+
+
+def test_a_rank_on_another_node_than_its_bootstrap_registers_its_outgoing_address():
+    """Towards a bootstrap elsewhere, the rank's address is the one this
+    machine sends from on that route (here: towards this machine's own
+    outgoing address, which is that address: a packet would leave by lo,
+    from it), never loopback's."""
+    from transfer.adapters.vllm_params import default_host
+
+    mine = default_host("0.0.0.0:8998", True)  # the default route's interface
+    if mine.startswith("127."):
+        pytest.skip("this machine has no interface besides loopback")
+    assert ConnectorConfig.from_extra({"kvferry_bootstrap_addr": f"{mine}:8998"}, "eng").host == mine

@@ -31,6 +31,7 @@ Protocol (push from prefill; what a router or client sends):
 from __future__ import annotations
 
 import hashlib
+import socket
 from dataclasses import dataclass, field
 
 #: Bumped when a field of the params below changes meaning.
@@ -61,7 +62,12 @@ class ConnectorConfig:
       <kvferry's port>}``, ``GET /health``), and kvferry's ZMQ bootstrap
       server listens beside it, on ``kvferry_bootstrap_zmq_port`` (default:
       the next port);
-    - ``kvferry_host`` (default ``127.0.0.1``): this rank's address for peers;
+    - ``kvferry_host``: this rank's address for peers (decode's transfers
+      to prefill's, prefill's writes to decode's). Default
+      (:func:`default_host`): a prefill that serves the bootstrap, its
+      host (the address decode and the routers already reach it at); else
+      this machine's address on the route to the bootstrap server's host
+      (``127.0.0.1`` where that is loopback);
     - ``kvferry_node`` (default: vLLM's ``engine_id``): the prefill node's name;
     - ``kvferry_protocol`` (``tcp`` or ``rdma``, default ``tcp``);
     - ``kvferry_query_port`` (prefill, default 0: none besides the served
@@ -163,10 +169,12 @@ class ConnectorConfig:
         manager = dict(extra.get("kvferry", {}))
         lease = extra.get("kvferry_lease_s", DEFAULT_LEASE_S)
         port = str((env or {}).get("VLLM_MOONCAKE_BOOTSTRAP_PORT", "")).strip() or "8998"
+        bootstrap = str(extra.get("kvferry_bootstrap_addr", f"127.0.0.1:{port}"))
+        serve = bool(extra.get("kvferry_serve_bootstrap", False))
         return ConnectorConfig(
-            bootstrap_addr=str(extra.get("kvferry_bootstrap_addr", f"127.0.0.1:{port}")),
-            serve_bootstrap=bool(extra.get("kvferry_serve_bootstrap", False)),
-            host=str(extra.get("kvferry_host", "127.0.0.1")),
+            bootstrap_addr=bootstrap,
+            serve_bootstrap=serve,
+            host=str(extra.get("kvferry_host") or default_host(bootstrap, serve)),
             node_id=str(extra.get("kvferry_node") or engine_id or "prefill"),
             protocol=str(extra.get("kvferry_protocol", "tcp")),
             lease_s=float(lease),
@@ -281,6 +289,30 @@ def decode_params(room: int, config: ConnectorConfig) -> dict:
     """What prefill returns in its response, for the router to send to decode."""
     return {"do_remote_prefill": True, "do_remote_decode": False, "kvferry_version": PARAMS_VERSION,
             "kvferry_room": room, "kvferry_bootstrap_addr": config.kvferry_addr, "kvferry_node": config.node_id}
+
+
+def default_host(bootstrap_addr: str, serve_bootstrap: bool) -> str:
+    """This rank's address for peers where ``kvferry_host`` is not set. A
+    prefill serving the bootstrap at a host of its own: that host (decode
+    and the routers reach this server there). Otherwise the address this
+    machine sends from towards the bootstrap server's host (a UDP socket's
+    ``connect`` picks the outgoing interface; no packet is sent), so a rank
+    on another node than its bootstrap registers a reachable address, not
+    loopback; a bootstrap on every interface (``0.0.0.0``): the default
+    route's; ``127.0.0.1`` for a loopback bootstrap or when no route is found."""
+    host = bootstrap_addr.rpartition(":")[0].strip("[]")
+    anywhere = host in ("", "0.0.0.0", "::")
+    if serve_bootstrap and not anywhere and host != "localhost":
+        return host
+    if host == "localhost" or host.startswith("127."):
+        return "127.0.0.1"
+    towards = "10.255.255.255" if anywhere else host  # listening everywhere: the default route's interface
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in towards else socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((towards, 9))
+            return s.getsockname()[0]
+    except OSError:  # no route (or a name that does not resolve): loopback
+        return "127.0.0.1"
 
 
 def source_of(params: dict) -> Source:

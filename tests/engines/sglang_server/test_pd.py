@@ -27,6 +27,13 @@ from harness.sglang_server import SGLangServer, SGLangSpec, generate, pd_generat
 from harness.vllm import VOCAB, build_tiny_model, free_port  # noqa: E402
 
 MAX_NEW = 12
+PREFILL_HOST = "127.0.0.2"
+# SGLang 0.5.23's prefill sends a prompt's prefix found in its radix cache early, before the forward
+# (SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX, on by default); under overlap scheduling it records a
+# torch.cuda.Event for that send, which kills its scheduler without CUDA, whatever the backend. With
+# overlap off the early send runs as on a GPU, without the event (kvferry's sender waits on it when
+# given: tests/unit, the CUDA-event stand-ins).
+PREFILL_ARGS = ("--disable-overlap-schedule",)
 LENGTHS = (8, 100, 257, 600)
 
 
@@ -41,8 +48,11 @@ def servers(tmp_path_factory):
     model = build_tiny_model(str(root / "model"))
     bootstrap = free_port()
     # kvferry's own bootstrap port (beside SGLang's HTTP one): a free one, not the default next port
+    # prefill on an address of its own, not localhost's: sglang-router forwards its --prefill URL's host
+    # as the bootstrap host, and kvferry's bootstrap and ranks must answer there (issue 41)
     specs = [SGLangSpec("reference", model), SGLangSpec("prefill", model, "prefill", bootstrap_port=bootstrap,
-                                                        env={"KVFERRY_SGLANG_BOOTSTRAP_PORT": str(free_port())}),
+                                                        env={"KVFERRY_SGLANG_BOOTSTRAP_PORT": str(free_port())},
+                                                        host=PREFILL_HOST, args=PREFILL_ARGS),
              SGLangSpec("decode", model, "decode")]
     started = []
     try:
@@ -69,6 +79,25 @@ def test_decode_tokens_equal_a_single_server(servers):
         lines = server.kvferry_lines()
         assert f"kvferry {server.spec.mode} rank tp 0/1 dp 0/1 ready" in lines, lines
         assert "failed" not in lines, lines
+
+
+def test_a_prefix_in_prefills_radix_cache_goes_early_and_decode_tokens_still_equal(servers):
+    """A prompt whose first 256 tokens prefill computed before, then the same
+    prompt again: prefill finds the prefix in its radix cache (its reply's
+    ``cached_tokens``) and SGLang sends those pages early, in a chunk of
+    their own before the forward, the rest after; decode's tokens equal the
+    single server's both times."""
+    reference, prefill, decode = servers["reference"], servers["prefill"], servers["decode"]
+    base = prompt_of(400, 300)
+    extended = base[:256] + prompt_of(150, 301)
+    # the first puts the prefix in prefill's cache (a prompt's last token is always computed)
+    for i, (prompt, cached) in enumerate(((base, 0), (extended, 256), (base, 399))):
+        want = generate(reference, prompt, MAX_NEW)["output_ids"]
+        first, got = pd_generate(prefill, decode, prompt, MAX_NEW, room=7_100 + i)
+        assert first["meta_info"]["cached_tokens"] >= cached, first["meta_info"]
+        assert got["output_ids"] == want, (len(prompt), got["output_ids"], want)
+    lines = prefill.kvferry_lines() + decode.kvferry_lines()
+    assert "failed" not in lines, lines
 
 
 def test_behind_sglang_router_unchanged_tokens_equal_a_single_server(servers, tmp_path):

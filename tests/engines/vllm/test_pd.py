@@ -50,17 +50,22 @@ STORED = 512  # four full blocks of 128: all of it is written through to storage
 LEASE_S = 8.0  # prefill's lease; prefill's bootstrap_timeout_s (15) is longer, so the lease frees first
 BLOCK = 128  # vLLM's CPU block size
 BLOCK_BYTES = 4 * 4 * BLOCK * 2 * 32 * 2  # layers x KV heads x tokens x (K and V) x head dim x bf16
+#: prefill's own address, not localhost's: its HTTP server, its bootstrap port and its rank all
+#: answer there, and the routers forward this host (their --prefill URL's) to decode (issue 41)
+PREFILL_HOST = "127.0.0.2"
 
 
-def kv_config(role: str, bootstrap: str, store: str, discovery: str = "", port: int = 0) -> dict:
+def kv_config(role: str, bootstrap: str, store: str, discovery: str = "", port: int = 0,
+              host: str = "127.0.0.1") -> dict:
     """``discovery``: register with vllm-router's ``--vllm-discovery-address``
-    there, as ``127.0.0.1:<port>`` (the server's own port)."""
+    there, as ``host:<port>`` (the server's own address)."""
     extra = {"kvferry_bootstrap_addr": bootstrap, "kvferry_node": "prefill0",
              "kvferry": {**KVFERRY, "storage_url": f"file://{store}"}}
     if discovery:
-        extra.update(kvferry_router_discovery=discovery, kvferry_http_address=f"127.0.0.1:{port}")
+        extra.update(kvferry_router_discovery=discovery, kvferry_http_address=f"{host}:{port}")
     if role == "kv_producer":  # the bootstrap port answers HTTP (GET /query), kvferry's ZMQ server the next one
         extra["kvferry_serve_bootstrap"] = True
+        extra["kvferry_host"] = host  # the rank's address for decode's transfers
         extra["kvferry_lease_s"] = LEASE_S
     config = {"kv_connector": "KvferryConnector", "kv_connector_module_path": "transfer.adapters.vllm",
               "kv_role": role, "kv_connector_extra_config": extra}
@@ -114,8 +119,8 @@ class Cluster:
     def __init__(self, model: str, log_dir: str) -> None:
         self.model, self.log_dir = model, log_dir
         port = free_ports(2)
-        self.bootstrap = f"127.0.0.1:{port}"  # the prefill's bootstrap port: HTTP (GET /query, as Mooncake's)
-        self.kvferry = f"127.0.0.1:{port + 1}"  # kvferry's ZMQ bootstrap server beside it
+        self.bootstrap = f"{PREFILL_HOST}:{port}"  # the prefill's bootstrap port: HTTP (GET /query, as Mooncake's)
+        self.kvferry = f"{PREFILL_HOST}:{port + 1}"  # kvferry's ZMQ bootstrap server beside it
         self.store = f"{log_dir}/store"  # kvferry's storage tier, shared by prefill and decode
         # prefill and decode register with a vllm-router in discovery mode there (while none listens: nothing)
         self.discovery = f"127.0.0.1:{free_port()}"
@@ -125,10 +130,12 @@ class Cluster:
 
     def start(self, name: str) -> VLLMServer:
         decode_config = kv_config("kv_consumer", self.bootstrap, self.store)
-        registered = {name: kv_config(role, self.bootstrap, self.store, self.discovery, self.ports[name])
-                      for name, role in (("prefill", "kv_producer"), ("decode", "kv_consumer"))}
+        registered = {name: kv_config(role, self.bootstrap, self.store, self.discovery, self.ports[name], host)
+                      for name, role, host in (("prefill", "kv_producer", PREFILL_HOST),
+                                               ("decode", "kv_consumer", "127.0.0.1"))}
         spec = {"reference": ServerSpec("reference", self.model, 0),
-                "prefill": ServerSpec("prefill", self.model, 0, registered["prefill"], port=self.ports["prefill"]),
+                "prefill": ServerSpec("prefill", self.model, 0, registered["prefill"], port=self.ports["prefill"],
+                                      host=PREFILL_HOST),
                 "decode": ServerSpec("decode", self.model, 1, registered["decode"], port=self.ports["decode"]),
                 # decode with its own prefix cache on (vLLM's default): asks prefill only for the blocks it lacks
                 "decode-prefix": ServerSpec("decode-prefix", self.model, 1, decode_config, prefix_caching=True,
@@ -283,6 +290,37 @@ def test_behind_vllm_router_unchanged_tokens_equal_a_single_instance(cluster, co
         _served_through(cluster, router, (150, 700, 1000), first_seed=40)
     finally:
         router.close()
+
+
+def test_behind_vllm_router_with_intra_node_dp_each_request_is_served_or_refused_by_name(cluster):
+    """vllm-router ``--intra-node-data-parallel-size 2`` may take each server
+    for two DP engines (``X-data-parallel-rank``). kvferry's connector refuses
+    ``--data-parallel-size`` > 1 at start-up (test_vllm_params), so these
+    servers have one: every request is served, tokens equal the single
+    instance's, or refused by vLLM with a 4xx that names the rank; never a
+    hang or wrong tokens. (Measured with 0.1.17 in PD mode: all served, none
+    sent to an engine 1. DP replicas go behind the router as servers of their own.)"""
+    from harness.vllm import VllmRouter
+
+    router = VllmRouter("nixl", cluster.servers["prefill"], cluster.servers["decode"], cluster.log_dir, dp_size=2)
+    served = refused = 0
+    try:
+        router.wait_ready(90)
+        for i in range(6):
+            n, seed = 120 + 40 * i, 80 + i
+            try:
+                reply = post(router.url, _body(cluster.model, prompt_of(n, seed), MAX_TOKENS, None), 120)
+            except urllib.error.HTTPError as exc:
+                body = exc.read().decode(errors="replace")
+                assert 400 <= exc.code < 500 and re.search(r"data_parallel_rank 1 is out of range", body), \
+                    f"HTTP {exc.code}: {body[:800]}\nrouter:\n{router.log_tail()}"
+                refused += 1
+                continue
+            assert tokens_of(reply) == cluster.reference(n, seed), f"{n} tokens\nrouter:\n{router.log_tail()}"
+            served += 1
+    finally:
+        router.close()
+    assert served + refused == 6 and served > 0, (served, refused, router.log_tail())
 
 
 def test_behind_vllm_router_in_discovery_mode_the_servers_register_themselves(cluster):
