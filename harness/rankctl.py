@@ -414,6 +414,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.ERROR, format=f"[{args.role}] %(name)s %(levelname)s %(message)s")
     spec = Spec.from_json(args.spec)
+    if spec.switch_interval_s:
+        sys.setswitchinterval(spec.switch_interval_s)
     role = Role(args.role)
     prefill = role is Role.PREFILL
     base = manager_config_from_env(role)

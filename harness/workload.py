@@ -95,6 +95,9 @@ class Spec:
     slow_delay_s: float = 0.0  # ...for this long (decode must wait for it)
     fill: str = "random"  # "random" bytes, or "constant" (cheap, for the benchmark)
     touch_staging: bool = False  # fault in the CPU staging buffer at start, as a warmed-up server has (benchmark)
+    # the interpreter's GIL switch interval in the rank's process (0: CPython's 5 ms). A call that wants the
+    # GIL while another thread runs Python waits up to one interval, so a bound on calls near 5 ms needs less.
+    switch_interval_s: float = 0.0
     verify: bool = True  # decode checks every byte (the benchmark turns it off)
     warmup_rooms: int = 0  # leading rooms left out of timings (connection set-up)
     device: str = "cpu"  # where the KV pools live: "cpu", "cuda", "cuda:1" (filled on the host, then copied)
