@@ -40,12 +40,13 @@ import statistics
 import tempfile
 import time
 
+from benchmarks.server_runs import percentile, rewrite_block, run_rounds
 from harness.sglang_server import SGLangRouter, SGLangServer, SGLangSpec
 from harness.vllm import VOCAB, build_tiny_model, free_port
 
 SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_site")
 ROWS = ("single", "kvferry@sglang-router", "mooncake@sglang-router")
-MARK, END = "<!-- bench-sglang-router -->", "<!-- /bench-sglang-router -->"
+BLOCK = "bench-sglang-router"  # the --doc block it rewrites
 
 
 def stream(url: str, prompt: list[int], max_new: int, timeout_s: float = 180.0) -> dict:
@@ -116,18 +117,13 @@ def _warm_up_equal(run: dict, reference: dict | None) -> bool:
     return reference is not None and run["warm_up_tokens"] == reference["warm_up_tokens"][:2]
 
 
-def _pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
-
-
 def summarize(run: dict, reference: dict | None) -> dict:
     """``reference``: the single server's run."""
     ttft = [r["ttft_s"] for r in run["results"]]
     want = [r["tokens"] for r in reference["results"]] if reference else []
     equal = sum(r["tokens"] == ref for r, ref in zip(run["results"], want))
     return {"row": run["row"], "round": run["round"], "load_1m": run["load_1m"], "requests": len(ttft),
-            "ttft_p50_s": statistics.median(ttft), "ttft_p99_s": _pct(ttft, 0.99),
+            "ttft_p50_s": statistics.median(ttft), "ttft_p99_s": percentile(ttft, 0.99),
             "total_s": sum(r["total_s"] for r in run["results"]), "tokens_equal": equal,
             "warm_up_equal": _warm_up_equal(run, reference)}
 
@@ -172,20 +168,10 @@ def main(argv=None) -> int:
     # another's prefix in prefill's radix cache (see the module's docstring)
     firsts = rng.sample(range(4, VOCAB), args.requests + 1)
     prompts = [[first] + [rng.randrange(4, VOCAB) for _ in range(rng.randrange(99, 1000))] for first in firsts]
-    runs = []
     with tempfile.TemporaryDirectory(prefix="kvferry-bench-sglang-router-") as tmp:
         model = build_tiny_model(os.path.join(tmp, "model"))
-        for rnd in range(1, args.rounds + 1):
-            for name in args.rows.split(","):
-                print(f"bench-sglang-router: round {rnd}: {name} ...", flush=True)
-                load = os.getloadavg()[0]
-                try:
-                    run = run_row(name, model, prompts[:-1], prompts[-1], args.max_new, tmp)
-                except Exception as exc:  # one row's failure is a result, not the end of the run
-                    print(f"bench-sglang-router: {name} failed: {exc}", flush=True)
-                    run = {"row": name, "error": str(exc)[:2000]}
-                run.update({"round": rnd, "load_1m": [round(load, 1), round(os.getloadavg()[0], 1)]})
-                runs.append(run)
+        runs = run_rounds("bench-sglang-router", "row", args.rows.split(","), args.rounds,
+                          lambda name: run_row(name, model, prompts[:-1], prompts[-1], args.max_new, tmp))
     ref = next((r for r in runs if r["row"] == "single" and "error" not in r), None)
     rows = [summarize(r, ref) for r in runs if "error" not in r]
     text = table(rows) + verdict(rows)
@@ -195,11 +181,7 @@ def main(argv=None) -> int:
                    "runs": runs}, f, indent=1)
     print(text)
     if args.doc:
-        with open(args.doc) as f:
-            doc = f.read()
-        start, end = doc.index(MARK) + len(MARK), doc.index(END)
-        with open(args.doc, "w") as f:
-            f.write(doc[:start] + "\n" + text + doc[end:])
+        rewrite_block(args.doc, BLOCK, text)
     ok = all(r["tokens_equal"] == r["requests"] and r["warm_up_equal"] for r in rows)
     return 0 if rows and ok and not any("error" in r for r in runs) else 1
 

@@ -54,6 +54,7 @@ import time
 import urllib.request
 import uuid
 
+from benchmarks.server_runs import percentile, rewrite_block, run_rounds
 from harness.vllm import (VOCAB, ServerSpec, VLLMServer, VllmRouter, _body, build_tiny_mla_model, build_tiny_model,
                           free_port, free_ports, post)
 
@@ -62,7 +63,7 @@ SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_site")
 #: (vLLM's NIXL agents spin it, delay 0), and one UCX worker thread (vLLM's default 4)
 NIXL_TUNED_DELAY_US, NIXL_TUNED_THREADS = 100, 1
 KVFERRY = ("kvferry", "kvferry-concurrent", "kvferry-router")
-#: behind vllm-router: (connector, router mode) rows, each kvferry's beside the in-tree one of its mode
+#: behind vllm-router: CONNECTOR@vllm-router-MODE rows, kvferry's beside the in-tree connector of each mode
 ROUTED = ("kvferry@vllm-router-nixl", "nixl@vllm-router-nixl", "kvferry@vllm-router-mooncake",
           "mooncake@vllm-router-mooncake")
 #: MooncakeConnector's bootstrap port (VLLM_MOONCAKE_BOOTSTRAP_PORT's default), in the bench's own namespace
@@ -194,13 +195,6 @@ def run_connector(name: str, model: str, prompts: list[list[int]], max_tokens: i
             "local_tokens": int(delta.get("local_compute", 0))}
 
 
-def percentile(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
-
-
-
-
 def summarize(run: dict, reference: list[list[int]], prompts: list[list[int]]) -> dict:
     ttft = [r["ttft_s"] for r in run["results"]]
     equal = sum(r["tokens"] == ref for r, ref in zip(run["results"], reference))
@@ -243,10 +237,10 @@ def behind_router(summary: list[dict]) -> list[dict]:
     connector's behind the same router (medians over rounds)."""
     by = {m["connector"]: m for m in summary}
     out = []
-    for mode, theirs in (("nixl", "nixl"), ("mooncake", "mooncake")):
-        a, b = by.get(f"kvferry@vllm-router-{mode}"), by.get(f"{theirs}@vllm-router-{mode}")
+    for mode in ("nixl", "mooncake"):  # each mode beside the in-tree connector of its name
+        a, b = by.get(f"kvferry@vllm-router-{mode}"), by.get(f"{mode}@vllm-router-{mode}")
         if a and b:
-            out.append({"mode": mode, "kvferry_p50_s": a["ttft_p50_s"], "theirs": theirs,
+            out.append({"mode": mode, "kvferry_p50_s": a["ttft_p50_s"], "theirs": mode,
                         "theirs_p50_s": b["ttft_p50_s"], "ratio": a["ttft_p50_s"] / b["ttft_p50_s"]})
     return out
 
@@ -313,18 +307,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvferry-bench-vllm-") as tmp:
         build = build_tiny_mla_model if args.model == "mla" else build_tiny_model
         model = build(os.path.join(tmp, "model"))
-        runs = []
-        for rnd in range(1, args.rounds + 1):
-            for name in args.connectors.split(","):
-                print(f"bench-vllm: round {rnd}: {name} ...", flush=True)
-                load = os.getloadavg()[0]
-                try:
-                    run = run_connector(name, model, prompts, args.max_tokens, tmp)
-                except Exception as exc:  # one connector's failure is a result, not the end of the run
-                    print(f"bench-vllm: {name} failed: {exc}", flush=True)
-                    run = {"connector": name, "error": str(exc)[:2000]}
-                run.update({"round": rnd, "load_1m": [round(load, 1), round(os.getloadavg()[0], 1)]})
-                runs.append(run)
+        runs = run_rounds("bench-vllm", "connector", args.connectors.split(","), args.rounds,
+                          lambda name: run_connector(name, model, prompts, args.max_tokens, tmp))
     ref = next((r for r in runs if r["connector"] == "single" and "error" not in r), None)
     reference = [r["tokens"] for r in ref["results"]] if ref else [None] * len(prompts)
     rows = [summarize(r, reference, prompts) for r in runs if "error" not in r]
@@ -339,13 +323,7 @@ def main(argv=None) -> int:
     text = table(rows) + "\n" + summary_table(summary, verdict, router, routed)
     print(text)
     if args.doc:
-        with open(args.doc) as f:
-            doc = f.read()
-        block = args.block or ("bench-vllm" if args.model == "llama" else "bench-vllm-mla")
-        mark, end_mark = f"<!-- {block} -->", f"<!-- /{block} -->"
-        start, end = doc.index(mark) + len(mark), doc.index(end_mark)
-        with open(args.doc, "w") as f:
-            f.write(doc[:start] + "\n" + text + doc[end:])
+        rewrite_block(args.doc, args.block or ("bench-vllm" if args.model == "llama" else "bench-vllm-mla"), text)
     return 0
 
 

@@ -22,7 +22,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from harness.ports import free_port
-from harness.vllm import REPO_ROOT, ServerProcess
+from harness.vllm import REPO_ROOT, ServerProcess, with_env
 
 #: SGLang's test stand-in for torchvision (every PyPI build needs a CUDA torch)
 STUBS = os.path.join(REPO_ROOT, "tests", "engines", "sglang", "stubs")
@@ -66,11 +66,7 @@ class SGLangServer(ServerProcess):
                     "MC_TCP_BIND_ADDRESS": spec.host, "MC_LOG_LEVEL": "ERROR", "HF_HUB_OFFLINE": "1",
                     "TRANSFORMERS_OFFLINE": "1", "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60",
                     "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60"})
-        extra = dict(spec.env)
-        if "PYTHONPATH" in extra:  # in front of the repository and the stubs (a sitecustomize of its own wins)
-            env["PYTHONPATH"] = os.pathsep.join([extra.pop("PYTHONPATH"), env["PYTHONPATH"]])
-        env.update(extra)
-        self._spawn(cmd, env)
+        self._spawn(cmd, with_env(env, spec.env))  # spec.env's PYTHONPATH in front of the repository and stubs
 
 
 class SGLangRouter(ServerProcess):

@@ -194,6 +194,17 @@ def failure_report() -> list[tuple[str, str]]:
 _ERROR = re.compile(r"\b(ERROR|CRITICAL|Traceback|Error|Exception|failed|failure)\b")
 
 
+def with_env(env: dict, extra: dict) -> dict:
+    """``extra`` over ``env``; a ``PYTHONPATH`` in ``extra`` goes in front of
+    ``env``'s (the repository's), not instead of it, so a directory with a
+    ``sitecustomize`` of its own wins."""
+    out, extra = dict(env), dict(extra)
+    if "PYTHONPATH" in extra:
+        out["PYTHONPATH"] = os.pathsep.join([extra.pop("PYTHONPATH"), env["PYTHONPATH"]])
+    out.update(extra)
+    return out
+
+
 class ServerProcess:
     """A serving engine's server process in its own process group, its output
     in ``log_path``: waiting (bounded) until ``ready_path`` answers 200, the log's
@@ -340,12 +351,8 @@ class VLLMServer(ServerProcess):
         env.update({"PYTHONPATH": os.pathsep.join(paths), "VLLM_CPU_KVCACHE_SPACE": "1",
                     "VLLM_CPU_OMP_THREADS_BIND": str(spec.core), "MC_LOG_LEVEL": "ERROR",
                     "VLLM_LOGGING_LEVEL": "INFO", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
-        extra = dict(spec.env)
-        if "PYTHONPATH" in extra:  # in front of the repository, not instead of it
-            env["PYTHONPATH"] = os.pathsep.join([extra.pop("PYTHONPATH"), env["PYTHONPATH"]])
-        env.update(extra)
         self.cmd = spec.prefix + cmd
-        self._spawn(self.cmd, env)
+        self._spawn(self.cmd, with_env(env, spec.env))
 
     def metrics(self) -> dict[str, float]:
         """``vllm:prompt_tokens_by_source`` per source, and the request counters."""

@@ -31,8 +31,9 @@ Protocol (push from prefill; what a router or client sends):
 from __future__ import annotations
 
 import hashlib
-import socket
 from dataclasses import dataclass, field
+
+from transfer.adapters.hosts import outgoing_address
 
 #: Bumped when a field of the params below changes meaning.
 PARAMS_VERSION = 1
@@ -295,9 +296,9 @@ def default_host(bootstrap_addr: str, serve_bootstrap: bool) -> str:
     """This rank's address for peers where ``kvferry_host`` is not set. A
     prefill serving the bootstrap at a host of its own: that host (decode
     and the routers reach this server there). Otherwise the address this
-    machine sends from towards the bootstrap server's host (a UDP socket's
-    ``connect`` picks the outgoing interface; no packet is sent), so a rank
-    on another node than its bootstrap registers a reachable address, not
+    machine sends from towards the bootstrap server's host
+    (:func:`~transfer.adapters.hosts.outgoing_address`), so a rank on
+    another node than its bootstrap registers a reachable address, not
     loopback; a bootstrap on every interface (``0.0.0.0``): the default
     route's; ``127.0.0.1`` for a loopback bootstrap or when no route is found."""
     host = bootstrap_addr.rpartition(":")[0].strip("[]")
@@ -306,13 +307,7 @@ def default_host(bootstrap_addr: str, serve_bootstrap: bool) -> str:
         return host
     if host == "localhost" or host.startswith("127."):
         return "127.0.0.1"
-    towards = "10.255.255.255" if anywhere else host  # listening everywhere: the default route's interface
-    try:
-        with socket.socket(socket.AF_INET6 if ":" in towards else socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((towards, 9))
-            return s.getsockname()[0]
-    except OSError:  # no route (or a name that does not resolve): loopback
-        return "127.0.0.1"
+    return outgoing_address() if anywhere else outgoing_address(host)  # everywhere: the default route's
 
 
 def source_of(params: dict) -> Source:

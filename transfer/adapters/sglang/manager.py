@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import socket
 from typing import Optional
 
 from sglang.srt.disaggregation.base.conn import BaseKVManager
 
+from transfer.adapters.hosts import outgoing_address
 from transfer.adapters.sglang.bootstrap import (RoomRegistrar, bind_host, front_info, kvferry_address, post,
                                                wait_kvferry_address)
 from transfer.adapters.sglang.kvargs import (aux_regions_from_kv_args, check_supported, device_of, kv_heads_of_model,
@@ -45,14 +45,7 @@ def _follows_bootstrap_room(server_args) -> bool:
 
 def _engine_host(server_args) -> str:
     host = bind_host(getattr(server_args, "host", None))
-    if host in ("0.0.0.0", "::"):
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                s.connect(("10.255.255.255", 1))  # no packet is sent: picks the outgoing interface
-                return s.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
-    return host
+    return outgoing_address() if host in ("0.0.0.0", "::") else host
 
 
 class KvferryKVManager(BaseKVManager):
