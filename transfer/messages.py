@@ -34,6 +34,12 @@ from bootstrap.descriptors import OMIT_DEFAULT
 from bootstrap.messages import PoolRole, RankInfo
 
 
+#: how page and state item index lists travel (``TransferRequest.dst_pages``, ``dst_states``)
+#: and how decode keeps them: little-endian int32, as a numpy dtype
+INDEX_DTYPE = "<i4"
+INDEX_ITEMSIZE = 4
+
+
 @message("peer_hello")
 @dataclass(frozen=True)
 class PeerHello:
@@ -122,13 +128,13 @@ class TransferRequest:
     dst_states: tuple[bytes, ...] = field(default=(), metadata=OMIT_DEFAULT)
 
     def __post_init__(self) -> None:
-        if len(self.dst_pages) % 4:
+        if len(self.dst_pages) % INDEX_ITEMSIZE:
             raise ValueError("dst_pages must be little-endian int32")
-        if any(len(s) % 4 for s in self.dst_states):
+        if any(len(s) % INDEX_ITEMSIZE for s in self.dst_states):
             raise ValueError("dst_states must be little-endian int32")
         if self.num_requests < 1:
             raise ValueError("num_requests must be >= 1")
-        if not 0 <= self.skip_pages <= len(self.dst_pages) // 4:
+        if not 0 <= self.skip_pages <= len(self.dst_pages) // INDEX_ITEMSIZE:
             raise ValueError("skip_pages must be within the request's pages")
         if not 0 <= self.prefix_pages <= self.skip_pages:
             raise ValueError("prefix_pages must be within skip_pages")

@@ -17,7 +17,7 @@ from harness.launch import BootstrapProcess
 
 from .test_bootstrap_server import _rank
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.transport_free]
 
 
 def _serve(args: list[str], env: dict[str, str], prefix: tuple[str, ...] = ()) -> subprocess.Popen:

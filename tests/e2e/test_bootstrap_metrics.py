@@ -16,7 +16,7 @@ from harness.launch import BootstrapProcess
 
 from .test_bootstrap_server import _rank, _raw
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.transport_free]
 parser = pytest.importorskip("prometheus_client.parser")
 
 

@@ -16,7 +16,7 @@ from bootstrap.messages import (AttentionKind, BufferRef, Component, ErrorReply,
                                 PoolRole, RankInfo)
 from harness.launch import BootstrapProcess
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.transport_free]
 
 
 def _rank(tp_rank: int, tp_size: int = 2, node: str = "p0") -> RankInfo:

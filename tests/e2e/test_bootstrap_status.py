@@ -12,7 +12,7 @@ from bootstrap.client import BootstrapClient
 from bootstrap.messages import AttentionKind, BufferRef, Component, PageLayout, PoolDescriptor, PoolRole, RankInfo
 from harness.launch import BootstrapProcess
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.transport_free]
 
 
 def _mla_rank(tp_rank: int, node: str = "prefill-a") -> RankInfo:

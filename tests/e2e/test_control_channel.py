@@ -18,6 +18,8 @@ from transfer.control.base import ChannelOptions, Link
 from transfer.control.zmq_channel import ZmqChannel
 from transfer.messages import PeerPing
 
+pytestmark = pytest.mark.transport_free
+
 HEARTBEAT_S, TIMEOUT_S = 0.1, 0.6
 OPTIONS = ChannelOptions(host="127.0.0.1", heartbeat_interval_s=HEARTBEAT_S, peer_timeout_s=TIMEOUT_S)
 

@@ -5,6 +5,7 @@ import ctypes
 import pytest
 import torch
 
+from bootstrap.messages import PoolRole
 from transfer.pools import MHAPool, MLAPool
 from transfer.storage.keys import page_keys
 from transfer.storage.segments import page_bytes, page_segments, pages_segments, pool_fingerprint, pool_regions
@@ -13,7 +14,7 @@ from transfer.storage.segments import page_bytes, page_segments, pages_segments,
 def mha(layout="nhd", pages=6, layers=3, heads=2, page_size=4, head_dim=8, dtype=torch.bfloat16, role="target"):
     shape = (pages, page_size, heads, head_dim) if layout == "nhd" else (pages, heads, page_size, head_dim)
     return MHAPool(k=[torch.randn(shape).to(dtype) for _ in range(layers)],
-                   v=[torch.randn(shape).to(dtype) for _ in range(layers)], layout=layout, role=role)
+                   v=[torch.randn(shape).to(dtype) for _ in range(layers)], layout=layout, role=PoolRole(role))
 
 
 def mla(pages=6, layers=2, page_size=4, latent=24, four_d=False):

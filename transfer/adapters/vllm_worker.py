@@ -193,6 +193,14 @@ class _Room:
     ready: object = None  # prefill, layer-wise on CUDA: the event of the latest layer the forward wrote
 
 
+@dataclass
+class _Hold:
+    """Decode: a queued request's room, held at prefill until it is scheduled or cancelled."""
+
+    spec: object  # its RecvSpec
+    due: float  # when the next RoomHold goes (time.monotonic())
+
+
 class KvferryWorker:
     """Sends (prefill) or receives (decode) rooms for one vLLM worker rank."""
 
@@ -233,7 +241,7 @@ class KvferryWorker:
         self._fail_by_request = groups is not None and groups.num_groups > 1
         self.num_failed = 0
         self.num_cancelled = 0  # decode requests prefill was told of before they had a room
-        self._holds: dict[str, list] = {}  # decode: req_id -> [RecvSpec, next renewal] of queued requests
+        self._holds: dict[str, _Hold] = {}  # decode: req_id -> its hold, for queued requests
         self.num_holds = 0  # decode: RoomHolds sent
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -337,7 +345,7 @@ class KvferryWorker:
             first = time.monotonic() + min(_FIRST_HOLD_S, self.hold_every_s)
             with self._lock:  # a request scheduled at once needs no hold: the first goes out a bit later
                 for h in holds:
-                    self._holds[h.req_id] = [h, first]
+                    self._holds[h.req_id] = _Hold(h, first)
                 for r in (*recvs, *cancels):
                     self._holds.pop(r.req_id, None)
         if cancels:
@@ -621,9 +629,9 @@ class KvferryWorker:
         the seconds until the next one is due."""
         now = time.monotonic()
         with self._lock:
-            due = [h for h in self._holds.values() if h[1] <= now]
+            due = [h for h in self._holds.values() if h.due <= now]
         for h in due:
-            spec = h[0]
+            spec = h.spec
             try:
                 sent = self.mgr.hold_room(self._kvferry_addr(spec.bootstrap_addr), spec.room, prefill_node=spec.node_id,
                                           hold_s=self.hold_s)
@@ -631,9 +639,9 @@ class KvferryWorker:
                 log.warning("kvferry: request %s (room %d) not held at prefill: %s", spec.req_id, spec.room, exc)
                 sent = False
             self.num_holds += sent
-            h[1] = now + (self.hold_every_s if sent else min(self.hold_every_s, _HOLD_RETRY_S))
+            h.due = now + (self.hold_every_s if sent else min(self.hold_every_s, _HOLD_RETRY_S))
         with self._lock:
-            return max(0.0, min((h[1] for h in self._holds.values()), default=_WAKE_S) - now)
+            return max(0.0, min((h.due for h in self._holds.values()), default=_WAKE_S) - now)
 
     def _poll(self, rooms: list[_Room]) -> None:
         """Poll ``rooms``: push a prefill room whose decode asked, report the ended ones."""

@@ -45,7 +45,7 @@ import numpy as np
 from bootstrap.messages import PoolDescriptor, PoolRole, RankInfo, StatePoolDescriptor, StateSharding
 from transfer.config import ManagerConfig
 from transfer.errors import RequestError
-from transfer.messages import TransferRequest
+from transfer.messages import INDEX_DTYPE, TransferRequest
 from transfer.plan import (PageSlice, TransferPlan, check_state, check_transfer, page_runs, page_slice,
                            pair_state_items, plan_aux_regions, plan_pool, plan_state, staged_bytes)
 from transfer.state_slices import RowBlocks, block_entries, row_blocks
@@ -182,7 +182,7 @@ def plan_chunk(room: SendingRoom, chunk: Chunk, config: ManagerConfig) -> ChunkP
         peer = room.peers[req.decode_session]
         skip = min(chunk.pages.size, max(0, req.skip_pages - chunk.offset))  # decode has these already
         src = chunk.pages[skip:]
-        dst = np.frombuffer(req.dst_pages, dtype="<i4")[chunk.offset + skip:end]
+        dst = np.frombuffer(req.dst_pages, dtype=INDEX_DTYPE)[chunk.offset + skip:end]
         sent = [a for a in req.assignments if a.send] if src.size else []
         plans, roles = [], []
         if sent and _staged(src, dst, sent, local, peer, config):
@@ -241,7 +241,7 @@ def _state_plans(room: SendingRoom, req: TransferRequest, peer: RankInfo, local:
         if src is None:
             raise RequestError(f"{room.where}: decode asks for state {pool.kind}, but the last send() named no "
                                "state indices for it")
-        src, dst = pair_state_items(pool, src, np.frombuffer(dst, dtype="<i4"))
+        src, dst = pair_state_items(pool, src, np.frombuffer(dst, dtype=INDEX_DTYPE))
         blocks = state_blocks(pool, theirs, local, peer, req.decode_tp_rank)
         if peer.fenced:
             check_state(pool, theirs, src, dst)

@@ -94,8 +94,6 @@ class PrefillRooms:
         self.prefill_sessions: frozenset[str] = frozenset()
         #: hellos refused for the identity they declared (peer_check)
         self.num_refused_hellos = 0
-        #: requests from a session that has not handshaken (or not from its handshake's endpoint, origin)
-        self.num_refused_unhandshaken = 0
         #: requests refused because the room has one from that decode TP rank, or all it expects
         self.num_refused_duplicates = 0
         #: requests seen before (same room and request id), dropped
@@ -134,13 +132,13 @@ class PrefillRooms:
             return
         with self.ctx.lock:
             if (msg.room, msg.request_id) in self._finished:
-                self.num_dropped_replays += isinstance(msg, TransferRequest)
+                if isinstance(msg, TransferRequest):
+                    self.dropped_replay()
                 return
             sender = self.senders.get(msg.room)
             if isinstance(msg, TransferRequest):
                 if not self.is_peer(msg.decode_session, origin, msg.decode_endpoint):
-                    self.num_refused_unhandshaken += 1
-                    self.ctx.stats.num_unhandshaken += 1
+                    self.refused_unhandshaken()
                     log.info("%s: dropped a request for room %d from %s (not handshaken from %s at %s)",
                              self.ctx.where, msg.room, msg.decode_session, origin or "?", msg.decode_endpoint)
                     return
@@ -213,13 +211,27 @@ class PrefillRooms:
         except Exception as exc:
             log.warning("%s: could not tell decode: %s", self.ctx.where, exc)
 
+    @property
+    def num_refused_unhandshaken(self) -> int:
+        """Requests from a session that has not handshaken (or not from its
+        handshake's endpoint, origin): the rank's ``control_unhandshaken``."""
+        return self.ctx.stats.num_unhandshaken
+
+    def refused_unhandshaken(self) -> None:
+        """Count a request refused for its session's handshake (here or by its sender)."""
+        self.ctx.stats.num_unhandshaken += 1
+
+    def dropped_replay(self) -> None:
+        """Count a request seen before (same room and request id), dropped (here or by its sender)."""
+        self.num_dropped_replays += 1
+
     def _early_duplicate(self, req: TransferRequest) -> bool:
         """A request kept early for this room came from the same decode TP
         rank already: refuse the newcomer at once."""
         for _, kept in self._early.get(req.room, ()):
             if isinstance(kept, TransferRequest) and kept.decode_tp_rank == req.decode_tp_rank:
                 if kept.request_id == req.request_id:
-                    self.num_dropped_replays += 1
+                    self.dropped_replay()
                 else:
                     self.refuse_request(req, f"it already has a request from decode TP rank {req.decode_tp_rank}")
                 return True

@@ -17,7 +17,7 @@ from bootstrap.messages import PoolRole
 from transfer.config import Role
 from transfer.errors import (KVFerryError, KVTimeoutError, PageIndexError, PeerError, ProtocolError, RequestError,
                              StateError, StorageMissError, TransferError)
-from transfer.messages import ChunkStaged, PoolAssignment, RoomAbort, RoomStatus, Status, TransferRequest
+from transfer.messages import INDEX_DTYPE, ChunkStaged, RoomAbort, RoomStatus, Status, TransferRequest
 from transfer.pools import host_page_ids
 from transfer.rooms.context import RoomHost
 from transfer.rooms.decode_phases import ENDING, LIVE, DecodePhase, DecodePhases
@@ -25,7 +25,7 @@ from transfer.rooms.drain import Drain
 from transfer.rooms.links import Link, LinkState
 from transfer.rooms.room_stats import RoomCounts
 from transfer.rooms.room_storage import RoomStorage
-from transfer.rooms.staged_decode import part_layers, take_aux_row
+from transfer.rooms.staged_decode import ScatterTarget, part_layers, take_aux_row
 from transfer.state import KVPoll
 from transfer.stats import FailureReason, RoomStats, tag_reason
 
@@ -139,7 +139,7 @@ class KVReceiver:
             except (ValueError, IndexError) as exc:
                 self.fail(RequestError(f"{self.where}: {exc}"))
                 return
-            self._pages = pages.astype("<i4")
+            self._pages = pages.astype(INDEX_DTYPE)
             self._prefix = self._skip = int(skip_pages)
             self._aux_index = -1 if aux_index is None else int(aux_index)
             self._init_at = time.monotonic()
@@ -170,7 +170,7 @@ class KVReceiver:
             ids = host_page_ids(items)
             if ids.size and (ids.min() < -1 or ids.max() >= pool.num_items):
                 raise IndexError(f"state {pool.kind}: item index outside its {pool.num_items} items (-1: not wanted)")
-            out.append(ids.astype("<i4"))
+            out.append(ids.astype(INDEX_DTYPE))
         return tuple(out)
 
     def poll(self) -> KVPoll:
@@ -322,10 +322,8 @@ class KVReceiver:
             ph.move(P.SUCCESS)
             self._table.remove(self)
 
-    def begin_scatter(self, msg: ChunkStaged) -> tuple[np.ndarray, tuple[PoolAssignment, ...], tuple, object] | None:
-        """Where a staged part from prefill rank ``msg.prefill_tp_rank`` goes:
-        the request's decode pages (request order), what that rank sends,
-        the room's state items and that rank's RankInfo;
+    def begin_scatter(self, msg: ChunkStaged) -> ScatterTarget | None:
+        """Where a staged part from prefill rank ``msg.prefill_tp_rank`` goes;
         None unless the room is transferring. Until :meth:`end_scatter` the
         room cannot end: a failure waits for the copy like a draining rank
         (under ``ctx.lock``)."""
@@ -333,7 +331,7 @@ class KVReceiver:
             return None
         self._scattering += 1
         p = msg.prefill_tp_rank
-        return self._pages, self._link.routes[p], self._states, self._link.ranks[p]
+        return ScatterTarget(self._pages, self._link.routes[p], self._states, self._link.ranks[p])
 
     def end_scatter(self, msg: ChunkStaged, error: BaseException | None) -> None:
         """A scatter :meth:`begin_scatter` allowed ended (under ``ctx.lock``)."""

@@ -316,11 +316,10 @@ class KVSender:
                                                    f"[prefill then: {self.progress()}]"), FailureReason.ABORTED))
                 return
             if not self._table.is_peer(msg.decode_session, "", msg.decode_endpoint):
-                self._table.num_refused_unhandshaken += 1  # its handshake changed since the table took it
-                self._ctx.stats.num_unhandshaken += 1
+                self._table.refused_unhandshaken()  # its handshake changed since the table took it
                 return
             if msg.request_id in [r.request_id for r in self._requests]:
-                self._table.num_dropped_replays += 1
+                self._table.dropped_replay()
                 return
             problem = self._duplicate(msg)
             if problem:
@@ -376,7 +375,7 @@ class KVSender:
                 f"{self._num_inflight} write(s) in flight, {self._counter.total_bytes} bytes landed"
                 + (", write-through pending" if self._writing_through else "")
                 + "".join(f"; {self._ctx.transport.describe_job(job)}" for job in self._jobs if not job.done)
-                + "".join(f"; {self._table.staging.describe(part)}" for part in self._parts if part.stage != "ended"))
+                + "".join(f"; {self._table.staging.describe(part)}" for part in self._parts if not part.ended))
 
     def on_part_landed(self, spec: PartSpec) -> None:
         """A staged part's write landed (before ``on_chunk_done``)."""

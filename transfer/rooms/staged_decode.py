@@ -34,6 +34,7 @@ import heapq
 import itertools
 import logging
 import time
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import numpy as np
@@ -54,6 +55,16 @@ log = logging.getLogger("kvferry.staging")
 PREGRANT_SHARE = 0.5
 
 
+@dataclass(frozen=True)
+class ScatterTarget:
+    """Where a staged part lands, from its room (:meth:`StagedReceiver.begin_scatter`)."""
+
+    pages: np.ndarray  # the request's decode pages, in request order
+    routes: tuple[PoolAssignment, ...]  # what the part's prefill rank sends
+    states: tuple  # the room's state item indices, per state pool (None: none)
+    rank: RankInfo  # the part's prefill rank
+
+
 class StagedReceiver(Protocol):
     """What the flow needs of the room a part lands for (a
     :class:`~transfer.rooms.receiver.KVReceiver`); called under ``ctx.lock``."""
@@ -61,12 +72,10 @@ class StagedReceiver(Protocol):
     @property
     def where(self) -> str: ...
 
-    def begin_scatter(self, msg: ChunkStaged) -> tuple[np.ndarray, tuple[PoolAssignment, ...], tuple, RankInfo] | None:
-        """The request's decode pages, what the part's rank sends, the
-        room's state item indices (per state pool; None: none) and the
-        part's prefill rank, once
-        the room counts a scatter in progress (it cannot end before
-        :meth:`end_scatter`); None when it takes no more parts."""
+    def begin_scatter(self, msg: ChunkStaged) -> ScatterTarget | None:
+        """Where the part goes, once the room counts a scatter in progress
+        (it cannot end before :meth:`end_scatter`); None when it takes no
+        more parts."""
 
     def end_scatter(self, msg: ChunkStaged, error: BaseException | None) -> None:
         """The scatter :meth:`begin_scatter` allowed ended (``error``: it failed)."""
@@ -193,9 +202,9 @@ class DecodeStaging:
         try:
             if target is not None:
                 if msg.state >= 0:
-                    scatter_state_part(self.ctx, target[2], target[3], msg, grant[0])
+                    scatter_state_part(self.ctx, target.states, target.rank, msg, grant[0])
                 else:
-                    scatter_part(self.ctx, target[0], msg, grant[0], target[1], in_place=not free)
+                    scatter_part(self.ctx, target.pages, msg, grant[0], target.routes, in_place=not free)
         except Exception as exc:
             error = exc
         finally:

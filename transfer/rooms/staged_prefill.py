@@ -46,6 +46,7 @@ failed, when no write reads it); a part of a failed room counts as done.
 from __future__ import annotations
 
 import bisect
+import enum
 import itertools
 import logging
 import time
@@ -55,7 +56,7 @@ from typing import Mapping, Protocol
 import numpy as np
 
 from bootstrap.messages import RankInfo
-from transfer.errors import KVFerryError, TransferError
+from transfer.errors import KVFerryError, StateError, TransferError
 from transfer.messages import ChunkStaged, StageGrant, StageRequest
 from transfer.plan import TransferPlan
 from transfer.ready import ReadyWaiter
@@ -90,25 +91,51 @@ class StagedSender(Protocol):
         """A part's write landed (for the room's stats; before ``on_chunk_done``)."""
 
 
+class PartStage(enum.Enum):
+    """Where a staged part stands (for a failure's message too)."""
+
+    QUEUED = "queued"  # waiting for its ready gate or its turn to ask decode
+    ASKED = "asked"  # StageRequest sent, no grant yet
+    GRANTED = "granted"  # holds decode's region, waiting for a local one
+    WRITING = "writing"  # its write is with the transport
+    ENDED = "ended"  # landed, failed, or dropped with its room
+
+
+#: the moves a part may make; any other is a bug in this module (StagedPart.move raises)
+_NEXT_STAGES = {
+    PartStage.QUEUED: {PartStage.ASKED, PartStage.GRANTED, PartStage.WRITING, PartStage.ENDED},  # granted: the room's
+    PartStage.ASKED: {PartStage.GRANTED, PartStage.WRITING, PartStage.ENDED},  # writing: a direct part's grant
+    PartStage.GRANTED: {PartStage.WRITING, PartStage.ENDED},
+    PartStage.WRITING: {PartStage.ENDED},
+    PartStage.ENDED: set(),
+}
+
+
 @dataclass(eq=False)  # compared by identity: parts are found in lists
 class StagedPart:
     """A planned part (``spec``) of ``sender``'s room on its way: its local
-    region once it has one (-1: none), and the producer's ``ready`` gate (a
-    :class:`~transfer.ready.ReadyGate`: gather only once it is done)."""
+    region once it has one, decode's once granted, and the producer's
+    ``ready`` gate (a :class:`~transfer.ready.ReadyGate`: gather only once it
+    is done)."""
 
     sender: StagedSender
     spec: PartSpec
     ready: object = None
-    local_offset: int = -1
-    #: where the part stands, for a failure's message: queued, asked, granted (decode's region, waiting
-    #: for a local one), writing, ended (since ``since``)
-    stage: str = "queued"
-    remote_offset: int = -1  # decode's region, once granted
+    local_offset: int | None = None  # its region of this rank's staging, while it holds one
+    stage: PartStage = PartStage.QUEUED  # since ``since``
+    remote_offset: int | None = None  # decode's region, once granted
     since: float = field(default_factory=time.monotonic)
     handle: object = None  # the transport's handle of its write
     seq: int = field(default_factory=itertools.count().__next__)  # its arrival, among parts of rooms as old
 
-    def move(self, stage: str) -> None:
+    @property
+    def ended(self) -> bool:
+        return self.stage is PartStage.ENDED
+
+    def move(self, stage: PartStage) -> None:
+        if stage not in _NEXT_STAGES[self.stage]:
+            raise StateError(f"staged part {self.spec.part}: {self.stage.value} -> {stage.value} is not a move a "
+                             "part makes")
         self.stage, self.since = stage, time.monotonic()
 
 
@@ -150,15 +177,15 @@ class PrefillStaging:
         what = f"staged part {spec.part} ({spec.write_bytes} bytes" + \
             (f" of layers {dict((r.value, list(ls)) for r, ls in spec.layers.items() if ls)})"
              if spec.layers is not None else ")")
-        if part.stage == "queued":
+        if part.stage is PartStage.QUEUED:
             return f"{what}: waiting {age} for its ready event or its turn to ask decode for a staging region"
-        if part.stage == "asked":
+        if part.stage is PartStage.ASKED:
             return f"{what}: asked decode for a staging region {age} ago, no grant yet"
-        if part.stage == "granted":
+        if part.stage is PartStage.GRANTED:
             return f"{what}: granted decode's region {age} ago, waiting for a local staging region"
-        if part.stage == "writing" and part.handle is not None:
+        if part.stage is PartStage.WRITING and part.handle is not None:
             return f"{what}: {self.ctx.transport.describe_job(part.handle)}"
-        return f"{what}: {part.stage} {age} ago"
+        return f"{what}: {part.stage.value} {age} ago"
 
     def _queue(self, parts: list[StagedPart]) -> None:
         self._waiting.extend(parts)
@@ -206,7 +233,7 @@ class PrefillStaging:
                 key = (part.sender.room, req.request_id, spec.part)
                 self._asked_bytes += need
                 self._granting[key] = part  # before the request goes: its grant finds the part
-                part.move("asked")
+                part.move(PartStage.ASKED)
                 try:
                     self.ctx.channel.send(req.decode_endpoint, StageRequest(
                         room=part.sender.room, request_id=req.request_id, prefill_tp_rank=self.ctx.rank.tp_rank,
@@ -240,7 +267,7 @@ class PrefillStaging:
         if part.spec.direct:
             ready.append(part)
         else:
-            part.move("granted")
+            part.move(PartStage.GRANTED)
             bisect.insort(self._local, part, key=_age)
 
     def on_grant(self, grant: StageGrant) -> None:
@@ -279,7 +306,7 @@ class PrefillStaging:
         except Exception as exc:
             self._finish(part, TransferError(f"{part.sender.where}: staging part {spec.part}: {exc}"))
             return
-        part.move("writing")
+        part.move(PartStage.WRITING)
         # priority 0, ahead of every room's direct writes: the part holds a region of both sides' staging
         part.handle = self.ctx.transport.submit(spec.req.decode_session, plan,
                                                 lambda err, p=part: self._landed(p, err),
@@ -337,10 +364,10 @@ class PrefillStaging:
         self._finish(part, error)
 
     def _finish(self, part: StagedPart, error, *, notify: bool = True, pump: bool = True) -> None:
-        part.move("ended")
-        if part.local_offset >= 0:
+        part.move(PartStage.ENDED)
+        if part.local_offset is not None:
             self.ctx.staging.area.free(part.local_offset, part.spec.write_bytes)
-            part.local_offset = -1
+            part.local_offset = None
         if notify:
             part.sender.on_chunk_done(error)
         if pump:

@@ -15,13 +15,10 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from bootstrap.descriptors import AttentionKind
 from transfer.pools import FusedKVPool, MHAPool, MLAPool, describe_pool, fused_tensors
 from transfer.storage.base import Segment
 from transfer.storage.keys import PoolFingerprint
-
-
-def _dtype_name(tensor) -> str:
-    return str(tensor.dtype).removeprefix("torch.")
 
 
 def _layer_tensors(pool: MHAPool | MLAPool) -> list[list[Any]]:
@@ -99,31 +96,11 @@ def pool_fingerprint(pool: MHAPool | MLAPool, *, model: str, tp_rank: int = 0, t
     """The key fingerprint of a pool on one TP rank. An MLA pool is the same
     on every rank, so its fingerprint ignores ``tp_rank``/``tp_size`` and its
     pages are shared across ranks; an MHA pool's names its head slice."""
+    d = describe_pool(pool)  # checks the tensors and reads their shapes (the one parser: transfer.pools)
+    mla = d.attention is AttentionKind.MLA
     if isinstance(pool, FusedKVPool):  # an MHA pool of one K+V buffer per layer; extra names the packing
-        d = describe_pool(pool)
-        return PoolFingerprint(model=model, role=_role(pool), attention="mha", page_layout=d.page_layout.value,
-                               dtype=d.dtype, page_size=d.page_size, num_layers=d.num_layers,
-                               num_kv_heads=d.num_kv_heads, head_dim=d.head_dim, tp_rank=tp_rank, tp_size=tp_size,
-                               extra=f"{d.kv_layout.value}{'|' + extra if extra else ''}")
-    layers = _layer_tensors(pool)
-    first = layers[0][0]
-    if isinstance(pool, MHAPool):
-        if first.dim() != 4:
-            raise ValueError(f"{_role(pool)} pool: MHA tensors are [num_pages, page_size, heads, head_dim]")
-        if pool.layout == "nhd":
-            _, size, heads, head_dim = first.shape
-        else:
-            _, heads, size, head_dim = first.shape
-        attention, layout = "mha", pool.layout
-    else:
-        if first.dim() == 4 and first.shape[2] == 1:
-            _, size, _, head_dim = first.shape
-        elif first.dim() == 3:
-            _, size, head_dim = first.shape
-        else:
-            raise ValueError(f"{_role(pool)} pool: MLA tensors are [num_pages, page_size, latent_dim]")
-        heads, attention, layout, tp_rank, tp_size = 1, "mla", "nhd", 0, 1
-    return PoolFingerprint(model=model, role=_role(pool), attention=attention, page_layout=layout,
-                           dtype=_dtype_name(first), page_size=int(size), num_layers=len(layers),
-                           num_kv_heads=int(heads), head_dim=int(head_dim), tp_rank=tp_rank, tp_size=tp_size,
+        extra = f"{d.kv_layout.value}{'|' + extra if extra else ''}"
+    return PoolFingerprint(model=model, role=_role(pool), attention=d.attention.value, page_layout=d.page_layout.value,
+                           dtype=d.dtype, page_size=d.page_size, num_layers=d.num_layers, num_kv_heads=d.num_kv_heads,
+                           head_dim=d.head_dim, tp_rank=0 if mla else tp_rank, tp_size=1 if mla else tp_size,
                            extra=extra)

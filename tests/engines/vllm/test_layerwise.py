@@ -28,8 +28,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from harness.vllm import (VOCAB, ServerSpec, VLLMServer, _body, build_tiny_model, complete, free_ports,  # noqa: E402
-                          pd_complete, post, tokens_of)
+from harness.vllm import VOCAB, VLLMServer, _body, complete, free_ports, pd_complete, post, tokens_of  # noqa: E402
 from tests.engines.vllm.pd_servers import (digests, kvferry_pair, logged, prompt_sources_since, reported,  # noqa: E402
                                            running, settled_metric)
 
@@ -42,17 +41,15 @@ PARTS_METRIC = "vllm:kvferry_num_descriptors_sum"  # per room, decode: the stage
 
 
 @pytest.fixture(scope="module")
-def layerwise(tmp_path_factory):
+def layerwise(tmp_path_factory, tiny_llama):
+    model, reference = tiny_llama
     root = tmp_path_factory.mktemp("vllm-layerwise")
-    model = build_tiny_model(str(root / "model"))
     bootstrap = f"127.0.0.1:{free_ports(2)}"  # prefill serves HTTP there, kvferry's ZMQ bootstrap beside it
-    servers = {"reference": VLLMServer(ServerSpec("reference", model, 0), str(root)),
-               **kvferry_pair(model, str(root), bootstrap, NODE, "tiny-llama",
-                              # every prompt here is shorter than layerwise_min_tokens' default: stream them anyway
-                              prefill_kv={"extra": {"kvferry_layer_groups": GROUPS},
-                                          "manager": {"layerwise_min_tokens": 0}})}
-    with running(servers):
-        yield model, servers, bootstrap
+    pair = kvferry_pair(model, str(root), bootstrap, NODE, "tiny-llama",
+                        # every prompt here is shorter than layerwise_min_tokens' default: stream them anyway
+                        prefill_kv={"extra": {"kvferry_layer_groups": GROUPS}, "manager": {"layerwise_min_tokens": 0}})
+    with running(pair) as servers:
+        yield model, {"reference": reference, **servers}, bootstrap
 
 
 def _prompt(n: int, seed: int) -> list[int]:

@@ -14,11 +14,30 @@ never takes, see docs/vllm.md), and its first token the single instance's;
 every prompt token counted as external on decode's ``/metrics``; and the
 bytes that moved, block by block over all layers, equal on both sides (the
 test connector's digests, ``corrupting.py``).
+
+Then from a prefill at TP 2 to a decode at TP 1. MLA's latent cache is the
+same on every TP rank: one prefill rank sends it and the other answers
+without sending (the selective send). Prefill runs vLLM's TP 2 (two worker
+processes, both bound to core 0: a TP worker and a decode sharing a core
+starve each other on this 2-core machine), decode TP 1 on core 1, the single
+instance (the module's one reference, shared by both pairs) on core 1 too.
+Checked on 3 prompts of 37-1000 tokens: both prefill ranks hold the same
+latent blocks and decode's equal them byte for byte; the bytes moved, on
+prefill's and on decode's ``/metrics``, are one copy of the prompt's blocks
+(not one per prefill rank); every prompt token external on decode; decode's
+first token equals a single instance's (a TP 2 prefill sums its all-reduces
+in another order than a TP 1 one, so later tokens may turn, as they do
+across connectors). That cluster's first PD request is the first of these
+prompts, checked like the others (it once failed in CI with decode waiting
+15 s for both prefill ranks' handshake: a prefill engine's first write then
+ran Mooncake's P2P handshake; the way to a decode rank is now opened while
+its hello is answered, docs/transports.md).
 """
 
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -27,7 +46,8 @@ pytest.importorskip("vllm")
 from harness.vllm import (VOCAB, ServerSpec, VLLMServer, build_tiny_mla_model, complete, free_ports,  # noqa: E402
                           pd_complete)
 from tests.engines.vllm.pd_servers import (digests, kvferry_pair, logged, nixl_pair, prompt_sources_since,  # noqa: E402
-                                           running)
+                                           rank_digests, running)
+from tests.engines.vllm.test_pd import stats_of  # noqa: E402
 
 MAX_TOKENS = 8
 LENGTHS = (37, 100, 257, 640, 1000)
@@ -36,15 +56,36 @@ MLA_BLOCK_BYTES = 4 * MLA_BLOCK * 576 * 2  # layers x tokens x latent values x b
 NODE, MODEL_NAME = "mla-prefill", "tiny-mla"
 
 
+TP2_MAX_TOKENS = 4
+TP2_LENGTHS = (37, 300, 1000)
+
+
 @pytest.fixture(scope="module")
-def mla(tmp_path_factory):
+def mla_model(tmp_path_factory):
+    """The model, its directory and the single instance, for both pairs in turn
+    (one server start fewer than a reference per pair: CI's time)."""
     root = tmp_path_factory.mktemp("vllm-mla")
     model = build_tiny_mla_model(str(root / "model"))
+    with running({"reference": VLLMServer(ServerSpec("reference", model, 1), str(root))}) as reference:
+        yield model, str(root), reference["reference"]
+
+
+@pytest.fixture
+def mla(mla_model):
+    model, root, reference = mla_model
     bootstrap = f"127.0.0.1:{free_ports(2)}"  # prefill serves HTTP there, kvferry's ZMQ bootstrap beside it
-    servers = {"reference": VLLMServer(ServerSpec("reference", model, 0), str(root)), **nixl_pair(model, str(root)),
-               **kvferry_pair(model, str(root), bootstrap, NODE, MODEL_NAME)}
-    with running(servers):
-        yield model, servers
+    with running({**nixl_pair(model, root), **kvferry_pair(model, root, bootstrap, NODE, MODEL_NAME)}) as servers:
+        yield model, {"reference": reference, **servers}
+
+
+@pytest.fixture
+def tp2(mla_model):
+    model, root, reference = mla_model
+    bootstrap = f"127.0.0.1:{free_ports(2)}"  # prefill serves HTTP there, kvferry's ZMQ bootstrap beside it
+    pair = kvferry_pair(model, root, bootstrap, NODE, MODEL_NAME, prefill_env={"VLLM_CPU_OMP_THREADS_BIND": "0|0"},
+                        prefill_args=("--tensor-parallel-size", "2"))
+    with running(pair) as servers:
+        yield model, {"reference": reference, **servers}
 
 
 def test_mla_moves_every_prompt_token_page_exact_and_decode_tokens_equal_vllms_own_connectors(mla):
@@ -78,3 +119,39 @@ def test_mla_moves_every_prompt_token_page_exact_and_decode_tokens_equal_vllms_o
         assert sent[room] == landed[room], f"{n} tokens: blocks differ between prefill and decode"
     print(f"decode's tokens equal NixlConnector's for every prompt, the single instance's for {sum(matches)} "
           f"of {len(matches)}")
+
+
+def test_mla_from_prefill_tp2_to_decode_tp1_is_sent_once_byte_exact(tp2):
+    model, servers = tp2
+    prefill, decode = servers["prefill"], servers["decode"]
+    before = decode.metrics()
+    moved_before = {name: stats_of(s) for name, s in (("prefill", prefill), ("decode", decode))}
+    rooms = []
+    for i, n in enumerate(TP2_LENGTHS):
+        rng = random.Random(900 + i)
+        prompt = [rng.randrange(4, VOCAB) for _ in range(n)]
+        want = complete(servers["reference"], model, prompt, TP2_MAX_TOKENS).tokens
+        got = pd_complete(prefill, decode, model, prompt, TP2_MAX_TOKENS)
+        assert got.tokens[0] == want[0], f"{n} tokens: decode {got.tokens} != single instance {want}"
+        rooms.append((n, int(got.kv_params["kvferry_room"])))
+    delta = prompt_sources_since(decode, before)
+    assert delta.get("external_kv_transfer") == sum(TP2_LENGTHS), (delta, decode.kvferry_lines())
+    assert delta.get("local_compute", 0) == 0, delta
+    logged(prefill, "prefill", [room for _, room in rooms], ranks=2)
+    sent, landed = rank_digests(prefill, "prefill"), rank_digests(decode, "decode")
+    for n, room in rooms:
+        assert len(sent.get(room, [])) == 2, f"{n} tokens: {len(sent.get(room, []))} prefill ranks ended the room"
+        assert sent[room][0] == sent[room][1], f"{n} tokens: the two prefill ranks' latent blocks differ"
+        assert landed[room] == [sent[room][0]] and len(landed[room][0]) == -(-n // MLA_BLOCK), \
+            f"{n} tokens: decode's blocks differ from prefill's"
+    one_copy = sum(-(-n // MLA_BLOCK) for n in TP2_LENGTHS) * MLA_BLOCK_BYTES
+    for name, server in (("prefill", prefill), ("decode", decode)):
+        started = time.monotonic()
+        while True:  # a rank reports a room at its engine's next step after the room ended
+            now = stats_of(server)
+            rooms_ended = now["bytes_transferred_count"] - moved_before[name]["bytes_transferred_count"]
+            if rooms_ended >= len(TP2_LENGTHS) * (2 if name == "prefill" else 1) or time.monotonic() - started > 10:
+                break
+            time.sleep(0.2)
+        moved = sum(now[p] - moved_before[name][p] for p in ("direct", "staged"))
+        assert moved == one_copy, f"{name} counted {moved} bytes moved ({rooms_ended} rooms), one copy is {one_copy}"

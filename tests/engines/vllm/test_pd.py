@@ -35,7 +35,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from harness.vllm import (VOCAB, ServerSpec, VLLMServer, build_tiny_model, complete, free_port, free_ports,  # noqa: E402
+from harness.vllm import (VOCAB, ServerSpec, VLLMServer, complete, free_port, free_ports,  # noqa: E402
                           pd_complete, post, tokens_of, _body)
 from tests.engines.vllm.pd_servers import reported  # noqa: E402
 
@@ -114,10 +114,11 @@ def _each_on_a_thread(run, names) -> tuple[dict, list[threading.Thread]]:
 
 
 class Cluster:
-    """The three servers; prefill and decode can be restarted."""
+    """Prefill, decode and the reference (the package's, ``conftest.py``: not
+    closed here); prefill and decode can be restarted."""
 
-    def __init__(self, model: str, log_dir: str) -> None:
-        self.model, self.log_dir = model, log_dir
+    def __init__(self, model: str, log_dir: str, reference: VLLMServer) -> None:
+        self.model, self.log_dir, self.reference_server = model, log_dir, reference
         port = free_ports(2)
         self.bootstrap = f"{PREFILL_HOST}:{port}"  # the prefill's bootstrap port: HTTP (GET /query, as Mooncake's)
         self.kvferry = f"{PREFILL_HOST}:{port + 1}"  # kvferry's ZMQ bootstrap server beside it
@@ -133,8 +134,7 @@ class Cluster:
         registered = {name: kv_config(role, self.bootstrap, self.store, self.discovery, self.ports[name], host)
                       for name, role, host in (("prefill", "kv_producer", PREFILL_HOST),
                                                ("decode", "kv_consumer", "127.0.0.1"))}
-        spec = {"reference": ServerSpec("reference", self.model, 0),
-                "prefill": ServerSpec("prefill", self.model, 0, registered["prefill"], port=self.ports["prefill"],
+        spec = {"prefill": ServerSpec("prefill", self.model, 0, registered["prefill"], port=self.ports["prefill"],
                                       host=PREFILL_HOST),
                 "decode": ServerSpec("decode", self.model, 1, registered["decode"], port=self.ports["decode"]),
                 # decode with its own prefix cache on (vLLM's default): asks prefill only for the blocks it lacks
@@ -148,10 +148,14 @@ class Cluster:
         server = self.servers[name] = VLLMServer(spec, self.log_dir)
         return server
 
+    def running(self, name: str) -> VLLMServer:
+        """``name``'s server, started earlier (or now, where this test runs alone)."""
+        return self.servers[name] if name in self.servers else self.start(name)
+
     def reference(self, n: int, seed: int) -> list[int]:
         key = (n, seed)
         if key not in self.reference_tokens:
-            reply = complete(self.servers["reference"], self.model, prompt_of(n, seed), MAX_TOKENS)
+            reply = complete(self.reference_server, self.model, prompt_of(n, seed), MAX_TOKENS)
             self.reference_tokens[key] = reply.tokens
         return self.reference_tokens[key]
 
@@ -161,12 +165,12 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory, tiny_llama):
+    model, reference = tiny_llama
     root = tmp_path_factory.mktemp("vllm")
-    model = build_tiny_model(str(root / "model"))
-    c = Cluster(model, str(root))
+    c = Cluster(model, str(root), reference)
     try:
-        for name in ("reference", "prefill", "decode"):
+        for name in ("prefill", "decode"):
             c.start(name)
         for server in c.servers.values():
             server.wait_ready()
@@ -530,6 +534,7 @@ def test_decode_with_its_own_prefix_cache_asks_only_for_the_blocks_it_lacks(clus
     shared blocks: kvferry lists them (``skip_pages``) and moves only the
     rest, those blocks keep their bytes, and both answers equal the single
     instance's."""
+    cluster.start("decode-64")  # the next test's decode: its start overlaps this test (CI's time)
     prefill, decode = cluster.servers["prefill"], cluster.start("decode-prefix").wait_ready()
     shared = prompt_of(STORED, 90)
     a, b = shared + prompt_of(300, 91), shared + prompt_of(200, 92)
@@ -538,7 +543,7 @@ def test_decode_with_its_own_prefix_cache_asks_only_for_the_blocks_it_lacks(clus
         rooms = []
         for i, prompt in enumerate((a, b)):
             got = pd_complete(prefill, decode, cluster.model, prompt, MAX_TOKENS)
-            want = complete(cluster.servers["reference"], cluster.model, prompt, MAX_TOKENS).tokens
+            want = complete(cluster.reference_server, cluster.model, prompt, MAX_TOKENS).tokens
             assert got.tokens == want, f"prompt {i}: decode {got.tokens} != single instance {want}"
             rooms.append(int(got.kv_params["kvferry_room"]))
         after = decode.metrics()
@@ -566,7 +571,7 @@ def test_a_decode_with_another_block_size_is_refused_naming_both(cluster):
     refuses the pair, naming the field and both sizes; the request is
     computed on decode (``kv_load_failure_policy: recompute``), its tokens
     still right. Never a page of the wrong tokens."""
-    prefill, decode = cluster.servers["prefill"], cluster.start("decode-64").wait_ready()
+    prefill, decode = cluster.servers["prefill"], cluster.running("decode-64").wait_ready()
     try:
         prompt = prompt_of(300, 95)
         got = pd_complete(prefill, decode, cluster.model, prompt, MAX_TOKENS)

@@ -19,19 +19,16 @@ False until the drain ended: SGLang's deferred decode KV release
 
 from __future__ import annotations
 
-import logging
 from typing import List, Optional
 
 import numpy as np
 from sglang.srt.disaggregation.base.conn import BaseKVReceiver
 
 from transfer.adapters.sglang.manager import PREFILL_NODE
-from transfer.adapters.sglang.sender import raise_failure
+from transfer.adapters.sglang.failure import fail_room, raise_failure
 from transfer.errors import BootstrapUnavailable, KVFerryError, StateError, TransferError
 from transfer.rooms.receiver import KVReceiver
 from transfer.state import KVPoll
-
-log = logging.getLogger("kvferry.sglang")
 
 
 class KvferryKVReceiver(BaseKVReceiver):
@@ -127,10 +124,4 @@ class KvferryKVReceiver(BaseKVReceiver):
             del self.kv_mgr.receivers[self.bootstrap_room]
 
     def _fail(self, error: BaseException) -> None:
-        log.warning("kvferry receiver room %s failed: %s", self.bootstrap_room, error)
-        if self._error is None:
-            self._error = error
-        if self._core is not None and self._core.poll() not in (KVPoll.Success, KVPoll.Failed):
-            self._core.abort(str(error))
-        else:
-            self.conclude_state = KVPoll.Failed
+        fail_room(self, error, "receiver")

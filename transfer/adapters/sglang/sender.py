@@ -16,44 +16,16 @@ placeholders before its pages. kvferry never reads or writes them.
 
 from __future__ import annotations
 
-import logging
 import time
-from typing import List, NoReturn, Optional
+from typing import List, Optional
 
 import numpy as np
 from sglang.srt.disaggregation.base.conn import BaseKVSender, KVTransferMetric
 
+from transfer.adapters.sglang.failure import fail_room, raise_failure
 from transfer.errors import KVFerryError, StateError, TransferError
 from transfer.rooms.sender import KVSender
 from transfer.state import KVPoll
-
-log = logging.getLogger("kvferry.sglang")
-
-
-class FailedOnAnotherRank(TransferError):
-    """SGLang's MIN all-reduce failed the room because another rank failed."""
-
-    is_from_another_rank = True
-
-
-def raise_failure(error: BaseException | None, core, room: int, side: str) -> NoReturn:
-    """Raise why a room failed: the adapter's own ``error``, else its kvferry
-    room's (``core``: a KVSender or KVReceiver, None if never built), else
-    :class:`FailedOnAnotherRank`. SGLang asks once its poll, a MIN over the
-    TP ranks, said Failed: when this rank's own room is still live (another
-    rank failed it), it is aborted here, so that its peers stop and its
-    drain starts at once (``is_abort_release_safe`` turns true as soon as no
-    write may land), not at a timeout."""
-    if error is not None:
-        raise error
-    if core is not None:
-        state = core.poll()
-        if state is KVPoll.Failed:
-            core.failure_exception()
-        if state is not KVPoll.Success:
-            core.abort(f"failed on another rank of this SGLang {side} server (SGLang fails a room on all its "
-                       "TP ranks)")
-    raise FailedOnAnotherRank(f"room {room}: failed on another rank")
 
 
 class KvferryKVSender(BaseKVSender):
@@ -177,10 +149,4 @@ class KvferryKVSender(BaseKVSender):
         return RoomStats(bytes=core.total_bytes, descriptors=core.total_descriptors)
 
     def _fail(self, error: BaseException) -> None:
-        log.warning("kvferry sender room %s failed: %s", self.bootstrap_room, error)
-        if self._error is None:
-            self._error = error
-        if self._core is not None and self._core.poll() not in (KVPoll.Success, KVPoll.Failed):
-            self._core.abort(str(error))
-        else:
-            self.conclude_state = KVPoll.Failed
+        fail_room(self, error, "sender")
