@@ -1,7 +1,8 @@
 """Decode side: the rank's links to prefill nodes. A :class:`Link` is one
-prefill DP group (its ranks, and what each sends for a room); the
-:class:`LinkResolver` finds them (bootstrap lookup, then a handshake with
-each prefill rank) on a background thread."""
+prefill DP group (its ranks, and what each sends for a room: planned by
+:mod:`transfer.rooms.routes`); the :class:`LinkResolver` finds them
+(bootstrap lookup, then a handshake with each prefill rank, kept by
+:mod:`transfer.rooms.handshakes`) on a background thread."""
 
 from __future__ import annotations
 
@@ -11,15 +12,15 @@ import threading
 import time
 from typing import Callable
 
-from bootstrap.messages import AttentionKind, PoolRole, RankInfo
-from transfer import tp
-from transfer.errors import (BootstrapError, BootstrapRefused, BootstrapUnavailable, HandshakeError,
-                             IncompatibleLayoutError, IncompatibleTransportError, KVFerryError, PeerError,
-                             ProtocolError, UnknownNodeError)
+from bootstrap.messages import RankInfo
+from transfer.errors import (BootstrapError, BootstrapUnavailable, IncompatibleLayoutError, KVFerryError, PeerError,
+                             ProtocolError)
 from transfer.layout import check_compatible
-from transfer.messages import PeerHello, PeerHelloReply, PoolAssignment
-from transfer.rooms.context import LookupClient, RoomContext
-from transfer.state_slices import senders as state_senders
+from transfer.messages import PeerHelloReply, PoolAssignment
+from transfer.rooms.context import RoomContext
+from transfer.rooms.handshakes import Handshakes
+from transfer.rooms.lookups import Lookups, located
+from transfer.rooms.routes import plan_routes
 from transfer.stats import FailureReason, tag_reason
 
 log = logging.getLogger("kvferry.receiver")
@@ -80,43 +81,6 @@ class Link:
         return f"prefill node {node!r} dp {dp} (bootstrap {addr})"
 
 
-def _final(exc: KVFerryError, reached: bool, refusing_s: float, peer_timeout_s: float) -> bool:
-    """Whether a lookup failure fails rooms at once instead of being retried:
-    an error reply (an unknown node, after the server's grace time; a refused
-    or unauthenticated request), a refused connection to a server this rank
-    never reached (a wrong address), or to one it reached before that has
-    refused for ``refusing_s`` > ``peer_timeout_s`` (the node is down: a
-    restart takes less). A timeout is retried within the room's bootstrap bound."""
-    if isinstance(exc, BootstrapRefused):
-        return not reached or refusing_s > peer_timeout_s
-    return not isinstance(exc, BootstrapUnavailable)
-
-
-def _located(exc: KVFerryError, where: str) -> KVFerryError:
-    """``exc`` again, its message prefixed with ``where`` (same type and fields)."""
-    if isinstance(exc, UnknownNodeError):
-        return UnknownNodeError(f"{where}: {exc}", node_id=exc.node_id, known_nodes=exc.known_nodes)
-    if isinstance(exc, BootstrapError):
-        return type(exc)(f"{where}: {exc}", code=exc.code)
-    return type(exc)(f"{where}: {exc}")
-
-
-class _Hello:
-    __slots__ = ("sent_at", "ok", "error", "answered_at", "warned")
-
-    def __init__(self) -> None:
-        self.sent_at = time.monotonic()
-        self.ok = False
-        self.error: KVFerryError | None = None
-        self.answered_at = 0.0
-        self.warned = False  # the slow-handshake warning was logged
-
-    @property
-    def wait_s(self) -> float:
-        """How long the hello waited (so far) for its answer."""
-        return (self.answered_at or time.monotonic()) - self.sent_at
-
-
 class LinkResolver:
     """Resolves prefill nodes for one decode rank on the ``kvferry-resolver``
     thread. Receivers ask for links under ``ctx.lock`` (:meth:`link`); a
@@ -137,13 +101,8 @@ class LinkResolver:
         # A lookup refused for good (authentication, a conflict): rooms asking
         # for the node within _REFUSAL_S fail with it; later ones try afresh.
         self._dp_refused: dict[tuple[str, str], tuple[float, KVFerryError]] = {}
-        self._hellos: dict[str, _Hello] = {}
-        self._clients: dict[str, LookupClient] = {}
-        self._reached: set[str] = set()  # bootstrap addresses that answered at least once
-        self._refusing: dict[str, float] = {}  # reached addresses refusing connections now -> since when
-        # this rank's handshakes (ManagerStats.handshake*): answered, refused for a failed open, unanswered
-        self._num_answered = self._num_refused = self._num_unanswered = 0
-        self._answer_seconds = 0.0
+        self.handshakes = Handshakes(ctx)
+        self._lookups = Lookups(ctx)
         self._wake = threading.Event()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="kvferry-resolver", daemon=True)
@@ -196,8 +155,8 @@ class LinkResolver:
                     peers[link.ranks[p].session] = link.ranks[p].control_endpoint
             elif link.state is LinkState.RESOLVING:
                 for p in link.routes:
-                    hello = self._hellos.get(link.ranks[p].session)
-                    if hello is not None and not hello.ok and hello.error is None:
+                    hello = self.handshakes.get(link.ranks[p].session)
+                    if hello is not None and hello.awaited:
                         peers[link.ranks[p].session] = link.ranks[p].control_endpoint
         return peers
 
@@ -214,61 +173,26 @@ class LinkResolver:
                     "this rank's handshake"), FailureReason.PEER_LOST)
             else:
                 self.forget(link)
-        self._hellos.pop(session, None)
+        self.handshakes.forget(session)
 
     def forget(self, link: Link) -> None:
         if self.links.get(link.key) is link:
             del self.links[link.key]
         for r in link.ranks.values():
-            hello = self._hellos.get(r.session)
-            if hello is not None and not hello.ok:
-                del self._hellos[r.session]
+            self.handshakes.forget(r.session, awaited_only=True)
 
     def on_hello_reply(self, msg: PeerHelloReply) -> None:
-        hello = self._hellos.get(msg.session)
-        if hello is not None and not hello.ok and hello.error is None:  # one answer per hello counts
-            hello.ok = msg.ok
-            if msg.ok:
-                hello.answered_at = time.monotonic()
-                self._num_answered += 1
-                self._answer_seconds += hello.wait_s
-            elif msg.field == "handshake":
-                self._num_refused += 1
-                hello.error = tag_reason(HandshakeError(f"{self.ctx.where}: prefill rank {msg.session} could not open "
-                                                        f"its transport's way to this rank: {msg.reason}",
-                                                        peer=msg.session), FailureReason.PEER_LOST)
-            else:
-                kind = IncompatibleTransportError if msg.field.startswith("transport") else IncompatibleLayoutError
-                hello.error = kind(msg.field, "decode side", "prefill side", detail=msg.reason)
+        if self.handshakes.on_reply(msg):
             self._wake.set()
 
     def handshake_counts(self) -> dict[str, float]:
         """This rank's handshakes, in ManagerStats' fields (under ctx.lock)."""
-        return {"handshakes": self._num_answered, "handshake_failures": self._num_refused + self._num_unanswered,
-                "handshake_timeouts": self._num_unanswered, "handshake_seconds": self._answer_seconds,
-                "handshakes_in_progress": sum(1 for h in self._hellos.values() if not h.ok and h.error is None)}
-
-    def hello(self) -> PeerHello:
-        """This rank's hello, with its transport's current metadata (NIXL)."""
-        exchange = self.ctx.transport.peer_metadata
-        return PeerHello(rank=self.ctx.rank, allow_missing_draft=self.ctx.config.allow_missing_draft,
-                         transport_meta=exchange.metadata() if exchange is not None else b"")
+        return self.handshakes.counts()
 
     def announce(self) -> None:
-        """This rank's registered memory changed (called under ctx.lock):
-        send a fresh hello to every prefill rank a hello went to, on the
-        socket later grants take, so it arrives before any of them."""
-        if not self._hellos:
-            return
-        hello = self.hello()
-        for session in list(self._hellos):
-            endpoint = self.endpoint_of(session)
-            if endpoint is None:
-                continue
-            try:
-                self.ctx.channel.send(endpoint, hello)
-            except KVFerryError as exc:
-                log.warning("%s: new transport metadata not sent to %s: %s", self.ctx.where, endpoint, exc)
+        """This rank's registered memory changed (called under ctx.lock): a
+        fresh hello to every prefill rank a hello went to."""
+        self.handshakes.announce(self.endpoint_of)
 
     # --- resolver thread --------------------------------------------------------------
 
@@ -289,14 +213,14 @@ class LinkResolver:
             todo = [l for l in self.links.values() if l.state is LinkState.RESOLVING]
         for addr, node in dp_todo:
             try:
-                reply = self._lookup(addr, node, 0)
+                reply = self._lookups.lookup(addr, node, 0)
             except (BootstrapUnavailable, ProtocolError, BootstrapError) as exc:
-                if not self._final(addr, exc):
+                if not self._lookups.is_final(addr, exc):
                     log.debug("dp size of %s at %s: %s", node, addr, exc)
                     continue
                 with self.ctx.lock:  # refused: retrying will not help
                     self.dp_sizes.pop((addr, node), None)
-                    self._dp_refused[(addr, node)] = (time.monotonic(), _located(
+                    self._dp_refused[(addr, node)] = (time.monotonic(), located(
                         exc, f"{self.ctx.where}: looking up prefill node {node!r} at {addr}"))
                 continue
             if reply.dp_size:
@@ -329,46 +253,21 @@ class LinkResolver:
                      if l.state is not LinkState.READY and l.last_wanted < horizon]:
             self.forget(link)
 
-    def _lookup(self, addr: str, node: str, dp_rank: int):
-        """A strict, partial lookup (an unknown node raises UnknownNodeError;
-        a group not complete yet lists the ranks registered so far)."""
-        try:
-            reply = self._client(addr).lookup(node, dp_rank, strict=True, partial=True)
-        except BootstrapRefused:
-            if addr in self._reached:
-                self._refusing.setdefault(addr, time.monotonic())
-            raise
-        self._reached.add(addr)
-        self._refusing.pop(addr, None)
-        return reply
-
-    def _final(self, addr: str, exc: KVFerryError) -> bool:
-        """Whether ``exc`` of a lookup at ``addr`` fails the rooms (see :func:`_final`)."""
-        since = self._refusing.get(addr)
-        return _final(exc, addr in self._reached, 0.0 if since is None else time.monotonic() - since,
-                      self.ctx.config.peer_timeout_s)
-
-    def _client(self, addr: str) -> LookupClient:
-        client = self._clients.get(addr)
-        if client is None:
-            client = self._clients[addr] = self.ctx.bootstrap_client(addr)
-        return client
-
     def _step(self, link: Link) -> None:
         addr, node, dp = link.key
         if not link.routes:
             try:
-                reply = self._lookup(addr, node, dp)
+                reply = self._lookups.lookup(addr, node, dp)
             except BootstrapUnavailable as exc:
-                if self._final(addr, exc):
-                    since = self._refusing.get(addr)
+                if self._lookups.is_final(addr, exc):
+                    since = self._lookups.refusing_since(addr)
                     down = (f" (it answered before, and has refused connections for "
                             f"{time.monotonic() - since:.1f} s: the prefill node is down)") if since else ""
-                    raise _located(exc, f"{self.ctx.where}: looking up {link.name}{down}") from exc
+                    raise located(exc, f"{self.ctx.where}: looking up {link.name}{down}") from exc
                 link.progress = str(exc)
                 return
             except BootstrapError as exc:
-                raise _located(exc, f"{self.ctx.where}: looking up {link.name}") from exc
+                raise located(exc, f"{self.ctx.where}: looking up {link.name}") from exc
             if not reply.ranks:
                 link.progress = f"{reply.num_registered} of {reply.tp_size or '?'} prefill ranks registered"
                 return
@@ -392,10 +291,7 @@ class LinkResolver:
             pending = []
             for p in link.routes:
                 session = link.ranks[p].session
-                hello = self._hellos.get(session)
-                if hello is None:
-                    hello = self._hellos[session] = _Hello()
-                    self.ctx.channel.send(link.ranks[p].control_endpoint, self.hello())
+                hello = self.handshakes.start(session, link.ranks[p].control_endpoint)
                 if hello.error is not None:
                     raise hello.error
                 if not hello.ok:
@@ -408,8 +304,7 @@ class LinkResolver:
                     if time.monotonic() - hello.sent_at > self.ctx.config.rpc_timeout_s:
                         # A dead rank the server still lists, or one restarting: look the node up
                         # again (its rooms fail at their bootstrap timeout if it never answers).
-                        del self._hellos[session]
-                        self._num_unanswered += 1
+                        self.handshakes.unanswered(session)
                         link.progress = (f"prefill rank {p} at {link.ranks[p].control_endpoint} did not answer "
                                          f"the handshake within {self.ctx.config.rpc_timeout_s:g} s; looking it up again")
                         link.ranks, link.routes = {}, {}
@@ -417,7 +312,7 @@ class LinkResolver:
                     pending.append(p)
             if pending:
                 now = time.monotonic()
-                link.handshake_since = link.handshake_since or min(self._hellos[link.ranks[p].session].sent_at
+                link.handshake_since = link.handshake_since or min(self.handshakes.get(link.ranks[p].session).sent_at
                                                                    for p in pending)
                 link.progress = (f"waiting for the handshake of prefill ranks {pending} for "
                                  f"{now - link.handshake_since:.1f} s (they answer once their transport opened "
@@ -433,7 +328,7 @@ class LinkResolver:
         ``bootstrap_timeout_s``), so that the refusal reaches every rank."""
         local = self.ctx.rank
         link.ranks = ranks  # known before the check, so a failure can reach every rank
-        hello = self.hello()
+        hello = self.handshakes.hello()
         for r in ranks.values():
             try:
                 check_compatible(local, r, local_is_prefill=False,
@@ -457,35 +352,13 @@ class LinkResolver:
                     link.progress = f"{exc}; waiting for prefill ranks {unknown} to register, to tell them too"
                     return False
                 raise
-        decode_tp, pools = local.tp_size, next(iter(ranks.values())).pools  # every rank holds the same pools
-        shapes = tuple(
-            tp.PoolShape(role=p.role, is_mla=p.attention is AttentionKind.MLA, total_heads=p.total_kv_heads)
-            for p in pools if local.pool(p.role) is not None)
-        routes = tp.room_routes(local.tp_rank, prefill_tp, decode_tp, shapes)
-        link.routes = {
-            p: tuple(PoolAssignment(role=role, send=s is not None,
-                                    src_head_offset=s.src_head_offset if s else 0,
-                                    dst_head_offset=s.dst_head_offset if s else 0,
-                                    num_heads=s.num_heads if s else 0)
-                     for role, s in by_role.items())
-            for p, by_role in routes.items()}
-        link.num_requests = {p: tp.num_requests(p, prefill_tp, decode_tp, shapes) for p in routes}
-        senders_of_target = [p for p, by_role in routes.items() if by_role.get(PoolRole.TARGET)]
-        link.aux_rank = senders_of_target[0]
-        # A replicated state comes from the rank that sends the aux row; a sharded one from the prefill
-        # ranks whose share of it overlaps this rank's (transfer.state_slices).
-        link.state_ranks = tuple(state_senders(s, link.aux_rank, prefill_tp, local.tp_rank, decode_tp)
-                                 for s in local.states)
-        for s, ranks in zip(local.states, link.state_ranks):
-            if any(p not in routes for p in ranks):
-                raise IncompatibleLayoutError(f"states.{s.kind}.tp_size", prefill_tp, decode_tp,
-                                              detail=f"state {s.kind} would come from prefill ranks {list(ranks)}, "
-                                                     f"this rank asks {sorted(routes)} for the target")
+        routes = plan_routes(local, next(iter(ranks.values())).pools, prefill_tp)  # every rank: the same pools
+        link.routes, link.num_requests = routes.assignments, routes.num_requests
+        link.aux_rank, link.state_ranks = routes.aux_rank, routes.state_ranks
         return True
 
     def close(self) -> None:
         self._closed = True
         self._wake.set()
         self._thread.join(2.0)
-        for c in self._clients.values():
-            c.close()
+        self._lookups.close()

@@ -1,8 +1,7 @@
 """Prefill side: the rank's room table, which routes control messages to its
 live senders (:class:`~transfer.rooms.sender.KVSender`), keeps requests that arrive
 before their sender exists, refuses late requests for rooms that already
-failed, and answers decode ranks' handshakes (who may be a peer:
-:mod:`transfer.rooms.peer_check`).
+failed; decode ranks' handshakes are :mod:`transfer.rooms.decode_peers`.
 
 Nobody outside a room can end it. A request from a session that has not
 handshaken (or from another endpoint or origin than its handshake's) is
@@ -24,12 +23,10 @@ import weakref
 from typing import Callable, Protocol
 
 from bootstrap.messages import RankInfo
-from transfer.errors import IncompatibleLayoutError, KVFerryError, PeerError, StateError
-from transfer.layout import check_compatible
-from transfer.messages import (PeerHello, PeerHelloReply, RoomAbort, RoomHold, RoomStatus, StageGrant, Status,
-                               TransferRequest)
+from transfer.errors import PeerError, StateError
+from transfer.messages import PeerHello, RoomAbort, RoomHold, RoomStatus, StageGrant, Status, TransferRequest
 from transfer.rooms.context import RoomContext
-from transfer.rooms.peer_check import identity_problem
+from transfer.rooms.decode_peers import DecodePeers
 from transfer.rooms.staged_prefill import PrefillStaging
 from transfer.stats import FailureReason, tag_reason
 
@@ -83,17 +80,8 @@ class PrefillRooms:
 
     def __init__(self, ctx: RoomContext) -> None:
         self.ctx = ctx
-        self.peers: dict[str, RankInfo] = {}  # decode session -> its rank info
-        self._origins: dict[str, str] = {}  # decode session -> where its hello came from
-        # Decode sessions whose hello was refused for an incompatible layout
-        # (-> origin): their aborts may still end rooms that await them, so
-        # that prefill learns why the decode side gave up.
-        self._incompatible: collections.OrderedDict[str, str] = collections.OrderedDict()
-        #: transfer sessions of this node's prefill ranks (from the bootstrap
-        #: server; set by the manager), which no decode peer may declare
-        self.prefill_sessions: frozenset[str] = frozenset()
-        #: hellos refused for the identity they declared (peer_check)
-        self.num_refused_hellos = 0
+        self.decode_peers = DecodePeers(ctx)  # the handshaken decode ranks
+        self.peers: dict[str, RankInfo] = self.decode_peers.peers  # decode session -> its rank info
         #: requests refused because the room has one from that decode TP rank, or all it expects
         self.num_refused_duplicates = 0
         #: requests seen before (same room and request id), dropped
@@ -119,7 +107,7 @@ class PrefillRooms:
     def on_message(self, msg, origin: str = "") -> None:
         """A control message from ``origin`` (see :mod:`transfer.control.base`)."""
         if isinstance(msg, PeerHello):
-            self._on_hello(msg, origin)
+            self.decode_peers.on_hello(msg, origin)
             return
         if isinstance(msg, StageGrant) and self.staging is not None:
             self.staging.on_grant(msg)
@@ -151,7 +139,7 @@ class PrefillRooms:
                 known = sender.requests if sender is not None else \
                     [m for _, m in self._early.get(msg.room, ()) if isinstance(m, TransferRequest)]
                 if msg.request_id not in [r.request_id for r in known] and not self.is_peer(msg.session, origin) \
-                        and not self._incompatible_peer(msg.session, origin):
+                        and not self.decode_peers.is_incompatible(msg.session, origin):
                     self.num_refused_aborts += 1
                     log.info("%s: ignored an abort of room %d from %s (%s)", self.ctx.where, msg.room,
                              msg.session or "an unnamed session", origin or "?")
@@ -178,18 +166,22 @@ class PrefillRooms:
             sender.hold(time.monotonic() + min(float(hold.hold_s), MAX_HOLD_S))
 
     def is_peer(self, session: str, origin: str, endpoint: str | None = None) -> bool:
-        """Whether ``session`` handshook (at ``endpoint``, when given), and
-        ``origin`` is where its handshake came from (unless either is unknown
-        or ``check_peer_host`` is off)."""
-        peer = self.peers.get(session)
-        if peer is None or (endpoint is not None and peer.control_endpoint != endpoint):
-            return False
-        seen = self._origins.get(session, "")
-        return not (self.ctx.config.check_peer_host and origin and seen and origin != seen)
+        """Whether ``session`` handshook (see :meth:`DecodePeers.is_peer`)."""
+        return self.decode_peers.is_peer(session, origin, endpoint)
 
-    def _incompatible_peer(self, session: str, origin: str) -> bool:
-        seen = self._incompatible.get(session)
-        return seen is not None and not (self.ctx.config.check_peer_host and origin and seen and origin != seen)
+    @property
+    def prefill_sessions(self) -> frozenset[str]:
+        """This node's prefill ranks' sessions, which no decode peer may declare (set by the manager)."""
+        return self.decode_peers.prefill_sessions
+
+    @prefill_sessions.setter
+    def prefill_sessions(self, sessions: frozenset[str]) -> None:
+        self.decode_peers.prefill_sessions = sessions
+
+    @property
+    def num_refused_hellos(self) -> int:
+        """Hellos refused for the identity they declared (peer_check)."""
+        return self.decode_peers.num_refused_hellos
 
     def refuse_request(self, req: TransferRequest, reason: str) -> None:
         """Refuse one decode request at once (a duplicate receiver of a live
@@ -313,71 +305,6 @@ class PrefillRooms:
     def on_pong(self, session: str, acks, pinged_at: float | None) -> None:
         """A decode rank's pong: it acknowledges nothing (liveness only)."""
 
-    def _on_hello(self, hello: PeerHello, origin: str) -> None:
-        session = hello.rank.session
-        with self.ctx.lock:
-            problem = identity_problem(session, origin, own_session=self.ctx.rank.session,
-                                       prefill_sessions=self.prefill_sessions,
-                                       check_host=self.ctx.config.check_peer_host)
-            if problem:
-                self.num_refused_hellos += 1
-        if problem:
-            log.error("%s: refused a decode peer (hello from %s, endpoint %s): it %s", self.ctx.where,
-                      origin or "?", hello.rank.control_endpoint, problem)
-            reply = PeerHelloReply(session=self.ctx.rank.session, ok=False, field="session",
-                                   reason=f"{self.ctx.where}: refused a decode peer that {problem}")
-            self.ctx.channel.send(hello.rank.control_endpoint, reply)
-            return
-        try:
-            check_compatible(self.ctx.rank, hello.rank, local_is_prefill=True,
-                             allow_missing_draft=hello.allow_missing_draft)
-        except IncompatibleLayoutError as exc:
-            log.error("%s: refused decode rank %s: %s", self.ctx.where, session, exc)
-            with self.ctx.lock:
-                self._incompatible[session] = origin
-                while len(self._incompatible) > _EARLY_ROOMS:
-                    self._incompatible.popitem(last=False)
-            reply = PeerHelloReply(session=self.ctx.rank.session, ok=False, field=exc.field,
-                                   reason=f"{self.ctx.where}: {exc}")
-        else:
-            reply = self._open_peer(hello, origin)
-            if reply is None:
-                return  # answered once the transport opened the way to the peer
-        self.ctx.channel.send(hello.rank.control_endpoint, reply)
-
-    def _open_peer(self, hello: PeerHello, origin: str) -> PeerHelloReply | None:
-        """Have the transport open its way to the decode peer (its segment,
-        a probe write: :mod:`transfer.transport.opener`, off this thread) and
-        answer the hello once it is open, or could not be (``field``
-        ``handshake``: decode's rooms through this rank fail with a
-        HandshakeError). Returns the refusal of a hello whose transport
-        metadata this side cannot use, else None."""
-        session, endpoint = hello.rank.session, hello.rank.control_endpoint
-
-        def opened(error) -> None:
-            if error is None:
-                with self.ctx.lock:
-                    self.peers[session] = hello.rank
-                    self._origins[session] = origin
-                reply = PeerHelloReply(session=self.ctx.rank.session, ok=True, field="", reason="")
-            else:
-                log.error("%s: could not open the way to decode rank %s: %s", self.ctx.where, session, error)
-                reply = PeerHelloReply(session=self.ctx.rank.session, ok=False, field="handshake",
-                                       reason=f"{self.ctx.where}: {error}")
-            try:
-                self.ctx.channel.send(endpoint, reply)
-            except KVFerryError as exc:
-                log.warning("%s: the handshake reply to %s was not sent: %s", self.ctx.where, endpoint, exc)
-
-        try:
-            self.ctx.transport.open_peer(session, hello.transport_meta, opened)
-        except KVFerryError as exc:
-            log.error("%s: refused decode rank %s: %s", self.ctx.where, session, exc)
-            field = exc.field if isinstance(exc, IncompatibleLayoutError) else "transport"
-            return PeerHelloReply(session=self.ctx.rank.session, ok=False, field=field,
-                                  reason=f"{self.ctx.where}: {exc}")
-        return None
-
     def attach(self, sender: Sender) -> list:
         with self.ctx.lock:
             old = self.senders.get(sender.room)
@@ -413,8 +340,7 @@ class PrefillRooms:
 
     def endpoint_of(self, session: str) -> str | None:
         """The control endpoint of a handshaken decode rank."""
-        peer = self.peers.get(session)
-        return peer.control_endpoint if peer is not None else None
+        return self.decode_peers.endpoint_of(session)
 
     def live_peers(self, now: float) -> dict[str, str]:
         """Session -> control endpoint of the decode ranks whose requests a
