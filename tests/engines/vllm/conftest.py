@@ -12,12 +12,15 @@ import pytest
 
 @pytest.fixture(scope="package")
 def tiny_llama(tmp_path_factory):
-    """(model directory, the reference server) for the tiny Llama."""
+    """(model directory, the reference server) for the tiny Llama; the
+    server is started, not waited for."""
     pytest.importorskip("vllm")
     from harness.vllm import ServerSpec, VLLMServer, build_tiny_model
-    from tests.engines.vllm.pd_servers import running
 
     root = tmp_path_factory.mktemp("vllm-llama")
     model = build_tiny_model(str(root / "model"))
-    with running({"reference": VLLMServer(ServerSpec("reference", model, 0), str(root))}) as servers:
-        yield model, servers["reference"]
+    reference = VLLMServer(ServerSpec("reference", model, 0), str(root))
+    try:
+        yield model, reference  # starting: its first user waits for it beside its own servers (``running``)
+    finally:
+        reference.close()

@@ -52,15 +52,17 @@ def nixl_pair(model: str, root: str) -> dict[str, VLLMServer]:
 
 
 @contextlib.contextmanager
-def running(servers: dict[str, VLLMServer], timeout_s: float = 300):
-    """``servers`` once all serve; closed at the end. No request is made:
-    each test's first PD request is its cluster's first, and is checked
-    (a fresh pair opens its transport's way while the hello is answered,
-    before any room: docs/transports.md, "Opening a peer")."""
+def running(servers: dict[str, VLLMServer], timeout_s: float = 300, *, shared: dict[str, VLLMServer] | None = None):
+    """``servers`` once all serve, with ``shared`` (started by a wider
+    fixture, maybe still starting: they start beside these); ``servers``
+    are closed at the end, ``shared`` not. No request is made: each test's
+    first PD request is its cluster's first, and is checked (a fresh pair
+    opens its transport's way while the hello is answered, before any
+    room: docs/transports.md, "Opening a peer")."""
     try:
-        for server in servers.values():
+        for server in (*servers.values(), *(shared or {}).values()):
             server.wait_ready(timeout_s)
-        yield servers
+        yield {**(shared or {}), **servers}
     finally:
         for server in servers.values():
             server.close()

@@ -48,8 +48,8 @@ def layerwise(tmp_path_factory, tiny_llama):
     pair = kvferry_pair(model, str(root), bootstrap, NODE, "tiny-llama",
                         # every prompt here is shorter than layerwise_min_tokens' default: stream them anyway
                         prefill_kv={"extra": {"kvferry_layer_groups": GROUPS}, "manager": {"layerwise_min_tokens": 0}})
-    with running(pair) as servers:
-        yield model, {"reference": reference, **servers}, bootstrap
+    with running(pair, shared={"reference": reference}) as servers:
+        yield model, servers, bootstrap
 
 
 def _prompt(n: int, seed: int) -> list[int]:

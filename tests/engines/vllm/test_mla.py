@@ -66,16 +66,20 @@ def mla_model(tmp_path_factory):
     (one server start fewer than a reference per pair: CI's time)."""
     root = tmp_path_factory.mktemp("vllm-mla")
     model = build_tiny_mla_model(str(root / "model"))
-    with running({"reference": VLLMServer(ServerSpec("reference", model, 1), str(root))}) as reference:
-        yield model, str(root), reference["reference"]
+    reference = VLLMServer(ServerSpec("reference", model, 1), str(root))  # waited for beside the first pair
+    try:
+        yield model, str(root), reference
+    finally:
+        reference.close()
 
 
 @pytest.fixture
 def mla(mla_model):
     model, root, reference = mla_model
     bootstrap = f"127.0.0.1:{free_ports(2)}"  # prefill serves HTTP there, kvferry's ZMQ bootstrap beside it
-    with running({**nixl_pair(model, root), **kvferry_pair(model, root, bootstrap, NODE, MODEL_NAME)}) as servers:
-        yield model, {"reference": reference, **servers}
+    with running({**nixl_pair(model, root), **kvferry_pair(model, root, bootstrap, NODE, MODEL_NAME)},
+                 shared={"reference": reference}) as servers:
+        yield model, servers
 
 
 @pytest.fixture
@@ -84,8 +88,8 @@ def tp2(mla_model):
     bootstrap = f"127.0.0.1:{free_ports(2)}"  # prefill serves HTTP there, kvferry's ZMQ bootstrap beside it
     pair = kvferry_pair(model, root, bootstrap, NODE, MODEL_NAME, prefill_env={"VLLM_CPU_OMP_THREADS_BIND": "0|0"},
                         prefill_args=("--tensor-parallel-size", "2"))
-    with running(pair) as servers:
-        yield model, {"reference": reference, **servers}
+    with running(pair, shared={"reference": reference}) as servers:
+        yield model, servers
 
 
 def test_mla_moves_every_prompt_token_page_exact_and_decode_tokens_equal_vllms_own_connectors(mla):

@@ -172,7 +172,7 @@ def cluster(tmp_path_factory, tiny_llama):
     try:
         for name in ("prefill", "decode"):
             c.start(name)
-        for server in c.servers.values():
+        for server in (*c.servers.values(), reference):  # the reference: started beside them, or earlier
             server.wait_ready()
         yield c  # no warm-up: the first test's first PD request is the cluster's first, checked
     finally:
