@@ -45,13 +45,17 @@ class DecodePeers:
         peer = self.peers.get(session)
         if peer is None or (endpoint is not None and peer.control_endpoint != endpoint):
             return False
-        seen = self._origins.get(session, "")
-        return not (self.ctx.config.check_peer_host and origin and seen and origin != seen)
+        return self._same_origin(origin, self._origins.get(session, ""))
 
     def is_incompatible(self, session: str, origin: str) -> bool:
         """Whether ``session``'s hello (from ``origin``) was refused for its layout."""
         seen = self._incompatible.get(session)
-        return seen is not None and not (self.ctx.config.check_peer_host and origin and seen and origin != seen)
+        return seen is not None and self._same_origin(origin, seen)
+
+    def _same_origin(self, origin: str, seen: str) -> bool:
+        """Whether a message from ``origin`` may be the session's whose hello came from ``seen``
+        (either unknown, or ``check_peer_host`` off: yes)."""
+        return not (self.ctx.config.check_peer_host and origin and seen and origin != seen)
 
     def endpoint_of(self, session: str) -> str | None:
         """The control endpoint of a handshaken decode rank."""

@@ -72,10 +72,10 @@ class Handshakes:
         del self._hellos[session]
         self._num_unanswered += 1
 
-    def forget(self, session: str, *, awaited_only: bool = False) -> None:
-        """Forget ``session``'s hello (``awaited_only``: unless it was answered or refused)."""
+    def forget(self, session: str, *, unless_answered: bool = False) -> None:
+        """Forget ``session``'s hello (``unless_answered``: only one not answered ok: awaited or refused)."""
         hello = self._hellos.get(session)
-        if hello is not None and (not awaited_only or not hello.ok):
+        if hello is not None and (not unless_answered or not hello.ok):
             del self._hellos[session]
 
     def on_reply(self, msg: PeerHelloReply) -> bool:

@@ -179,7 +179,7 @@ class LinkResolver:
         if self.links.get(link.key) is link:
             del self.links[link.key]
         for r in link.ranks.values():
-            self.handshakes.forget(r.session, awaited_only=True)
+            self.handshakes.forget(r.session, unless_answered=True)
 
     def on_hello_reply(self, msg: PeerHelloReply) -> None:
         if self.handshakes.on_reply(msg):
