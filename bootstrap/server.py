@@ -19,6 +19,7 @@ import zmq
 
 from bootstrap import codec
 from bootstrap.errors import AuthError, ProtocolError
+from bootstrap.listen import refuse_unversioned
 from bootstrap.messages import ErrorReply, Lookup, Ping, Pong, Register, Unregister
 from bootstrap.metrics import NoMetrics, PrometheusMetrics, require_prometheus
 from bootstrap.protect import check_protected
@@ -95,6 +96,7 @@ class BootstrapServer:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, codec.MAX_MESSAGE_BYTES)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        refuse_unversioned(self._sock)  # an HTTP request here fails at once
         try:
             if config.port == 0:
                 port = self._sock.bind_to_random_port(f"tcp://{config.host}")

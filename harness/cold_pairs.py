@@ -49,18 +49,24 @@ class Neighbour:
                 self.sockets.append(socket.create_connection(self.addr, timeout=2.0))
                 self.num_connects += 1
         elif variant == "probe":
+            # The first touch before the pair's first room, whatever the
+            # thread's schedule: both rooms can end inside the first 100 ms.
+            self._touch()
             self._thread = threading.Thread(target=self._probe, daemon=True)
             self._thread.start()
         elif variant != "none":
             raise ValueError(f"unknown neighbour {variant!r} (one of {', '.join(VARIANTS)})")
 
+    def _touch(self) -> None:
+        try:
+            socket.create_connection(self.addr, timeout=1.0).close()
+            self.num_connects += 1
+        except OSError:
+            pass
+
     def _probe(self) -> None:
         while not self._stop.wait(0.1):
-            try:
-                socket.create_connection(self.addr, timeout=1.0).close()
-                self.num_connects += 1
-            except OSError:
-                pass
+            self._touch()
 
     def close(self) -> None:
         self._stop.set()

@@ -14,6 +14,7 @@ from bootstrap.client import BootstrapClient
 from bootstrap.errors import BootstrapError, BootstrapRefused, BootstrapUnavailable
 from bootstrap.messages import (AttentionKind, BufferRef, Component, ErrorReply, Lookup, PageLayout, PoolDescriptor,
                                 PoolRole, RankInfo)
+from harness.http_probe import CURL_GET, SHORT_GET, send_http
 from harness.launch import BootstrapProcess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.transport_free]
@@ -164,3 +165,17 @@ def test_lookup_replies_follow_reregistration_unregistration_and_expiry():
             time.sleep(1.5)  # nobody re-registers: expired
             gone = client.lookup("p0", 0)
             assert not gone.ready and gone.dp_size == 0
+
+
+@pytest.mark.parametrize("request_bytes", [SHORT_GET, CURL_GET], ids=["short", "curl"])
+def test_an_http_request_to_the_zmq_port_fails_at_once_and_the_server_keeps_serving(bootstrap_server,
+                                                                                      request_bytes):
+    # A Mooncake router's GET /query sent to a standalone bootstrap server:
+    # libzmq read the short one as a ZMTP 1.0 frame and waited forever.
+    host, port = bootstrap_server.address.rsplit(":", 1)
+    attempt = send_http(host, int(port), request_bytes, timeout_s=10.0)
+    assert attempt.ended in ("reset", "closed"), attempt
+    assert not attempt.received.startswith(b"HTTP/"), attempt
+    with BootstrapClient(bootstrap_server.address, timeout_s=5) as client:
+        assert client.register(_rank(0, tp_size=1, node="after-http")).num_registered == 1
+        assert client.lookup("after-http", 0).ready

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from harness.http_probe import CURL_GET, SHORT_GET, send_http
 from harness.launch import child_env
 from transfer.control.base import ChannelOptions, Link
 from transfer.control.zmq_channel import ZmqChannel
@@ -207,3 +208,10 @@ def test_an_idle_scheduler_gets_no_hand_over(neighbours):
           f"channel's thread, latency p50 {lat[len(lat) // 2] * 1e3:.1f} ms, max {lat[-1] * 1e3:.1f} ms")
     assert handed_over <= 0.05 * len(handled)
     assert on_channel >= 0.8 * len(handled)
+
+@pytest.mark.parametrize("request_bytes", [SHORT_GET, CURL_GET], ids=["short", "curl"])
+def test_an_http_request_to_the_control_port_fails_at_once_and_peers_still_link(channel, peer, request_bytes):
+    host, port = channel.endpoint.removeprefix("tcp://").rsplit(":", 1)
+    attempt = send_http(host, int(port), request_bytes, timeout_s=10.0)
+    assert attempt.ended in ("reset", "closed"), attempt
+    _connect(channel, peer)

@@ -54,6 +54,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from bootstrap import codec
+from bootstrap.listen import refuse_unversioned
 from transfer.control.base import ChannelOptions, Handler, Link
 from transfer.errors import AuthError, ClosedError, ProtocolError, TransferError
 
@@ -129,6 +130,7 @@ class ZmqChannel:
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.MAXMSGSIZE, codec.MAX_MESSAGE_BYTES)
+        refuse_unversioned(self._router)
         try:
             if port:
                 self._router.bind(f"tcp://{host}:{port}")
