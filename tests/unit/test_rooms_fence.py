@@ -38,10 +38,10 @@ def test_fenced_rooms_land_byte_exact_and_decode_exposes_only_staging(cluster, p
         start = int(rng.integers(0, NUM_PAGES - n))
         src = np.arange(start, start + n) if contiguous else random_pages(rng, n)
         dst = np.arange(NUM_PAGES - n, NUM_PAGES) if contiguous else random_pages(rng, n)
-        sender, receiver = run_room(prefill, decode, 40 + room, src, dst, chunks=2,
-                                    src_aux=int(rng.integers(0, 8)), dst_aux=int(rng.integers(0, 8)))
+        src_aux, dst_aux = int(rng.integers(0, 8)), int(rng.integers(0, 8))
+        sender, receiver = run_room(prefill, decode, 40 + room, src, dst, chunks=2, src_aux=src_aux, dst_aux=dst_aux)
         assert (sender.poll(), receiver.poll()) == (KVPoll.Success, KVPoll.Success)
-        assert_landed(prefill, decode, src, dst, sender._aux_index, receiver._aux_index)
+        assert_landed(prefill, decode, src, dst, src_aux, dst_aux)
     area = decode.mgr.context.staging.area
     wait_until(decode.mgr, lambda: area.free_bytes == area.nbytes, what="staging regions freed")
     assert area.num_retired == 0

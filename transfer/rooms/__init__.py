@@ -18,6 +18,7 @@ Decode:
 - :mod:`~transfer.rooms.receiver`: :class:`KVReceiver`, one per request;
 - :mod:`~transfer.rooms.decode_phases`: a decode room's phases, a table over
   an Enum (pure); :mod:`~transfer.rooms.drain`: a failing room's drain (pure);
+- :mod:`~transfer.rooms.decode_request`: what a decode room asks of its prefill ranks (pure);
 - :mod:`~transfer.rooms.room_storage`: a room's prefetch and restore;
 - :mod:`~transfer.rooms.staged_decode`: staging grants and the scatter of
   what lands;

@@ -11,16 +11,15 @@ import logging
 import random
 import time
 
-import numpy as np
 
 from bootstrap.messages import PoolRole
 from transfer.config import Role
-from transfer.errors import (KVFerryError, KVTimeoutError, PageIndexError, PeerError, ProtocolError, RequestError,
+from transfer.errors import (KVFerryError, KVTimeoutError, PeerError, ProtocolError, RequestError,
                              StateError, StorageMissError, TransferError)
-from transfer.messages import INDEX_DTYPE, ChunkStaged, RoomAbort, RoomStatus, Status, TransferRequest
-from transfer.pools import host_page_ids
+from transfer.messages import ChunkStaged, RoomAbort, RoomStatus, Status
 from transfer.rooms.context import RoomHost
 from transfer.rooms.decode_phases import ENDING, LIVE, DecodePhase, DecodePhases
+from transfer.rooms.decode_request import RoomRequest
 from transfer.rooms.drain import Drain
 from transfer.rooms.links import Link, LinkState
 from transfer.rooms.room_stats import RoomCounts
@@ -77,28 +76,31 @@ class KVReceiver:
         self._created = time.monotonic()
         self._link: Link | None = None
         self._seen_link: Link | None = None  # the link bootstrapping looked at last (it may be waiting)
-        self._pages: np.ndarray | None = None  # decode page ids, request order, and the aux slot: from init()
-        self._aux_index, self._init_at = -1, 0.0
-        self._states: tuple = ()  # per state pool: decode item indices (int32), or None: from init()
+        self._request: RoomRequest | None = None  # the pages, aux slot and state items: from init()
+        self._init_at = 0.0
         self._requested_at = 0.0  # when the requests went to prefill (TRANSFERRING)
         self._awaiting: dict[int, set[PoolRole]] = {}  # TRANSFERRING: ranks not done yet, and their pools
         self._drain = Drain()  # DRAINING: ranks that may still write; DRAINING, RESTORING: why it failed
         self._scattering = 0  # staged parts being copied into the pages now (without the lock)
         self._send_end = 0.0  # the latest prefill rank's forward end, on this clock (0: not known)
         self._storage: RoomStorage | None = None  # with a storage tier and the prompt
-        self._prefix = 0  # leading pages the scheduler holds (init's skip_pages)
-        self._skip = 0  # leading pages held or prefetched from storage: prefill does not send them
         self._may_fall_back = False
         self._relinks = 0  # times the room asked the node afresh (RELINKING)
-        #: pages of this room restored from storage (prefetch and fallback)
-        self.pages_from_storage = 0
-        #: False when the room succeeded from storage without its draft pages
-        self.draft_restored = True
         self._counter = ctx.stats.room(self.room)
         self._counts = RoomCounts(self._counter, ctx.rank, self.where)
         with ctx.lock:
             self._table.add(self)
         log.debug("%s: created (prefill node %r)", self.where, self.prefill_node)
+
+    @property
+    def pages_from_storage(self) -> int:
+        """Pages of this room restored from storage (prefetch and fallback)."""
+        return self._storage.pages_loaded if self._storage is not None else 0
+
+    @property
+    def draft_restored(self) -> bool:
+        """False when the room succeeded from storage without its draft pages."""
+        return self._storage is None or self._storage.draft_ok
 
     @property
     def created(self) -> float:
@@ -124,54 +126,24 @@ class KVReceiver:
         loads from there on: prefill skips to the larger end of the two."""
         ctx = self._ctx
         with ctx.lock:
-            if self._pages is not None:
+            if self._request is not None:
                 raise StateError(f"{self.where}: init() called twice")
-            pages = host_page_ids(page_indices)
-            target = ctx.rank.pool(PoolRole.TARGET)
-            if pages.size and (pages.min() < 0 or pages.max() >= target.num_pages):
-                self.fail(PageIndexError(f"{self.where}: page index outside the pool of {target.num_pages}"))
-                return
-            if not 0 <= int(skip_pages) <= pages.size:
-                self.fail(ValueError(f"{self.where}: skip_pages {skip_pages} outside the request's {pages.size} pages"))
-                return
             try:
-                self._states = self._state_items(state_indices)
-            except (ValueError, IndexError) as exc:
-                self.fail(RequestError(f"{self.where}: {exc}"))
+                request = RoomRequest.checked(ctx.rank, self.where, page_indices, aux_index, skip_pages,
+                                              state_indices)
+            except RequestError as exc:
+                self.fail(exc)
                 return
-            self._pages = pages.astype(INDEX_DTYPE)
-            self._prefix = self._skip = int(skip_pages)
-            self._aux_index = -1 if aux_index is None else int(aux_index)
-            self._init_at = time.monotonic()
-            if ctx.storage is not None and token_ids is not None and not any(s is not None for s in self._states):
+            self._request, self._init_at = request, time.monotonic()
+            if ctx.storage is not None and token_ids is not None and not request.has_state:
                 try:
-                    self._storage = RoomStorage(ctx.storage, token_ids, self._pages, self._aux_index)
+                    self._storage = RoomStorage(ctx.storage, token_ids, request, self._counts)
                 except ValueError as exc:
                     self.fail(RequestError(f"{self.where}: {exc}"))
                     return
                 if ctx.config.storage_prefetch != "off":
-                    self._storage.prefetch(self._storage_done, start=self._prefix)
+                    self._storage.prefetch(self._storage_done)
         self.update()
-
-    def _state_items(self, state_indices) -> tuple:
-        """``init``'s state indices as int32 arrays checked against the
-        rank's state pools (raises ValueError / IndexError)."""
-        states = self._ctx.rank.states
-        if state_indices is None:
-            return ()
-        given = list(state_indices)
-        if len(given) > len(states):
-            raise ValueError(f"{len(given)} state index lists for the rank's {len(states)} state pool(s)")
-        out = []
-        for pool, items in zip(states, given):
-            if items is None:
-                out.append(None)
-                continue
-            ids = host_page_ids(items)
-            if ids.size and (ids.min() < -1 or ids.max() >= pool.num_items):
-                raise IndexError(f"state {pool.kind}: item index outside its {pool.num_items} items (-1: not wanted)")
-            out.append(ids.astype(INDEX_DTYPE))
-        return tuple(out)
 
     def poll(self) -> KVPoll:
         """The room's state now. Also moves this rank's control messages and
@@ -196,12 +168,13 @@ class KVReceiver:
                 return ph.poll
             if ph.phase is P.BOOTSTRAPPING:
                 self._bootstrap(now)
-            if ph.phase is P.WAITING_FOR_INPUT and self._pages is not None:
+            if ph.phase is P.WAITING_FOR_INPUT and self._request is not None:
                 ph.move(P.PREFETCHING if self._storage is not None and self._storage.prefetching
                         else P.TRANSFERRING)
                 if ph.phase is P.TRANSFERRING:
                     self._send_requests()
-            if ph.phase is P.PREFETCHING and self._prefetched(now):
+            if ph.phase is P.PREFETCHING and self._storage.prefetched(now - self._init_at, ctx.config):
+                ctx.stats.prefetch_wait_seconds.observe(now - self._init_at)
                 ph.move(P.TRANSFERRING)
                 self._send_requests()
             if ph.phase is P.RELINKING:
@@ -306,15 +279,15 @@ class KVReceiver:
                                     f"{sorted(r.value for r in msg.sent)}, expected {sorted(r.value for r in expected)}"),
                       stopped={msg.prefill_tp_rank})
             return
-        if msg.aux_row and (bad := take_aux_row(self._ctx, self._aux_index, msg.aux_row)):
+        if msg.aux_row and (bad := take_aux_row(self._ctx, self._request.aux_index, msg.aux_row)):
             self.fail(ProtocolError(f"{self.where}: {where} {bad}"), stopped={msg.prefill_tp_rank})
             return
         del self._awaiting[msg.prefill_tp_rank]
         if msg.exposed_s > 0:  # when the rank's forward ended, on this clock (the message's flight not counted)
             self._send_end = max(self._send_end, time.monotonic() - msg.exposed_s)
         p = msg.prefill_tp_rank
-        self._counts.rank_done(p, self._link.routes[p], len(self._pages) - self._skip,
-                               with_aux=p == self._link.aux_rank and self._aux_index >= 0)
+        self._counts.rank_done(p, self._link.routes[p], self._request.num_sent,
+                               with_aux=p == self._link.aux_rank and self._request.aux_index >= 0)
         if not self._awaiting:
             if self._send_end > 0:
                 self._counter.exposed(time.monotonic() - self._send_end)
@@ -331,7 +304,7 @@ class KVReceiver:
             return None
         self._scattering += 1
         p = msg.prefill_tp_rank
-        return ScatterTarget(self._pages, self._link.routes[p], self._states, self._link.ranks[p])
+        return ScatterTarget(self._request.pages, self._link.routes[p], self._request.states, self._link.ranks[p])
 
     def end_scatter(self, msg: ChunkStaged, error: BaseException | None) -> None:
         """A scatter :meth:`begin_scatter` allowed ended (under ``ctx.lock``)."""
@@ -462,32 +435,18 @@ class KVReceiver:
 
     def _send_requests(self) -> None:
         """Ask each contacted prefill rank for its part (phase TRANSFERRING)."""
-        link, rank = self._link, self._ctx.rank
-        pages = self._pages.tobytes()
+        link, request = self._link, self._request
         self._requested_at = time.monotonic()
         for p, assignments in link.routes.items():
             self._awaiting[p] = {a.role for a in assignments if a.send}
         try:
             for p, assignments in link.routes.items():
-                offset, nbytes = self._table.pregrant(self, p, assignments, len(self._pages) - self._skip)
-                self._ctx.channel.send(link.ranks[p].control_endpoint, TransferRequest(
-                    room=self.room, request_id=self.request_id, decode_session=rank.session,
-                    decode_endpoint=rank.control_endpoint, decode_tp_rank=rank.tp_rank,
-                    dst_pages=pages, dst_aux_index=self._aux_index if p == link.aux_rank else -1,
-                    assignments=assignments, num_requests=link.num_requests[p], skip_pages=self._skip,
-                    prefix_pages=self._prefix, staging_offset=offset, staging_nbytes=nbytes,
-                    dst_states=self._dst_states(p)))
+                staging = self._table.pregrant(self, p, assignments, request.num_sent)
+                self._ctx.channel.send(link.ranks[p].control_endpoint, request.message(
+                    link, p, self._ctx.rank, self.room, self.request_id, staging))
                 self._table.request_sent(self, p, link.ranks[p].session)
         except KVFerryError as exc:
             self.fail(exc)
-
-    def _dst_states(self, p: int) -> tuple[bytes, ...]:
-        """What prefill rank ``p`` fills of the room's state: per state pool,
-        the items if ``p`` is that pool's sender to this rank (empty: not)."""
-        if not any(s is not None for s in self._states):
-            return ()
-        return tuple(s.tobytes() if s is not None and p in self._link.state_ranks[i] else b""
-                     for i, s in enumerate(self._states))
 
     def request_lost(self, tp_rank: int) -> None:
         """Prefill rank ``tp_rank`` answered a liveness ping sent after this
@@ -524,17 +483,6 @@ class KVReceiver:
         else:
             self.update()  # a settled prefetch lets the request go out now
 
-    def _prefetched(self, now: float) -> bool:
-        """Whether the prefetch settled (per the policy); records what it loaded."""
-        loaded = self._storage.prefetched(now - self._init_at, self._ctx.config)
-        if loaded is None:
-            return False
-        self.pages_from_storage = loaded
-        self._skip = self._prefix + loaded  # it ran from the held prefix on: the larger end
-        self._ctx.stats.prefetch_wait_seconds.observe(now - self._init_at)
-        self._counts.storage({role: loaded for role in self._ctx.storage.pools}, loaded, aux=False)
-        return True
-
     def _finish_fail(self, error: BaseException) -> None:
         """Nothing writes into the pages any more: restore them from storage,
         or fail."""
@@ -544,7 +492,7 @@ class KVReceiver:
             log.debug("%s: transfer failed (%s); restoring the room from storage", self.where, error)
             self._drain.error = error
             self._phases.move(P.RESTORING)
-            self._storage.restore(self._skip, self._storage_done)
+            self._storage.restore(self._storage_done)
             return
         self._really_fail(error)
 
@@ -553,13 +501,11 @@ class KVReceiver:
             if self._phases.phase is not P.RESTORING:
                 return
             error = self._drain.error
-            missing, self.draft_restored = self._storage.shortfall(
-                job, self._skip, allow_missing_draft=self._ctx.config.allow_missing_draft, where=self.where)
+            missing = self._storage.restored(job, allow_missing_draft=self._ctx.config.allow_missing_draft,
+                                             where=self.where)
             if missing:
                 self._really_fail(StorageMissError(f"{error}; restoring from storage failed: {'; '.join(missing)}"))
                 return
-            self.pages_from_storage = max(0, self._storage.num_full_pages - self._prefix)
-            self._counts.storage(job.pages, self._storage.num_full_pages - self._skip, aux=job.aux_ok)
             self._counts.ended(None, side="decode", config=self._ctx.config)
             log.warning("%s: restored from storage after: %s", self.where, error)
             self._phases.move(P.SUCCESS)

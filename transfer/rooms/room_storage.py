@@ -1,6 +1,7 @@
 """One decode room's use of the storage tier: prefetching its leading pages
-before the request goes out, and restoring it after a failed transfer. The
-room calls it under its lock; the tier calls back on its own thread."""
+before the request goes out, and restoring it after a failed transfer; what
+each loaded, counted in the room's stats and moving the pages prefill skips.
+The room calls it under its lock; the tier calls back on its own thread."""
 
 from __future__ import annotations
 
@@ -10,23 +11,31 @@ import numpy as np
 
 from bootstrap.messages import PoolRole
 from transfer.pools import host_page_ids
+from transfer.rooms.decode_request import RoomRequest
+from transfer.rooms.room_stats import RoomCounts
 from transfer.storage.tier import Job, StorageTier
 
 log = logging.getLogger("kvferry.receiver")
 
 
 class RoomStorage:
-    """``tokens`` (the prompt) and ``pages`` (decode page ids, request order)
-    of one room; ``aux_index`` -1 when the room has no aux row."""
+    """``token_ids`` (the prompt) and the :class:`RoomRequest` of one room,
+    whose loads are counted in ``counts``."""
 
-    def __init__(self, tier: StorageTier, token_ids, pages: np.ndarray, aux_index: int) -> None:
-        """Raises ValueError when the prompt does not take ``len(pages)`` pages."""
+    def __init__(self, tier: StorageTier, token_ids, request: RoomRequest, counts: RoomCounts) -> None:
+        """Raises ValueError when the prompt does not take the request's pages."""
         tokens = host_page_ids(token_ids)  # a CUDA tensor too
+        pages: np.ndarray = request.pages
         if -(-tokens.size // tier.page_size) != pages.size:
             raise ValueError(f"{tokens.size} tokens take {-(-tokens.size // tier.page_size)} pages of "
                              f"{tier.page_size}, not the {pages.size} given")
-        self.tier, self.tokens, self.pages, self.aux_index = tier, tokens, pages, aux_index
+        self.tier, self.tokens, self.request, self.counts = tier, tokens, request, counts
+        self.pages, self.aux_index = pages, request.aux_index
         self.num_full_pages = len(tier.chains(tokens))
+        #: pages of the room loaded from storage (a prefetch, or a restore)
+        self.pages_loaded = 0
+        #: False when a restore tolerated missing draft pages (``allow_missing_draft``)
+        self.draft_ok = True
         self._prefetch: Job | None = None  # loading the leading pages before the request goes out
         self._restore: Job | None = None  # loading the pages of a failed room
 
@@ -42,10 +51,10 @@ class RoomStorage:
         """Whether a prefetch runs (started and not settled yet)."""
         return self._prefetch is not None
 
-    def prefetch(self, done, start: int = 0) -> None:
-        """Load the pages storage has from request position ``start`` on, up
-        to the first missing one (``done(job)`` on the tier's thread)."""
-        self._prefetch = self.tier.read(self.items(start), None, done)
+    def prefetch(self, done) -> None:
+        """Load the pages storage has after those the scheduler holds, up to
+        the first missing one (``done(job)`` on the tier's thread)."""
+        self._prefetch = self.tier.read(self.items(self.request.prefix), None, done)
 
     @property
     def loading(self) -> bool:
@@ -57,34 +66,48 @@ class RoomStorage:
         if self._prefetch is not None:
             self._prefetch.cancel()
 
-    def prefetched(self, waited_s: float, config) -> int | None:
-        """How many leading pages the prefetch loaded, once it settled (it is
-        then done with); None while it runs. Per ``config.storage_prefetch``:
-        ``best_effort`` stops it at once, ``timeout`` after
-        ``storage_prefetch_timeout_s`` (the batch being loaded ends first),
-        ``wait_complete`` waits."""
+    def prefetched(self, waited_s: float, config) -> bool:
+        """Whether the prefetch settled (it is then done with): what it
+        loaded is counted, and prefill skips it. Per
+        ``config.storage_prefetch``: ``best_effort`` stops it at once,
+        ``timeout`` after ``storage_prefetch_timeout_s`` (the batch being
+        loaded ends first), ``wait_complete`` waits."""
         job = self._prefetch
         if not job.finished:
             policy = config.storage_prefetch
             if policy == "best_effort" or (policy == "timeout" and waited_s > config.storage_prefetch_timeout_s):
                 job.cancel()
-            return None
+            return False
         self._prefetch = None
-        return min(job.pages.values(), default=0) if job.error is None else 0
+        loaded = min(job.pages.values(), default=0) if job.error is None else 0
+        self.pages_loaded = loaded
+        self.request.skip = self.request.prefix + loaded  # it ran from the held prefix on: the larger end
+        self.counts.storage({role: loaded for role in self.tier.pools}, loaded, aux=False)
+        return True
 
-    def restore(self, start: int, done) -> None:
-        """Load the full pages from ``start`` on, and the aux row."""
+    def restore(self, done) -> None:
+        """Load the full pages prefill was to send, and the aux row."""
         aux = (self.tier.aux_key(self.tokens), self.aux_index) if self.aux_index >= 0 else None
-        self._restore = self.tier.read(self.items(start), aux, done)
+        self._restore = self.tier.read(self.items(self.request.skip), aux, done)
 
     def is_restore(self, job: Job) -> bool:
         """Whether ``job`` is the restore's (not the prefetch's)."""
         return job is self._restore
 
-    def shortfall(self, job: Job, start: int, *, allow_missing_draft: bool, where: str) -> tuple[list[str], bool]:
-        """What a restore from ``start`` left missing (empty: the room is
-        whole), and whether the draft pages are all there (missing draft
-        pages are tolerated with ``allow_missing_draft``)."""
+    def restored(self, job: Job, *, allow_missing_draft: bool, where: str) -> list[str]:
+        """What the restore left missing (empty: the room is whole; what it
+        loaded is then counted)."""
+        missing, self.draft_ok = self._shortfall(job, self.request.skip, allow_missing_draft=allow_missing_draft,
+                                                 where=where)
+        if not missing:
+            self.pages_loaded = max(0, self.num_full_pages - self.request.prefix)
+            self.counts.storage(job.pages, self.num_full_pages - self.request.skip, aux=job.aux_ok)
+        return missing
+
+    def _shortfall(self, job: Job, start: int, *, allow_missing_draft: bool, where: str) -> tuple[list[str], bool]:
+        """What a restore from ``start`` left missing, and whether the draft
+        pages are all there (missing draft pages are tolerated with
+        ``allow_missing_draft``)."""
         full, missing, draft_ok = self.num_full_pages, [], True
         if job.error is not None:
             missing.append(f"storage failed: {job.error}")
