@@ -80,7 +80,7 @@ class _Session:
                 self._reap()
                 try:
                     data = conn.recv(1 << 16)
-                except socket.timeout:
+                except TimeoutError:
                     if time.monotonic() - last > self._config.idle_timeout_s:
                         log.warning("no request for %.0f s: ending the session", self._config.idle_timeout_s)
                         return
@@ -195,7 +195,7 @@ def serve(config: AgentConfig) -> None:
         while True:
             try:
                 conn, peer = srv.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             log.info("session from %s:%d", *peer[:2])
             _Session(conn, config).run()
@@ -278,7 +278,7 @@ class AgentHost:
                 return
 
     def spawn(self, command: str, args: list[str], env: dict[str, str] | None = None,
-              lifetime_s: float = 3600.0) -> "RemoteChild":
+              lifetime_s: float = 3600.0) -> RemoteChild:
         """Start ``command`` on the agent's node; it is killed after ``lifetime_s``."""
         reply = self.call("spawn", command=command, args=args, env=env or {}, lifetime_s=lifetime_s)
         return RemoteChild(self, command, reply["id"], reply["pid"])
@@ -294,7 +294,7 @@ class AgentHost:
         self._closed.set()
         self._sock.close()
 
-    def __enter__(self) -> "AgentHost":
+    def __enter__(self) -> AgentHost:
         return self
 
     def __exit__(self, *exc) -> None:

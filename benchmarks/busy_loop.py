@@ -90,7 +90,7 @@ class BusyConfig:
         return json.dumps(asdict(self))
 
     @staticmethod
-    def from_json(text: str) -> "BusyConfig":
+    def from_json(text: str) -> BusyConfig:
         return BusyConfig(**json.loads(text))
 
 

@@ -95,7 +95,7 @@ class Scraper:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="metrics-scraper", daemon=True)
 
-    def __enter__(self) -> "Scraper":
+    def __enter__(self) -> Scraper:
         self._thread.start()
         return self
 

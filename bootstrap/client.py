@@ -179,7 +179,7 @@ class BootstrapClient:
         with self._lock:
             self._drop_socket()
 
-    def __enter__(self) -> "BootstrapClient":
+    def __enter__(self) -> BootstrapClient:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -56,7 +56,8 @@ import hmac
 import time
 import types
 import typing
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
+from collections.abc import Callable
 
 import msgpack
 

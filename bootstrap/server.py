@@ -137,7 +137,7 @@ class BootstrapServer:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def start(self) -> "BootstrapServer":
+    def start(self) -> BootstrapServer:
         self._thread = threading.Thread(target=self.serve_forever, name="kvferry-bootstrap", daemon=True)
         self._thread.start()
         return self

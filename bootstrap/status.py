@@ -182,7 +182,7 @@ def status_table(reply: StatusReply, address: str) -> str:
                                                                *(f"state {x.kind} {x.sharding.value} x {x.num_buffers} "
                                                                  f"buffers" for x in r.states)])))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
-    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1] for row in rows]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths, strict=True)) + "  " + row[-1] for row in rows]
     if reply.num_omitted:
         lines.append(f"... and {reply.num_omitted} more ranks (a reply lists at most {MAX_STATUS_RANKS})")
     return "\n".join(lines)

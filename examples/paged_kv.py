@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -99,7 +99,7 @@ class RankPools:
 
     @staticmethod
     def allocate(pair: ModelPair, *, num_pages: int, page_size: int, tp_rank: int = 0,
-                 tp_size: int = 1) -> "RankPools":
+                 tp_size: int = 1) -> RankPools:
         heads = heads_of(tp_rank, tp_size, pair.draft.num_kv_heads)
 
         def pool(*token_shape: int) -> torch.Tensor:

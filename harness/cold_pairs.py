@@ -92,7 +92,7 @@ def run_pair(bootstrap: str, index: int, variant: str, config: dict | None = Non
             prefill, decode = (f.result() for f in starting)
         neighbour = Neighbour(variant, handshake_port(decode.ready))
         rooms = []
-        for k, room in enumerate((spec.first_room + 2 * index, spec.first_room + 2 * index + 1)):
+        for room in (spec.first_room + 2 * index, spec.first_room + 2 * index + 1):
             with ThreadPoolExecutor(2) as pool:
                 sent = pool.submit(prefill.rooms, [room], 60.0)
                 got = decode.rooms([room], 60.0)

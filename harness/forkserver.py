@@ -68,7 +68,7 @@ class ForkedProcess:
             self._conn.settimeout(timeout)
             try:
                 data = self._conn.recv(_STATUS.size, socket.MSG_WAITALL)
-            except (socket.timeout, BlockingIOError):
+            except (TimeoutError, BlockingIOError):
                 return None
             except OSError:
                 data = b""

@@ -83,7 +83,7 @@ class BootstrapProcess:
         self.proc.stdout.close()
         self._log.close()
 
-    def __enter__(self) -> "BootstrapProcess":
+    def __enter__(self) -> BootstrapProcess:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -393,7 +393,7 @@ class DecodeRank:
                 else:
                     self.free.extend(int(p) for p in x["dst"])
             mgr.wait_for_progress(seen, 0.0005 if on_first_byte & live.keys() else 0.01)
-        for room, x in live.items():
+        for room in live:
             out[room] = {"state": "Stuck", "error_type": "", "error": "command timed out", "ended_at": time.time(),
                          "mismatches": []}
         if guarded:

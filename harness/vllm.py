@@ -169,7 +169,7 @@ class ServerSpec:
     host: str = "127.0.0.1"  # the address it serves on (a router forwards a prefill URL's host to decode)
 
 
-_RUNNING: "weakref.WeakSet[ServerProcess]" = weakref.WeakSet()  # started, neither closed nor killed
+_RUNNING: weakref.WeakSet[ServerProcess] = weakref.WeakSet()  # started, neither closed nor killed
 
 
 def failure_report() -> list[tuple[str, str]]:
@@ -225,7 +225,7 @@ class ServerProcess:
                                      start_new_session=True)
         _RUNNING.add(self)
 
-    def wait_ready(self, timeout_s: float = 240.0) -> "ServerProcess":
+    def wait_ready(self, timeout_s: float = 240.0) -> ServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -289,7 +289,7 @@ class ServerProcess:
                 self.kill()
         self._log.close()
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -304,7 +304,7 @@ class VllmRouter(ServerProcess):
     ``bootstrap_port`` ``GET /query`` at start-up; per request prefill first
     with a ``transfer_id``, then decode with Mooncake's params)."""
 
-    def __init__(self, connector: str, prefill: "VLLMServer | None", decode: "VLLMServer | None", log_dir: str,
+    def __init__(self, connector: str, prefill: VLLMServer | None, decode: VLLMServer | None, log_dir: str,
                  bootstrap_port: int | None = None, discovery: str = "", dp_size: int = 1,
                  python: str = sys.executable) -> None:
         """``discovery`` (``host:port``): no worker URLs; the servers register

@@ -110,7 +110,7 @@ class Spec:
     busy_step_s: float = 0.0
 
     @staticmethod
-    def from_json(text: str) -> "Spec":
+    def from_json(text: str) -> Spec:
         raw = json.loads(text)
         raw.setdefault("decode_pools", raw["prefill_pools"])
         raw["prefill_pools"] = tuple(PoolSpec(**p) for p in raw["prefill_pools"])
@@ -642,7 +642,7 @@ def main(argv=None) -> int:
     for t in threads:
         t.join()
     ok = True
-    for (tp_rank, dp_rank), res in zip(ranks, results):
+    for (_tp_rank, dp_rank), res in zip(ranks, results):
         emit("RESULT", asdict(res))
         expect = sum(dp_group(spec, r) == dp_rank for r in _rooms(spec)) if args.role == "prefill" else spec.num_rooms
         ok &= res.success == res.rooms == expect and not res.mismatches and not res.failed

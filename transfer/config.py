@@ -345,7 +345,7 @@ def default_staging_bytes(device_type: str) -> int:
     return DEFAULT_STAGING_BYTES.get(device_type, DEFAULT_STAGING_BYTES["cuda"])
 
 
-def staging_bytes_for(config: "ManagerConfig", device_type: str) -> int:
+def staging_bytes_for(config: ManagerConfig, device_type: str) -> int:
     """The staging a rank allocates: ``config.staging_bytes``, or the
     device's default when it is None."""
     return default_staging_bytes(device_type) if config.staging_bytes is None else config.staging_bytes

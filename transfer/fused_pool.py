@@ -27,7 +27,8 @@ where they differ.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from bootstrap.messages import AttentionKind, BufferRef, Component, KVLayout, PageLayout, PoolDescriptor, PoolRole
 

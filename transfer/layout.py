@@ -88,7 +88,7 @@ def check_compatible(local: RankInfo, remote: RankInfo, *, allow_missing_draft: 
         mismatch("aux", bool(prefill.aux), bool(decode.aux), "an aux buffer on one side only")
     if len(prefill.aux) != len(decode.aux):
         mismatch("aux.num_regions", len(prefill.aux), len(decode.aux), "region i is sent to region i")
-    for i, (p, d) in enumerate(zip(prefill.aux, decode.aux)):
+    for i, (p, d) in enumerate(zip(prefill.aux, decode.aux, strict=True)):
         if p.slot_bytes != d.slot_bytes:
             name = "aux" if len(prefill.aux) == 1 else f"aux[{i}]"  # one region: named as before regions came
             mismatch(f"{name}.slot_bytes", p.slot_bytes, d.slot_bytes, f"aux region {i}'s rows differ in size")
@@ -102,7 +102,7 @@ def _check_states(prefill: RankInfo, decode: RankInfo, mismatch) -> None:
     if kinds[0] != kinds[1]:
         mismatch("states", ",".join(kinds[0]) or "none", ",".join(kinds[1]) or "none",
                  "state pool i is sent to state pool i: both sides need the same state pools in the same order")
-    for p, d in zip(prefill.states, decode.states):
+    for p, d in zip(prefill.states, decode.states, strict=True):
         for name in ("sharding", "exact"):
             if _value(p, name) != _value(d, name):
                 mismatch(f"states.{p.kind}.{name}", _value(p, name), _value(d, name))
@@ -113,7 +113,7 @@ def _check_states(prefill: RankInfo, decode: RankInfo, mismatch) -> None:
             mismatch(f"states.{p.kind}.tp_size", prefill.tp_size, decode.tp_size,
                      f"state {p.kind} is sharded over the TP ranks and kvferry cannot reslice it: its buffers name "
                      "no slice axis")
-        for i, (pb, db) in enumerate(zip(p.buffers, d.buffers)):
+        for i, (pb, db) in enumerate(zip(p.buffers, d.buffers, strict=True)):
             if not sliced and pb.item_bytes != db.item_bytes:
                 mismatch(f"states.{p.kind}[{i}].item_bytes", pb.item_bytes, db.item_bytes,
                          f"buffer {i} of state {p.kind}: its items differ in size")

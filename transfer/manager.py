@@ -9,7 +9,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
+from collections.abc import Sequence
 
 from bootstrap.client import BootstrapClient
 from bootstrap.messages import RankInfo
@@ -425,7 +426,7 @@ class KVManager:
         if self.metrics is not None:
             self.metrics.close()
 
-    def __enter__(self) -> "KVManager":
+    def __enter__(self) -> KVManager:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -34,12 +34,12 @@ class TransferPlan:
         return int(self.lengths.sum(dtype=_U64)) if self.lengths.size else 0
 
     @staticmethod
-    def empty() -> "TransferPlan":
+    def empty() -> TransferPlan:
         z = np.zeros(0, dtype=_U64)
         return TransferPlan(z, z, z)
 
     @staticmethod
-    def concat(plans: list["TransferPlan"]) -> "TransferPlan":
+    def concat(plans: list[TransferPlan]) -> TransferPlan:
         plans = [p for p in plans if p.num_descriptors]
         if not plans:
             return TransferPlan.empty()
@@ -222,15 +222,15 @@ def plan_aux(src: AuxDescriptor, dst: AuxDescriptor, src_slot: int, dst_slot: in
     )
 
 
-def plan_aux_regions(src: "list[AuxDescriptor] | tuple[AuxDescriptor, ...]",
-                     dst: "list[AuxDescriptor] | tuple[AuxDescriptor, ...]", src_slot: int, dst_slot: int) -> TransferPlan:
+def plan_aux_regions(src: list[AuxDescriptor] | tuple[AuxDescriptor, ...],
+                     dst: list[AuxDescriptor] | tuple[AuxDescriptor, ...], src_slot: int, dst_slot: int) -> TransferPlan:
     """Plan moving one request slot's row of every aux region (SGLang keeps
     about 13 metadata buffers that share one row index): region ``i`` of
     ``src`` goes to region ``i`` of ``dst``, one descriptor each."""
     if len(src) != len(dst):
         raise ValueError(f"aux regions differ in number: {len(src)} vs {len(dst)}")
     plans = []
-    for i, (s, d) in enumerate(zip(src, dst)):
+    for i, (s, d) in enumerate(zip(src, dst, strict=True)):
         try:
             plans.append(plan_aux(s, d, src_slot, dst_slot))
         except (ValueError, IndexError) as exc:
@@ -290,13 +290,13 @@ def plan_state(src: StatePoolDescriptor, dst: StatePoolDescriptor, src_items, ds
         return TransferPlan.empty()
     plans = []
     if blocks is not None:
-        for s, d, rb in zip(src.buffers, dst.buffers, blocks):
+        for s, d, rb in zip(src.buffers, dst.buffers, blocks, strict=True):
             so, n = block_entries(rb, src_items, s.item_bytes)
             do, _ = block_entries(rb, dst_items, d.item_bytes, dst=True)
             plans.append(TransferPlan(_U64(s.addr) + so.astype(_U64), _U64(d.addr) + do.astype(_U64), n.astype(_U64)))
         return coalesce(TransferPlan.concat(plans))
     runs = page_runs(src_items, dst_items)
-    for s, d in zip(src.buffers, dst.buffers):
+    for s, d in zip(src.buffers, dst.buffers, strict=True):
         if s.item_bytes != d.item_bytes:
             raise ValueError(f"state {src.kind}: items of {s.item_bytes} vs {d.item_bytes} bytes")
         n = _U64(s.item_bytes)

@@ -6,7 +6,7 @@ builds tensor pools from a :class:`RawPool`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 from bootstrap.messages import PoolRole
 

@@ -23,7 +23,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Protocol
+from typing import Protocol
+from collections.abc import Callable
 
 from bootstrap.errors import KVTimeoutError
 

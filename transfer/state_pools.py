@@ -18,7 +18,8 @@ No state byte is copied here: the tensors are the engine's memory.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from bootstrap.messages import StateBuffer, StatePoolDescriptor, StateSharding
 from transfer.raw_pools import wrap_pointer
@@ -61,7 +62,7 @@ class RawStatePool:
         if not n or len(self.nbytes) != n or len(self.item_bytes) != n:
             raise ValueError(f"state pool {self.kind}: addrs, nbytes and item_bytes must be non-empty and of one "
                              f"length ({len(self.addrs)}, {len(self.nbytes)}, {len(self.item_bytes)})")
-        for i, (a, nb, ib) in enumerate(zip(self.addrs, self.nbytes, self.item_bytes)):
+        for i, (a, nb, ib) in enumerate(zip(self.addrs, self.nbytes, self.item_bytes, strict=True)):
             if not 0 < a < 1 << 64 or ib <= 0 or nb < ib:
                 raise ValueError(f"state pool {self.kind} buffer {i}: addr {a:#x}, {nb} bytes, items of {ib} bytes: "
                                  "need a non-null pointer and at least one item")
@@ -71,7 +72,7 @@ def state_pool_from_pointers(raw: RawStatePool) -> StatePool:
     """A :class:`StatePool` whose buffers view the raw memory as ``uint8
     [num_items, item_bytes]`` (no byte copied; the memory must outlive it)."""
     buffers = []
-    for a, nb, ib in zip(raw.addrs, raw.nbytes, raw.item_bytes):
+    for a, nb, ib in zip(raw.addrs, raw.nbytes, raw.item_bytes, strict=True):
         items = nb // ib
         buffers.append(wrap_pointer(a, items * ib, "uint8", raw.device).view(items, ib))
     return StatePool(kind=raw.kind, buffers=tuple(buffers), sharding=raw.sharding, exact=raw.exact,
@@ -97,7 +98,7 @@ def describe_state(pool: StatePool) -> StatePoolDescriptor:
     if len(slicing) != len(rows):
         raise ValueError(f"state pool {pool.kind}: {len(slicing)} slicings for {len(rows)} buffers")
     buffers = []
-    for r, sl in zip(rows, slicing):
+    for r, sl in zip(rows, slicing, strict=True):
         dim, outer, groups = sl if sl is not None else (0, 1, ())
         buffers.append(StateBuffer(addr=r.data_ptr(), item_bytes=int(r.shape[1]), num_items=int(r.shape[0]),
                                    slice_dim=int(dim), slice_outer=int(outer), slice_groups=tuple(int(g) for g in groups or ())))

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import bisect
 import enum
-import threading
 import time
 from dataclasses import dataclass, field
 
 from transfer.errors import (AuthError, BootstrapError, ClosedError, IncompatibleLayoutError, KVTimeoutError,
                              PeerError, ProtocolError, StorageMissError, TransferError)
+from transfer.round_times import RoundTimes
 
 POOLS = ("target", "draft", "aux")
 PATHS = ("direct", "staged", "storage")
@@ -238,71 +238,6 @@ class ManagerStats:
         return sum(n for (s, r), n in self.rooms.items() if s == state and reason in (None, r))
 
 
-#: The rank's periodic tasks, as :class:`RoundTimes` names them.
-PERIODIC_TASKS = ("liveness", "sweep", "register", "resolver", "control")
-
-
-class RoundTimes:
-    """The CPU time of each round of a rank's periodic work, by task
-    (:data:`PERIODIC_TASKS`): ``liveness`` (a heartbeat round), ``sweep``
-    (every live room polled for its timeouts), ``register`` (a
-    re-registration), ``resolver`` (a round of the link resolver),
-    ``control`` (the channel thread's idle wake-up). A thread holds the
-    interpreter lock only while it runs, so a round's CPU time bounds how
-    long it kept the lock from the scheduler. Each task's thread writes its
-    own entries (its own lock, not the rank's: the measure takes none of
-    what ``poll()`` needs)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.rounds: dict[str, int] = {}
-        self.max_cpu_s: dict[str, float] = {}
-
-    def round(self, task: str) -> "_Round":
-        """``with times.round("liveness"): ...`` measures one round. A round
-        over many items (the sweep over every live room) calls ``tick()``
-        between two (``with times.round("sweep") as r:``): once the round ran
-        :data:`SLICE_CPU_S` it gives the interpreter lock up, and each such
-        slice counts as a round."""
-        return _Round(self, task)
-
-    def add(self, task: str, cpu_s: float) -> None:
-        with self._lock:
-            self.rounds[task] = self.rounds.get(task, 0) + 1
-            if cpu_s > self.max_cpu_s.get(task, 0.0):
-                self.max_cpu_s[task] = cpu_s
-
-    def snapshot(self) -> dict:
-        """The :class:`ManagerStats` fields."""
-        with self._lock:
-            return {"periodic_rounds": dict(self.rounds), "periodic_max_cpu_s": dict(self.max_cpu_s)}
-
-
-#: A round that ticks gives the interpreter lock up after this much CPU (its holds stay under a millisecond).
-SLICE_CPU_S = 0.0005
-
-
-class _Round:
-    __slots__ = ("times", "task", "start")
-
-    def __init__(self, times: RoundTimes, task: str) -> None:
-        self.times, self.task = times, task
-
-    def __enter__(self) -> "_Round":
-        self.start = time.thread_time()
-        return self
-
-    def tick(self) -> None:
-        ran = time.thread_time() - self.start
-        if ran > SLICE_CPU_S:
-            self.times.add(self.task, ran)
-            time.sleep(0)  # lets a waiting thread (the scheduler) take the interpreter lock
-            self.start = time.thread_time()
-
-    def __exit__(self, *exc) -> None:
-        self.times.add(self.task, time.thread_time() - self.start)
-
-
 class RankTotals:
     """One rank's running totals; changed under ``ctx.lock`` only
     (``round_times`` under its own)."""
@@ -320,7 +255,7 @@ class RankTotals:
         self.exposed_transfer_seconds = _Hist()
         self.round_times = RoundTimes()
 
-    def room(self, room: int) -> "RoomCounter":
+    def room(self, room: int) -> RoomCounter:
         return RoomCounter(self, room)
 
     def snapshot(self, **live) -> ManagerStats:

@@ -41,7 +41,7 @@ def test_a_transport_mismatch_is_refused_by_name_on_both_sides(prefill, decode):
     for role, run in runs.items():
         assert run.result is not None, run.log[-2000:]
         assert run.result["success"] == 0 and len(run.result["failed"]) == 2, run.result
-        for room, why in run.result["failed"]:
+        for _room, why in run.result["failed"]:
             assert "incompatible transport" in why, (role, why)
     why = runs["decode"].result["failed"][0][1]
     assert why.startswith("IncompatibleTransportError"), why

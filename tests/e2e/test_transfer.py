@@ -102,7 +102,7 @@ def test_layout_mismatch_fails_both_sides_naming_the_field(field, decode_pool, e
         assert run.result is not None, run.log[-2000:]
         assert run.returncode != 0
         assert run.result["success"] == 0 and len(run.result["failed"]) == 2, run.result
-        for room, why in run.result["failed"]:
+        for _room, why in run.result["failed"]:
             assert f"incompatible {field}" in why, (run.role, why)
     decode_why = next(r.result["failed"][0][1] for r in runs if r.role == "decode")
     assert decode_why.startswith("IncompatibleLayoutError"), decode_why

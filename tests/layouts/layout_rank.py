@@ -177,7 +177,7 @@ def run_decode(case: Case) -> dict:
         expected.append((want, want_views, h))
     kv = logical_kv(case)
     for _, src, dst in rooms(case) if case.expect_moved else ():
-        for want, want_views, h in expected:
+        for _want, want_views, h in expected:
             for layer, v in enumerate(want_views):
                 v[torch.as_tensor(dst)] = kv[layer][torch.as_tensor(src)][:, h]
     if case.driver == "worker":

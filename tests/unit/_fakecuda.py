@@ -31,7 +31,7 @@ class FakeCudaTensor:
     def __array__(self, *args, **kwargs):
         raise TypeError(f"can't convert {self.device} device type tensor to numpy")
 
-    def __getitem__(self, index) -> "FakeCudaTensor":
+    def __getitem__(self, index) -> FakeCudaTensor:
         return FakeCudaTensor(self._t[index], self.device.index)
 
     def __len__(self) -> int:

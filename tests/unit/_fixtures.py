@@ -3,7 +3,7 @@ shared by the unit tests. Pure: no tensors, no engine."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from bootstrap.messages import (
     AttentionKind,

@@ -19,7 +19,7 @@ PURE = ["transfer.config", "transfer.errors", "transfer.layout", "transfer.messa
         "transfer.state", "transfer.tp", "bootstrap.codec", "bootstrap.messages", "bootstrap.registry",
         "transfer.rooms.decode_phases", "transfer.transport.base", "transfer.control.base", "transfer.changes",
         "transfer.stats", "transfer.ready", "bootstrap.descriptors", "transfer.rooms.request_acks",
-        "transfer.rooms.routes", "transfer.rooms.decode_request"]
+        "transfer.rooms.routes", "transfer.rooms.decode_request", "transfer.round_times"]
 
 
 @pytest.mark.parametrize("module", PURE)

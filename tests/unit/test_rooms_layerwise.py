@@ -168,8 +168,8 @@ def test_layer_groups_between_prefill_tp2_and_decode_tp1(cluster, fenced, prefil
     wait_until(decode.mgr, lambda: terminal(receiver, *senders), what="room terminal")
     assert all(x.poll() is KVPoll.Success for x in (receiver, *senders))
     for layer in range(NUM_LAYERS):
-        for part, (dk, pk) in enumerate(zip(_layer_bytes(decode, dst, layer), zip(*[
-                _layer_bytes(p, src, layer) for p in prefills]))):
+        for dk, pk in zip(_layer_bytes(decode, dst, layer), zip(*[
+                _layer_bytes(p, src, layer) for p in prefills]), strict=True):
             # decode's page of 2 heads: token-major (NHD), each token's heads from the two ranks in order
             whole = np.frombuffer(dk, dtype=np.uint8).reshape(8, 4, 2, -1)
             for r, shard in enumerate(pk):

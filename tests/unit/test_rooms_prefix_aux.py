@@ -102,10 +102,10 @@ def test_decode_ranks_that_hold_different_prefixes_are_an_error(cluster):
         KVReceiver(decode.mgr, prefill.mgr.config.bootstrap_addr, 64).init(random_pages(rng, 6), 2, skip_pages=d + 1)
     sender = KVSender(prefill.mgr, None, 64)
     with pytest.raises(StateError, match="before every decode request arrived"):
-        sender.decode_prefix_pages
+        _ = sender.decode_prefix_pages
     wait_until(prefill.mgr, lambda: sender.poll() is KVPoll.WaitingForInput, what="both requests arrived")
     with pytest.raises(StateError, match="decode ranks hold different prefixes: rank 0 1 pages, rank 1 2 pages"):
-        sender.decode_prefix_pages
+        _ = sender.decode_prefix_pages
 
 
 def test_several_aux_regions_land_byte_exact(cluster):

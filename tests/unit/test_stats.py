@@ -233,7 +233,7 @@ def test_a_sliced_round_gives_the_interpreter_lock_up_every_half_millisecond():
     """A sweep over many rooms (0.1 ms of CPU each here) is cut into slices
     of about SLICE_CPU_S: each slice is a round, none much longer."""
     from harness.busywork import python_work
-    from transfer.stats import SLICE_CPU_S, RoundTimes
+    from transfer.round_times import SLICE_CPU_S, RoundTimes
 
     times = RoundTimes()
     with times.round("sweep") as sweep:

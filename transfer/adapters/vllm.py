@@ -108,7 +108,7 @@ def log_as_vllm() -> None:
     ours.propagate = False
 
 
-def _room_spec(request: "Request", params: dict) -> RecvSpec | None:
+def _room_spec(request: Request, params: dict) -> RecvSpec | None:
     """The prefill room a decode request names, without pages (to cancel or
     hold it); None: its params name none (get_num_new_matched_tokens says
     why, and the prompt is computed here)."""
@@ -160,7 +160,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
 
     _cache_hit_source = CacheHitSource.P2P
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config=None) -> None:
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         log_as_vllm()
         tc = vllm_config.kv_transfer_config
@@ -205,7 +205,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         """The prompt tokens a room carries (a model with Mamba/GDN state: all but the last)."""
         return num_prompt_tokens if self.groups is None else self.groups.transferred_tokens(num_prompt_tokens)
 
-    def on_new_request(self, request: "Request") -> None:
+    def on_new_request(self, request: Request) -> None:
         """Decode: hold the request's room at prefill while it waits in the
         queue (prefill's lease then does not end it; the worker renews the
         hold until the room opens or the request is cancelled). Prefill of a
@@ -230,7 +230,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         request.max_tokens = 1
         params["_kvferry_replay_last"] = True
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill") or self.is_producer:
             return 0, False
@@ -246,7 +246,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             self._local_tokens[request.request_id] = num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
-    def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill") or self.is_producer:
             return
@@ -314,14 +314,14 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
                 out.append(SendSpec(req_id=req_id, room=s.room, pages=tuple(s.blocks[:n]), token_ids=s.token_ids))
         return out
 
-    def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         """A room restores every transferred group (not only the prefix-cacheable ones)."""
         return tuple(self._kv_cache_config.transfer_group_ids)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
 
-    def request_finished_all_groups(self, request: "Request",
+    def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         """vLLM (with ``SupportsHMA``) calls this one, with every group's blocks."""
         if request.request_id in self._open_recvs:
@@ -364,7 +364,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             self._sends.append(spec)
         return True, decode_params(room, self.config)
 
-    def _cancel(self, request: "Request", params: dict) -> None:
+    def _cancel(self, request: Request, params: dict) -> None:
         """Decode will not ask for a request's KV (finished, aborted or
         rejected before it had a room, or its own prefix cache held the whole
         prompt): tell prefill now, which frees the request's blocks there at
@@ -390,7 +390,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             self._rooms_seen.popitem(last=False)
         return True
 
-    def _hold(self, request: "Request", params: dict) -> None:
+    def _hold(self, request: Request, params: dict) -> None:
         spec = _room_spec(request, params)
         if spec is not None and not self._start_here(holds=[spec]):
             self._holds.append(spec)
@@ -408,7 +408,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             return False
         return True
 
-    def _prompt(self, request: "Request") -> tuple[int, ...]:
+    def _prompt(self, request: Request) -> tuple[int, ...]:
         """The prompt's token ids when a storage tier needs them as keys."""
         if not self.config.manager.get("storage_url"):
             return ()

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 #: vLLM's null block: the positions a group does not hold (a window's freed blocks).
 NULL_BLOCK = 0

@@ -25,6 +25,8 @@ whichever thread finds it complete first), and when.
 
 from __future__ import annotations
 
+import itertools
+
 from dataclasses import dataclass, field
 
 
@@ -36,7 +38,7 @@ def layer_groups(num_target: int, num_draft: int, groups: int) -> tuple[range, .
         raise ValueError(f"layer groups: {num_target} target layers in {groups} groups")
     n = min(groups, num_target)
     bounds = [num_target * i // n for i in range(n + 1)]
-    out = [range(a, b) for a, b in zip(bounds, bounds[1:])]
+    out = [range(a, b) for a, b in itertools.pairwise(bounds)]
     if num_draft:
         out.append(range(num_target, num_target + num_draft))
     return tuple(out)

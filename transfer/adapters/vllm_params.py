@@ -163,7 +163,7 @@ class ConnectorConfig:
         return tuple(dict.fromkeys(served + ((self.query_port,) if self.query_port else ())))
 
     @staticmethod
-    def from_extra(extra: dict | None, engine_id: str | None, env: dict | None = None) -> "ConnectorConfig":
+    def from_extra(extra: dict | None, engine_id: str | None, env: dict | None = None) -> ConnectorConfig:
         """``env`` (default: none): the environment, for
         ``VLLM_MOONCAKE_BOOTSTRAP_PORT`` (the default bootstrap port)."""
         extra = dict(extra or {})

@@ -52,7 +52,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
+from collections.abc import Callable
 
 #: ``handler(msg, origin)``; see the module docstring.
 Handler = Callable[[Any, str], None]

@@ -42,10 +42,11 @@ Exported (units in names, labels of bounded cardinality, no room ids)::
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from bootstrap.metrics import require_prometheus
-from transfer.stats import PATHS, PERIODIC_TASKS, POOLS, REASONS, Histogram, ManagerStats
+from transfer.round_times import PERIODIC_TASKS
+from transfer.stats import PATHS, POOLS, REASONS, Histogram, ManagerStats
 
 _ROOM_KEYS = [("Success", "")] + [("Failed", r) for r in REASONS]
 _DROPS = (("malformed", "control_malformed"), ("unauthenticated", "control_unauthenticated"),
@@ -53,11 +54,11 @@ _DROPS = (("malformed", "control_malformed"), ("unauthenticated", "control_unaut
 _STORAGE_PAGES = (("read", "hit"), ("read", "miss"), ("write", "written"), ("write", "present"), ("write", "failed"))
 
 _lock = threading.Lock()
-_endpoints: dict[int, "_Endpoint"] = {}
+_endpoints: dict[int, _Endpoint] = {}
 
 
 class _Collector:
-    def __init__(self, endpoint: "_Endpoint") -> None:
+    def __init__(self, endpoint: _Endpoint) -> None:
         self.endpoint = endpoint
 
     def collect(self):
@@ -90,7 +91,7 @@ class _Collector:
                 hists = [get(s) for s in stats]
                 counts = [sum(h.counts[i] for h in hists) for i in range(len(hists[0].counts))]
                 buckets, running = [], 0
-                for bound, n in zip((*hists[0].bounds, float("inf")), counts):
+                for bound, n in zip((*hists[0].bounds, float("inf")), counts, strict=True):
                     running += n
                     buckets.append(("+Inf" if bound == float("inf") else repr(bound), running))
                 fam.add_metric([role], buckets, sum_value=sum(h.total for h in hists))

@@ -19,12 +19,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from bootstrap.messages import RankInfo
 from transfer.config import ManagerConfig
 from transfer.errors import BootstrapError, BootstrapUnavailable, KVFerryError
-from transfer.stats import RoundTimes
+from transfer.round_times import RoundTimes
 
 if TYPE_CHECKING:
     from bootstrap.client import BootstrapClient
@@ -43,7 +44,7 @@ class Registration:
     only grows, on the registration thread; each re-registration is a
     ``register`` round of ``round_times``."""
 
-    def __init__(self, config: ManagerConfig, rank: RankInfo, client: Callable[[str], "BootstrapClient"],
+    def __init__(self, config: ManagerConfig, rank: RankInfo, client: Callable[[str], BootstrapClient],
                  on_sessions: Callable[[frozenset[str]], None], where: str, round_times: RoundTimes) -> None:
         self.config, self.rank, self.where, self.round_times = config, rank, where, round_times
         self._client, self._on_sessions = client, on_sessions
@@ -117,7 +118,7 @@ class Registration:
         finally:
             client.close()
 
-    def _learn(self, client: "BootstrapClient") -> bool:
+    def _learn(self, client: BootstrapClient) -> bool:
         """Hand on the transfer sessions of this node's ranks, every DP
         group; True when every group answered ready."""
         sessions, complete = {self.rank.session}, True

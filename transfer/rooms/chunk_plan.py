@@ -38,7 +38,7 @@ plan's checks (page ids, sizes), before any byte moves.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -217,7 +217,7 @@ def plan_chunk(room: SendingRoom, chunk: Chunk, config: ManagerConfig) -> ChunkP
                     plans.append(plan)
                     roles.append(f"state:{kind}")
             next_part += len(parts) - before
-        moved = tuple((role, "direct", p.total_bytes, p.num_descriptors) for role, p in zip(roles, plans)
+        moved = tuple((role, "direct", p.total_bytes, p.num_descriptors) for role, p in zip(roles, plans, strict=True)
                       if p.num_descriptors)
         jobs.append(DirectJob(req.decode_session, TransferPlan.concat(plans), moved))
     return ChunkPlan(tuple(jobs), tuple(parts), next_part)
@@ -262,10 +262,10 @@ def state_blocks(src: StatePoolDescriptor, dst: StatePoolDescriptor, prefill: Ra
     whole items, or a sharded state's slices between different TP sizes."""
     if src.sharding is StateSharding.REPLICATED:
         return tuple(RowBlocks(1, s.item_bytes, d.item_bytes, ((0, 0, s.item_bytes),))
-                     for s, d in zip(src.buffers, dst.buffers))
+                     for s, d in zip(src.buffers, dst.buffers, strict=True))
     first = slice_senders(src, prefill.tp_rank, prefill.tp_size, decode_rank, decode.tp_size)[0] == prefill.tp_rank
     return tuple(row_blocks(s, d, prefill.tp_rank, prefill.tp_size, decode_rank, decode.tp_size, first)
-                 for s, d in zip(src.buffers, dst.buffers))
+                 for s, d in zip(src.buffers, dst.buffers, strict=True))
 
 
 def _state_parts(req: TransferRequest, index: int, pool: StatePoolDescriptor, blocks: tuple[RowBlocks, ...],
@@ -403,7 +403,7 @@ def state_source_entries(pool: StatePoolDescriptor, blocks, items: np.ndarray) -
     buffer, each block by block, item by item, row by row
     (:func:`~transfer.state_slices.block_entries`)."""
     srcs, lengths = [], []
-    for b, rb in zip(pool.buffers, blocks):
+    for b, rb in zip(pool.buffers, blocks, strict=True):
         offs, n = block_entries(rb, items, b.item_bytes)
         srcs.append(b.addr + offs)
         lengths.append(n)

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
 
 from bootstrap.messages import LookupReply, RankInfo
 from transfer.config import ManagerConfig
@@ -65,10 +66,10 @@ class RoomContext:
     rank: RankInfo
     lock: threading.RLock
     changed: Callable[..., None]
-    transport: "Transport"
-    channel: "ControlChannel"
-    staging: "StagingMemory | None"
-    storage: "StorageTier | None"
+    transport: Transport
+    channel: ControlChannel
+    staging: StagingMemory | None
+    storage: StorageTier | None
     bootstrap_client: Callable[[str], LookupClient]
     stats: RankTotals = field(default_factory=lambda: RankTotals(""))
     aux: tuple = ()

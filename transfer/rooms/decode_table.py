@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Protocol
+from typing import Protocol
+from collections.abc import Callable
 
 from transfer.errors import KVFerryError
 from transfer.messages import ChunkStaged, PeerBye, PeerHelloReply, RoomAbort, RoomHold, RoomStatus, StageRequest

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from transfer.errors import HandshakeError, IncompatibleLayoutError, IncompatibleTransportError, KVFerryError
 from transfer.messages import PeerHello, PeerHelloReply

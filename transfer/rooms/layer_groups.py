@@ -16,7 +16,7 @@ room layers into each pool's own layer indices (what the planner takes).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -10,7 +10,7 @@ import enum
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from bootstrap.messages import RankInfo
 from transfer.errors import (BootstrapError, BootstrapUnavailable, IncompatibleLayoutError, KVFerryError, PeerError,

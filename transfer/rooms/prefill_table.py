@@ -20,7 +20,8 @@ import collections
 import logging
 import time
 import weakref
-from typing import Callable, Protocol
+from typing import Protocol
+from collections.abc import Callable
 
 from bootstrap.messages import RankInfo
 from transfer.errors import PeerError, StateError

@@ -51,7 +51,7 @@ def plan_routes(local: RankInfo, pools: tuple[PoolDescriptor, ...], prefill_tp: 
     # A replicated state comes from the rank that sends the aux row; a sharded one from the prefill
     # ranks whose share of it overlaps this rank's (transfer.state_slices).
     state_ranks = tuple(state_senders(s, aux_rank, prefill_tp, local.tp_rank, decode_tp) for s in local.states)
-    for s, ranks in zip(local.states, state_ranks):
+    for s, ranks in zip(local.states, state_ranks, strict=True):
         if any(p not in routes for p in ranks):
             raise IncompatibleLayoutError(f"states.{s.kind}.tp_size", prefill_tp, decode_tp,
                                           detail=f"state {s.kind} would come from prefill ranks {list(ranks)}, "

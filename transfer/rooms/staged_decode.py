@@ -35,7 +35,8 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
+from collections.abc import Callable
 
 import numpy as np
 

@@ -51,7 +51,8 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Mapping, Protocol
+from typing import Protocol
+from collections.abc import Mapping
 
 import numpy as np
 

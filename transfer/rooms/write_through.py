@@ -10,7 +10,7 @@ must not reuse before). A failed write is logged; the transfer is unaffected.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

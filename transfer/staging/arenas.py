@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import mmap
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch

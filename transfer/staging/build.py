@@ -7,7 +7,7 @@ else from :class:`~transfer.staging.area.StagingMemory` (``fenced``).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

@@ -205,7 +205,7 @@ def _block_views(rows, blocks, *, dst: bool):
     """(view, rows, bytes) per block of each buffer: the buffer ``uint8
     [num_items, item_bytes]`` viewed ``[num_items, rows, row bytes]`` and cut
     to the block's bytes of each row (no copy), in the packed order."""
-    for r, rb in zip(rows, blocks):
+    for r, rb in zip(rows, blocks, strict=True):
         row = rb.dst_row if dst else rb.src_row
         shaped = r[:, :rb.rows * row].view(r.shape[0], rb.rows, row)
         for so, do, n in rb.blocks:

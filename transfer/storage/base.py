@@ -25,7 +25,8 @@ import dataclasses
 import importlib
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 from urllib.parse import parse_qsl, urlsplit
 
 from transfer.errors import StorageError
@@ -98,7 +99,7 @@ class StorageBackend(abc.ABC):
                                f"{device} memory (CUDA pools: use nixl:// with memory=VRAM and a GDS backend, or "
                                f"no storage_url)", backend=self.url)
 
-    def register_memory(self, regions: Sequence[Segment]) -> None:
+    def register_memory(self, regions: Sequence[Segment]) -> None:  # noqa: B027 (optional hook, no-op by default)
         """Announce memory that later segments will lie in (a pool's tensors),
         so a backend that needs registered memory for zero-copy I/O (Mooncake
         over RDMA) registers it once. Others ignore it. Idempotent."""
@@ -134,7 +135,7 @@ def check_batch(keys: Sequence[str], segments: Sequence[Sequence[Segment]], *, u
     if unique and len(set(keys)) != len(keys):
         raise ValueError("the same key appears twice in one put")
     totals = []
-    for key, segs in zip(keys, segments):
+    for key, segs in zip(keys, segments, strict=True):
         if not segs:
             raise ValueError(f"key {key!r}: no segments")
         total = 0

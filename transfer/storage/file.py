@@ -39,7 +39,8 @@ import struct
 import threading
 import zlib
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 from transfer.errors import StorageClosedError, StorageError
 from transfer.storage.base import Segment, StorageBackend, StorageURL, check_batch, check_keys, config_from_options
@@ -166,7 +167,7 @@ class FileStore(StorageBackend):
     def put(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[bool]:
         self._check_open()
         totals = check_batch(keys, segments, unique=True)
-        return [self._put_one(key, segs, total) for key, segs, total in zip(keys, segments, totals)]
+        return [self._put_one(key, segs, total) for key, segs, total in zip(keys, segments, totals, strict=True)]
 
     def _put_one(self, key: str, segments: Sequence[Segment], total: int) -> bool:
         file_bytes = _HEADER.size + total
@@ -200,7 +201,7 @@ class FileStore(StorageBackend):
     def get_into(self, keys: Sequence[str], segments: Sequence[Sequence[Segment]]) -> list[bool]:
         self._check_open()
         totals = check_batch(keys, segments)
-        return [self._get_one(key, segs, total) for key, segs, total in zip(keys, segments, totals)]
+        return [self._get_one(key, segs, total) for key, segs, total in zip(keys, segments, totals, strict=True)]
 
     def _get_one(self, key: str, segments: Sequence[Segment], total: int) -> bool:
         path = self._path(key)

@@ -29,7 +29,7 @@ import hashlib
 import json
 import struct
 from dataclasses import asdict, dataclass
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 KEY_VERSION = 1
 _DIGEST_BYTES = 16

@@ -13,7 +13,8 @@ Tensors must be contiguous, with the page as the leading dimension.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from bootstrap.descriptors import AttentionKind
 from transfer.pools import FusedKVPool, MHAPool, MLAPool, describe_pool, fused_tensors
@@ -26,7 +27,7 @@ def _layer_tensors(pool: MHAPool | MLAPool) -> list[list[Any]]:
     if isinstance(pool, MHAPool):
         if len(pool.k) != len(pool.v) or not pool.k:
             raise ValueError(f"{_role(pool)} pool: need as many K as V tensors, at least one")
-        return [[k, v] for k, v in zip(pool.k, pool.v)]
+        return [[k, v] for k, v in zip(pool.k, pool.v, strict=True)]
     if isinstance(pool, MLAPool):
         if not pool.latent:
             raise ValueError(f"{_role(pool)} pool: no latent tensors")

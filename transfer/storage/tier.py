@@ -22,7 +22,7 @@ import logging
 import queue
 import struct
 import threading
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from bootstrap.messages import PoolRole
 from transfer.errors import StorageError
@@ -58,7 +58,7 @@ def _devices(pools, aux) -> list[tuple[str, str]]:
 class Job:
     """One unit of storage work. ``cancel()`` stops it between batches."""
 
-    def __init__(self, what: str, run: Callable[["Job"], None], done: Callable[["Job"], None]) -> None:
+    def __init__(self, what: str, run: Callable[[Job], None], done: Callable[[Job], None]) -> None:
         self.what, self._run, self._done = what, run, done
         self.cancelled = False
         self.finished = False
@@ -169,7 +169,7 @@ class StorageTier:
                     self.num_pages_written += sum(ok)
                     self.num_pages_present += present
                     self.num_pages_failed += len(ok) - sum(ok)
-                    self.num_bytes_written += sum(n for seg, good in zip(segs, ok) if good for _, n in seg)
+                    self.num_bytes_written += sum(n for seg, good in zip(segs, ok, strict=True) if good for _, n in seg)
                 job.pages[role] = stored
             if aux is not None and not job.cancelled:
                 key, slot = aux

@@ -87,7 +87,8 @@ Every transport passes the conformance suite ``tests/transport/test_conformance.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Protocol
+from collections.abc import Callable
 
 from transfer.errors import TransferError
 from transfer.plan import TransferPlan

@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 from transfer.control.base import ChannelOptions, Handler, Link
 from transfer.control.loopback import LoopbackChannel, origin_of
@@ -64,7 +64,7 @@ class LoopbackTransport:
     kind = "loopback"
     peer_metadata = None  # the fabric knows every transport
 
-    def __init__(self, fabric: "LoopbackFabric", session: str, handshake_timeout_s: float = 5.0) -> None:
+    def __init__(self, fabric: LoopbackFabric, session: str, handshake_timeout_s: float = 5.0) -> None:
         self.session = session
         self._fabric = fabric
         self.regions: list[tuple[int, int]] = []
@@ -95,7 +95,7 @@ class LoopbackTransport:
         target = self._fabric.transport_of(peer)
         if self._fabric.validate_on_submit and target is not None:
             job.accepted = all(_inside(target.regions, d, n) for d, n in
-                               zip(plan.dst_addrs.tolist(), plan.lengths.tolist()))
+                               zip(plan.dst_addrs.tolist(), plan.lengths.tolist(), strict=True))
         self._worker.put(job)
         return job
 
@@ -172,7 +172,7 @@ class LoopbackTransport:
                 return TransferError(str(exc), peer=job.peer)
             job.ready = None
         for i, (src, dst, n) in enumerate(zip(plan.src_addrs.tolist(), plan.dst_addrs.tolist(),
-                                             plan.lengths.tolist())):
+                                             plan.lengths.tolist(), strict=True)):
             while not self._fabric.writes_open.wait(0.02):
                 if self._closed.is_set():
                     break

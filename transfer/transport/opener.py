@@ -27,7 +27,7 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Callable, ContextManager
+from collections.abc import Callable
 
 from transfer.errors import HandshakeError, TransferError
 from transfer.transport.peers import OpenCallback, PeerLink, PeerState, PeerTable, Started
@@ -40,7 +40,7 @@ SLOW_OPEN_S = 1.0
 _TICK_S = 0.05
 
 #: ``open_call(peer, blob, pause)``: open the way to ``peer`` (blocking; raises TransferError).
-OpenCall = Callable[[str, bytes, Callable[[], ContextManager]], None]
+OpenCall = Callable[[str, bytes, Callable[[], contextlib.AbstractContextManager]], None]
 
 
 class PeerOpener:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 from transfer.errors import HandshakeError, StateError, TransferError
 

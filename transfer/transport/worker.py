@@ -60,7 +60,7 @@ def run_callback(callback: DoneCallback, error: TransferError | None) -> None:
         log.exception("transport: a completion callback raised; the worker goes on")
 
 
-_OPEN_TRANSPORTS: "weakref.WeakSet" = weakref.WeakSet()
+_OPEN_TRANSPORTS: weakref.WeakSet = weakref.WeakSet()
 
 
 def close_at_exit(transport) -> None:

@@ -56,7 +56,7 @@ def child_env(extra: dict | None = None) -> dict:
 class Proc:
     name: str
     popen: subprocess.Popen  # or harness.forkserver's handle of a forked rank
-    lines: "queue.Queue[str]" = field(default_factory=queue.Queue)
+    lines: queue.Queue[str] = field(default_factory=queue.Queue)
     log: list = field(default_factory=list)
     taken: dict = field(default_factory=dict)
 
@@ -133,7 +133,7 @@ class Run:
     extra_args: list = field(default_factory=list)  # geometry etc., see rank.py
     procs: list = field(default_factory=list)
 
-    def __enter__(self) -> "Run":
+    def __enter__(self) -> Run:
         env = child_env({"KVFERRY_SGLANG_BOOTSTRAP_PORT": str(free_port()), **self.env})
         port = free_port()
         pgloo, dgloo = free_ports(self.prefill_dp), free_ports(self.decode_dp)

@@ -88,7 +88,7 @@ def _check_main(run: Run, *, state: bool = False, page_size: int = PAGE_SIZE) ->
     run.finish()
     decode, prefill = _results(run.decode), _results(run.prefill)
     assert all(not p.events("DONE")[0]["timed_out"] for p in run.prefill + run.decode)
-    for req, d in ((req, d) for req in requests_of("main") for d in decode[req.room]):  # every decode rank's
+    for req, d in ((r, d) for r in requests_of("main") for d in decode[r.room]):  # every decode rank's
         ps = prefill[req.room]
         assert len(decode[req.room]) == run.decode_tp // run.decode_dp  # the ranks of the room's decode DP group
         assert len(ps) == run.prefill_tp // run.prefill_dp  # the ranks of the room's prefill DP group

@@ -47,7 +47,7 @@ KEY = "kvferry_test_corrupt"
 # (the scheduler half may open the room on the in-process worker at once, see
 # transfer.adapters.vllm._LOCAL_WORKERS); the step's metadata carries them too,
 # for a worker in another process.
-_ARMED: dict[str, "Corruption"] = {}
+_ARMED: dict[str, Corruption] = {}
 
 
 @dataclass(frozen=True)

@@ -104,8 +104,14 @@ def states_from_kv_args(args, *, is_mla: bool, device: str = "cpu", kv_heads: in
 
     out = []
     types = [str(getattr(s, "value", s)) for s in getattr(args, "state_types", None) or []]
+    if not types:
+        return out  # no state pools (whatever state_data_ptrs holds)
+    if not len(types) == len(args.state_data_ptrs) == len(args.state_data_lens) == len(args.state_item_lens):
+        raise UnsupportedSetup(f"KVArgs: {len(types)} state_types, {len(args.state_data_ptrs)} state_data_ptrs, "
+                               f"{len(args.state_data_lens)} state_data_lens and {len(args.state_item_lens)} "
+                               "state_item_lens (one of each per state pool)")
     for k, (kind, ptrs, lens, items) in enumerate(zip(types, args.state_data_ptrs, args.state_data_lens,
-                                                      args.state_item_lens)):
+                                                      args.state_item_lens, strict=True)):
         replicated = kind != "mamba" and (is_mla or kind in _REPLICATED)
         slicing = () if replicated else _slicing(args, k, kind, len(ptrs), kv_heads, attn_tp)
         try:
@@ -227,8 +233,11 @@ def aux_regions_from_kv_args(args) -> list[RawAuxRegion]:
     if not ptrs:
         return []
     lens, items = list(args.aux_data_lens), list(args.aux_item_lens)
-    slots = {n // i for n, i in zip(lens, items)}
-    if len(slots) != 1 or any(n % i for n, i in zip(lens, items)):
+    if not len(ptrs) == len(lens) == len(items):
+        raise UnsupportedSetup(f"KVArgs: {len(ptrs)} aux_data_ptrs, {len(lens)} aux_data_lens and {len(items)} "
+                               "aux_item_lens (one of each per region)")
+    slots = {n // i for n, i in zip(lens, items, strict=True)}
+    if len(slots) != 1 or any(n % i for n, i in zip(lens, items, strict=True)):
         raise UnsupportedSetup(f"KVArgs: aux regions of different slot counts ({sorted(slots)})")
     num_slots = slots.pop()
-    return [RawAuxRegion(addr=p, row_bytes=i, num_rows=num_slots) for p, i in zip(ptrs, items)]
+    return [RawAuxRegion(addr=p, row_bytes=i, num_rows=num_slots) for p, i in zip(ptrs, items, strict=True)]

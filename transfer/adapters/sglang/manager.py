@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Optional
 
 from sglang.srt.disaggregation.base.conn import BaseKVManager
 
@@ -65,7 +64,7 @@ class KvferryKVManager(BaseKVManager):
     supports_deferred_decode_kv_release = True
     supports_host_destination = False
 
-    def __init__(self, args, disaggregation_mode, server_args, is_mla_backend: Optional[bool] = False) -> None:
+    def __init__(self, args, disaggregation_mode, server_args, is_mla_backend: bool | None = False) -> None:
         check_supported(args, server_args)
         self.kv_args = args
         self.server_args = server_args

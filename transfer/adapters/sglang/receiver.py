@@ -19,7 +19,6 @@ False until the drain ended: SGLang's deferred decode KV release
 
 from __future__ import annotations
 
-from typing import List, Optional
 
 import numpy as np
 from sglang.srt.disaggregation.base.conn import BaseKVReceiver
@@ -32,11 +31,11 @@ from transfer.state import KVPoll
 
 
 class KvferryKVReceiver(BaseKVReceiver):
-    def __init__(self, mgr, bootstrap_addr: str, bootstrap_room: Optional[int] = None) -> None:
+    def __init__(self, mgr, bootstrap_addr: str, bootstrap_room: int | None = None) -> None:
         self.kv_mgr = mgr
         self.bootstrap_addr = bootstrap_addr
         self.bootstrap_room = int(bootstrap_room or 0)
-        self.conclude_state: Optional[KVPoll] = None
+        self.conclude_state: KVPoll | None = None
         self.abort_notified = False
         self.require_staging = False
         self.bootstrap_infos: list = []
@@ -64,8 +63,8 @@ class KvferryKVReceiver(BaseKVReceiver):
             return
         self.kv_mgr.receivers[self.bootstrap_room] = self
 
-    def send_metadata(self, kv_indices, aux_index: Optional[int] = None, state_indices: Optional[List] = None,
-                      decode_prefix_len: Optional[int] = None, destination=None, **_unused) -> None:
+    def send_metadata(self, kv_indices, aux_index: int | None = None, state_indices: list | None = None,
+                      decode_prefix_len: int | None = None, destination=None, **_unused) -> None:
         if self.conclude_state is not None:
             return
         if self._core is None:

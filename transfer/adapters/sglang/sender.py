@@ -17,7 +17,6 @@ placeholders before its pages. kvferry never reads or writes them.
 from __future__ import annotations
 
 import time
-from typing import List, Optional
 
 import numpy as np
 from sglang.srt.disaggregation.base.conn import BaseKVSender, KVTransferMetric
@@ -34,7 +33,7 @@ class KvferryKVSender(BaseKVSender):
         self.kv_mgr = mgr
         self.bootstrap_room = int(bootstrap_room)
         self.bootstrap_server_url = bootstrap_addr
-        self.conclude_state: Optional[KVPoll] = None
+        self.conclude_state: KVPoll | None = None
         self._error: BaseException | None = None
         self._num_pages: int | None = None
         self._aux_index: int | None = None
@@ -68,7 +67,7 @@ class KvferryKVSender(BaseKVSender):
             return 0
         return self._prefix_pages * self.kv_mgr.page_size
 
-    def init(self, num_kv_indices: int, aux_index: Optional[int] = None) -> None:
+    def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         self._num_pages, self._aux_index = int(num_kv_indices), aux_index
         if self._core is None or self.conclude_state is not None:
             return
@@ -80,7 +79,7 @@ class KvferryKVSender(BaseKVSender):
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
         return num_pages > 0 or last_chunk  # an empty last chunk still ends the room
 
-    def send(self, kv_indices, state_indices: Optional[List] = None, num_kv_tokens: Optional[int] = None,
+    def send(self, kv_indices, state_indices: list | None = None, num_kv_tokens: int | None = None,
              **_unused) -> None:
         if self.conclude_state is not None or self._core is None or self._last_sent:
             return

@@ -26,7 +26,8 @@ import socket
 import threading
 import time
 from concurrent.futures import Future, TimeoutError as FutureTimeout
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 from transfer.errors import StorageClosedError, StorageError, StorageTimeoutError, StorageUnavailableError
 

@@ -8,7 +8,7 @@ host bounce buffer, so their runs also fit its capacity."""
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from transfer.storage.base import Segment
 

@@ -56,7 +56,8 @@ import ctypes
 import logging
 import threading
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 from transfer.config import EngineConfig
 from transfer.errors import StorageClosedError, StorageError, StorageTimeoutError
@@ -151,7 +152,7 @@ class MooncakeStore(StorageBackend):
     def _record(self, what: str, chunk: list[int], keys: Sequence[str], codes: Sequence[int],
                 results: list[bool]) -> None:
         self._client.fail_if_unavailable(what, codes)
-        for i, code in zip(chunk, codes):
+        for i, code in zip(chunk, codes, strict=True):
             results[i] = code == 0
             if code != 0:
                 log.debug("%s: %s of %s returned %s", self.url, what, keys[i], code_name(code))
@@ -195,7 +196,7 @@ class MooncakeStore(StorageBackend):
                 codes = self._client.call("batch_get_into_multi_buffers", deadline, [keys[i] for i in chunk],
                                           *pointers_and_sizes(chunk, segments))
                 self._client.fail_if_unavailable("get", codes)
-                for i, code in zip(chunk, codes):
+                for i, code in zip(chunk, codes, strict=True):
                     results[i] = code == totals[i]
                     if code != totals[i] and code != -704:
                         log.debug("%s: get of %s returned %s", self.url, keys[i], code_name(code))

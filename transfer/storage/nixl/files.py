@@ -20,7 +20,7 @@ import struct
 import threading
 import zlib
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 from transfer.errors import StorageError
 from transfer.storage.base import Segment

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from typing import Iterable
+from collections.abc import Iterable
 
 from transfer.storage.base import Segment
 

@@ -72,7 +72,8 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 from transfer.errors import StorageClosedError, StorageError, StorageTimeoutError, StorageUnavailableError
 from transfer.storage.base import Segment, StorageBackend, StorageURL, check_batch, check_keys, config_from_options
@@ -151,7 +152,7 @@ class NixlStore(StorageBackend):
         self._files.check_direct(segments)
         results = [False] * len(keys)
         entries = []
-        for i, (key, segs, total) in enumerate(zip(keys, segments, totals)):
+        for i, (key, segs, total) in enumerate(zip(keys, segments, totals, strict=True)):
             if HEADER_BYTES + total <= self.config.max_bytes:
                 entries.append(PageEntry(i, key, segs, total))
             else:
@@ -176,7 +177,7 @@ class NixlStore(StorageBackend):
         with self._held("get_into"):
             entries = []
             try:
-                for i, (key, segs, total) in enumerate(zip(keys, segments, totals)):
+                for i, (key, segs, total) in enumerate(zip(keys, segments, totals, strict=True)):
                     entry = PageEntry(i, key, segs, total)
                     entries.append(entry)
                     self._open_value(entry)

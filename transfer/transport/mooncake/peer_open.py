@@ -178,7 +178,7 @@ class MooncakePeers:
         statuses = [0] * count
         wait = 2e-4
         while 0 in statuses and time.monotonic() < give_up:
-            statuses = [st if st else self._engine.transfer_check_status(tid) for tid, st in zip(tids, statuses)]
+            statuses = [st if st else self._engine.transfer_check_status(tid) for tid, st in zip(tids, statuses, strict=True)]
             if 0 in statuses:
                 time.sleep(wait)
                 wait = min(wait * 2, 5e-3)

@@ -131,7 +131,7 @@ class MooncakeTransport:
     kind = "mooncake"
 
     @property
-    def peer_metadata(self) -> "MooncakeTransport":
+    def peer_metadata(self) -> MooncakeTransport:
         """This transport is its own metadata exchange (:meth:`metadata`)."""
         return self
 

@@ -37,7 +37,7 @@ def encode_metadata(agent_metadata: bytes, regions: list[tuple[int, int]]) -> by
     return _HEAD.pack(MAGIC, VERSION, len(table)) + table.tobytes() + agent_metadata
 
 
-def decode_metadata(blob: bytes) -> tuple[bytes, "PeerRegions"]:
+def decode_metadata(blob: bytes) -> tuple[bytes, PeerRegions]:
     """``(agent_metadata, regions)`` of a peer's blob; ProtocolError when it
     is not one this version writes."""
     if len(blob) < _HEAD.size:

@@ -108,7 +108,7 @@ class NixlTransport:
     kind = "nixl"
 
     @property
-    def peer_metadata(self) -> "NixlTransport":
+    def peer_metadata(self) -> NixlTransport:
         """This transport is its own metadata exchange (:meth:`metadata`)."""
         return self
 
