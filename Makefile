@@ -71,7 +71,7 @@ test-long: setup
 		tests/e2e/test_bootstrap_load.py tests/e2e/test_fuzz.py
 	timeout 600 $(PY) -m pytest -q -p no:cacheprovider tests/e2e/test_soak.py
 
-# Unused imports and variables, redefinitions, undefined names ([tool.ruff] in pyproject.toml).
+# pyflakes, bugbear and pyupgrade: unused names, undefined names, zips without strict=, old forms ([tool.ruff] in pyproject.toml).
 lint: setup
 	$(PY) -m ruff check --no-cache .
 
