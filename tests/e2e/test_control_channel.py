@@ -209,6 +209,7 @@ def test_an_idle_scheduler_gets_no_hand_over(neighbours):
     assert handed_over <= 0.05 * len(handled)
     assert on_channel >= 0.8 * len(handled)
 
+
 @pytest.mark.parametrize("request_bytes", [SHORT_GET, CURL_GET], ids=["short", "curl"])
 def test_an_http_request_to_the_control_port_fails_at_once_and_peers_still_link(channel, peer, request_bytes):
     host, port = channel.endpoint.removeprefix("tcp://").rsplit(":", 1)

@@ -46,6 +46,7 @@ class RoomRequest:
     def __init__(self, pages: np.ndarray, aux_index: int, states: tuple, prefix: int) -> None:
         self.pages, self.aux_index, self.states = pages, aux_index, states
         self.prefix = self.skip = prefix
+        self._wire_pages = pages.tobytes()  # encoded once: every contacted rank's request carries it
 
     @classmethod
     def checked(cls, rank: RankInfo, where: str, page_indices, aux_index: int | None, skip_pages: int,
@@ -78,7 +79,7 @@ class RoomRequest:
         offset, nbytes = staging
         return TransferRequest(
             room=room, request_id=request_id, decode_session=rank.session, decode_endpoint=rank.control_endpoint,
-            decode_tp_rank=rank.tp_rank, dst_pages=self.pages.tobytes(),
+            decode_tp_rank=rank.tp_rank, dst_pages=self._wire_pages,
             dst_aux_index=self.aux_index if p == link.aux_rank else -1, assignments=link.routes[p],
             num_requests=link.num_requests[p], skip_pages=self.skip, prefix_pages=self.prefix,
             staging_offset=offset, staging_nbytes=nbytes, dst_states=self._dst_states(link, p))

@@ -11,7 +11,6 @@ import logging
 import random
 import time
 
-
 from bootstrap.messages import PoolRole
 from transfer.config import Role
 from transfer.errors import (KVFerryError, KVTimeoutError, PeerError, ProtocolError, RequestError,

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
-
 from bootstrap.messages import PoolRole
 from transfer.pools import host_page_ids
 from transfer.rooms.decode_request import RoomRequest
@@ -25,12 +23,10 @@ class RoomStorage:
     def __init__(self, tier: StorageTier, token_ids, request: RoomRequest, counts: RoomCounts) -> None:
         """Raises ValueError when the prompt does not take the request's pages."""
         tokens = host_page_ids(token_ids)  # a CUDA tensor too
-        pages: np.ndarray = request.pages
-        if -(-tokens.size // tier.page_size) != pages.size:
+        if -(-tokens.size // tier.page_size) != request.pages.size:
             raise ValueError(f"{tokens.size} tokens take {-(-tokens.size // tier.page_size)} pages of "
-                             f"{tier.page_size}, not the {pages.size} given")
+                             f"{tier.page_size}, not the {request.pages.size} given")
         self.tier, self.tokens, self.request, self.counts = tier, tokens, request, counts
-        self.pages, self.aux_index = pages, request.aux_index
         self.num_full_pages = len(tier.chains(tokens))
         #: pages of the room loaded from storage (a prefetch, or a restore)
         self.pages_loaded = 0
@@ -43,7 +39,7 @@ class RoomStorage:
         """Per pool of this rank: (keys, destination pages) of the full pages
         from request position ``start`` on."""
         chains = self.tier.chains(self.tokens)
-        pages = self.pages[start:len(chains)].tolist()
+        pages = self.request.pages[start:len(chains)].tolist()
         return {role: (self.tier.keys(role, chains[start:]), pages) for role in self.tier.pools}
 
     @property
@@ -87,7 +83,8 @@ class RoomStorage:
 
     def restore(self, done) -> None:
         """Load the full pages prefill was to send, and the aux row."""
-        aux = (self.tier.aux_key(self.tokens), self.aux_index) if self.aux_index >= 0 else None
+        aux_index = self.request.aux_index
+        aux = (self.tier.aux_key(self.tokens), aux_index) if aux_index >= 0 else None
         self._restore = self.tier.read(self.items(self.request.skip), aux, done)
 
     def is_restore(self, job: Job) -> bool:
@@ -97,18 +94,17 @@ class RoomStorage:
     def restored(self, job: Job, *, allow_missing_draft: bool, where: str) -> list[str]:
         """What the restore left missing (empty: the room is whole; what it
         loaded is then counted)."""
-        missing, self.draft_ok = self._shortfall(job, self.request.skip, allow_missing_draft=allow_missing_draft,
-                                                 where=where)
+        missing, self.draft_ok = self._shortfall(job, allow_missing_draft=allow_missing_draft, where=where)
         if not missing:
             self.pages_loaded = max(0, self.num_full_pages - self.request.prefix)
             self.counts.storage(job.pages, self.num_full_pages - self.request.skip, aux=job.aux_ok)
         return missing
 
-    def _shortfall(self, job: Job, start: int, *, allow_missing_draft: bool, where: str) -> tuple[list[str], bool]:
-        """What a restore from ``start`` left missing, and whether the draft
+    def _shortfall(self, job: Job, *, allow_missing_draft: bool, where: str) -> tuple[list[str], bool]:
+        """What the restore (from the skipped pages on) left missing, and whether the draft
         pages are all there (missing draft pages are tolerated with
         ``allow_missing_draft``)."""
-        full, missing, draft_ok = self.num_full_pages, [], True
+        full, missing, draft_ok, start = self.num_full_pages, [], True, self.request.skip
         if job.error is not None:
             missing.append(f"storage failed: {job.error}")
         for role in self.tier.pools:
@@ -120,8 +116,8 @@ class RoomStorage:
                     draft_ok = False
                     continue
                 missing.append(f"{role.value} pages [{got}, {full}) not in storage")
-        if full < len(self.pages):
+        if full < len(self.request.pages):
             missing.append(f"page {full} (the last, partly filled) is never stored")
-        if self.aux_index >= 0 and not job.aux_ok:
+        if self.request.aux_index >= 0 and not job.aux_ok:
             missing.append("the aux row is not in storage")
         return missing, draft_ok
