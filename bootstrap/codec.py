@@ -119,11 +119,17 @@ def encode(msg: Any, key: bytes | None = None) -> bytes:
     """Encode a registered message to bytes, sealed with ``key`` (see
     :func:`secret_key`) when given. Raises ``ProtocolError`` for an
     unregistered type or a field value of the wrong type."""
+    return seal(pack(msg), key)
+
+
+def pack(msg: Any) -> bytes:
+    """A registered message's encoding, unsealed: what :func:`seal` frames
+    (a sender that sends one message often packs it once)."""
     kind = getattr(type(msg), "KIND", None)
     if kind is None or _MESSAGES.get(kind) is not type(msg):
         raise ProtocolError(f"{type(msg).__name__} is not a registered message")
     body = _dump_struct(msg, kind)
-    return seal(msgpack.packb({"v": PROTOCOL_VERSION, "kind": kind, "body": body}, use_bin_type=True), key)
+    return msgpack.packb({"v": PROTOCOL_VERSION, "kind": kind, "body": body}, use_bin_type=True)
 
 
 def seal(payload: bytes, key: bytes | None) -> bytes:

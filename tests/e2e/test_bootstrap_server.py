@@ -167,6 +167,29 @@ def test_lookup_replies_follow_reregistration_unregistration_and_expiry():
             assert not gone.ready and gone.dp_size == 0
 
 
+@pytest.mark.parametrize("secret", [None, "s3cret"], ids=["bare", "sealed"])
+def test_a_periodic_caller_decodes_a_reply_only_when_it_changed(secret):
+    """A re-registering rank sends its registration packed once, and an
+    unchanged reply is not decoded again (the same frozen object comes back);
+    every change still shows, sealed frames included."""
+    with BootstrapProcess(secret=secret) as server, \
+            BootstrapClient(server.address, timeout_s=5, secret=secret) as client:
+        rank = _rank(0)
+        client.register(rank)
+        packed = client._registration[1]
+        assert client.register(rank).num_registered == 1 and client._registration[1] is packed
+        first = client.lookup("p0", 0, partial=True)
+        assert client.lookup("p0", 0, partial=True) is first
+        moved = dataclasses.replace(rank, control_endpoint="tcp://127.0.0.1:2999")
+        client.register(moved)
+        assert client._registration[0] is moved and client._registration[1] != packed
+        second = client.lookup("p0", 0, partial=True)
+        assert second is not first and second.ranks == (moved,)
+        client.register(_rank(1))
+        full = client.lookup("p0", 0)
+        assert full.ready and full.ranks == (moved, _rank(1)) and client.lookup("p0", 0) is full
+
+
 @pytest.mark.parametrize("request_bytes", [SHORT_GET, CURL_GET], ids=["short", "curl"])
 def test_an_http_request_to_the_zmq_port_fails_at_once_and_the_server_keeps_serving(bootstrap_server,
                                                                                       request_bytes):

@@ -247,6 +247,10 @@ def test_a_sliced_round_gives_the_interpreter_lock_up_every_half_millisecond():
     with times.round("liveness"):
         pass
     assert times.snapshot()["periodic_rounds"] == {"sweep": times.rounds["sweep"], "liveness": 1}
+    with times.round("control") as round_:  # the CPU before restart() is not the round's
+        python_work(0.005)
+        round_.restart()
+    assert times.max_cpu_s["control"] < 0.002, times.max_cpu_s
 
 
 def test_a_ranks_periodic_work_is_measured_round_by_round(cluster):

@@ -55,6 +55,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 from collections.abc import Callable
 
+from transfer.round_times import RoundTimes
+
 #: ``handler(msg, origin)``; see the module docstring.
 Handler = Callable[[Any, str], None]
 
@@ -90,9 +92,9 @@ class ControlChannel(Protocol):
     num_received: int
     num_malformed: int
     num_unauthenticated: int
-    #: where the channel's own thread counts its idle rounds (``control``; None: not counted), set by
-    #: its owner (a :class:`transfer.stats.RoundTimes`)
-    round_times: object | None
+    #: where the channel's own thread counts its idle rounds (``control``): its own
+    #: :class:`transfer.round_times.RoundTimes` until its owner sets the rank's
+    round_times: RoundTimes
 
     def send(self, endpoint: str, msg) -> None: ...
 

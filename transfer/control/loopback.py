@@ -19,6 +19,7 @@ from typing import Protocol
 from bootstrap import codec
 from transfer.control.base import Handler, Link
 from transfer.errors import AuthError, ClosedError, ProtocolError
+from transfer.round_times import RoundTimes
 
 log = logging.getLogger("kvferry.channel")
 
@@ -54,7 +55,7 @@ class LoopbackChannel:
         self._handling = threading.Lock()  # one thread at a time takes messages off the inbox and handles them
         self._closed = False
         self.num_received = 0
-        self.round_times = None  # see ControlChannel.round_times
+        self.round_times = RoundTimes()  # see ControlChannel.round_times
         self.num_malformed = 0
         self.num_unauthenticated = 0
         self._thread = threading.Thread(target=self._run, name="kvferry-control", daemon=True)

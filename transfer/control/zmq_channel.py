@@ -57,6 +57,7 @@ from bootstrap import codec
 from bootstrap.listen import refuse_unversioned
 from transfer.control.base import ChannelOptions, Handler, Link
 from transfer.errors import AuthError, ClosedError, ProtocolError, TransferError
+from transfer.round_times import RoundTimes
 
 log = logging.getLogger("kvferry.channel")
 
@@ -166,7 +167,7 @@ class ZmqChannel:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self.num_received = 0
-        self.round_times = None  # see ControlChannel.round_times
+        self.round_times = RoundTimes()  # see ControlChannel.round_times
         self.num_malformed = 0
         self.num_unauthenticated = 0
         self._thread = threading.Thread(target=self._run, name="kvferry-control", daemon=True)
@@ -307,29 +308,30 @@ class ZmqChannel:
         monitors: dict[int, tuple[str, zmq.Socket]] = {}  # fd -> (endpoint, monitor)
         signalled: set[int] = set()  # monitor fds to read (ZMQ_FD is edge-triggered: read until EAGAIN)
         while not self._closed.is_set():
-            round_cpu = time.thread_time()
-            self._hand_over()
-            wall, cpu, proc = time.monotonic(), time.thread_time(), time.process_time()
-            with self._recv_lock:
-                handled = self._drain_locked(own=True)
-            if handled and (time.monotonic() - wall) - (time.thread_time() - cpu) > _CONVOY_S \
-                    and _others_ran(proc, cpu) > _CONVOY_S:
-                self._convoy_until = time.monotonic() + _CONVOY_MEMORY_S  # it waited for the lock meanwhile
-            with self._send_lock:
-                new, self._monitors_new = self._monitors_new, []
-            for endpoint, mon in new:
-                fd = mon.getsockopt(zmq.FD)
-                monitors[fd] = (endpoint, mon)
-                poller.register(fd, select.POLLIN)
-                signalled.add(fd)
-            for fd in signalled & monitors.keys():
-                endpoint, mon = monitors[fd]
-                if not self._read_monitor(endpoint, mon):
-                    poller.unregister(fd)
-                    del monitors[fd]
-                    mon.close(0)
-            if not handled and self.round_times is not None:  # an idle wake-up, or connection events
-                self.round_times.add("control", time.thread_time() - round_cpu)
+            with self.round_times.round("control") as round_:  # an idle wake-up, or connection events
+                self._hand_over()
+                wall, cpu, proc = time.monotonic(), time.thread_time(), time.process_time()
+                with self._recv_lock:
+                    handled = self._drain_locked(own=True)
+                if handled:
+                    if (time.monotonic() - wall) - (time.thread_time() - cpu) > _CONVOY_S \
+                            and _others_ran(proc, cpu) > _CONVOY_S:
+                        self._convoy_until = time.monotonic() + _CONVOY_MEMORY_S  # it waited for the lock meanwhile
+                    round_.restart()  # handling messages is not the channel's own periodic work
+                with self._send_lock:
+                    new, self._monitors_new = self._monitors_new, []
+                for endpoint, mon in new:
+                    fd = mon.getsockopt(zmq.FD)
+                    monitors[fd] = (endpoint, mon)
+                    poller.register(fd, select.POLLIN)
+                    signalled.add(fd)
+                for fd in signalled & monitors.keys():
+                    round_.tick()  # many connections changing at once: the lock given up every half millisecond
+                    endpoint, mon = monitors[fd]
+                    if not self._read_monitor(endpoint, mon):
+                        poller.unregister(fd)
+                        del monitors[fd]
+                        mon.close(0)
             try:
                 # The interpreter lock is released while it waits.
                 signalled = {fd for fd, _ in poller.poll(_IDLE_WAKE_MS)}

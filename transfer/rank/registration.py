@@ -100,12 +100,12 @@ class Registration:
         try:
             learned, n = self._learn(client), 0
             while not self._stop.wait(self.config.register_interval_s):
-                with self.round_times.round("register"):
+                with self.round_times.round("register") as round_:
                     try:
                         client.register(self.rank)
                         n += 1
                         if not learned or n % LEARN_EVERY == 0:
-                            learned = self._learn(client)
+                            learned = self._learn(client, round_.tick)
                     except KVFerryError as exc:
                         if reachable:
                             log.warning("%s: re-registration failed (will keep trying): %s", self.where, exc)
@@ -118,11 +118,13 @@ class Registration:
         finally:
             client.close()
 
-    def _learn(self, client: BootstrapClient) -> bool:
+    def _learn(self, client: BootstrapClient, pace: Callable[[], None] = lambda: None) -> bool:
         """Hand on the transfer sessions of this node's ranks, every DP
-        group; True when every group answered ready."""
+        group (``pace()`` before each: a round gives the interpreter lock up
+        between groups); True when every group answered ready."""
         sessions, complete = {self.rank.session}, True
         for dp in range(self.config.dp_size):
+            pace()
             try:
                 reply = client.lookup(self.config.node_id, dp)
             except KVFerryError as exc:

@@ -201,17 +201,21 @@ class LinkResolver:
         while not self._closed:
             self._wake.wait(wait)
             self._wake.clear()
-            with self.ctx.stats.round_times.round("resolver"):
-                wait = self._round()
+            with self.ctx.stats.round_times.round("resolver") as round_:
+                wait = self._round(round_.tick)
 
-    def _round(self) -> float:
+    def _round(self, pace: Callable[[], None]) -> float:
         """One round: DP sizes and links to resolve, then the owner's due
-        work; returns how long to wait for the next."""
+        work; returns how long to wait for the next. ``pace()`` between two
+        lookups or links gives the interpreter lock up once the round ran
+        half a millisecond (a new node's first lookup decodes every rank's
+        descriptors)."""
         with self.ctx.lock:
             self._expire(time.monotonic() - self.ctx.config.bootstrap_timeout_s)
             dp_todo = [k for k, v in self.dp_sizes.items() if v == 0]
             todo = [l for l in self.links.values() if l.state is LinkState.RESOLVING]
         for addr, node in dp_todo:
+            pace()
             try:
                 reply = self._lookups.lookup(addr, node, 0)
             except (BootstrapUnavailable, ProtocolError, BootstrapError) as exc:
@@ -227,6 +231,7 @@ class LinkResolver:
                 with self.ctx.lock:
                     self.dp_sizes[(addr, node)] = reply.dp_size
         for link in todo:
+            pace()
             try:
                 self._step(link)
             except KVFerryError as exc:
@@ -239,6 +244,7 @@ class LinkResolver:
                     link.error = ProtocolError(f"{link.name}: {type(exc).__name__}: {exc}")
         if dp_todo or todo:
             self._kick()
+        pace()
         due = self._tick()
         # Idle, it sleeps until woken (a room wants a link) or its owner's next due work.
         resolving = dp_todo or any(l.state is LinkState.RESOLVING for l in todo)
