@@ -43,7 +43,10 @@ then, omitted while unused, ``RankInfo.states``, ``TransferRequest.dst_states`` 
 probe region, and a prefill rank answers a hello only once its transport
 opened the way to the decode rank (``PeerHelloReply.field`` ``handshake``
 when it could not): a version-6 prefill rank would ignore the relayed
-segment and never reach a relaying decode rank.
+segment and never reach a relaying decode rank. Version 8: a staged
+part's landing is one message kind per part kind (``pages_staged``,
+``share_staged``, ``state_staged``, each with only its own fields) where
+``chunk_staged`` told a state part or a layer share by placeholder fields.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ import msgpack
 
 from bootstrap.errors import AuthError, ProtocolError
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 #: Largest encoded message accepted, in bytes. Control messages carry page
 #: lists and buffer descriptors, never KV bytes.

@@ -270,21 +270,13 @@ class StageGrant:
     offset: int
 
 
-@message("chunk_staged")
 @dataclass(frozen=True)
 class ChunkStaged:
-    """A part landed in decode's staging at ``offset``: pages
-    ``page_start .. page_start + num_pages`` of the request (in request
-    order), packed pool by pool as decode asked this prefill rank. Decode
-    scatters it into its pool and frees the region. ``state`` >= 0: the
-    part holds items ``page_start .. page_start + num_pages`` of the
-    request's list for state pool ``state`` instead, packed buffer by buffer.
-    ``layers`` (a layer-wise send): only these room layers (target, then
-    draft) of the part landed, and decode scatters those. In a region
-    granted with the request, ``offset`` and ``nbytes`` are the part's slot
-    and each layer lies at its place in the part's packing; in a region the
-    share asked for, the layers are packed one after the other in its
-    ``nbytes``. Empty: the whole part."""
+    """A staged part landed in decode's staging at ``offset``, ``nbytes``
+    (the region it was written to: its own, or its slot of the room's
+    region granted with the request). Decode scatters it and frees the
+    region. Never sent itself: one message kind per part kind
+    (:mod:`transfer.rooms.parts`), each naming what it holds."""
 
     room: int
     request_id: int
@@ -292,7 +284,44 @@ class ChunkStaged:
     part: int
     offset: int
     nbytes: int
+
+
+@message("pages_staged")
+@dataclass(frozen=True)
+class PagesStaged(ChunkStaged):
+    """Pages ``page_start .. page_start + num_pages`` of the request (in
+    request order), packed pool by pool as decode asked this prefill rank."""
+
     page_start: int
     num_pages: int
-    state: int = field(default=-1, metadata=OMIT_DEFAULT)
-    layers: tuple[int, ...] = field(default=(), metadata=OMIT_DEFAULT)
+
+
+@message("share_staged")
+@dataclass(frozen=True)
+class ShareStaged(ChunkStaged):
+    """A layer group's share of the part of pages ``page_start ..
+    page_start + num_pages``: only room layers ``layers`` (target, then
+    draft), a layer-wise send. In a region granted with the request,
+    ``offset`` and ``nbytes`` are the part's slot and each layer lies at its
+    place in the part's packing; in a region the share asked for, its layers
+    are packed one after the other."""
+
+    page_start: int
+    num_pages: int
+    layers: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ValueError("a layer share names its layers")
+
+
+@message("state_staged")
+@dataclass(frozen=True)
+class StateStaged(ChunkStaged):
+    """Items ``item_start .. item_start + num_items`` of the request's list
+    for state pool ``state_pool`` (in the rank's ``states`` order), packed
+    buffer by buffer."""
+
+    state_pool: int
+    item_start: int
+    num_items: int

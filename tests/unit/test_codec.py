@@ -79,10 +79,12 @@ def samples() -> list:
         tm.StageRequest(room=12, request_id=5, prefill_tp_rank=1, prefill_endpoint="tcp://10.0.0.1:5557", part=3,
                         nbytes=16 << 20),
         tm.StageGrant(room=12, request_id=5, part=3, offset=32 << 20),
-        tm.ChunkStaged(room=12, request_id=5, prefill_tp_rank=1, part=3, offset=32 << 20, nbytes=16 << 20,
+        tm.PagesStaged(room=12, request_id=5, prefill_tp_rank=1, part=3, offset=32 << 20, nbytes=16 << 20,
                        page_start=24, num_pages=8),
-        tm.ChunkStaged(room=12, request_id=5, prefill_tp_rank=1, part=3, offset=32 << 20, nbytes=16 << 20,
+        tm.ShareStaged(room=12, request_id=5, prefill_tp_rank=1, part=3, offset=32 << 20, nbytes=16 << 20,
                        page_start=24, num_pages=8, layers=(4, 5, 6, 32)),
+        tm.StateStaged(room=12, request_id=5, prefill_tp_rank=1, part=4, offset=48 << 20, nbytes=4096,
+                       state_pool=1, item_start=0, num_items=2),
         bm.LookupReply(node_id="prefil-0", dp_rank=0, ready=False, dp_size=0, tp_size=0, num_registered=0,
                        ranks=(), unknown_node=True, known_nodes=("prefill-0", "prefill-1")),
         bm.Unregister(node_id="prefill-0", dp_rank=1, tp_rank=3, session="10.0.0.1:17001"),
@@ -198,6 +200,25 @@ def test_wrong_version_names_both_versions():
     assert str(codec.PROTOCOL_VERSION) in str(err)
     assert "version" in str(err)
     assert err.field == "v"
+
+
+def test_a_version_7_chunk_staged_is_refused_by_version_and_the_old_kind_is_gone():
+    """Version 8 split ``chunk_staged`` (a state part or a layer share told
+    by placeholder fields) into one kind per part kind: a version-7 peer's
+    landing names both versions, and the old kind is unknown here."""
+    body = {"room": 1, "request_id": 2, "prefill_tp_rank": 0, "part": 0, "offset": 0, "nbytes": 64,
+            "page_start": 0, "num_pages": 1, "state": 0}
+    err = _reject(_pack({"v": 7, "kind": "chunk_staged", "body": body}))
+    assert "protocol version 7" in str(err) and f"speaks {codec.PROTOCOL_VERSION}" in str(err)
+    err = _reject(_pack({"v": codec.PROTOCOL_VERSION, "kind": "chunk_staged", "body": body}))
+    assert "unknown message kind 'chunk_staged'" in str(err)
+    assert {"pages_staged", "share_staged", "state_staged"} <= set(codec.known_kinds())
+    share = {k: v for k, v in body.items() if k != "state"} | {"layers": []}
+    err = _reject(_pack({"v": codec.PROTOCOL_VERSION, "kind": "share_staged", "body": share}))
+    assert "a layer share names its layers" in str(err)
+    state = {k: v for k, v in body.items() if k not in ("state", "page_start")}
+    err = _reject(_pack({"v": codec.PROTOCOL_VERSION, "kind": "state_staged", "body": state}))
+    assert "unexpected field 'num_pages'" in str(err)
 
 
 @pytest.mark.parametrize("v", [True, 1.0])

@@ -19,7 +19,7 @@ PURE = ["transfer.config", "transfer.errors", "transfer.layout", "transfer.messa
         "transfer.state", "transfer.tp", "bootstrap.codec", "bootstrap.messages", "bootstrap.registry",
         "transfer.rooms.decode_phases", "transfer.transport.base", "transfer.control.base", "transfer.changes",
         "transfer.stats", "transfer.ready", "bootstrap.descriptors", "transfer.rooms.request_acks",
-        "transfer.rooms.routes", "transfer.rooms.decode_request", "transfer.round_times"]
+        "transfer.rooms.routes", "transfer.rooms.decode_request", "transfer.round_times", "transfer.rooms.parts"]
 
 
 @pytest.mark.parametrize("module", PURE)
@@ -78,7 +78,7 @@ def test_no_library_source_names_the_benchmark_or_the_harness():
 ROOM_LAYER = ["transfer.rooms.context", "transfer.rooms.prefill_table", "transfer.rooms.decode_peers", "transfer.rooms.decode_table",
               "transfer.rooms.links", "transfer.rooms.handshakes", "transfer.rooms.lookups", "transfer.rooms.routes",
               "transfer.rooms.decode_phases", "transfer.rooms.decode_request", "transfer.rooms.room_storage",
-              "transfer.rooms.chunk_plan", "transfer.rooms.drain", "transfer.rooms.write_through",
+              "transfer.rooms.chunk_plan", "transfer.rooms.parts", "transfer.rooms.drain", "transfer.rooms.write_through",
               "transfer.rooms.request_acks", "transfer.staging.area", "transfer.staging.copies",
               "transfer.staging.build", "transfer.rooms.staged_prefill", "transfer.rooms.staged_decode",
               "transfer.rooms.sender", "transfer.rooms.receiver", "transfer.rank.watch",

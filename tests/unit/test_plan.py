@@ -446,12 +446,12 @@ def test_source_entries_are_counted_as_they_are_built(case):
     """The staged path decides direct or gathered by the count of source
     descriptors, counted without building them: the count is the built length."""
     from transfer.plan import page_slice
-    from transfer.rooms.chunk_plan import num_source_entries, source_entries
+    from transfer.rooms.parts import num_source_entries, page_entries
 
     src, _, sp, _, soff, _, nh = case
     pages = np.array(sp, dtype=np.int64)
     for pools in (((src, page_slice(src, soff, nh)),), ((src, page_slice(src, 0, src.num_kv_heads)),)):
-        built = source_entries(pages, pools)[1].size if pages.size else 0
+        built = page_entries(pages, pools, lambda pool: None)[1].size if pages.size else 0
         assert num_source_entries(pages, pools) == built
 
 
@@ -468,14 +468,14 @@ def test_a_parts_layer_groups_write_exactly_the_whole_parts_descriptors(case, rn
 
     from bootstrap.messages import PoolRole
     from transfer.plan import page_slice, staged_bytes
-    from transfer.rooms.chunk_plan import PartSpec, group_ranges, source_plan
+    from transfer.rooms.parts import LayerShare, PagePart, source_plan
 
     src, _, sp, _, soff, _, nh = case
     pages = np.array(sp, dtype=np.int64)
     draft = dataclasses.replace(src, role=PoolRole.DRAFT)
     pools = tuple((p, page_slice(p, soff, nh)) for p in (src, draft))
     nbytes = sum(staged_bytes(p, sl, pages.size) for p, sl in pools)
-    whole = PartSpec(None, 0, pages, 0, pools, nbytes, direct=True, granted=0)  # in a region granted for the room
+    whole = PagePart(None, 0, pages, 0, pools, nbytes, direct=True, granted=0)  # in a region granted for the room
     layers = [(role, layer) for role, n in ((PoolRole.TARGET, src.num_layers), (PoolRole.DRAFT, draft.num_layers))
               for layer in range(n)]
     rnd.shuffle(layers)
@@ -486,13 +486,13 @@ def test_a_parts_layer_groups_write_exactly_the_whole_parts_descriptors(case, rn
     want = sorted(zip(expect.src_addrs.tolist(), expect.dst_addrs.tolist(), expect.lengths.tolist()))
     got, covered = [], []
     for group in groups:
-        spec = dataclasses.replace(whole, layers={role: tuple(sorted(l for r, l in group if r is role))
-                                                  for role in (PoolRole.TARGET, PoolRole.DRAFT)})
+        spec = LayerShare(whole, 1, {role: tuple(sorted(l for r, l in group if r is role))
+                                     for role in (PoolRole.TARGET, PoolRole.DRAFT)})
         plan = source_plan(spec, base)
         got += zip(plan.src_addrs.tolist(), plan.dst_addrs.tolist(), plan.lengths.tolist())
         assert spec.in_place and spec.write_bytes == int(plan.lengths.sum())
-        covered += group_ranges(spec)
-        own = source_plan(dataclasses.replace(spec, granted=-1), base)  # in a region of its own: packed
+        covered += spec.ranges()
+        own = source_plan(LayerShare(dataclasses.replace(whole, granted=None), 1, spec.layers), base)  # packed
         assert np.array_equal(own.src_addrs, plan.src_addrs) and np.array_equal(own.lengths, plan.lengths)
         assert own.dst_addrs.tolist() == (base + np.concatenate(([0], np.cumsum(own.lengths)[:-1]))).tolist()
     assert sorted(got) == want

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from transfer.messages import ChunkStaged, StageGrant, StageRequest
+from transfer.messages import PagesStaged, StageGrant, StageRequest
 from transfer.rooms.staged_decode import DecodeStaging
 from transfer.rooms.staged_prefill import PrefillStaging
 from transfer.staging.area import StagingArea
@@ -43,7 +43,7 @@ def _granted(ctx) -> list[tuple[int, int]]:
 def _land(staging: DecodeStaging, ctx, room: int, part: int) -> None:
     """The part granted to ``room`` landed after its room ended: its region is freed."""
     grant = next(m for m in ctx.channel.sent if isinstance(m, StageGrant) and (m.room, m.part) == (room, part))
-    staging.on_staged(ChunkStaged(room=room, request_id=room * 10 + 1, prefill_tp_rank=0, part=part,
+    staging.on_staged(PagesStaged(room=room, request_id=room * 10 + 1, prefill_tp_rank=0, part=part,
                                   offset=grant.offset, nbytes=UNIT, page_start=0, num_pages=1), None)
 
 
@@ -94,8 +94,9 @@ class Sender:
 def _specs(sender: Sender, parts) -> list:
     req = SimpleNamespace(request_id=sender.room * 10 + 1, decode_endpoint="tcp://decode",
                           decode_session="unknown session")
-    return [SimpleNamespace(req=req, part=p, granted=-1, direct=False, write_bytes=UNIT, region_bytes=UNIT,
-                            nbytes=UNIT, layers=None, src_pages=np.arange(1), state=-1) for p in parts]
+    return [SimpleNamespace(req=req, part=p, granted=None, direct=False, write_bytes=UNIT, region_bytes=UNIT,
+                            nbytes=UNIT, src_pages=np.arange(1), describe=lambda p=p: f"staged part {p}")
+            for p in parts]
 
 
 def _asked(ctx) -> list[tuple[int, int]]:

@@ -7,7 +7,7 @@ For each decode request of the room a chunk becomes either
   this rank's pools into the decode rank's pages (with the last chunk, its
   aux row too), always one per request, empty or not: its completion is what
   ends a room for a rank that sends nothing; or
-- staged parts (:class:`PartSpec`, at most a part's size each), when the
+- staged parts (:mod:`transfer.rooms.parts`, at most a part's size each), when the
   decode rank is fenced (nothing of its pools is writable), or when both
   sides have staging and the direct descriptors would be small (scattered
   pages, head slices): each part asks decode for a region of its staging,
@@ -18,7 +18,7 @@ For each decode request of the room a chunk becomes either
 A layer group of a chunk (``Chunk.layers``) plans the same way: direct jobs
 of the group's layers, and for a staged decode request the chunk's parts as
 the whole chunk would cut them, each restricted to the group's layers
-(``PartSpec.layers``: a *share* of the part, numbered as a part of its own).
+(a :class:`~transfer.rooms.parts.LayerShare` of the part, numbered as a part of its own).
 Where decode granted the room a region with its request, a share's buffers
 are written to their places in the part's slot of it (``in_place``);
 otherwise a share asks for a region of its own size and is packed there
@@ -28,7 +28,7 @@ decode scatters each share as it lands.
 The last chunk also carries the room's state items (:mod:`transfer.state_pools`)
 to each decode rank that asked this rank for them (``TransferRequest.dst_states``):
 in the direct job, or, for a fenced decode rank, as staged parts of their own
-(``PartSpec.state``), items packed buffer by buffer.
+(:class:`~transfer.rooms.parts.StatePart`), items packed buffer by buffer.
 
 :func:`plan_chunk` raises :class:`~transfer.errors.RequestError` for pages
 beyond ``init()``'s count, and ``ValueError`` / ``IndexError`` from the
@@ -42,13 +42,14 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from bootstrap.messages import PoolDescriptor, PoolRole, RankInfo, StatePoolDescriptor, StateSharding
+from bootstrap.messages import PoolRole, RankInfo, StatePoolDescriptor, StateSharding
 from transfer.config import ManagerConfig
 from transfer.errors import RequestError
 from transfer.messages import INDEX_DTYPE, TransferRequest
-from transfer.plan import (PageSlice, TransferPlan, check_state, check_transfer, page_runs, page_slice,
-                           pair_state_items, plan_aux_regions, plan_pool, plan_state, staged_bytes)
-from transfer.state_slices import RowBlocks, block_entries, row_blocks
+from transfer.plan import (TransferPlan, check_state, check_transfer, page_runs, page_slice, pair_state_items,
+                           plan_aux_regions, plan_pool, plan_state, staged_bytes)
+from transfer.rooms.parts import LayerShare, PagePart, StagedSpec, StatePart, num_source_entries
+from transfer.state_slices import RowBlocks, row_blocks
 from transfer.state_slices import senders as slice_senders
 
 
@@ -95,76 +96,12 @@ class DirectJob:
 
 
 @dataclass(frozen=True)
-class PartSpec:
-    """Part ``part`` of a chunk for one decode request: ``src_pages`` (at
-    request position ``page_start``), packed pool by pool (each pool's page
-    slice, in the request's assignment order), ``nbytes`` in all; ``direct``:
-    written from the pools, not gathered; ``granted``: its offset in the
-    decode rank's staging when the request granted the room a region
-    (``TransferRequest.staging_offset``), -1 when it must ask."""
-
-    req: TransferRequest
-    part: int
-    src_pages: np.ndarray
-    page_start: int
-    pools: tuple[tuple[PoolDescriptor, PageSlice], ...]
-    nbytes: int
-    direct: bool
-    granted: int = -1
-    #: >= 0: a part of state pool ``state`` (``state_pool``): ``src_pages`` are its item indices, from
-    #: position ``page_start`` of the request's list, packed buffer by buffer; ``pools`` is empty
-    state: int = -1
-    state_pool: StatePoolDescriptor | None = None
-    state_blocks: tuple = ()  # per buffer of the state pool: what is sent of an item (RowBlocks)
-    #: a layer group's share of the part: each pool's layers written; None: every layer (the whole part)
-    layers: Mapping[PoolRole, tuple[int, ...]] | None = None
-
-    @property
-    def write_bytes(self) -> int:
-        """The bytes this spec writes: the part's, or its layer group's share."""
-        return self.nbytes if self.layers is None else sum(n for _, n in group_ranges(self))
-
-    @property
-    def in_place(self) -> bool:
-        """A share written to its layers' places in the part's slot of the
-        room's region (``granted``), not packed in a region of its own."""
-        return self.layers is not None and self.granted >= 0
-
-    @property
-    def region_bytes(self) -> int:
-        """The bytes of decode's staging the spec lands in: the part's slot
-        (a whole part, or a share written in place), else the share's own."""
-        return self.write_bytes if self.layers is not None and not self.in_place else self.nbytes
-
-
-def group_ranges(spec: PartSpec) -> tuple[tuple[int, int], ...]:
-    """(offset in the part, bytes) of the part's packed layout that its
-    layer group (``spec.layers``) covers, in order, adjacent ranges merged;
-    the whole part when it has no group. Each pool's packing holds its
-    buffers in (layer, component) order, each the part's pages."""
-    if spec.layers is None or spec.state >= 0:
-        return ((0, spec.nbytes),)
-    out: list[list[int]] = []
-    base, n = 0, len(spec.src_pages)
-    for pool, sl in spec.pools:
-        per_layer = staged_bytes(pool, sl, n, 1)
-        for layer in spec.layers.get(pool.role, ()):
-            start = base + layer * per_layer
-            if out and out[-1][0] + out[-1][1] == start:
-                out[-1][1] += per_layer
-            else:
-                out.append([start, per_layer])
-        base += staged_bytes(pool, sl, n)
-    return tuple((o, b) for o, b in out)
-
-
-@dataclass(frozen=True)
 class ChunkPlan:
     """A chunk's (or layer group's) direct jobs and staged parts;
     ``next_part``: the number after its parts (the room's next)."""
 
     jobs: tuple[DirectJob, ...]
-    parts: tuple[PartSpec, ...]
+    parts: tuple[StagedSpec, ...]
     next_part: int = 0
 
 
@@ -195,8 +132,8 @@ def plan_chunk(room: SendingRoom, chunk: Chunk, config: ManagerConfig) -> ChunkP
                 budget *= _share_scale(local, sent, chunk.layers)
             new = _parts(req, src, chunk.offset + skip, local, budget, next_part, config)
             if chunk.layers is not None:  # the group's share of each part (none of a part it has no layer of)
-                new = [p for p in (replace(p, layers=chunk.layers) for p in new) if p.write_bytes]
-                new = [replace(p, part=next_part + i) for i, p in enumerate(new)]
+                shares = [s for s in (LayerShare(p, p.part, chunk.layers) for p in new) if s.write_bytes]
+                new = [replace(s, part=next_part + i) for i, s in enumerate(shares)]
             next_part += len(new)
             parts.extend(new)
         else:
@@ -269,7 +206,7 @@ def state_blocks(src: StatePoolDescriptor, dst: StatePoolDescriptor, prefill: Ra
 
 
 def _state_parts(req: TransferRequest, index: int, pool: StatePoolDescriptor, blocks: tuple[RowBlocks, ...],
-                 items: np.ndarray, part_bytes: int, first_part: int, direct: bool) -> list[PartSpec]:
+                 items: np.ndarray, part_bytes: int, first_part: int, direct: bool) -> list[StatePart]:
     """A state pool's items for a fenced decode rank, cut into staged parts
     of at most ``part_bytes`` (at least one item each); ``direct``: written
     from the buffers (no local staging), else gathered first."""
@@ -280,8 +217,8 @@ def _state_parts(req: TransferRequest, index: int, pool: StatePoolDescriptor, bl
         raise ValueError(f"state {pool.kind}: one item is {per_item} bytes, more than a staged part can be "
                          f"({part_bytes} bytes: decode's staging arena); raise the staging arena size")
     step = max(1, part_bytes // per_item)
-    return [PartSpec(req, first_part + k, items[o:o + step], o, (), per_item * len(items[o:o + step]),
-                     direct=direct, state=index, state_pool=pool, state_blocks=blocks)
+    return [StatePart(req, first_part + k, index, pool, blocks, items[o:o + step], o,
+                      per_item * len(items[o:o + step]), direct)
             for k, o in enumerate(range(0, len(items), step))]
 
 
@@ -330,7 +267,7 @@ def _part_bytes(local: RankInfo, peer: RankInfo, config: ManagerConfig) -> int:
 
 
 def _parts(req: TransferRequest, pages: np.ndarray, page_start: int, local: RankInfo, part_bytes: int,
-           first_part: int, config: ManagerConfig) -> list[PartSpec]:
+           first_part: int, config: ManagerConfig) -> list[PagePart]:
     """A decode request's pages cut into parts of at most ``part_bytes``."""
     pools = tuple((local.pool(a.role), page_slice(local.pool(a.role), a.src_head_offset, a.num_heads))
                   for a in req.assignments if a.send)
@@ -345,89 +282,19 @@ def _parts(req: TransferRequest, pages: np.ndarray, page_start: int, local: Rank
         # Without local staging every part is written from the pools; with it,
         # those whose runs are long enough that a gather would only slow them down.
         direct = local.staging is None or nbytes / max(1, num_source_entries(src, pools)) >= config.stage_below_bytes
-        parts.append(PartSpec(req, first_part + i, src, page_start + o, pools, nbytes, direct,
+        parts.append(PagePart(req, first_part + i, src, page_start + o, pools, nbytes, direct,
                               _granted(req, page_start + o, per_page, nbytes)))
     return parts
 
 
-def _granted(req: TransferRequest, page_start: int, per_page: int, nbytes: int) -> int:
-    """A part's offset in the region the request granted (-1: none). The
+def _granted(req: TransferRequest, page_start: int, per_page: int, nbytes: int) -> int | None:
+    """A part's offset in the region the request granted (None: none). The
     region holds the room's pages from ``skip_pages`` on, in order; raises
     ValueError when the part does not fit in it."""
     if req.staging_offset < 0:
-        return -1
+        return None
     start = (page_start - req.skip_pages) * per_page
     if start < 0 or start + nbytes > req.staging_nbytes:
         raise ValueError(f"a staged part of request pages [{page_start}, +{nbytes // per_page}) does not fit the "
                          f"{req.staging_nbytes} bytes decode granted")
     return req.staging_offset + start
-
-
-def num_source_entries(pages: np.ndarray, pools) -> int:
-    """How many descriptors :func:`source_entries` gives (counted, not built)."""
-    runs = 1 + int(np.count_nonzero(np.diff(pages) != 1)) if pages.size else 0
-    count = 0
-    for pool, sl in pools:
-        buffers = pool.num_layers * len(pool.components)
-        whole = sl.rows == 1 and sl.nbytes == sl.row_bytes and pool.dense
-        count += buffers * (runs if whole else pages.size * sl.rows)
-    return count
-
-
-def source_entries(pages: np.ndarray, pools, layers=None) -> tuple[np.ndarray, np.ndarray]:
-    """A part's packed layout as (source address, bytes) descriptors read
-    straight from the pools: one per (buffer, page run) for whole pages,
-    else one per (buffer, page, row) of the slice. ``layers`` (each pool's,
-    by role; None: all): only those layers' buffers."""
-    pages = pages.astype(np.int64)
-    runs = page_runs(pages, pages)
-    srcs, lengths = [], []
-    for pool, sl in pools:
-        addrs = {(b.layer, b.component): b.addr for b in pool.buffers}
-        whole = sl.rows == 1 and sl.nbytes == sl.row_bytes and pool.dense
-        for layer in (range(pool.num_layers) if layers is None else layers.get(pool.role, ())):
-            for comp in pool.components:
-                base = addrs[(layer, comp)]
-                if whole:
-                    srcs.append(base + runs.src_starts * pool.page_bytes)
-                    lengths.append(runs.lengths * sl.packed_bytes)
-                else:
-                    rows = pages[:, None] * pool.page_stride + np.arange(sl.rows)[None, :] * sl.row_bytes
-                    srcs.append(base + sl.start + rows.reshape(-1))
-                    lengths.append(np.full(rows.size, sl.nbytes, dtype=np.int64))
-    return np.concatenate(srcs), np.concatenate(lengths)
-
-
-def state_source_entries(pool: StatePoolDescriptor, blocks, items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """A state part's packed layout as (source address, bytes): buffer by
-    buffer, each block by block, item by item, row by row
-    (:func:`~transfer.state_slices.block_entries`)."""
-    srcs, lengths = [], []
-    for b, rb in zip(pool.buffers, blocks, strict=True):
-        offs, n = block_entries(rb, items, b.item_bytes)
-        srcs.append(b.addr + offs)
-        lengths.append(n)
-    return np.concatenate(srcs), np.concatenate(lengths)
-
-
-def source_plan(spec: PartSpec, dst_addr: int) -> TransferPlan:
-    """A direct part's descriptors into the region at ``dst_addr``."""
-    if spec.state >= 0:
-        src, lengths = state_source_entries(spec.state_pool, spec.state_blocks, spec.src_pages.astype(np.int64))
-    else:
-        src, lengths = source_entries(spec.src_pages, spec.pools, spec.layers)
-    packed = np.concatenate(([0], np.cumsum(lengths)[:-1]))  # where each lies among the bytes written
-    dst = dst_addr + (_placed(packed, group_ranges(spec)) if spec.in_place else packed)
-    return TransferPlan(src.astype(np.uint64), dst.astype(np.uint64), lengths.astype(np.uint64))
-
-
-def _placed(offsets: np.ndarray, ranges) -> np.ndarray:
-    """Offsets among a group's bytes (its ``ranges`` one after the other)
-    as offsets in the part: an entry never spans two ranges (each range is
-    whole buffers)."""
-    if len(ranges) == 1:
-        return offsets + ranges[0][0]
-    starts = np.asarray([o for o, _ in ranges], dtype=np.int64)
-    ends = np.cumsum([n for _, n in ranges])
-    which = np.searchsorted(ends, offsets, side="right")
-    return offsets - (ends - np.asarray([n for _, n in ranges]))[which] + starts[which]

@@ -23,7 +23,7 @@ from transfer.rooms.drain import Drain
 from transfer.rooms.links import Link, LinkState
 from transfer.rooms.room_stats import RoomCounts
 from transfer.rooms.room_storage import RoomStorage
-from transfer.rooms.staged_decode import ScatterTarget, part_layers, take_aux_row
+from transfer.rooms.staged_decode import ScatterTarget, count_scattered, take_aux_row
 from transfer.state import KVPoll
 from transfer.stats import FailureReason, RoomStats, tag_reason
 
@@ -310,11 +310,8 @@ class KVReceiver:
         self._scattering -= 1
         if error is not None:
             self.fail(TransferError(f"{self.where}: scattering staged part {msg.part}: {error}"))
-        elif self._phases.phase is P.TRANSFERRING and msg.state >= 0:
-            self._counts.land(f"state:{self._ctx.rank.states[msg.state].kind}", "staged", msg.nbytes, 1)
         elif self._phases.phase is P.TRANSFERRING:
-            self._counts.staged(msg.prefill_tp_rank, self._link.routes[msg.prefill_tp_rank], msg.num_pages,
-                                part_layers(self._ctx, msg))
+            count_scattered(self._ctx, self._counts, msg, self._link.routes[msg.prefill_tp_rank])
         if self._phases.phase is P.DRAINING and not self._local_writes() and \
                 (not self._drain.ranks or self._drain.overdue(time.monotonic())):
             self._finish_fail(self._drain.error)

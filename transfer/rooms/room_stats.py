@@ -46,15 +46,11 @@ class RoomCounts:
     # --- prefill ------------------------------------------------------------------------
 
     def part_landed(self, part) -> None:
-        """A staged part (:class:`~transfer.rooms.chunk_plan.PartSpec`) was
-        written: the whole part, or a layer group's share of it (counted as
-        a part of its own: one more write)."""
-        if part.state >= 0:
-            self.land(f"state:{part.state_pool.kind}", "staged", part.nbytes, 1)
-        for i, (pool, sl) in enumerate(part.pools):
-            n = len(part.src_pages)
-            layers = None if part.layers is None else len(part.layers.get(pool.role, ()))
-            self.land(pool.role.value, "staged", staged_bytes(pool, sl, n, layers), int(i == 0))
+        """A staged part (:mod:`transfer.rooms.parts`) was written: what it
+        moved (a layer group's share counts as a part of its own: one more
+        write)."""
+        for role, nbytes, descriptors in part.moved():
+            self.land(role, "staged", nbytes, descriptors)
         self.counter.add_part()
 
     # --- decode -------------------------------------------------------------------------

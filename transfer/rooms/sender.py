@@ -14,8 +14,9 @@ from transfer.errors import KVFerryError, KVTimeoutError, PageIndexError, PeerEr
 from transfer.messages import RoomAbort, RoomStatus, Status, TransferRequest
 from transfer.pools import host_page_ids
 from transfer.ready import gate_for
-from transfer.rooms.chunk_plan import Chunk, PartSpec, SendingRoom, plan_chunk
+from transfer.rooms.chunk_plan import Chunk, SendingRoom, plan_chunk
 from transfer.rooms.layer_groups import ChunkGroups, by_pool, layer_spans, num_layers, parse_layers
+from transfer.rooms.parts import StagedSpec
 from transfer.rooms.context import RoomHost
 from transfer.rooms.room_stats import RoomCounts
 from transfer.rooms.write_through import WriteThrough
@@ -377,7 +378,7 @@ class KVSender:
                 + "".join(f"; {self._ctx.transport.describe_job(job)}" for job in self._jobs if not job.done)
                 + "".join(f"; {self._table.staging.describe(part)}" for part in self._parts if not part.ended))
 
-    def on_part_landed(self, spec: PartSpec) -> None:
+    def on_part_landed(self, spec: StagedSpec) -> None:
         """A staged part's write landed (before ``on_chunk_done``)."""
         with self._ctx.lock:
             self._counts.part_landed(spec)

@@ -4,20 +4,22 @@
 A StageRequest gets a region of the staging buffer; when it is full the
 requests wait, the oldest room's first (the receiver's creation time, then
 the order they came in: a batch whose rooms stream layer groups finishes
-its rooms one after another, not all together at its end). ChunkStaged
-scatters the region into the request's pages and frees it. A fenced rank
+its rooms one after another, not all together at its end). A part's
+landing (a :class:`~transfer.messages.ChunkStaged` of its kind: pages, a
+layer share, state items) scatters the region into the request's pages or
+items and frees it. A fenced rank
 grants a room's whole region with its request instead, when it fits
 (:meth:`DecodeStaging.pregrant`): the room's parts land in it without
 asking, and it is freed when the room ends. Regions granted with requests
 hold at most half the staging (``PREGRANT_SHARE``): a request can come long
 before prefill computes its room (behind a full prefill scheduler), and the
 rooms prefill did compute must still find room to ask for, or both
-schedulers wait on each other until the transfer timeout. A layer-wise send's ChunkStaged
-names a layer group (``ChunkStaged.layers``): only those layers of the part
+schedulers wait on each other until the transfer timeout. A layer-wise send's
+``ShareStaged`` names a layer group: only those layers of the part
 are scattered, from their places in the part's slot of the room's region,
 or packed one after the other in a region of their own (then freed as any
 part's).
-ChunkStaged and the final RoomStatus travel on the same ordered channel, so
+A part's landing and the final RoomStatus travel on the same ordered channel, so
 decode has scattered every part before it reports Success.
 
 A region granted to a room that then fails is freed only after
@@ -42,7 +44,8 @@ import numpy as np
 
 from bootstrap.messages import RankInfo
 from transfer.errors import KVFerryError
-from transfer.messages import ChunkStaged, PoolAssignment, StageGrant, StageRequest
+from transfer.messages import (ChunkStaged, PagesStaged, PoolAssignment, ShareStaged, StageGrant, StageRequest,
+                               StateStaged)
 from transfer.plan import page_slice, staged_bytes
 from transfer.rooms.chunk_plan import state_blocks
 from transfer.rooms.context import RoomContext
@@ -202,10 +205,7 @@ class DecodeStaging:
         error = None
         try:
             if target is not None:
-                if msg.state >= 0:
-                    scatter_state_part(self.ctx, target.states, target.rank, msg, grant[0])
-                else:
-                    scatter_part(self.ctx, target.pages, msg, grant[0], target.routes, in_place=not free)
+                _SCATTERS[type(msg)](self.ctx, target, msg, grant[0], not free)
         except Exception as exc:
             error = exc
         finally:
@@ -238,19 +238,20 @@ class DecodeStaging:
             self.pump()
 
 
-def scatter_part(ctx: RoomContext, dst_pages: np.ndarray, msg: ChunkStaged, offset: int, assignments,
-                 in_place: bool = False) -> None:
-    """Unpack a part that landed at ``offset`` of the staging memory into
-    ``dst_pages`` (the request's decode pages, in request order), pool by
-    pool; a layer group's share only its layers (``in_place``: in a slot of
-    the room's region, each layer at its place in the part's packing)."""
+def scatter_pages(ctx: RoomContext, target: ScatterTarget, msg: PagesStaged | ShareStaged, offset: int,
+                  in_place: bool) -> None:
+    """Unpack a part of pages (or a layer group's share of one) that landed
+    at ``offset`` of the staging memory into the request's decode pages,
+    pool by pool; a share only its layers (``in_place``: in a slot of the
+    room's region, each layer at its place in the part's packing)."""
+    dst_pages = target.pages
     if not (0 <= msg.page_start and msg.num_pages > 0 and msg.page_start + msg.num_pages <= len(dst_pages)):
         raise IndexError(f"staged pages [{msg.page_start}, +{msg.num_pages}) outside the request's "
                          f"{len(dst_pages)} pages")
     layers = part_layers(ctx, msg)
     packed = layers is not None and not in_place  # a share in its own region: only its layers
     expected = 0
-    for a in assignments:
+    for a in target.routes:
         if a.send:
             pool = ctx.rank.pool(a.role)
             expected += staged_bytes(pool, page_slice(pool, a.dst_head_offset, a.num_heads), msg.num_pages,
@@ -259,9 +260,8 @@ def scatter_part(ctx: RoomContext, dst_pages: np.ndarray, msg: ChunkStaged, offs
         raise ValueError(f"staged part of {msg.nbytes} bytes, but {msg.num_pages} pages of the requested pools "
                          f"take {expected}" + (f" (layers {list(msg.layers)[:8]})" if packed else ""))
     mem = ctx.staging
-    dst = dst_pages[msg.page_start:msg.page_start + msg.num_pages]
-    pages = page_tensor(dst, mem.tensor.device)
-    for a in assignments:
+    pages = page_tensor(dst_pages[msg.page_start:msg.page_start + msg.num_pages], mem.tensor.device)
+    for a in target.routes:
         if a.send:
             pool = ctx.rank.pool(a.role)
             offset += scatter(mem.tensor, offset, mem.buffers, pool,
@@ -269,11 +269,11 @@ def scatter_part(ctx: RoomContext, dst_pages: np.ndarray, msg: ChunkStaged, offs
                               None if layers is None else layers.get(a.role, ()), in_place)
 
 
-def part_layers(ctx: RoomContext, msg: ChunkStaged) -> dict | None:
+def part_layers(ctx: RoomContext, msg: PagesStaged | ShareStaged) -> dict | None:
     """Each pool's layers (by role) of a layer group's share of a part
-    (``msg.layers``: room layers); None: the whole part. ValueError for
-    layers this rank's pools do not have."""
-    if not msg.layers:
+    (``ShareStaged.layers``: room layers); None: a whole part. ValueError
+    for layers this rank's pools do not have."""
+    if not isinstance(msg, ShareStaged):
         return None
     spans = layer_spans(ctx.rank.pools)
     layers = np.asarray(msg.layers, dtype=np.int64)
@@ -282,26 +282,44 @@ def part_layers(ctx: RoomContext, msg: ChunkStaged) -> dict | None:
     return by_pool(layers, spans)
 
 
-def scatter_state_part(ctx: RoomContext, states: tuple, prefill: RankInfo, msg: ChunkStaged, offset: int) -> None:
-    """Unpack a staged part of state items (``msg.state``) from prefill rank
-    ``prefill`` that landed at ``offset`` into the room's decode items of
-    that state pool (what that rank sends of each item: its row blocks)."""
-    items = states[msg.state] if 0 <= msg.state < len(states) else None
+def scatter_state_part(ctx: RoomContext, target: ScatterTarget, msg: StateStaged, offset: int,
+                       in_place: bool = False) -> None:
+    """Unpack a staged part of state items (of ``msg.state_pool``) from the
+    target's prefill rank that landed at ``offset`` into the room's decode
+    items of that state pool (what that rank sends of each item: its row
+    blocks). State parts are never in place."""
+    states, prefill, index = target.states, target.rank, msg.state_pool
+    items = states[index] if 0 <= index < len(states) else None
     if items is not None:  # positions not wanted (-1) were dropped where prefill paired the lists
         items = items[items >= 0]
-    if items is None or not (0 <= msg.page_start and msg.num_pages > 0
-                             and msg.page_start + msg.num_pages <= len(items)):
-        raise IndexError(f"staged items [{msg.page_start}, +{msg.num_pages}) of state pool {msg.state} outside the "
+    if items is None or not (0 <= msg.item_start and msg.num_items > 0
+                             and msg.item_start + msg.num_items <= len(items)):
+        raise IndexError(f"staged items [{msg.item_start}, +{msg.num_items}) of state pool {index} outside the "
                          f"{0 if items is None else len(items)} item(s) this room named for it")
-    pool = ctx.rank.states[msg.state]
-    blocks = state_blocks(prefill.states[msg.state], pool, prefill, ctx.rank, ctx.rank.tp_rank)
+    pool = ctx.rank.states[index]
+    blocks = state_blocks(prefill.states[index], pool, prefill, ctx.rank, ctx.rank.tp_rank)
     per_item = sum(rb.item_bytes for rb in blocks)
-    if msg.nbytes != msg.num_pages * per_item:
-        raise ValueError(f"staged part of {msg.nbytes} bytes, but {msg.num_pages} item(s) of state {pool.kind} "
-                         f"from prefill rank {prefill.tp_rank} take {msg.num_pages * per_item}")
+    if msg.nbytes != msg.num_items * per_item:
+        raise ValueError(f"staged part of {msg.nbytes} bytes, but {msg.num_items} item(s) of state {pool.kind} "
+                         f"from prefill rank {prefill.tp_rank} take {msg.num_items * per_item}")
     mem = ctx.staging
-    dst = page_tensor(items[msg.page_start:msg.page_start + msg.num_pages], mem.tensor.device)
-    scatter_state(mem.tensor, offset, state_rows(ctx.states[msg.state]), dst, blocks)
+    dst = page_tensor(items[msg.item_start:msg.item_start + msg.num_items], mem.tensor.device)
+    scatter_state(mem.tensor, offset, state_rows(ctx.states[index]), dst, blocks)
+
+
+#: How each kind of landed part is scattered.
+_SCATTERS: dict[type, Callable[..., None]] = {PagesStaged: scatter_pages, ShareStaged: scatter_pages,
+                                              StateStaged: scatter_state_part}
+
+
+def count_scattered(ctx: RoomContext, counts, msg: ChunkStaged, routes) -> None:
+    """Count a scattered part in its room's stats (``counts``, a
+    :class:`~transfer.rooms.room_stats.RoomCounts`; ``routes``: what its
+    prefill rank sends), by its kind."""
+    if isinstance(msg, StateStaged):
+        counts.land(f"state:{ctx.rank.states[msg.state_pool].kind}", "staged", msg.nbytes, 1)
+    else:
+        counts.staged(msg.prefill_tp_rank, routes, msg.num_pages, part_layers(ctx, msg))
 
 
 def take_aux_row(ctx: RoomContext, slot: int, row: bytes) -> str | None:

@@ -6,7 +6,7 @@ Prefill, per part (a run of a chunk's pages for one decode rank)::
 
     StageRequest to decode
     StageGrant, a local staging region free  ->  gather into it, write it to decode's region
-    write landed               ->  ChunkStaged to decode; the part counts as done
+    write landed               ->  the part's *Staged message to decode; the part counts as done
 
 A part whose request came with a region of decode's staging for the whole
 room (``TransferRequest.staging_offset``, a fenced decode rank's, when its
@@ -14,14 +14,16 @@ staging had room) skips the StageRequest and StageGrant: it is written to
 its place in that region as soon as it is queued.
 
 A *direct* part (its source pages in long runs, or no local staging; see
-:class:`~transfer.rooms.chunk_plan.PartSpec`) needs no local region: on its grant its runs are
+:mod:`transfer.rooms.parts`) needs no local region: on its grant its runs are
 written from the pool straight into decode's region, in the packed layout.
 
-A layer group's share of a part (``PartSpec.layers``) runs as a part of its
-own, gathered into a local region of its size first unless direct: written
-to its layers' places in the part's slot of the room's region, or packed in
-a region of its own that it asks for. Its ChunkStaged names the group's
-layers, and decode scatters those while the forward pass goes on.
+A layer group's share of a part (:class:`~transfer.rooms.parts.LayerShare`)
+runs as a part of its own, gathered into a local region of its size first
+unless direct: written to its layers' places in the part's slot of the
+room's region, or packed in a region of its own that it asks for. Its
+message (``ShareStaged``) names the group's layers, and decode scatters
+those while the forward pass goes on. The flow runs every kind of part
+alike: each knows its bytes, its gather, its descriptors and its message.
 
 Parts wait in the order of their room's age (the sender's creation time),
 then of their arrival: when staging is short the oldest room asks, and
@@ -54,18 +56,14 @@ from dataclasses import dataclass, field
 from typing import Protocol
 from collections.abc import Mapping
 
-import numpy as np
 
 from bootstrap.messages import RankInfo
 from transfer.errors import KVFerryError, StateError, TransferError
-from transfer.messages import ChunkStaged, StageGrant, StageRequest
+from transfer.messages import StageGrant, StageRequest
 from transfer.plan import TransferPlan
 from transfer.ready import ReadyWaiter
-from transfer.rooms.chunk_plan import PartSpec, group_ranges, source_plan
 from transfer.rooms.context import RoomContext
-from transfer.rooms.layer_groups import layer_spans, room_layers
-from transfer.staging.copies import gather, gather_state, page_tensor
-from transfer.state_pools import state_rows
+from transfer.rooms.parts import StagedSpec, gathered_plan, source_plan
 
 log = logging.getLogger("kvferry.staging")
 
@@ -88,7 +86,7 @@ class StagedSender(Protocol):
     def on_chunk_done(self, error) -> None:
         """One of the sender's submitted jobs or parts ended (``error`` None: landed)."""
 
-    def on_part_landed(self, spec: PartSpec) -> None:
+    def on_part_landed(self, spec: StagedSpec) -> None:
         """A part's write landed (for the room's stats; before ``on_chunk_done``)."""
 
 
@@ -120,7 +118,7 @@ class StagedPart:
     is done)."""
 
     sender: StagedSender
-    spec: PartSpec
+    spec: StagedSpec
     ready: object = None
     local_offset: int | None = None  # its region of this rank's staging, while it holds one
     stage: PartStage = PartStage.QUEUED  # since ``since``
@@ -174,10 +172,7 @@ class PrefillStaging:
     def describe(self, part: StagedPart) -> str:
         """Where a part :meth:`submit` returned stands (for a failure's message; never blocks)."""
         age = f"{time.monotonic() - part.since:.1f} s"
-        spec = part.spec
-        what = f"staged part {spec.part} ({spec.write_bytes} bytes" + \
-            (f" of layers {dict((r.value, list(ls)) for r, ls in spec.layers.items() if ls)})"
-             if spec.layers is not None else ")")
+        what = part.spec.describe()
         if part.stage is PartStage.QUEUED:
             return f"{what}: waiting {age} for its ready event or its turn to ask decode for a staging region"
         if part.stage is PartStage.ASKED:
@@ -223,7 +218,7 @@ class PrefillStaging:
                     self._finish(part, None, pump=False)  # counts as done for a failed room
                     continue
                 spec, req = part.spec, part.spec.req
-                if spec.granted >= 0:  # past any part that must wait to ask: its region may be what they wait for
+                if spec.granted is not None:  # past any part that must wait to ask: its region may be what they wait for
                     self._has_region(part, spec.granted, ready)
                     continue
                 need = _local_bytes(spec)
@@ -314,21 +309,11 @@ class PrefillStaging:
                                                 ready=None, priority=0.0)
 
     def _gathered(self, part: StagedPart, dst_addr: int) -> TransferPlan:
-        """Gather a part into its local region; the one descriptor that writes it."""
-        offset, spec = part.local_offset, part.spec
-        mem = self.ctx.staging
-        pages = page_tensor(spec.src_pages, mem.tensor.device)
-        if spec.state >= 0:
-            gather_state(mem.tensor, offset, state_rows(self.ctx.states[spec.state]), pages, spec.state_blocks)
-        for pool, sl in spec.pools:
-            layers = None if spec.layers is None else spec.layers.get(pool.role, ())
-            offset += gather(mem.tensor, offset, mem.buffers, pool, sl, pages, mem.word_views, layers)
-        # the local region holds the share's layers one after the other; in place they go to their places
-        ranges = group_ranges(spec) if spec.in_place else ((0, spec.write_bytes),)
-        lengths = np.asarray([n for _, n in ranges], dtype=np.uint64)
-        src = self.ctx.rank.staging.addr + part.local_offset + np.concatenate(([0], np.cumsum(lengths)[:-1]))
-        return TransferPlan(src.astype(np.uint64), np.asarray([dst_addr + o for o, _ in ranges], dtype=np.uint64),
-                            lengths)
+        """Gather a part into its local region; the descriptors that write it
+        (the region holds a share's layers one after the other; in place they
+        go to their places)."""
+        part.spec.gather_into(self.ctx.staging, part.local_offset, self.ctx.states)
+        return gathered_plan(part.spec, self.ctx.rank.staging.addr + part.local_offset, dst_addr)
 
     def release(self, sender) -> None:
         """A sender failed: free the local regions of its parts still waiting
@@ -356,10 +341,8 @@ class PrefillStaging:
         if error is None:
             part.sender.on_part_landed(spec)
             try:
-                self.ctx.channel.send(spec.req.decode_endpoint, ChunkStaged(
-                    room=part.sender.room, request_id=spec.req.request_id, prefill_tp_rank=self.ctx.rank.tp_rank,
-                    part=spec.part, offset=part.remote_offset, nbytes=spec.region_bytes, page_start=spec.page_start,
-                    num_pages=len(spec.src_pages), state=spec.state, layers=_room_layers(spec, self.ctx.rank.pools)))
+                self.ctx.channel.send(spec.req.decode_endpoint, spec.landed(
+                    part.sender.room, self.ctx.rank.tp_rank, part.remote_offset, self.ctx.rank.pools))
             except KVFerryError as exc:
                 error = exc
         self._finish(part, error)
@@ -380,14 +363,6 @@ def _age(part: StagedPart) -> tuple[float, int]:
     return part.sender.created, part.seq
 
 
-def _local_bytes(spec: PartSpec) -> int:
+def _local_bytes(spec: StagedSpec) -> int:
     """The local staging a part is gathered into before its write (0: written from the pools)."""
     return 0 if spec.direct else spec.write_bytes
-
-
-def _room_layers(spec: PartSpec, pools) -> tuple[int, ...]:
-    """A share's layers as the room's layers (this rank's ``pools``), of the
-    pools the part holds only: () for a whole part."""
-    if spec.layers is None:
-        return ()
-    return room_layers({pool.role: spec.layers.get(pool.role, ()) for pool, _ in spec.pools}, layer_spans(pools))

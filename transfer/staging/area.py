@@ -7,9 +7,12 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from bootstrap.messages import StagingDescriptor
+from transfer.staging.copies import gather, gather_state, page_tensor
+from transfer.state_pools import state_rows
 
 
 class StagingArea:
@@ -80,6 +83,20 @@ class StagingMemory:
         """What peers learn of it (fenced: its arenas' size too)."""
         return StagingDescriptor(addr=self.tensor.data_ptr(), nbytes=self.tensor.numel(),
                                  arena_bytes=self.area.max_region_bytes if self.fenced else 0)
+
+    def gather_pages(self, offset: int, src_pages: np.ndarray, pools, layers_of) -> None:
+        """Pack ``src_pages`` of ``pools`` (each with its page slice) at
+        ``offset``, pool by pool; ``layers_of(pool)``: its layers packed
+        (None: all). What a staged part of pages is gathered with."""
+        pages = page_tensor(src_pages, self.tensor.device)
+        for pool, sl in pools:
+            offset += gather(self.tensor, offset, self.buffers, pool, sl, pages, self.word_views, layers_of(pool))
+
+    def gather_items(self, offset: int, pool, items: np.ndarray, blocks) -> None:
+        """Pack ``items`` of state pool ``pool`` (a
+        :class:`~transfer.state_pools.StatePool`; ``blocks``: each buffer's
+        row blocks) at ``offset``, buffer by buffer."""
+        gather_state(self.tensor, offset, state_rows(pool), page_tensor(items, self.tensor.device), blocks)
 
     def touch(self) -> None:
         """Fault in the memory in use (benchmarks: as a warmed-up server has
