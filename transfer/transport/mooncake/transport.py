@@ -373,8 +373,10 @@ class MooncakeTransport:
                 job.num_landed += 1
             elif job.error is None:
                 what = "timed out" if status == -2 else "failed"
-                job.error = TransferError(f"write to {job.peer} {what} (Mooncake status {status})",
-                                          peer=job.peer, code=status)
+                job.error = TransferError(
+                    f"write to {job.peer} {what} (Mooncake status {status}) {time.monotonic() - job.created:.1f} s "
+                    f"after it was queued, {job.num_landed} of {len(job.src)} descriptor(s) landed "
+                    f"({sum(job.lengths)} bytes in all)", peer=job.peer, code=status)
                 job.next_index = len(job.src)  # stop submitting the rest of this job
             self._maybe_finish(job)
         ids.extendleft(reversed(pending))  # still the oldest, in order
