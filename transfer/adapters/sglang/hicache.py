@@ -174,10 +174,10 @@ class KvferryHiCache(HiCacheStorage):
         restorable = set(range(1, kv + 1))
         for t in pool_transfers or []:
             name = str(t.name)
-            if t.hit_policy is PoolHitPolicy.ALL_PAGES or t.hit_policy == PoolHitPolicy.ALL_PAGES.value:
+            if t.hit_policy == PoolHitPolicy.ALL_PAGES:  # a str Enum: equal to its value too
                 upto = self._exists(keys[:kv], name)
                 ok = set(range(1, upto + 1))
-            elif t.hit_policy is PoolHitPolicy.TRAILING_PAGES or t.hit_policy == PoolHitPolicy.TRAILING_PAGES.value:
+            elif t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
                 tail = max(1, len(t.keys) if t.keys else 1)
                 present = self._present(keys[:kv], name)
                 ok = {n for n in range(1, kv + 1) if all(present[max(0, n - tail):n])}
