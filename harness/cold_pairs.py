@@ -103,6 +103,7 @@ def run_pair(bootstrap: str, index: int, variant: str, config: dict | None = Non
                           "error_type": d["error_type"] or p["error_type"],
                           "mismatches": d.get("mismatches", []),
                           "prefill_max_call_s": sent["max_call_s"], "prefill_slowest_call": sent["slowest_call"],
+                          "prefill_max_held_s": sent["max_held_s"], "prefill_slowest_calls": sent["slowest_calls"],
                           "decode_max_call_s": got["max_call_s"], "decode_slowest_call": got["slowest_call"]})
         return {"variant": variant, "pair": index, "rooms": rooms,
                 "neighbour_connects": neighbour.num_connects}
@@ -122,7 +123,9 @@ def _q(values: list[float], q: float) -> float:
 def summarize(pairs: list[dict]) -> list[dict]:
     """Per variant and room (first, second): min / median / p99 / max
     latency of the rooms that succeeded, failures, and prefill's longest
-    scheduler call."""
+    scheduler call: its wall time, the longest it held its caller up
+    (wall minus the thread's wait for a CPU) and the worst room's five
+    slowest calls."""
     rows = []
     for variant in dict.fromkeys(p["variant"] for p in pairs):
         mine = [p for p in pairs if p["variant"] == variant]
@@ -130,10 +133,13 @@ def summarize(pairs: list[dict]) -> list[dict]:
             rooms = [p["rooms"][k] for p in mine if len(p["rooms"]) > k]
             ok = [r["latency_s"] for r in rooms if r["state"] == "Success" and not r["mismatches"]]
             calls = [r["prefill_max_call_s"] for r in rooms]
+            worst = max(rooms, key=lambda r: r["prefill_max_call_s"], default=None)
             rows.append({"variant": variant, "room": which, "num": len(rooms), "failed": len(rooms) - len(ok),
                          "min_s": min(ok, default=float("nan")), "median_s": statistics.median(ok) if ok else float("nan"),
                          "p99_s": _q(ok, 0.99) if ok else float("nan"), "max_s": max(ok, default=float("nan")),
                          "prefill_max_call_s": max(calls, default=0.0),
+                         "prefill_max_held_s": max((r["prefill_max_held_s"] for r in rooms), default=0.0),
+                         "prefill_slowest_calls": worst["prefill_slowest_calls"] if worst else [],
                          "errors": sorted({f"{r['error_type']}: {r['error']}"[:300] for r in rooms
                                            if r["state"] != "Success" or r["mismatches"]})})
     return rows

@@ -1,4 +1,4 @@
-# kvferry as a vLLM KV connector (transfer/adapters/vllm.py): its own environment,
+# kvferry as a vLLM KV connector (transfer/adapters/vllm/): its own environment,
 # tests, demo and benchmark. Included by the Makefile (`-include mk/*.mk`).
 # The environment is built once into .venv-vllm/ (ignored by git, about 4 GB).
 VLLM_PYTHON ?= python3.11
@@ -40,7 +40,7 @@ $(VLLM_STAMP): mk/vllm.mk pyproject.toml | debian-libs
 	# The PD router users deploy in front of vLLM (Rust; test_pd.py runs kvferry's pair behind it).
 	$(VLLM_PIP) install -q --disable-pip-version-check vllm-router==$(VLLM_ROUTER_VERSION)
 	$(VLLM_PIP) install -q --disable-pip-version-check --no-deps -e .
-	$(VLLM_PY) -c "import vllm, torch, mooncake.engine, transfer.adapters.vllm"
+	$(VLLM_PY) -c "import vllm, torch, mooncake.engine; from transfer.adapters.vllm import KvferryConnector"
 	test -x $(VLLM_VENV)/bin/vllm-router
 	@touch $(VLLM_STAMP)
 

@@ -218,8 +218,10 @@ def layer_views(raw: torch.Tensor, layout: str, num_layers: int) -> list:
 
 def _worker_side(case: Case, role: Role, tp: int, caches: list, *, layout: str = "", kv_layout: str = "") -> dict:
     """The connector's worker half, one per TP rank, driven as vLLM does."""
-    from transfer.adapters.vllm_params import ConnectorConfig, RecvSpec, SendSpec
-    from transfer.adapters.vllm_worker import CacheLayout, KvferryWorker
+    from transfer.adapters.vllm.params import ConnectorConfig, RecvSpec, SendSpec
+    from transfer.adapters.vllm.caches import CacheLayout
+    from transfer.adapters.vllm.decode_worker import DecodeWorker
+    from transfer.adapters.vllm.prefill_worker import PrefillWorker
 
     manager = {"peer_timeout_s": 10.0, "transfer_timeout_s": case.timeout_s, "bootstrap_timeout_s": case.timeout_s}
     manager.update({"staging_bytes": 4 << 20, "stage_part_bytes": 1 << 20} if case.staged else {"staging_bytes": 0})
@@ -229,7 +231,7 @@ def _worker_side(case: Case, role: Role, tp: int, caches: list, *, layout: str =
     workers = []
     try:
         for rank in range(tp):
-            w = KvferryWorker(cc, role=role, tp_rank=rank, tp_size=tp, layout=lay)
+            w = (PrefillWorker if role is Role.PREFILL else DecodeWorker)(cc, tp_rank=rank, tp_size=tp, layout=lay)
             w.register_kv_caches({f"model.layers.{i}.self_attn.attn": v for i, v in enumerate(caches[rank][1])})
             workers.append(w)
         if role is Role.PREFILL:
@@ -239,9 +241,9 @@ def _worker_side(case: Case, role: Role, tp: int, caches: list, *, layout: str =
         for w in workers:
             if role is Role.PREFILL:
                 w.start([SendSpec(req_id=f"req-{room}", room=room, pages=tuple(map(int, src)))
-                         for room, src, _ in specs], [])
+                         for room, src, _ in specs])
             else:
-                w.start([], [RecvSpec(req_id=f"req-{room}", room=room, bootstrap_addr=case.bootstrap,
+                w.start([RecvSpec(req_id=f"req-{room}", room=room, bootstrap_addr=case.bootstrap,
                                       node_id=case.node, pages=tuple(map(int, dst))) for room, _, dst in specs])
         deadline = time.monotonic() + case.timeout_s
         done = [set() for _ in workers]
@@ -250,7 +252,7 @@ def _worker_side(case: Case, role: Role, tp: int, caches: list, *, layout: str =
             for w, d in zip(workers, done):
                 sending, recving = w.finished(ids)  # vLLM says every request finished
                 d |= sending | recving
-                errors |= w.load_errors()
+                errors |= w.load_errors() if role is Role.DECODE else set()
             time.sleep(0.01)
         failed = [f"rank {i}: {len(ids - d)} requests not done" for i, d in enumerate(done) if d != ids]
         failed += [f"{sum(w.num_failed for w in workers)} rooms failed"] if any(w.num_failed for w in workers) else []

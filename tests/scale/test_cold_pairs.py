@@ -31,7 +31,8 @@ def test_fifty_fresh_pairs_first_rooms_land_within_a_second_whatever_holds_the_h
     for r in rows:
         print(f"  {r['variant']} {r['room']}: n={r['num']} failed={r['failed']} "
               f"min/median/p99/max {r['min_s']:.3f}/{r['median_s']:.3f}/{r['p99_s']:.3f}/{r['max_s']:.3f} s, "
-              f"prefill's longest call {r['prefill_max_call_s'] * 1e3:.1f} ms")
+              f"prefill's longest call {r['prefill_max_call_s'] * 1e3:.1f} ms "
+              f"(held {r['prefill_max_held_s'] * 1e3:.1f} ms): {r['prefill_slowest_calls'][:3]}")
     assert all(r["failed"] == 0 for r in rows), [r["errors"] for r in rows if r["failed"]]
     firsts = sorted(p["rooms"][0]["latency_s"] for p in pairs)
     assert len(firsts) == NUM_PAIRS

@@ -251,3 +251,31 @@ def test_no_import_cycles_between_the_packages():
     cycles = _cycles(graph)
     assert not cycles, f"package cycles: {cycles}"
     assert {"transfer.rooms", "transfer.staging", "transfer.transport", "transfer.storage"} <= graph.keys()
+
+
+VLLM = "transfer.adapters.vllm"
+#: the vLLM connector's modules that run in vLLM's scheduler process, or are pure helpers: no torch,
+#: no zmq, no Mooncake, none of kvferry's rooms, transports or manager, and no worker half
+VLLM_SCHEDULER_SIDE = ("scheduler", "metadata", "params", "groups", "layerwise", "stats", "query")
+
+
+@pytest.mark.parametrize("name", VLLM_SCHEDULER_SIDE)
+def test_the_vllm_connectors_scheduler_side_imports_no_engine_and_no_worker(name):
+    path = ROOT / "transfer" / "adapters" / "vllm" / f"{name}.py"
+    banned = ("torch", "zmq", "mooncake", "transfer.manager", "transfer.rooms", "transfer.transport",
+              "transfer.staging", "transfer.pools", f"{VLLM}.worker", f"{VLLM}.prefill_worker",
+              f"{VLLM}.decode_worker", f"{VLLM}.caches", f"{VLLM}.connector")
+    bad = sorted(m for m in _imports(path) if any(m == b or m.startswith(b + ".") for b in banned))
+    assert not bad, f"{VLLM}.{name} imports {bad}"
+
+
+def test_each_vllm_worker_half_knows_only_its_own_role():
+    """The prefill and decode workers share the base and never reach into
+    each other; the base names neither; the facade alone picks a role."""
+    here = ROOT / "transfer" / "adapters" / "vllm"
+    for name, other in (("prefill_worker", "decode_worker"), ("decode_worker", "prefill_worker"),
+                        ("worker", "prefill_worker"), ("worker", "decode_worker")):
+        assert f"{VLLM}.{other}" not in _imports(here / f"{name}.py"), f"{name} imports {other}"
+    roles = {name: "Role.PREFILL" in (here / f"{name}.py").read_text() or "is_producer" in (here / f"{name}.py").read_text()
+             for name in ("worker", "decode_worker", "scheduler", "caches", "metadata")}
+    assert not any(roles.values()), f"role tests inside a half: {[n for n, r in roles.items() if r]}"

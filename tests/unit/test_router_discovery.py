@@ -8,7 +8,7 @@ import pytest
 import zmq
 
 from transfer.control.router_discovery import DiscoveryHeartbeat
-from transfer.adapters.vllm_params import ConnectorConfig
+from transfer.adapters.vllm.params import ConnectorConfig
 
 
 def test_a_worker_registers_every_interval_once_the_router_is_there():

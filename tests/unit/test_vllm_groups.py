@@ -1,10 +1,10 @@
-"""vLLM's KV-cache groups as kvferry pools (transfer.adapters.vllm_groups):
+"""vLLM's KV-cache groups as kvferry pools (transfer.adapters.vllm.groups):
 which group carries the pages, which become state pools, the window's freed
 blocks as -1, and the refusals. Pure: vLLM's specs stand in by class name."""
 
 import pytest
 
-from transfer.adapters.vllm_groups import NULL_BLOCK, plan_groups, split_draft
+from transfer.adapters.vllm.groups import NULL_BLOCK, plan_groups, split_draft
 from transfer.pools import unique_regions
 
 

@@ -1,8 +1,8 @@
-"""The vLLM connector's layer-wise bookkeeping (transfer.adapters.vllm_layerwise): pure."""
+"""The vLLM connector's layer-wise bookkeeping (transfer.adapters.vllm.layerwise): pure."""
 
 import pytest
 
-from transfer.adapters.vllm_layerwise import LayerStream, layer_groups
+from transfer.adapters.vllm.layerwise import LayerStream, layer_groups
 
 
 def test_target_layers_split_into_contiguous_groups_and_a_draft_is_one_more():

@@ -1,4 +1,4 @@
-"""transfer.adapters.vllm_params: the vLLM connector's config and router params (pure);
+"""transfer.adapters.vllm.params: the vLLM connector's config and router params (pure);
 the prefill's HTTP bootstrap port and decode's map to kvferry's ZMQ bootstrap behind it."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from transfer.adapters.vllm_params import (PARAMS_VERSION, ConnectorConfig, decode_params, num_pages, room_of,
+from transfer.adapters.vllm.params import (PARAMS_VERSION, ConnectorConfig, decode_params, num_pages, room_of,
                                            source_of)
 
 
@@ -65,7 +65,7 @@ def test_pages_of_a_prompt():
 def test_the_scheduler_half_imports_no_engine():
     """In a fresh interpreter (this one may have loaded them for other tests)."""
     import subprocess
-    code = ("import sys, transfer.adapters.vllm_params, transfer.adapters.vllm_stats; "
+    code = ("import sys, transfer.adapters.vllm.params, transfer.adapters.vllm.stats; "
             "bad = [m for m in ('torch', 'zmq', 'mooncake', 'vllm') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
@@ -78,7 +78,7 @@ def test_the_scheduler_half_imports_no_engine():
      "decode_context_parallel_size 2 is not supported"),
 ])
 def test_parallel_layouts_the_connector_cannot_move_are_refused_by_name(sizes, named):
-    from transfer.adapters.vllm_params import check_parallel
+    from transfer.adapters.vllm.params import check_parallel
 
     with pytest.raises(ValueError, match=named):
         check_parallel(**sizes)
@@ -88,7 +88,7 @@ def test_parallel_layouts_the_connector_cannot_move_are_refused_by_name(sizes, n
 def test_a_mooncake_router_finds_the_room_from_the_engine_id_query_gives():
     """vLLM's Mooncake routers pass on the engine id prefill's /query gave,
     with their transfer_id: decode reads kvferry's bootstrap and node from it."""
-    from transfer.adapters.vllm_params import engine_id_of, query_reply
+    from transfer.adapters.vllm.params import engine_id_of, query_reply
 
     config = ConnectorConfig.from_extra({"kvferry_bootstrap_addr": "10.0.0.5:9000", "kvferry_node": "p0",
                                          "kvferry_query_port": 8998}, "eng")  # a separate bootstrap server at 9000
@@ -107,7 +107,7 @@ def test_a_prefill_serving_the_bootstrap_answers_http_on_its_port_and_zmq_beside
     """The README's prefill (serve_bootstrap, 8998): HTTP on 8998, the port
     vLLM's Mooncake routers ask; kvferry's ZMQ bootstrap on 8999, which the
     engine id, the /query workers and decode's params name."""
-    from transfer.adapters.vllm_params import decode_params, engine_id_of, query_reply
+    from transfer.adapters.vllm.params import decode_params, engine_id_of, query_reply
 
     served = ConnectorConfig.from_extra({"kvferry_bootstrap_addr": "10.0.0.5:8998", "kvferry_serve_bootstrap": True,
                                          "kvferry_node": "p0"}, None)
@@ -132,13 +132,37 @@ def test_a_prefill_serving_the_bootstrap_answers_http_on_its_port_and_zmq_beside
         ConnectorConfig.from_extra({"kvferry_serve_bootstrap": True, "kvferry_bootstrap_addr": "h:65535"}, None)
 
 
+def test_a_prefill_bound_on_every_interface_is_named_by_a_reachable_host_never_the_wildcard():
+    """A multi-node prefill serves its bootstrap on ``0.0.0.0``: the engine
+    id, the /query workers, decode's params and the discovery registration
+    name this rank's host instead (on decode's machine ``0.0.0.0`` is decode
+    itself). A wildcard in an engine id (an older prefill) is read as the
+    host the router forwards in ``remote_bootstrap_addr``."""
+    from transfer.adapters.vllm.params import decode_params, engine_id_of, query_reply
+
+    wild = ConnectorConfig.from_extra({"kvferry_bootstrap_addr": "0.0.0.0:8998", "kvferry_serve_bootstrap": True,
+                                       "kvferry_node": "p0", "kvferry_host": "10.1.2.3"}, None)
+    assert wild.kvferry_addr == "0.0.0.0:8999" and wild.public_kvferry_addr == "10.1.2.3:8999"
+    assert engine_id_of(wild) == "p0@kvferry@10.1.2.3:8999"
+    assert query_reply(wild, 1)["0"]["worker_addr"] == {"0": {"0": "10.1.2.3:8999"}}
+    assert decode_params(3, wild)["kvferry_bootstrap_addr"] == "10.1.2.3:8999"
+    routed = source_of({"transfer_id": "t-1", "remote_engine_id": engine_id_of(wild),
+                        "remote_bootstrap_addr": "http://10.1.2.3:8998"})
+    assert routed.bootstrap_addr == "10.1.2.3:8999" and routed.node_id == "p0"
+    old = source_of({"transfer_id": "t-1", "remote_engine_id": "p0@kvferry@0.0.0.0:8999",
+                     "remote_bootstrap_addr": "http://10.0.0.7:8998"})
+    assert old.bootstrap_addr == "10.0.0.7:8999"
+    named = ConnectorConfig.from_extra({"kvferry_bootstrap_addr": "10.0.0.5:8998", "kvferry_host": "10.9.9.9"}, None)
+    assert named.public_kvferry_addr == "10.0.0.5:8998"  # a named host is what peers reach
+
+
 def test_the_query_server_answers_get_query_as_vllms_mooncake_bootstrap_does():
     import json
     import urllib.error
     import urllib.request
 
-    from transfer.adapters.vllm_params import query_reply
-    from transfer.adapters.vllm_query import QueryServer
+    from transfer.adapters.vllm.params import query_reply
+    from transfer.adapters.vllm.query import QueryServer
 
     config = ConnectorConfig.from_extra({"kvferry_node": "p0"}, None)
     server = QueryServer("127.0.0.1", 0, query_reply(config, 1), kvferry_port=4321)
@@ -162,8 +186,8 @@ def test_decode_finds_kvferrys_bootstrap_behind_a_front_door_and_takes_a_zmq_por
     prefill's params name) is itself, told at once by its greeting; a port
     nobody listens on is taken as it is, not remembered."""
     from bootstrap.server import BootstrapServer
-    from transfer.adapters.vllm_params import query_reply
-    from transfer.adapters.vllm_query import KvferryAddresses, QueryServer
+    from transfer.adapters.vllm.params import query_reply
+    from transfer.adapters.vllm.query import KvferryAddresses, QueryServer
 
     zmq_server = BootstrapServer("127.0.0.1", 0).start()
     door = QueryServer("127.0.0.1", 0, query_reply(ConnectorConfig(), 1), kvferry_port=zmq_server.port)
@@ -204,7 +228,7 @@ def test_a_rank_on_another_node_than_its_bootstrap_registers_its_outgoing_addres
     machine sends from on that route (here: towards this machine's own
     outgoing address, which is that address: a packet would leave by lo,
     from it), never loopback's."""
-    from transfer.adapters.vllm_params import default_host
+    from transfer.adapters.vllm.params import default_host
 
     mine = default_host("0.0.0.0:8998", True)  # the default route's interface
     if mine.startswith("127."):

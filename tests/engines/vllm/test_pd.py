@@ -296,17 +296,22 @@ def test_behind_vllm_router_unchanged_tokens_equal_a_single_instance(cluster, co
         router.close()
 
 
-def test_behind_vllm_router_with_intra_node_dp_each_request_is_served_or_refused_by_name(cluster):
+@pytest.mark.parametrize("connector", ["nixl", "mooncake"])
+def test_behind_vllm_router_with_intra_node_dp_each_request_is_served_or_refused_by_name(cluster, connector):
     """vllm-router ``--intra-node-data-parallel-size 2`` may take each server
-    for two DP engines (``X-data-parallel-rank``). kvferry's connector refuses
-    ``--data-parallel-size`` > 1 at start-up (test_vllm_params), so these
-    servers have one: every request is served, tokens equal the single
-    instance's, or refused by vLLM with a 4xx that names the rank; never a
-    hang or wrong tokens. (Measured with 0.1.17 in PD mode: all served, none
-    sent to an engine 1. DP replicas go behind the router as servers of their own.)"""
+    for two DP engines (``X-data-parallel-rank``, picked for prefill and
+    decode apart). kvferry's connector refuses ``--data-parallel-size`` > 1
+    at start-up (test_vllm_params), so these servers have one, and prefill's
+    ``/query`` names one DP rank (mooncake mode: the router gives a rank it
+    lacks the first rank's engine id). Every request is served, tokens equal
+    the single instance's, or refused by vLLM with a 4xx that names the
+    rank; never a hang or wrong tokens. DP replicas go behind the router as
+    servers of their own."""
     from harness.vllm import VllmRouter
 
-    router = VllmRouter("nixl", cluster.servers["prefill"], cluster.servers["decode"], cluster.log_dir, dp_size=2)
+    port = int(cluster.bootstrap.rpartition(":")[2])
+    router = VllmRouter(connector, cluster.servers["prefill"], cluster.servers["decode"], cluster.log_dir, dp_size=2,
+                        bootstrap_port=port if connector == "mooncake" else None)
     served = refused = 0
     try:
         router.wait_ready(90)

@@ -27,7 +27,7 @@ pytest.importorskip("vllm")
 
 from harness.vllm import VOCAB, ServerSpec, VLLMServer, build_tiny_model, complete, free_ports, pd_complete  # noqa: E402
 from bootstrap.client import BootstrapClient  # noqa: E402
-from transfer.adapters.vllm_query import KvferryAddresses  # noqa: E402
+from transfer.adapters.vllm.query import KvferryAddresses  # noqa: E402
 from bootstrap.messages import PoolRole  # noqa: E402
 from tests.engines.vllm.pd_servers import digests, kvferry_pair, logged, prompt_sources_since, running  # noqa: E402
 

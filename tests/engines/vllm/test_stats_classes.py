@@ -16,7 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  #
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging, KVConnectorProm  # noqa: E402
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder  # noqa: E402
 
-from transfer.adapters import vllm_stats  # noqa: E402
+from transfer.adapters.vllm import stats as vllm_stats  # noqa: E402
 from transfer.adapters.vllm import KvferryConnector  # noqa: E402
 from transfer.stats import RoomStats  # noqa: E402
 

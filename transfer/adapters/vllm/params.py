@@ -90,7 +90,7 @@ class ConnectorConfig:
       request lags behind prefill's answer;
     - ``kvferry_layer_groups`` (prefill, default 0: off): stream a request's
       KV in this many groups of layers during the forward pass that
-      completes its prefill (:mod:`transfer.adapters.vllm_layerwise`);
+      completes its prefill (:mod:`transfer.adapters.vllm.layerwise`);
       ``kvferry.layerwise_min_tokens`` keeps shorter prompts whole;
     - ``kvferry`` (dict): :class:`~transfer.config.ManagerConfig` fields
       (timeouts, staging, the write fence, storage tier), validated by
@@ -154,6 +154,16 @@ class ConnectorConfig:
             return self.bootstrap_addr
         host, _, port = self.bootstrap_addr.rpartition(":")
         return f"{host}:{self.bootstrap_zmq_port or int(port) + 1}"
+
+    @property
+    def public_kvferry_addr(self) -> str:
+        """:attr:`kvferry_addr` as peers on other nodes reach it: a server
+        bound on every interface (``0.0.0.0``, ``::``) is named by this
+        rank's host (``kvferry_host``, or the address its default route
+        leaves from), never by the wildcard, which names the peer's own
+        machine there. What the routers and decode are given."""
+        host, _, port = self.kvferry_addr.rpartition(":")
+        return f"{self.host}:{port}" if host.strip("[]") in ("", "0.0.0.0", "::") else self.kvferry_addr
 
     @property
     def http_ports(self) -> tuple[int, ...]:
@@ -275,7 +285,7 @@ ENGINE_SEP = "@kvferry@"
 
 def engine_id_of(config: ConnectorConfig) -> str:
     """The engine id prefill's ``/query`` gives vLLM's Mooncake routers."""
-    return f"{config.node_id}{ENGINE_SEP}{config.kvferry_addr}"
+    return f"{config.node_id}{ENGINE_SEP}{config.public_kvferry_addr}"
 
 
 def query_reply(config: ConnectorConfig, tp_size: int) -> dict:
@@ -283,13 +293,14 @@ def query_reply(config: ConnectorConfig, tp_size: int) -> dict:
     shapes it: ``{dp_rank: {"engine_id", "worker_addr": {tp: {pp: addr}}}}``
     (the workers' addresses are kvferry's bootstrap: decode finds the ranks there)."""
     return {"0": {"engine_id": engine_id_of(config),
-                  "worker_addr": {str(tp): {"0": config.kvferry_addr} for tp in range(tp_size)}}}
+                  "worker_addr": {str(tp): {"0": config.public_kvferry_addr} for tp in range(tp_size)}}}
 
 
 def decode_params(room: int, config: ConnectorConfig) -> dict:
     """What prefill returns in its response, for the router to send to decode."""
     return {"do_remote_prefill": True, "do_remote_decode": False, "kvferry_version": PARAMS_VERSION,
-            "kvferry_room": room, "kvferry_bootstrap_addr": config.kvferry_addr, "kvferry_node": config.node_id}
+            "kvferry_room": room, "kvferry_bootstrap_addr": config.public_kvferry_addr,
+            "kvferry_node": config.node_id}
 
 
 def default_host(bootstrap_addr: str, serve_bootstrap: bool) -> str:
@@ -329,6 +340,10 @@ def source_of(params: dict) -> Source:
         if not sep or not node or not addr:  # a Mooncake router: the engine id prefill's /query gave
             raise ValueError(f"kv_transfer_params.remote_engine_id {params['remote_engine_id']!r} is not a kvferry "
                              f"prefill's (from its /query: node{ENGINE_SEP}bootstrap address)")
+        host, _, port = addr.rpartition(":")
+        router = str(params.get("remote_bootstrap_addr") or "").partition("://")[2].rpartition(":")[0]
+        if host.strip("[]") in ("", "0.0.0.0", "::") and router:  # a wildcard names no node: the router's host
+            addr = f"{router}:{port}"
         return Source(room=room, bootstrap_addr=addr, node_id=node)
     for name in ("kvferry_bootstrap_addr", "kvferry_node"):
         if not isinstance(params.get(name), str) or not params[name]:

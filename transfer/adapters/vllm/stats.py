@@ -1,7 +1,7 @@
 """What kvferry's vLLM connector reports to vLLM each engine step. Pure.
 
 Imports neither vLLM, torch, zmq nor Mooncake (the vLLM classes that carry
-it are in :mod:`transfer.adapters.vllm_metrics`).
+it are in :mod:`transfer.adapters.vllm.metrics`).
 
 The rule: the worker records a room once, when it ends (the same
 :class:`~transfer.stats.RoomStats` that ``KVSender.stats()`` /

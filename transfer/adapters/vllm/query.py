@@ -9,7 +9,7 @@ kvferry's bootstrap server speaks ZMQ; a prefill that serves the bootstrap
 kvferry's ZMQ server beside it (``ConnectorConfig.kvferry_addr``), as
 SGLang's side does behind SGLang's bootstrap port. Routes:
 
-- ``GET /query``: :func:`~transfer.adapters.vllm_params.query_reply`, the
+- ``GET /query``: :func:`~transfer.adapters.vllm.params.query_reply`, the
   body vLLM's Mooncake bootstrap server gives;
 - ``GET /kvferry``: ``{"port": <kvferry's ZMQ bootstrap port>}`` (a
   decode handed this port's address finds kvferry's there);

@@ -1,6 +1,6 @@
 """vLLM's stats and Prometheus classes for kvferry's connector.
 
-:class:`KvferryConnectorStats` carries :mod:`transfer.adapters.vllm_stats`'
+:class:`KvferryConnectorStats` carries :mod:`transfer.adapters.vllm.stats`'
 payload from the worker to vLLM's loggers (``get_kv_connector_stats``, then
 ``build_kv_connector_stats`` in the logging process); :class:`KvferryPromMetrics`
 (``build_prom_metrics``) turns it into metrics on vLLM's own ``/metrics``,
@@ -24,7 +24,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from transfer.adapters import vllm_stats
+from transfer.adapters.vllm import stats as vllm_stats
 
 _SECONDS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 _BYTES = [2 ** (10 + i) for i in range(1, 25, 2)]  # 2 KiB .. 8 GiB
@@ -33,7 +33,7 @@ _DESCRIPTORS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 65536]
 
 @dataclass
 class KvferryConnectorStats(KVConnectorStats):
-    """One interval's payload (see :mod:`transfer.adapters.vllm_stats`)."""
+    """One interval's payload (see :mod:`transfer.adapters.vllm.stats`)."""
 
     def __post_init__(self) -> None:
         if not self.data:
