@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.page_cache import recycle_memory
 from benchmarks.workloads import MODELS, PAGE_SIZE
 from transfer.pools import MHAPool
 from transfer.storage.base import open_storage
@@ -121,16 +122,6 @@ class Bench:
         sample = self.rng.choice(len(src_pages), min(len(src_pages), self.config.verify_pages), replace=False)
         return all(np.array_equal(s[src_pages[i]], d[dst_pages[i]]) for i in sample
                    for s, d in zip(self.src.blocks, self.dst.blocks))
-
-
-def recycle_memory(nbytes: int) -> None:
-    """Touch ``nbytes`` of fresh memory and free it, just before a timed
-    write into the page cache: on this VM the first touch of memory the
-    hypervisor took back costs far more than the write (0.3-0.5 GB/s), and
-    a long-running server's page cache reuses its own pages."""
-    scratch = np.empty(nbytes, dtype=np.uint8)
-    scratch[::4096] = 1
-    del scratch
 
 
 # --- rows --------------------------------------------------------------------------------------

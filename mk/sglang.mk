@@ -12,7 +12,7 @@ SGLANG_RUNTIME_DEPS := orjson psutil pybase64 packaging pillow starlette msgspec
 	tqdm IPython prometheus_client transformers==5.19.0 dill sentencepiece compressed_tensors gguf \
 	fastapi uvicorn uvloop setproctitle
 
-.PHONY: setup-sglang test-sglang bench-sglang setup-sglang-server test-sglang-server
+.PHONY: setup-sglang test-sglang bench-sglang bench-hicache setup-sglang-server test-sglang-server
 
 setup-sglang: $(SGLANG_STAMP)
 
@@ -21,6 +21,8 @@ $(SGLANG_STAMP): pyproject.toml mk/sglang.mk | debian-libs
 	$(SGLANG_PIP) --upgrade pip
 	$(SGLANG_PIP) torch==$(TORCH_VERSION)
 	$(SGLANG_PIP) numpy pyzmq msgpack requests aiohttp $(MOONCAKE_PKG)==$(MOONCAKE_VERSION)
+	# kvferry's nixl:// store, for the HiCache backend's tests and bench-hicache (after torch, so pip keeps it).
+	$(SGLANG_PIP) nixl-cu12==$(NIXL_VERSION)
 	$(SGLANG_PIP) --no-deps sglang==$(SGLANG_VERSION)
 	$(SGLANG_PIP) $(SGLANG_RUNTIME_DEPS) triton==3.9.0 apache-tvm-ffi==0.1.11
 	$(SGLANG_PIP) pytest
@@ -37,6 +39,12 @@ bench-sglang: setup-sglang setup-sglang-server
 	# Real servers behind sglang-router, kvferry beside SGLang's mooncake backend (whose bootstrap binds 0.0.0.0).
 	PYTHONPATH=$(CURDIR) timeout 2400 $$( [ "$$(id -u)" = 0 ] && echo "unshare -n" || echo "unshare -rn" ) sh -c 'ip link set lo up && \
 		$(SGLANG_SERVER_PY) -m benchmarks.sglang_router --rounds 3 --out bench-sglang-router.json --doc docs/sglang.md'
+
+# kvferry's store as SGLang's HiCache L3 backend beside SGLang's own file backend, on SGLang's host
+# pool (docs/storage.md, "Inside the engines"): put/get GB/s of every kvferry store. About 3 minutes.
+bench-hicache: setup-sglang
+	PYTHONPATH=$(CURDIR):$(CURDIR)/tests/engines/sglang/stubs timeout 1200 $(SGLANG_PY) -m benchmarks.hicache \
+		--json bench-hicache.json --doc docs/storage.md
 
 # Real SGLang servers (tests/engines/sglang_server): SGLang serves on this CPU on its generic torch
 # path (SGLANG_USE_CPU_ENGINE=0; the CPU engine needs sgl_kernel's CPU build, which no index holds),

@@ -12,10 +12,19 @@ concatenation of the key's segments.
 - **Atomic.** A put writes a private temporary file next to the target and
   ``os.replace``-s it, so a reader sees the old value or the new one, never a
   mix; concurrent writers of one key leave one of their values.
-- **Checked.** A file with a wrong magic or version, a length that disagrees
-  with its size, or a payload whose CRC differs is a miss, and is deleted.
-  The size checks happen before anything is read, so a short file leaves the
-  destination untouched; a CRC mismatch is only found after the read.
+- **Checked.** A file with a wrong magic or version, or a length that
+  disagrees with its size, is a miss, and is deleted; these checks happen
+  before anything is read, so a short file leaves the destination untouched.
+  The payload's CRC-32 is written with every value and checked on read where
+  the value may be torn: nothing is fsync-ed, so only a crash of the machine
+  (power, kernel) tears a file, and a file read back in the boot that wrote
+  it is what the page cache was given. So the header carries the writer's
+  boot (Linux's boot id); a file from another boot or another machine (or
+  with no stamp, or where the boot id is not known) has its CRC checked on
+  its first read, is stamped with this boot when it matches, and is a miss,
+  deleted, when it does not. ``verify=always`` checks every read (a CRC-32
+  runs at about 2.5 GB/s a core: slower than the read itself). A mismatch is
+  only found after the read.
 - **Capped.** ``max_bytes`` bounds the files' total size; the least recently
   used (put or hit) are deleted first. The recency index lives in memory,
   rebuilt at open from the files' mtimes (a hit also bumps the file's mtime).
@@ -37,10 +46,12 @@ import logging
 import os
 import struct
 import threading
+import uuid
 import zlib
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
-from collections.abc import Mapping, Sequence
 
 from transfer.errors import StorageClosedError, StorageError
 from transfer.storage.base import Segment, StorageBackend, StorageURL, check_batch, check_keys, config_from_options
@@ -50,25 +61,47 @@ log = logging.getLogger("kvferry.storage.file")
 
 _MAGIC = b"KVFERRY1"
 _FORMAT_VERSION = 1
-# magic, format version, reserved, payload bytes, CRC-32 of the payload, padding to 32 bytes
-_HEADER = struct.Struct("<8sHHQI8x")
+# magic, format version, reserved, payload bytes, CRC-32 of the payload, the writer's boot (8 bytes,
+# zero where not known: files of kvferry before the stamp have zeros there)
+_HEADER = struct.Struct("<8sHHQI8s")
+_NO_BOOT = bytes(8)
+VERIFY_MODES = ("boot", "always")
+
+
+def boot_stamp() -> bytes:
+    """8 bytes naming this boot of this machine (Linux's boot id, which a
+    reboot or crash changes and a container shares with its host), or zeros
+    where there is none (then every read is checked)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            return uuid.UUID(f.read().strip().decode()).bytes[:8]
+    except (OSError, ValueError):
+        return _NO_BOOT
 _IOV_MAX = max(16, min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024))
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+# a value at least this large has its CRC computed on the store's checksum thread while it is written
+_CRC_THREAD_BYTES = 256 << 10
 
 
 @dataclass(frozen=True, kw_only=True)
 class FileStoreConfig:
     """``root``: the directory (created if missing). ``max_bytes``: the cap on
-    the files' total size, headers included."""
+    the files' total size, headers included. ``verify``: ``boot`` checks a
+    value's CRC on its first read after a reboot or on another machine (see
+    the module docstring), ``always`` on every read (a root on a network file
+    system whose server may lose written data: there, take ``always``)."""
 
     root: str
     max_bytes: int = 64 << 30
+    verify: str = "boot"
 
     def __post_init__(self) -> None:
         if not self.root:
             raise ValueError("FileStoreConfig.root must not be empty")
         if not isinstance(self.max_bytes, int) or self.max_bytes <= 0:
             raise ValueError(f"FileStoreConfig.max_bytes must be > 0, got {self.max_bytes!r}")
+        if self.verify not in VERIFY_MODES:
+            raise ValueError(f"FileStoreConfig.verify must be one of {', '.join(VERIFY_MODES)}, got {self.verify!r}")
 
 
 def _views(segments: Sequence[Segment]) -> list[memoryview]:
@@ -112,6 +145,8 @@ class FileStore(StorageBackend):
         self._index = KeyFiles(self._root, config.max_bytes)
         self._path, self._unlink = self._index.path, self._index.unlink
         self._temp_names = itertools.count()
+        self._boot = boot_stamp()
+        self._checksums: ThreadPoolExecutor | None = None  # started by the first large put
         try:
             os.makedirs(self._root, exist_ok=True)
             self._index.scan()
@@ -175,7 +210,7 @@ class FileStore(StorageBackend):
             log.debug("%s: %s (%d bytes) is larger than the cap", self.url, key, file_bytes)
             return False
         views = _views(segments)
-        header = _HEADER.pack(_MAGIC, _FORMAT_VERSION, 0, total, _crc(views))
+        crc = self._crc_of(views, total)
         path = self._path(key)
         temp = os.path.join(os.path.dirname(path),
                             f".{key[:64]}.{os.getpid()}.{threading.get_ident()}.{next(self._temp_names)}{TEMP_SUFFIX}")
@@ -183,7 +218,9 @@ class FileStore(StorageBackend):
             os.makedirs(os.path.dirname(path), exist_ok=True)
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             try:
-                written = _io_all(os.pwritev, fd, [header, *views], 0)
+                written = _io_all(os.pwritev, fd, views, _HEADER.size)
+                header = _HEADER.pack(_MAGIC, _FORMAT_VERSION, 0, total, crc(), self._boot)
+                written += os.pwrite(fd, header, 0)
             finally:
                 os.close(fd)
             if written != file_bytes:
@@ -203,6 +240,19 @@ class FileStore(StorageBackend):
         totals = check_batch(keys, segments)
         return [self._get_one(key, segs, total) for key, segs, total in zip(keys, segments, totals, strict=True)]
 
+    def _crc_of(self, views: list[memoryview], total: int) -> Callable[[], int]:
+        """The CRC-32 of ``views``: a large value's is computed on the
+        store's checksum thread while the caller writes the payload (zlib lets
+        the interpreter lock go, so the two overlap on two cores); call the
+        result for it."""
+        with self._lock:
+            if total >= _CRC_THREAD_BYTES and not self._closed:
+                if self._checksums is None:
+                    self._checksums = ThreadPoolExecutor(1, thread_name_prefix="kvferry-file-crc")
+                return self._checksums.submit(_crc, views).result
+        crc = _crc(views)
+        return lambda: crc
+
     def _get_one(self, key: str, segments: Sequence[Segment], total: int) -> bool:
         path = self._path(key)
         try:
@@ -217,7 +267,7 @@ class FileStore(StorageBackend):
             header = os.pread(fd, _HEADER.size, 0)
             if len(header) != _HEADER.size:
                 return self._corrupt(key, path, st, "shorter than its header")
-            magic, version, _, payload_bytes, crc = _HEADER.unpack(header)
+            magic, version, _, payload_bytes, crc, boot = _HEADER.unpack(header)
             if magic != _MAGIC or version != _FORMAT_VERSION:
                 return self._corrupt(key, path, st, "not a kvferry page file of this version")
             if st.st_size != _HEADER.size + payload_bytes:
@@ -228,8 +278,12 @@ class FileStore(StorageBackend):
             views = _views(segments)
             if _io_all(os.preadv, fd, views, _HEADER.size) != total:
                 return self._corrupt(key, path, st, "shrank while read")
-            if _crc(views) != crc:
-                return self._corrupt(key, path, st, "checksum mismatch")
+            unproven = boot != self._boot or boot == _NO_BOOT
+            if unproven or self.config.verify == "always":
+                if _crc(views) != crc:
+                    return self._corrupt(key, path, st, "checksum mismatch")
+                if unproven and self._boot != _NO_BOOT:
+                    self._stamp(path, st, header)
             self._bump_mtime(fd)
         except OSError as exc:
             raise self._os_error(f"reading {key}", exc) from exc
@@ -237,6 +291,23 @@ class FileStore(StorageBackend):
             os.close(fd)
         self._evict(self._touch(key, st.st_size))
         return True
+
+    def _stamp(self, path: str, st: os.stat_result, header: bytes) -> None:
+        """A value from another boot matched its CRC: stamp it with this boot,
+        so that its next reads are not checked again (best effort: another
+        user's file in a shared directory may refuse it; a value that replaced
+        it meanwhile is left alone)."""
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            if os.fstat(fd).st_ino == st.st_ino:
+                os.pwrite(fd, header[:_HEADER.size - 8] + self._boot, 0)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
     @staticmethod
     def _bump_mtime(fd: int) -> None:
@@ -259,6 +330,10 @@ class FileStore(StorageBackend):
 
     def close(self) -> None:
         self._closed = True
+        with self._lock:
+            checksums, self._checksums = self._checksums, None
+        if checksums is not None:
+            checksums.shutdown(wait=True)
 
     @property
     def total_bytes(self) -> int:
