@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -92,11 +93,12 @@ class BootstrapClient:
             self._sock.close(0)
             self._sock = None
 
-    def request(self, msg, *, timeout_s: float | None = None):
-        """Send ``msg`` and return the decoded reply (never an ErrorReply)."""
-        return self._request(codec.pack(msg), msg, timeout_s)
+    def request(self, msg, *, timeout_s: float | None = None, pace: Callable[[], None] | None = None):
+        """Send ``msg`` and return the decoded reply (never an ErrorReply);
+        ``pace`` as :func:`bootstrap.codec.decode`'s."""
+        return self._request(codec.pack(msg), msg, timeout_s, pace)
 
-    def _request(self, packed: bytes, msg, timeout_s: float | None):
+    def _request(self, packed: bytes, msg, timeout_s: float | None, pace: Callable[[], None] | None = None):
         payload = codec.seal(packed, self._key)
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
@@ -110,7 +112,7 @@ class BootstrapClient:
             except BootstrapUnavailable:
                 self._drop_socket()
                 raise
-        return self._decode(data)
+        return self._decode(data, pace)
 
     def _receive(self, sock: zmq.Socket, msg, timeout_s: float) -> bytes:
         deadline = time.monotonic() + timeout_s
@@ -129,13 +131,13 @@ class BootstrapClient:
                     raise BootstrapRefused(f"bootstrap server {self.address} refused the connection "
                                            f"(nothing listens there); {msg.KIND!r} not sent")
 
-    def _decode(self, data: bytes):
+    def _decode(self, data: bytes, pace: Callable[[], None] | None = None):
         try:
             payload = codec.unseal(data, self._key)
             last = self._last_reply
             if last is not None and last[0] == payload:
                 return last[1]
-            reply = codec.decode(payload)
+            reply = codec.decode(payload, pace=pace)
         except AuthError as exc:
             refusal = self._refusal(data)
             raise AuthError(f"bootstrap server {self.address}: {refusal or exc}") from None
@@ -169,13 +171,17 @@ class BootstrapClient:
         msg = Unregister(node_id=rank.node_id, dp_rank=rank.dp_rank, tp_rank=rank.tp_rank, session=rank.session)
         return self._expect(self.request(msg, timeout_s=timeout_s), Unregistered)
 
-    def lookup(self, node_id: str, dp_rank: int, *, strict: bool = False, partial: bool = False) -> LookupReply:
+    def lookup(self, node_id: str, dp_rank: int, *, strict: bool = False, partial: bool = False,
+               pace: Callable[[], None] | None = None) -> LookupReply:
         """The DP group's ranks (``ready``) or the progress (not ready; with
         ``partial``, the ranks registered so far and those that left). An
         unknown node (see :class:`LookupReply`) is a not-ready reply with
         ``unknown_node`` set, or, with ``strict``, raises
-        :class:`UnknownNodeError` naming the known nodes."""
-        reply = self._expect(self.request(Lookup(node_id=node_id, dp_rank=dp_rank, partial=partial)), LookupReply)
+        :class:`UnknownNodeError` naming the known nodes. ``pace()`` is called
+        between the reply's parts as it is decoded (a background caller gives
+        the interpreter lock up there)."""
+        reply = self._expect(self.request(Lookup(node_id=node_id, dp_rank=dp_rank, partial=partial), pace=pace),
+                             LookupReply)
         if strict and reply.unknown_node:
             known = ", ".join(map(repr, reply.known_nodes)) or "none"
             if len(reply.known_nodes) == MAX_KNOWN_NODES:

@@ -56,6 +56,7 @@ import enum
 import functools
 import hashlib
 import hmac
+import threading
 import time
 import types
 import typing
@@ -166,9 +167,26 @@ def unseal(data: bytes, key: bytes | None) -> bytes:
     return payload
 
 
-def decode(data: bytes, key: bytes | None = None) -> Any:
+def decode(data: bytes, key: bytes | None = None, *, pace: Callable[[], None] | None = None) -> Any:
     """Decode bytes to a message instance, checking the sealing (see
-    :func:`unseal`), version, kind and fields."""
+    :func:`unseal`), version, kind and fields. ``pace()``, when given, is
+    called before each nested struct is built: a caller on a background
+    thread gives the interpreter lock up there (a lookup reply holds every
+    rank's descriptors, milliseconds of Python in one message)."""
+    if pace is None:
+        return _decode(data, key)
+    _pacer.fn = pace
+    try:
+        return _decode(data, key)
+    finally:
+        _pacer.fn = None
+
+
+#: the ``pace`` of the :func:`decode` running on this thread, if any
+_pacer = threading.local()
+
+
+def _decode(data: bytes, key: bytes | None) -> Any:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"expected bytes, got {type(data).__name__}")
     if len(data) > MAX_MESSAGE_BYTES:
@@ -273,6 +291,9 @@ def _dump(value: Any, tp: Any, path: str) -> Any:
 
 
 def _load_struct(cls: type, body: Any, path: str) -> Any:
+    pace = getattr(_pacer, "fn", None)
+    if pace is not None:
+        pace()
     if not isinstance(body, dict):
         raise ProtocolError(f"{path}: expected a map, got {type(body).__name__}", field=path)
     plan = _plan(cls)

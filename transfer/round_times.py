@@ -4,11 +4,56 @@ the CPU time of its rounds, by task, for :class:`~transfer.stats.ManagerStats`
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
-#: The rank's periodic tasks, as :class:`RoundTimes` names them.
-PERIODIC_TASKS = ("liveness", "sweep", "register", "resolver", "control")
+#: The rank's periodic tasks, as :class:`RoundTimes` names them, and ``gc``:
+#: the longest garbage collection that ran inside one of their rounds.
+PERIODIC_TASKS = ("liveness", "sweep", "register", "resolver", "control", "gc")
+
+
+class _GcClock:
+    """The CPU time each thread spent in the interpreter's garbage
+    collections (``gc.callbacks``), so that a round counts its own work: a
+    collection runs in whichever thread allocated past the threshold, and
+    walks the whole process's objects, not the round's."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        local = self._local
+        now = time.thread_time()
+        if phase == "start":
+            local.start = now
+            return
+        pause = now - getattr(local, "start", now)
+        local.spent = getattr(local, "spent", 0.0) + pause
+        local.longest = max(getattr(local, "longest", 0.0), pause)
+
+    def spent(self) -> float:
+        """This thread's CPU seconds in collections so far."""
+        return getattr(self._local, "spent", 0.0)
+
+    def take_longest(self) -> float:
+        """This thread's longest collection since the last call."""
+        longest, self._local.longest = getattr(self._local, "longest", 0.0), 0.0
+        return longest
+
+
+_gc_clock: _GcClock | None = None
+_gc_lock = threading.Lock()
+
+
+def _clock() -> _GcClock:
+    """The process's one :class:`_GcClock`, installed by the first RoundTimes."""
+    global _gc_clock
+    with _gc_lock:
+        if _gc_clock is None:
+            _gc_clock = _GcClock()
+        return _gc_clock
 
 
 class RoundTimes:
@@ -18,14 +63,18 @@ class RoundTimes:
     re-registration), ``resolver`` (a round of the link resolver),
     ``control`` (the channel thread's idle wake-up). A thread holds the
     interpreter lock only while it runs, so a round's CPU time bounds how
-    long it kept the lock from the scheduler. Each task's thread writes its
-    own entries (its own lock, not the rank's: the measure takes none of
-    what ``poll()`` needs)."""
+    long it kept the lock from the scheduler. A garbage collection that ran
+    inside a round is not the round's (it walks the process's objects, and
+    runs in whichever thread allocated past the threshold): it is taken out
+    of the round's time and counted apart, as ``gc``, the longest such
+    collection. Each task's thread writes its own entries (its own lock, not
+    the rank's: the measure takes none of what ``poll()`` needs)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.rounds: dict[str, int] = {}
         self.max_cpu_s: dict[str, float] = {}
+        self.gc = _clock()
 
     def round(self, task: str) -> _Round:
         """``with times.round("liveness"): ...`` measures one round. A round
@@ -57,20 +106,28 @@ class _Round:
     def __init__(self, times: RoundTimes, task: str) -> None:
         self.times, self.task = times, task
 
+    def _own(self) -> float:
+        """This thread's CPU seconds so far, its garbage collections left out."""
+        return time.thread_time() - self.times.gc.spent()
+
     def __enter__(self) -> _Round:
-        self.start = time.thread_time()
+        self.times.gc.take_longest()
+        self.start = self._own()
         return self
 
     def tick(self) -> None:
-        ran = time.thread_time() - self.start
+        ran = self._own() - self.start
         if ran > SLICE_CPU_S:
             self.times.add(self.task, ran)
             time.sleep(0)  # lets a waiting thread (the scheduler) take the interpreter lock
-            self.start = time.thread_time()
+            self.start = self._own()
 
     def restart(self) -> None:
         """Count the round from now (what ran before was not this task's)."""
-        self.start = time.thread_time()
+        self.start = self._own()
 
     def __exit__(self, *exc) -> None:
-        self.times.add(self.task, time.thread_time() - self.start)
+        self.times.add(self.task, self._own() - self.start)
+        collected = self.times.gc.take_longest()
+        if collected:
+            self.times.add("gc", collected)

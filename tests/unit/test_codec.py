@@ -585,3 +585,33 @@ def test_stale_frame_refused(monkeypatch):
 def test_empty_secret_means_off():
     assert codec.secret_key("") is None and codec.secret_key(None) is None
     assert codec.secret_key("a") != codec.secret_key("b")
+
+
+def test_a_paced_decode_calls_pace_before_each_struct_and_decodes_the_same():
+    """A lookup reply of several ranks, decoded with ``pace``: pace runs
+    before every nested struct (a background thread gives the interpreter
+    lock up there), the message equals the unpaced decode, and the next
+    decode on the thread is not paced."""
+    ranks = tuple(make_rank(tp_rank=i, tp_size=4) for i in range(4))
+    data = codec.encode(bm.LookupReply(node_id="prefill-0", dp_rank=0, ready=True, dp_size=1, tp_size=4,
+                                       num_registered=4, ranks=ranks))
+    calls = []
+    paced = codec.decode(data, pace=lambda: calls.append(1))
+    assert paced == codec.decode(data)
+    structs = 1 + len(ranks) * (1 + len(ranks[0].pools) + len(ranks[0].aux))  # at least: reply, ranks, pools, aux
+    assert len(calls) >= structs, (len(calls), structs)
+    before = len(calls)
+    codec.decode(data)
+    assert len(calls) == before
+
+
+def test_a_pace_that_raises_ends_the_decode_and_the_next_is_not_paced():
+    data = codec.encode(bm.LookupReply(node_id="prefill-0", dp_rank=0, ready=True, dp_size=1, tp_size=1,
+                                       num_registered=1, ranks=(make_rank(),)))
+
+    def stop():
+        raise RuntimeError("stop")
+
+    with pytest.raises(RuntimeError, match="stop"):
+        codec.decode(data, pace=stop)
+    assert codec.decode(data).ranks[0] == make_rank()

@@ -126,7 +126,7 @@ class Registration:
         for dp in range(self.config.dp_size):
             pace()
             try:
-                reply = client.lookup(self.config.node_id, dp)
+                reply = client.lookup(self.config.node_id, dp, pace=pace)
             except KVFerryError as exc:
                 log.debug("%s: looking up this node's ranks: %s", self.where, exc)
                 complete = False

@@ -39,7 +39,8 @@ class LookupClient(Protocol):
     when nothing listens) / ``BootstrapError`` (``UnknownNodeError`` for a
     strict lookup of a node the server does not know)."""
 
-    def lookup(self, node_id: str, dp_rank: int, *, strict: bool = False, partial: bool = False) -> LookupReply: ...
+    def lookup(self, node_id: str, dp_rank: int, *, strict: bool = False, partial: bool = False,
+               pace: Callable[[], None] | None = None) -> LookupReply: ...
 
     def close(self) -> None: ...
 

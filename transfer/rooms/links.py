@@ -217,7 +217,7 @@ class LinkResolver:
         for addr, node in dp_todo:
             pace()
             try:
-                reply = self._lookups.lookup(addr, node, 0)
+                reply = self._lookups.lookup(addr, node, 0, pace)
             except (BootstrapUnavailable, ProtocolError, BootstrapError) as exc:
                 if not self._lookups.is_final(addr, exc):
                     log.debug("dp size of %s at %s: %s", node, addr, exc)
@@ -233,7 +233,7 @@ class LinkResolver:
         for link in todo:
             pace()
             try:
-                self._step(link)
+                self._step(link, pace)
             except KVFerryError as exc:
                 with self.ctx.lock:
                     link.state, link.error = LinkState.FAILED, exc
@@ -259,11 +259,11 @@ class LinkResolver:
                      if l.state is not LinkState.READY and l.last_wanted < horizon]:
             self.forget(link)
 
-    def _step(self, link: Link) -> None:
+    def _step(self, link: Link, pace: Callable[[], None]) -> None:
         addr, node, dp = link.key
         if not link.routes:
             try:
-                reply = self._lookups.lookup(addr, node, dp)
+                reply = self._lookups.lookup(addr, node, dp, pace)
             except BootstrapUnavailable as exc:
                 if self._lookups.is_final(addr, exc):
                     since = self._lookups.refusing_since(addr)

@@ -6,6 +6,7 @@ Used by :class:`~transfer.rooms.links.LinkResolver` on its thread."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from transfer.errors import BootstrapError, BootstrapRefused, BootstrapUnavailable, KVFerryError, UnknownNodeError
 from transfer.rooms.context import LookupClient, RoomContext
@@ -41,11 +42,12 @@ class Lookups:
         self._reached: set[str] = set()  # bootstrap addresses that answered at least once
         self._refusing: dict[str, float] = {}  # reached addresses refusing connections now -> since when
 
-    def lookup(self, addr: str, node: str, dp_rank: int):
+    def lookup(self, addr: str, node: str, dp_rank: int, pace: Callable[[], None] | None = None):
         """A strict, partial lookup (an unknown node raises UnknownNodeError;
-        a group not complete yet lists the ranks registered so far)."""
+        a group not complete yet lists the ranks registered so far);
+        ``pace()`` between the parts of the reply as it is decoded."""
         try:
-            reply = self._client(addr).lookup(node, dp_rank, strict=True, partial=True)
+            reply = self._client(addr).lookup(node, dp_rank, strict=True, partial=True, pace=pace)
         except BootstrapRefused:
             if addr in self._reached:
                 self._refusing.setdefault(addr, time.monotonic())
