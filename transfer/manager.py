@@ -2,34 +2,37 @@
 transport and the control channel, its staging memory
 (:mod:`transfer.staging.build`) and storage tier, hands the room layer a
 :class:`~transfer.rooms.context.RoomContext`, and runs the rank's
-registration and peer watch (:mod:`transfer.rank`)."""
+registration and peer watch (:mod:`transfer.rank`). Its collaborators: the
+memory registered with the transport and the scheduler's release of it
+(:mod:`transfer.rank_memory`), the room changes scheduler loops read
+(:mod:`transfer.change_feed`), a prefill node's topology
+(:mod:`transfer.prefill_topology`)."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import NamedTuple
 from collections.abc import Sequence
 
 from bootstrap.client import BootstrapClient
 from bootstrap.messages import RankInfo
-from transfer.changes import ChangeLog
+from transfer.change_feed import ChangeFeed
 from transfer.config import ManagerConfig, Role, apply_log_level
 from transfer.control.base import ChannelFactory, ChannelOptions, ControlChannel
 from transfer.control.zmq_channel import zmq_channel
-from bootstrap.errors import KVTimeoutError
-from transfer.errors import ClosedError, KVFerryError, MemoryReleasedError, StateError
+from transfer.errors import ClosedError, KVFerryError, StateError
 from transfer.messages import PeerBye, PeerPing, PeerPong
-from transfer.pools import (MHAPool, MLAPool, RawAuxRegion, aux_tensors, describe_aux, describe_pool, pools_device,
-                            registration_regions, unique_regions)
+from transfer.prefill_topology import PrefillTopology, lookup_topology
+from transfer.pools import MHAPool, MLAPool, RawAuxRegion, aux_tensors, describe_aux, describe_pool, pools_device
 from transfer.rank.registration import Registration
+from transfer.rank_memory import ArenaRegistration, MemoryRelease, register_pools
 from transfer.rank.watch import PeerWatch
 from transfer.rooms.context import RoomContext
 from transfer.rooms.decode_table import DecodeRooms
 from transfer.rooms.prefill_table import PrefillRooms
 from transfer.staging.build import build_staging
-from transfer.state_pools import StatePool, describe_state, state_regions
+from transfer.state_pools import StatePool, describe_state
 from transfer.stats import ManagerStats, RankTotals
 from transfer.storage.tier import StorageTier
 from transfer.transport.base import Transport
@@ -39,13 +42,6 @@ log = logging.getLogger("kvferry.manager")
 
 #: A scheduler polling many rooms in a row pumps once for them (see KVManager.pump).
 PUMP_INTERVAL_S = 200e-6
-
-
-class PrefillTopology(NamedTuple):
-    """A prefill node's parallel sizes, as its ranks registered them."""
-
-    dp_size: int
-    tp_size: int
 
 
 class KVManager:
@@ -101,8 +97,6 @@ class KVManager:
         self._totals = RankTotals(config.role.value)
         self.metrics = None
         self._closed = False
-        self._released = False  # release_memory() ran, resume_memory() not yet
-        self._pools_unregistered = False  # release_memory() took the pools back from the transport
         # The engine holds raw pointers into these tensors: keep them alive as
         # long as the manager, whatever the caller does with its references.
         #: the aux regions as tensors (empty: none)
@@ -110,26 +104,18 @@ class KVManager:
         self.states = states = tuple(states)
         self._tensors = (tuple(pools), aux, states)
         self._lock = threading.RLock()
-        self._progress = threading.Condition(self._lock)
-        self._changes = ChangeLog()
+        self._changes = ChangeFeed(self._lock)
         self._pumped_at = 0.0
         self.rooms: PrefillRooms | DecodeRooms | None = None
         # Built before any allocation: the non-CUDA Mooncake wheel cannot move device memory.
         self.transport: Transport = transport if transport is not None else \
             build_transport(config.engine, pools_device(pools))
-        #: the scheduler's memory (pools and aux) registered with the transport (fenced decode: none, its peers
-        #: write only into kvferry's staging arenas); release_memory() takes it back, resume_memory() again
-        self._pool_regions: list[tuple[int, int]] = []
         try:
-            staging = build_staging(config, pools, pools_device(pools), self._register_arena,
-                                    self._unregister_arena)
-            if staging is None or not staging.fenced:  # fenced: only the arenas, registered as they open
-                regions = registration_regions(pools, aux)  # views of one allocation: registered once
-                regions = unique_regions(regions + state_regions(states))  # states may view the pools' memory
-                self._pool_regions = list(regions)
-                if staging is not None:
-                    regions.append((staging.tensor.data_ptr(), staging.tensor.numel()))
-                self.transport.register(regions)
+            arenas = ArenaRegistration(self.transport, lambda: self.rooms)  # a fenced decode rank's, as they open
+            staging = build_staging(config, pools, pools_device(pools), arenas.register, arenas.unregister)
+            # the scheduler's memory registered with the transport (fenced decode: none, only the arenas, as they
+            # open); release_memory() takes it back, resume_memory() again
+            pool_regions = register_pools(self.transport, pools, aux, states, staging)
             factory = channel_factory if channel_factory is not None else zmq_channel
             self.channel: ControlChannel = factory(ChannelOptions(
                 host=config.host, secret=config.secret or None, heartbeat_interval_s=config.heartbeat_interval_s,
@@ -161,11 +147,12 @@ class KVManager:
                 raise
         #: what the room layer gets of this manager
         self.context = RoomContext(
-            config=config, where=self.where, rank=self.rank, lock=self._lock, changed=self._changed,
+            config=config, where=self.where, rank=self.rank, lock=self._lock, changed=self._changes.changed,
             transport=self.transport, channel=self.channel, staging=staging, storage=self.storage,
             bootstrap_client=self.bootstrap_client, stats=self._totals, aux=aux, pump=self.pump, states=states)
         #: the room table (prefill or decode)
         self.rooms = PrefillRooms(self.context) if config.role is Role.PREFILL else DecodeRooms(self.context)
+        self._memory = MemoryRelease(self.context, self.rooms, pool_regions, lambda: self._closed)
         self.watch = PeerWatch(config, self.rank.session, self.channel.endpoint, rooms=self.rooms,
                                channel=self.channel, lock=self._lock, totals=self._totals, where=self.where)
         self.registration = None
@@ -188,22 +175,6 @@ class KVManager:
         if self.registration is not None:
             self.registration.start()
 
-    def _register_arena(self, regions: list[tuple[int, int]]) -> None:
-        self.transport.register(regions)
-        self._memory_changed()
-
-    def _unregister_arena(self, regions: list[tuple[int, int]]) -> None:
-        self.transport.unregister(regions)
-        self._memory_changed()
-
-    def _memory_changed(self) -> None:
-        """A fenced decode rank's registered memory changed (an arena was
-        replaced; called under the lock): a transport whose peers hold its
-        metadata (NIXL) tells them at once, before any grant names the new
-        arena (see PeerHello). Not while the manager is being built."""
-        if self.rooms is not None and self.transport.peer_metadata is not None:
-            self.rooms.links.announce()
-
     def _learned_sessions(self, sessions: frozenset[str]) -> None:
         """The transfer sessions of this node's prefill ranks (no decode peer may declare one)."""
         with self._lock:
@@ -218,19 +189,12 @@ class KVManager:
     def prefill_topology(self, bootstrap_addr: str, node_id: str, *,
                          timeout_s: float | None = None) -> PrefillTopology | None:
         """The DP and TP sizes of prefill node ``node_id`` at the bootstrap
-        server ``bootstrap_addr``, once its DP group 0 fully registered; None
-        until then (or while the server knows nothing of the node). One
+        server ``bootstrap_addr`` (None until its DP group 0 registered): one
         lookup, blocking at most ``timeout_s`` (default
-        ``config.rpc_timeout_s``); raises
-        :class:`~transfer.errors.BootstrapUnavailable` when the server does
-        not answer in time, :class:`~transfer.errors.BootstrapError` when it
-        refuses."""
+        ``config.rpc_timeout_s``); see
+        :func:`~transfer.prefill_topology.lookup_topology`."""
         timeout = self.config.rpc_timeout_s if timeout_s is None else timeout_s
-        with BootstrapClient(bootstrap_addr, timeout_s=timeout, secret=self.config.secret or None) as client:
-            reply = client.lookup(node_id, 0)
-        if not reply.ready or reply.dp_size < 1:
-            return None
-        return PrefillTopology(dp_size=reply.dp_size, tp_size=reply.tp_size)
+        return lookup_topology(bootstrap_addr, node_id, timeout_s=timeout, secret=self.config.secret or None)
 
     def hold_room(self, bootstrap_addr: str, room: int, *, prefill_node: str = "prefill",
                   prefill_dp_rank: int | None = None, hold_s: float) -> bool:
@@ -274,12 +238,6 @@ class KVManager:
         else:
             self.rooms.on_message(msg, origin)
 
-    def _changed(self, room=None, state=None) -> None:
-        """``room`` (a sender or receiver; None: some room) changed to
-        ``state`` (called with the lock held)."""
-        self._changes.record(room, state)
-        self._progress.notify_all()
-
     @property
     def progress(self) -> int:
         """A mark that grows by one whenever any room of this manager changes state."""
@@ -288,95 +246,47 @@ class KVManager:
     def changed_rooms(self, since: int) -> tuple[int, list | None]:
         """``(progress, changes)``: the rooms that changed state after the
         mark ``since`` (a ``progress`` value), as ``(room, state)`` pairs
-        oldest first (``room`` is the KVSender or KVReceiver; a room may
-        appear more than once; ``state`` is what it changed to, call its
-        ``poll()`` for what it is now). ``changes`` is None when the caller
-        fell more than 65,536 changes behind: poll every room then. Cost:
-        O(changes returned); never blocks beyond the manager's lock. Each
-        scheduler loop keeps its own mark; nothing is consumed.
-
-        Every state change is in the log, timeouts included: the rank's
-        peer watch polls live rooms every
-        :data:`~transfer.rank.watch.SWEEP_INTERVAL_S`, so a scheduler that
-        polls only changed rooms still sees them fail."""
-        with self._lock:
-            return self._changes.since(since)
+        oldest first; ``changes`` is None when the caller fell too far
+        behind: poll every room then (see
+        :meth:`~transfer.change_feed.ChangeFeed.since`). Never blocks beyond
+        the manager's lock. Each scheduler loop keeps its own mark."""
+        return self._changes.since(since)
 
     def wait_for_progress(self, seen: int, timeout_s: float) -> int:
         """Block until ``progress`` exceeds ``seen`` or ``timeout_s`` passed;
         returns ``progress``. For scheduler loops that would otherwise
         sleep-poll: ``mark, changed = changed_rooms(mark)``, handle those
         rooms, then ``wait_for_progress(mark, ...)``."""
-        with self._progress:
-            self._progress.wait_for(lambda: self._changes.progress > seen, timeout_s)
-            return self._changes.progress
+        return self._changes.wait(seen, timeout_s)
 
     def check_open(self) -> None:
         """ClosedError once closed; MemoryReleasedError between
         :meth:`release_memory` and :meth:`resume_memory` (no room may start)."""
         if self._closed:
             raise ClosedError(f"{self.where}: manager is closed")
-        if self._released:
-            raise MemoryReleasedError(f"{self.where}: the KV memory is released (release_memory); "
-                                      "no room starts before resume_memory()")
+        self._memory.check()
 
     @property
     def memory_released(self) -> bool:
         """Whether :meth:`release_memory` ran and :meth:`resume_memory` not since."""
-        return self._released
+        return self._memory.released
 
     def release_memory(self, timeout_s: float | None = None) -> None:
         """The scheduler is about to free the KV pools' memory (SGLang's
-        ``release_memory_occupation``, between weight updates in RL loops).
-
-        Every live room fails with :class:`MemoryReleasedError` (and its
-        peers are told, as for an abort), then this waits until no write of
-        this rank still reads the pools and no peer's write may still land in
-        them (decode rooms report Failed only after their prefill ranks
-        stopped writing), at most ``timeout_s`` (default
-        ``transfer_timeout_s``), and unregisters the pools from the transport:
-        a peer's later write into them is refused. No room starts until
-        :meth:`resume_memory`. Raises KVTimeoutError when writes are still in
-        flight at the bound: the memory must not be freed then (calling it
-        again waits again). Returns at once when already done."""
-        bound = self.config.transfer_timeout_s if timeout_s is None else timeout_s
-        with self._lock:
-            if self._closed:
-                raise ClosedError(f"{self.where}: manager is closed")
-            first, self._released = not self._released, True
-            rooms = self.rooms.live_rooms()
-        if first:
-            error = MemoryReleasedError(f"{self.where}: the scheduler released the KV memory (release_memory)")
-            for room in rooms:
-                room.release(error)
-        deadline = time.monotonic() + bound
-        busy = rooms
-        while busy:
-            self.pump()
-            busy = [room for room in busy if not room.released()]
-            if busy and time.monotonic() > deadline:
-                raise KVTimeoutError(f"{self.where}: {len(busy)} room(s) still had writes in flight {bound:g} s "
-                                     f"after release_memory(): {busy[0].where}: {busy[0].progress()}")
-            if busy:
-                time.sleep(0.005)
-        with self._lock:
-            if self._pool_regions and not self._pools_unregistered:
-                self.transport.unregister(self._pool_regions)
-                self._pools_unregistered = True
-        log.info("%s: KV memory released (%d room(s) failed)", self.where, len(rooms))
+        ``release_memory_occupation``, between weight updates in RL loops):
+        every live room fails (its peers are told), this waits until no write
+        reads or may still land in the pools, at most ``timeout_s`` (default
+        ``transfer_timeout_s``; KVTimeoutError past it: the memory must not be
+        freed then), and takes them back from the transport; no room starts
+        until :meth:`resume_memory`. See
+        :meth:`~transfer.rank_memory.MemoryRelease.release`."""
+        self._memory.release(timeout_s)
 
     def resume_memory(self) -> None:
         """The scheduler has the KV pools' memory back, at the same addresses
         (SGLang's ``resume_memory_occupation``): register the pools again and
         take rooms again. Idempotent."""
-        with self._lock:
-            if self._closed or not self._released:
-                return
-            if self._pools_unregistered:
-                self.transport.register(self._pool_regions)
-                self._pools_unregistered = False
-            self._released = False
-        log.info("%s: KV memory resumed", self.where)
+        self._memory.resume()
 
     def stats(self) -> ManagerStats:
         """This rank's totals since it started (a frozen copy; any time, from

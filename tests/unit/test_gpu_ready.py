@@ -17,7 +17,7 @@ from transfer import KVPoll, KVReceiver, KVSender
 from transfer.errors import TransferError
 from transfer.ready import ReadyGate, check_event
 from transfer.config import EngineConfig
-from transfer.transport.mooncake.transport import MooncakeTransport, _Job
+from transfer.transport.mooncake.writes import MooncakeJob, MooncakeWrites
 
 STAGED = dict(staging_bytes=1 << 20, stage_part_bytes=4096, stage_below_bytes=1 << 20)
 
@@ -164,28 +164,19 @@ class _Engine:
         return 1
 
 
-def _transport(engine) -> MooncakeTransport:
-    """A MooncakeTransport around a fake engine, without its worker thread:
-    the test steps its side of the loop (admit, step) itself."""
-    import collections
-    t = MooncakeTransport.__new__(MooncakeTransport)
-    t._engine, t.num_descriptors, t.num_bytes, t.num_status_checks = engine, 0, 0, 0
-    t.config = EngineConfig(protocol="tcp", max_inflight_per_peer=64)
-    t._by_peer = collections.defaultdict(collections.deque)
-    t._inflight = collections.defaultdict(int)
-    t._inflight_peer_bytes = collections.defaultdict(int)
-    t._outstanding = collections.defaultdict(collections.deque)
-    t._opened = set()
-    return t
+def _transport(engine) -> MooncakeWrites:
+    """The Mooncake transport's side of the worker's loop around a fake
+    engine, without a worker thread: the test steps it (admit, step) itself."""
+    return MooncakeWrites(engine, EngineConfig(protocol="tcp", max_inflight_per_peer=64))
 
 
 def test_the_mooncake_worker_submits_a_gated_job_only_once_its_event_completed():
     engine, results = _Engine(), []
     t = _transport(engine)
     event = FakeEvent()
-    gated = _Job("peer", [0x1000, 0x2000], [0x9000, 0xA000], [8, 8], results.append,
-                 ready=ReadyGate(event, 10.0, "room 1"))
-    after = _Job("peer", [0x3000], [0xB000], [8], results.append)  # another room's job to the same peer
+    gated = MooncakeJob("peer", [0x1000, 0x2000], [0x9000, 0xA000], [8, 8], results.append,
+                        ready=ReadyGate(event, 10.0, "room 1"))
+    after = MooncakeJob("peer", [0x3000], [0xB000], [8], results.append)  # another room's job to the same peer
     t.admit(gated)
     t.admit(after)
     assert t.step(True) == (0, True)  # the gated job is still held
@@ -201,7 +192,7 @@ def test_the_mooncake_worker_submits_a_gated_job_only_once_its_event_completed()
 def test_the_mooncake_worker_fails_a_job_whose_event_is_late():
     engine, results = _Engine(), []
     t = _transport(engine)
-    job = _Job("peer", [0x1000], [0x9000], [8], results.append, ready=ReadyGate(FakeEvent(), 0.0, "room 2"))
+    job = MooncakeJob("peer", [0x1000], [0x9000], [8], results.append, ready=ReadyGate(FakeEvent(), 0.0, "room 2"))
     time.sleep(0.01)
     t.admit(job)
     t.step(True)

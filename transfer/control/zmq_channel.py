@@ -16,22 +16,10 @@ busy scheduler thread, which then needs no other thread to get the
 interpreter lock). Both read until ``EAGAIN``, as the edge-triggered
 ``ZMQ_FD`` requires.
 
-Handing over to a draining scheduler: a message the channel's thread
-handles while a busy scheduler thread holds the interpreter lock takes a
-switch interval (5 ms) for every time its handling lets the lock go (a
-staged part's scatter, a dozen numpy and torch calls: 90-170 ms measured
-behind a busy 10 ms scheduler step, 4.5 ms of it running), and it holds the
-receive lock all along, so the scheduler's own ``drain()`` finds nothing to
-do and every later message waits too. So when another thread drained within
-the last :data:`_DRAINER_ACTIVE_S` and the lock is contended now (a
-``sleep(0)`` took longer than :data:`_CONTENDED_S` to get it back, or a
-recent drain of the channel's thread waited for it: :data:`_CONVOY_S`;
-either only while the process's other threads ran as long meanwhile: a
-thread kept waiting by other processes on a loaded machine is not kept
-waiting by the lock, and hands nothing over), the
-channel's thread leaves the waiting messages to that thread while it keeps
-draining (looking every :data:`_HANDOVER_S`, for at most
-:data:`_HANDOVER_MAX_S`), and handles what is still there after that.
+Handing over to a draining scheduler: while a busy scheduler thread drains
+regularly and the interpreter lock is contended, the channel's thread leaves
+the waiting messages to it rather than handle them slowly behind it
+(:mod:`transfer.control.hand_over`, which says when).
 
 Connections: every DEALER sends ZMTP heartbeats (answered by libzmq's own
 I/O thread, no Python involved) and is watched through a socket monitor, so
@@ -48,7 +36,6 @@ import logging
 import os
 import select
 import threading
-import time
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -56,6 +43,7 @@ from zmq.utils.monitor import parse_monitor_message
 from bootstrap import codec
 from bootstrap.listen import refuse_unversioned
 from transfer.control.base import ChannelOptions, Handler, Link
+from transfer.control.hand_over import HandOver
 from transfer.errors import AuthError, ClosedError, ProtocolError, TransferError
 from transfer.round_times import RoundTimes
 
@@ -73,26 +61,8 @@ _DOWN = (zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | zmq.EVENT_HANDSHAKE_FAILED_
 # A reconnection scheduled: once after a connection is lost, then once after every attempt that failed.
 _RETRY = zmq.EVENT_CONNECT_RETRIED
 _CONNECTED = zmq.EVENT_CONNECTED  # TCP connected (a stopped process's kernel still accepts)
-# A thread other than the channel's that drained within this long is taken to drain regularly (a scheduler).
-_DRAINER_ACTIVE_S = 0.050
-# The interpreter lock is contended when giving it up and getting it back takes this long.
-_CONTENDED_S = 0.0005
-# A drain by the channel's thread that waited this much longer than it ran (for the interpreter lock) marks
-# the lock contended for the next _CONVOY_MEMORY_S (the sleep(0) probe misses a scheduler inside a C call).
-_CONVOY_S = 0.002
-_CONVOY_MEMORY_S = 10.0
-# How often the channel's thread, leaving messages to such a drainer, looks whether they were taken, and for
-# how long at most before it handles them itself.
-_HANDOVER_S = 0.010
-_HANDOVER_MAX_S = 0.100
 # Plain ints: zmq's enum flags combine through Python code, on every drain.
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
-
-
-def _others_ran(proc0: float, own0: float) -> float:
-    """CPU seconds this process's other threads ran since ``time.process_time()``
-    was ``proc0`` and this thread's ``time.thread_time()`` was ``own0``."""
-    return (time.process_time() - proc0) - (time.thread_time() - own0)
 
 
 class _LinkState:
@@ -153,11 +123,8 @@ class ZmqChannel:
         self._max_peers = max_peers
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
-        self._drained_at = float("-inf")  # when a thread other than the channel's last drained
-        self._convoy_until = float("-inf")  # the lock taken for contended until then (see _CONVOY_S)
-        #: times the channel's thread left waiting messages to a draining scheduler (see the module docstring)
-        self.num_handed_over = 0
         self._closed = threading.Event()
+        self._hand_over = HandOver(self._pending, self._closed)
         # Monitors of new DEALERs, for the receiving thread (which owns every monitor and
         # closes it when its DEALER closed: the monitor then reports EVENT_MONITOR_STOPPED).
         self._monitors_new: list[tuple[str, zmq.Socket]] = []
@@ -219,6 +186,11 @@ class ZmqChannel:
         self._monitor_of.pop(endpoint, None)
         self._links.pop(endpoint, None)
 
+    @property
+    def num_handed_over(self) -> int:
+        """Times the channel's thread left waiting messages to a draining scheduler (see the module docstring)."""
+        return self._hand_over.num_handed_over
+
     def link(self, endpoint: str) -> Link:
         """The connection to ``endpoint`` (see the module docstring)."""
         state = self._links.get(endpoint)
@@ -236,7 +208,7 @@ class ZmqChannel:
         """Hand every message that arrived to the handler now, on this thread;
         0 at once when another thread is doing so."""
         if threading.get_ident() != self._thread.ident:
-            self._drained_at = time.monotonic()
+            self._hand_over.drained()
         return self._drain_if(self._recv_lock.acquire(blocking=False))
 
     def settle(self, timeout_s: float) -> int:
@@ -261,8 +233,7 @@ class ZmqChannel:
         count = 0
         router = self._router
         while not self._closed.is_set():
-            if own and count and time.monotonic() < self._convoy_until \
-                    and time.monotonic() - self._drained_at < _DRAINER_ACTIVE_S:
+            if own and count and self._hand_over.leaves_rest():
                 return count
             try:
                 # Asked first: a receive that finds nothing raises, and most drains find nothing.
@@ -309,14 +280,12 @@ class ZmqChannel:
         signalled: set[int] = set()  # monitor fds to read (ZMQ_FD is edge-triggered: read until EAGAIN)
         while not self._closed.is_set():
             with self.round_times.round("control") as round_:  # an idle wake-up, or connection events
-                self._hand_over()
-                wall, cpu, proc = time.monotonic(), time.thread_time(), time.process_time()
+                self._hand_over.wait()
+                start = self._hand_over.start_drain()
                 with self._recv_lock:
                     handled = self._drain_locked(own=True)
                 if handled:
-                    if (time.monotonic() - wall) - (time.thread_time() - cpu) > _CONVOY_S \
-                            and _others_ran(proc, cpu) > _CONVOY_S:
-                        self._convoy_until = time.monotonic() + _CONVOY_MEMORY_S  # it waited for the lock meanwhile
+                    self._hand_over.drain_ended(start)
                     round_.restart()  # handling messages is not the channel's own periodic work
                 with self._send_lock:
                     new, self._monitors_new = self._monitors_new, []
@@ -343,31 +312,9 @@ class ZmqChannel:
             mon.close(0)
         self._router.close(0)
 
-    def _hand_over(self) -> None:
-        """Leave the waiting messages to a regular drainer while the
-        interpreter lock is contended, for up to ``_HANDOVER_S`` (see the
-        module docstring); returns at once otherwise."""
-        if time.monotonic() - self._drained_at > _DRAINER_ACTIVE_S or not self._router.getsockopt(_EVENTS) & _POLLIN:
-            return
-        if time.monotonic() > self._convoy_until:
-            t, proc, own = time.perf_counter(), time.process_time(), time.thread_time()
-            time.sleep(0)  # gives the lock up: back at once unless another thread wanted it
-            if time.perf_counter() - t < _CONTENDED_S or _others_ran(proc, own) < _CONTENDED_S:
-                return
-        self.num_handed_over += 1
-        since = time.monotonic()
-        # Waits with the lock released; the drainer's next drain takes the messages. Handled here once
-        # it has stopped draining (nothing for _DRAINER_ACTIVE_S), or after _HANDOVER_MAX_S.
-        while True:
-            t = time.monotonic()
-            if self._closed.wait(_HANDOVER_S):
-                return
-            now = time.monotonic()
-            if now - t > _HANDOVER_S + _CONVOY_S:  # it waited for the lock on waking: contended still
-                self._convoy_until = now + _CONVOY_MEMORY_S
-            if not self._router.getsockopt(_EVENTS) & _POLLIN or now - self._drained_at > _DRAINER_ACTIVE_S \
-                    or now - since > _HANDOVER_MAX_S:
-                return
+    def _pending(self) -> bool:
+        """Whether messages wait on the ROUTER (for the hand-over; the channel's thread)."""
+        return bool(self._router.getsockopt(_EVENTS) & _POLLIN)
 
     def _read_monitor(self, endpoint: str, mon: zmq.Socket) -> bool:
         """Take a monitor's events (until EAGAIN: its ``ZMQ_FD`` is

@@ -1,7 +1,8 @@
 """Prefill side: the rank's room table, which routes control messages to its
-live senders (:class:`~transfer.rooms.sender.KVSender`), keeps requests that arrive
-before their sender exists, refuses late requests for rooms that already
-failed; decode ranks' handshakes are :mod:`transfer.rooms.decode_peers`.
+live senders (:class:`~transfer.rooms.sender.KVSender`), keeps requests that
+arrive before their sender exists (:mod:`transfer.rooms.early_messages`),
+refuses late requests for rooms that already failed; decode ranks'
+handshakes are :mod:`transfer.rooms.decode_peers`.
 
 Nobody outside a room can end it. A request from a session that has not
 handshaken (or from another endpoint or origin than its handshake's) is
@@ -28,6 +29,7 @@ from transfer.errors import PeerError, StateError
 from transfer.messages import PeerHello, RoomAbort, RoomHold, RoomStatus, StageGrant, Status, TransferRequest
 from transfer.rooms.context import RoomContext
 from transfer.rooms.decode_peers import DecodePeers
+from transfer.rooms.early_messages import Dropped, EarlyMessages
 from transfer.rooms.staged_prefill import PrefillStaging
 from transfer.stats import FailureReason, tag_reason
 
@@ -93,7 +95,7 @@ class PrefillRooms:
         self.num_holds = 0
         self.senders: dict[int, Sender] = {}
         self._every = weakref.WeakSet()  # every sender still referenced (a failed one's writes may be in flight)
-        self._early: dict[int, list[tuple[float, object]]] = {}  # insertion order = age
+        self._early = EarlyMessages(_EARLY_ROOMS, _EARLY_PER_ROOM)
         # Rooms whose sender failed before every decode request arrived: a
         # late request gets the failure at once instead of waiting out its
         # timeout (until a new sender takes the room id, or bootstrap_timeout_s).
@@ -137,8 +139,7 @@ class PrefillRooms:
                         self._keep_early(msg)
                     return
             else:
-                known = sender.requests if sender is not None else \
-                    [m for _, m in self._early.get(msg.room, ()) if isinstance(m, TransferRequest)]
+                known = sender.requests if sender is not None else self._early.requests(msg.room)
                 if msg.request_id not in [r.request_id for r in known] and not self.is_peer(msg.session, origin) \
                         and not self.decode_peers.is_incompatible(msg.session, origin):
                     self.num_refused_aborts += 1
@@ -221,14 +222,14 @@ class PrefillRooms:
     def _early_duplicate(self, req: TransferRequest) -> bool:
         """A request kept early for this room came from the same decode TP
         rank already: refuse the newcomer at once."""
-        for _, kept in self._early.get(req.room, ()):
-            if isinstance(kept, TransferRequest) and kept.decode_tp_rank == req.decode_tp_rank:
-                if kept.request_id == req.request_id:
-                    self.dropped_replay()
-                else:
-                    self.refuse_request(req, f"it already has a request from decode TP rank {req.decode_tp_rank}")
-                return True
-        return False
+        kept = self._early.from_rank(req)
+        if kept is None:
+            return False
+        if kept.request_id == req.request_id:
+            self.dropped_replay()
+        else:
+            self.refuse_request(req, f"it already has a request from decode TP rank {req.decode_tp_rank}")
+        return True
 
     def refuse_later(self, room: int, reason: str) -> None:
         """The room's sender failed before all its requests arrived."""
@@ -252,42 +253,29 @@ class PrefillRooms:
     def _abort_early(self, abort: RoomAbort) -> None:
         """Decode aborted a room whose sender does not exist yet: nothing was
         written, and decode may hear so at once."""
-        kept = self._early.get(abort.room, [])
-        for t, msg in list(kept):
-            if isinstance(msg, TransferRequest) and msg.request_id == abort.request_id:
-                kept.remove((t, msg))
-                self._finished[(msg.room, msg.request_id)] = None
-                self._tell_failed(msg, f"{self.ctx.where}: aborted before its sender existed")
+        for msg in self._early.withdraw(abort.room, abort.request_id):
+            self._finished[(msg.room, msg.request_id)] = None
+            self._tell_failed(msg, f"{self.ctx.where}: aborted before its sender existed")
 
     def _keep_early(self, msg) -> None:
         """Keep a message for a room whose sender does not exist yet, within
-        bounds: at most ``_EARLY_ROOMS`` rooms (the oldest go first) of at
-        most ``_EARLY_PER_ROOM`` messages, each for ``bootstrap_timeout_s``.
+        bounds (:class:`EarlyMessages`: at most ``_EARLY_ROOMS`` rooms of at
+        most ``_EARLY_PER_ROOM`` messages, each for ``bootstrap_timeout_s``).
         A request dropped for these bounds is refused (its receiver fails at
         once), never dropped silently."""
         now = time.monotonic()
-        horizon = now - self.ctx.config.bootstrap_timeout_s
-        if len(self._early) >= _EARLY_ROOMS:
-            for room in [r for r, msgs in self._early.items() if msgs[-1][0] < horizon]:
-                self._drop_early(self._early.pop(room), "waited for its sender longer than the bootstrap timeout")
-            while len(self._early) >= _EARLY_ROOMS:
-                room = next(iter(self._early))
-                self._drop_early(self._early.pop(room), f"more than {_EARLY_ROOMS} rooms wait for their sender")
-        kept = self._early.setdefault(msg.room, [])
-        if len(kept) >= _EARLY_PER_ROOM:
-            self._drop_early([(now, msg)], f"more than {_EARLY_PER_ROOM} messages wait for the room's sender")
-            return
-        kept.append((now, msg))
+        for dropped in self._early.keep(msg, now, now - self.ctx.config.bootstrap_timeout_s):
+            self._drop_early(dropped)
 
-    def _drop_early(self, kept: list[tuple[float, object]], why: str) -> None:
+    def _drop_early(self, dropped: Dropped) -> None:
         """Drop messages kept for a room whose sender does not exist: each
         request among them is refused, so that its receiver learns of it."""
-        for _, msg in kept:
+        for msg in dropped.messages:
             self.num_dropped_early += 1
             if isinstance(msg, TransferRequest):
                 self._finished[(msg.room, msg.request_id)] = None
                 self._tell_failed(msg, f"{self.ctx.where}: dropped the request for room {msg.room} before the "
-                                       f"room's sender existed: {why}")
+                                       f"room's sender existed: {dropped.why}")
 
     def _ack(self, req: TransferRequest) -> None:
         """``req`` is taken (whatever then becomes of it): its id goes out in
@@ -314,11 +302,9 @@ class PrefillRooms:
             self.senders[sender.room] = sender
             self._every.add(sender)
             self._refused.pop(sender.room, None)
-            horizon = time.monotonic() - self.ctx.config.bootstrap_timeout_s
-            kept = self._early.pop(sender.room, [])
-            self._drop_early([(t, m) for t, m in kept if t < horizon],
-                             "it waited for its sender longer than the bootstrap timeout")
-            return [m for t, m in kept if t >= horizon]
+            kept, stale = self._early.take(sender.room, time.monotonic() - self.ctx.config.bootstrap_timeout_s)
+            self._drop_early(stale)
+            return kept
 
     def detach(self, sender: Sender, request_ids) -> None:
         with self.ctx.lock:

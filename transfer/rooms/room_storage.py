@@ -33,7 +33,6 @@ class RoomStorage:
         #: False when a restore tolerated missing draft pages (``allow_missing_draft``)
         self.draft_ok = True
         self._prefetch: Job | None = None  # loading the leading pages before the request goes out
-        self._restore: Job | None = None  # loading the pages of a failed room
 
     def items(self, start: int) -> dict:
         """Per pool of this rank: (keys, destination pages) of the full pages
@@ -85,11 +84,7 @@ class RoomStorage:
         """Load the full pages prefill was to send, and the aux row."""
         aux_index = self.request.aux_index
         aux = (self.tier.aux_key(self.tokens), aux_index) if aux_index >= 0 else None
-        self._restore = self.tier.read(self.items(self.request.skip), aux, done)
-
-    def is_restore(self, job: Job) -> bool:
-        """Whether ``job`` is the restore's (not the prefetch's)."""
-        return job is self._restore
+        self.tier.read(self.items(self.request.skip), aux, done)
 
     def restored(self, job: Job, *, allow_missing_draft: bool, where: str) -> list[str]:
         """What the restore left missing (empty: the room is whole; what it

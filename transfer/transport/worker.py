@@ -5,10 +5,11 @@ the bytes in flight, the ready-gate check, the peer opens that come before
 any job to a peer (:mod:`transfer.transport.opener`), and the guard that
 runs a completion callback exactly once and survives its exceptions.
 
-A transport gives the worker its :class:`EngineSide`: ``admit`` takes a
-queued job, ``step`` submits what may go and checks what is in flight,
-``fail`` fails one job, ``open`` opens the way to a peer (on the opener's
-thread, never under the step lock). ``admit``, ``step`` and the failures
+A transport gives the worker its :class:`EngineSide` (the writes in flight):
+``admit`` takes a queued job, ``step`` submits what may go and checks what
+is in flight, ``fail`` fails one job; and its :class:`PeerOpens` (the engine
+side itself unless it gives another): ``open`` opens the way to a peer (on
+the opener's thread, never under the step lock). ``admit``, ``step`` and the failures
 at close run one at a time under the worker's step lock: on the worker
 thread, or on any thread that calls :meth:`PollingWorker.pump` (a busy
 scheduler's, which then needs no other thread to get the interpreter lock
@@ -95,8 +96,8 @@ def gate_state(ready, peer: str) -> tuple[bool, TransferError | None]:
 
 
 class EngineSide(Protocol):
-    """A transport's side of the loop (its methods run one at a time, under
-    the worker's step lock)."""
+    """A transport's side of the loop, its writes (its methods run one at a
+    time, under the worker's step lock)."""
 
     def admit(self, job) -> None:
         """Take a job that ``submit`` queued (its peer is open)."""
@@ -113,6 +114,18 @@ class EngineSide(Protocol):
         (its callback gets ``error``, by default a closed-transport
         TransferError), once."""
 
+    def fail_all(self) -> None:
+        """Fail every job held, at close."""
+
+    def idle(self) -> None:
+        """The loop had nothing to do for :data:`_IDLE_WAIT_S`: tidy up what
+        accumulates without jobs (NIXL: the notifications peers' writes leave)."""
+
+
+class PeerOpens(Protocol):
+    """How a transport's engine opens the way to its peers (for the
+    worker's :class:`~transfer.transport.opener.PeerOpener`)."""
+
     def open(self, peer: str, blob: bytes, pause) -> None:
         """Open the way to ``peer`` (``blob``: what its handshake carried;
         empty when the peer sent none, and again with new metadata): on the
@@ -123,20 +136,14 @@ class EngineSide(Protocol):
     def describe_open(self, link: PeerLink) -> str:
         """What the engine is doing for an open past its deadline, in words."""
 
-    def fail_all(self) -> None:
-        """Fail every job held, at close."""
-
-    def idle(self) -> None:
-        """The loop had nothing to do for :data:`_IDLE_WAIT_S`: tidy up what
-        accumulates without jobs (NIXL: the notifications peers' writes leave)."""
-
 
 class PollingWorker:
     """A transport's job queue and ``kvferry-transport`` thread running
-    ``engine``'s loop."""
+    ``engine``'s loop; ``opens`` opens its peers (default: ``engine``)."""
 
-    def __init__(self, engine: EngineSide, *, open_timeout_s: float = 5.0) -> None:
+    def __init__(self, engine: EngineSide, *, open_timeout_s: float = 5.0, opens: PeerOpens | None = None) -> None:
         self.engine = engine
+        opens = engine if opens is None else opens
         self.closed = threading.Event()
         #: loop rounds so far (what completion tracking costs), and those run by pump()
         self.num_rounds = 0
@@ -149,8 +156,8 @@ class PollingWorker:
         self._busy_since: float | None = None  # when the engine round now running began (None: none runs)
         self._last_round_at = time.monotonic()  # when the last engine round ended
         #: the peer opens that come before any job to a peer
-        self.opener = PeerOpener(engine.open, timeout_s=open_timeout_s, step_lock=self._step_lock,
-                                 release=self._release, fail=engine.fail, describe=engine.describe_open)
+        self.opener = PeerOpener(opens.open, timeout_s=open_timeout_s, step_lock=self._step_lock,
+                                 release=self._release, fail=engine.fail, describe=opens.describe_open)
         self._thread = threading.Thread(target=self._loop, name="kvferry-transport", daemon=True)
         self._thread.start()
 

@@ -2,7 +2,9 @@
 interface:
 
 - :mod:`~transfer.transport.mooncake.transport`: :class:`MooncakeTransport`,
-  the only module of ``transfer`` that moves bytes with the engine;
+  the only module of ``transfer`` that builds the transfer engine; the
+  writes it moves with it, per peer, in
+  :mod:`~transfer.transport.mooncake.writes`;
 - :mod:`~transfer.transport.mooncake.process`: what the engine needs of its
   process and does to it (``MC_*`` settings, start-up logs, the slow
   destructor, which wheel moves device memory, RDMA devices); the Mooncake
