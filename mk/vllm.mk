@@ -49,11 +49,12 @@ test-vllm: setup-vllm
 	timeout 1800 $(VLLM_PY) -m pytest -q -p no:cacheprovider --durations=15 tests/engines/vllm
 
 # The connector against vLLM $(VLLM_NEXT_VERSION)'s KVConnectorBase_V1 and its scheduler: the API
-# conformance tests and the scheduler half's tests (VLLM_TARGET_DEVICE=cpu: a VllmConfig needs a platform).
+# conformance tests and the scheduler half's tests, and the secondary tier inside its OffloadingConnector
+# (VLLM_TARGET_DEVICE=cpu: a VllmConfig needs a platform).
 test-vllm-033: $(VLLM_NEXT)/.kvferry-extracted
 	VLLM_TARGET_DEVICE=cpu PYTHONPATH=$(CURDIR)/$(VLLM_NEXT):$(CURDIR) timeout 600 $(VLLM_PY) -m pytest -q -p no:cacheprovider \
 		tests/engines/vllm/test_api.py tests/engines/vllm/test_scheduler_side.py tests/engines/vllm/test_stats_classes.py \
-		tests/engines/vllm/test_logging.py
+		tests/engines/vllm/test_logging.py tests/engines/vllm/test_tier.py
 	VLLM_TARGET_DEVICE=cpu PYTHONPATH=$(CURDIR)/$(VLLM_NEXT):$(CURDIR) $(VLLM_PY) -c "import vllm; assert vllm.__version__ == '$(VLLM_NEXT_VERSION)', vllm.__file__"
 
 $(VLLM_NEXT)/.kvferry-extracted: $(VLLM_STAMP)

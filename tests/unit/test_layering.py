@@ -19,7 +19,11 @@ PURE = ["transfer.config", "transfer.errors", "transfer.layout", "transfer.messa
         "transfer.state", "transfer.tp", "bootstrap.codec", "bootstrap.messages", "bootstrap.registry",
         "transfer.rooms.decode_phases", "transfer.transport.base", "transfer.control.base", "transfer.changes",
         "transfer.stats", "transfer.ready", "bootstrap.descriptors", "transfer.rooms.request_acks",
-        "transfer.rooms.routes", "transfer.rooms.decode_request", "transfer.round_times", "transfer.rooms.parts"]
+        "transfer.rooms.room_requests", "transfer.rooms.chunk_sequence", "transfer.rooms.room_writes",
+        "transfer.rooms.decode_notice", "transfer.rooms.early_messages",
+        "transfer.rooms.decode_link", "transfer.rooms.decode_ending",
+        "transfer.rooms.routes", "transfer.rooms.decode_request", "transfer.round_times", "transfer.rooms.parts",
+        "transfer.control.hand_over", "transfer.change_feed"]
 
 
 @pytest.mark.parametrize("module", PURE)
@@ -80,13 +84,17 @@ ROOM_LAYER = ["transfer.rooms.context", "transfer.rooms.prefill_table", "transfe
               "transfer.rooms.decode_phases", "transfer.rooms.decode_request", "transfer.rooms.room_storage",
               "transfer.rooms.chunk_plan", "transfer.rooms.parts", "transfer.rooms.drain", "transfer.rooms.write_through",
               "transfer.rooms.request_acks", "transfer.staging.area", "transfer.staging.copies",
+              "transfer.rooms.room_requests", "transfer.rooms.chunk_sequence", "transfer.rooms.room_writes",
+              "transfer.rooms.decode_notice", "transfer.rooms.early_messages",
+              "transfer.rooms.decode_link", "transfer.rooms.decode_ending", "transfer.rooms.decode_transfer",
+              "transfer.rooms.decode_storage",
               "transfer.staging.build", "transfer.rooms.staged_prefill", "transfer.rooms.staged_decode",
-              "transfer.rooms.sender", "transfer.rooms.receiver", "transfer.rank.watch",
+              "transfer.rooms.sender", "transfer.rooms.receiver", "transfer.rank.watch", "transfer.rank_memory",
               "transfer.transport.base", "transfer.transport.worker", "transfer.transport.loopback",
               "transfer.control.base", "transfer.control.loopback", "transfer.transport", "transfer.control",
               "transfer.transport.factory",  # the engines are imported when a transport is built
-              "transfer.transport.mooncake", "transfer.transport.mooncake.transport",
-              "transfer.transport.nixl", "transfer.transport.nixl.transport"]
+              "transfer.transport.mooncake", "transfer.transport.mooncake.transport", "transfer.transport.mooncake.writes",
+              "transfer.transport.nixl", "transfer.transport.nixl.transport", "transfer.transport.nixl.writes"]
 
 
 # One interpreter imports what every room-layer module needs and neither zmq
@@ -256,7 +264,8 @@ def test_no_import_cycles_between_the_packages():
 VLLM = "transfer.adapters.vllm"
 #: the vLLM connector's modules that run in vLLM's scheduler process, or are pure helpers: no torch,
 #: no zmq, no Mooncake, none of kvferry's rooms, transports or manager, and no worker half
-VLLM_SCHEDULER_SIDE = ("scheduler", "metadata", "params", "groups", "layerwise", "stats", "query")
+VLLM_SCHEDULER_SIDE = ("scheduler", "metadata", "params", "groups", "layerwise", "stats", "query",
+                       "tier", "tier_keys", "tier_lookups", "tier_thread")  # the tier: OffloadingConnector's, in the scheduler
 
 
 @pytest.mark.parametrize("name", VLLM_SCHEDULER_SIDE)

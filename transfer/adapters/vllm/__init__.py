@@ -23,16 +23,19 @@ The package is laid out as vLLM's own NIXL connector is:
   ``kv_transfer_params``), :mod:`.groups` (the hybrid manager's KV-cache
   groups), :mod:`.layerwise`, :mod:`.stats`; :mod:`.query` (the HTTP
   ``/query`` vLLM's Mooncake routers ask), :mod:`.metrics` (vLLM's stats
-  classes).
+  classes);
+- :mod:`.tier`: ``KvferrySecondaryTier``, kvferry's store as a secondary
+  tier of vLLM's ``OffloadingConnector`` (beside this connector, not part
+  of it), on :mod:`.tier_keys`, :mod:`.tier_lookups` and :mod:`.tier_thread`.
 
-Importing this package imports no vLLM: ``KvferryConnector`` (and the
-metadata) load on first use, so the pure helpers work without vLLM.
+Importing this package imports no vLLM: ``KvferryConnector`` (the
+metadata, the tier) load on first use, so the pure helpers work without vLLM.
 """
 
 from __future__ import annotations
 
 _LAZY = {"KvferryConnector": "connector", "log_as_vllm": "connector", "KvferryConnectorMetadata": "metadata",
-         "PrefillMetadata": "metadata", "DecodeMetadata": "metadata"}
+         "PrefillMetadata": "metadata", "DecodeMetadata": "metadata", "KvferrySecondaryTier": "tier"}
 
 __all__ = sorted(_LAZY)
 
