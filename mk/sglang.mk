@@ -75,5 +75,7 @@ $(SGLANG_SERVER_STAMP): pyproject.toml mk/sglang.mk | debian-libs
 	PYTHONPATH=$(CURDIR):$(CURDIR)/tests/engines/sglang/stubs $(SGLANG_SERVER_PY) -c "import sglang.srt.entrypoints.http_server, vllm._custom_ops, transfer.adapters.sglang, sglang_router"
 	@touch $(SGLANG_SERVER_STAMP)
 
+# Also SGLang's HiCache on kvferry's store (test_hicache_server.py: a restarted server, PD with one store, a
+# killed prefill), its servers alone loading the CPU stand-ins of tests/engines/sglang_server/hicache_site.
 test-sglang-server: setup-sglang-server
 	timeout 900 $(SGLANG_SERVER_PY) -m pytest -q -p no:cacheprovider tests/engines/sglang_server

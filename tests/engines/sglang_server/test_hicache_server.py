@@ -1,0 +1,312 @@
+"""kvferry's store as SGLang's HiCache L3 backend in real servers (``make test-sglang-server``).
+
+``python -m sglang.launch_server --enable-hierarchical-cache
+--hicache-storage-backend dynamic`` with ``transfer.adapters.sglang.hicache``
+over a kvferry file store, the tiny random Llama on this CPU, every token
+compared with a single server's without HiCache (same page and chunk size):
+
+- a server serves prompts and writes their pages through kvferry's backend; a
+  restarted server (empty device and host pools) serves them again with the
+  prefix loaded from the store, counted by SGLang itself;
+- one store for PD: prefill and decode (``--disaggregation-decode-enable-radix-cache``)
+  each with HiCache on the same store and kvferry as the transfer backend.
+  Decode finds a prompt's prefix in the store, loads it, and tells prefill
+  (``decode_prefix_len``), which sends only the rest;
+- prefill killed (``kill -9``) mid-transfer, after its HiCache wrote the first
+  chunks of a long prompt: SGLang's decode fails the request (500) and serves
+  on; the request sent again through another prefill (on the same store) has
+  decode load the pages the dead prefill wrote.
+
+The servers load test stand-ins (``hicache_site/sitecustomize.py``: host
+pools unpinned, the device <-> host copies as torch index copies); SGLang's
+HiCache needs CUDA for both; a third lowers the host memory SGLang keeps free
+from 10 GiB to 1 GiB (this machine has 24). kvferry's code runs as it is.
+
+Every server that prefills computes a prompt in chunks of one page
+(``--chunked-prefill-size 16``), the reference included: this random model's
+greedy tokens change with how a prompt is cut into forward passes (seen: a
+2000-token prompt in chunks of 64 against one pass, on a single server), and
+a prefix loaded from the store cuts a prompt at a page. With one-page chunks
+every server computes each page in the same pass shape as the reference.
+``--sleep-on-idle``: an idle SGLang scheduler otherwise polls at about a
+third of a core, and this module runs five servers on two cores: all are
+started at once (``fleet``), so the restarted server's start-up overlaps the
+PD servers'.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import threading
+import time
+import urllib.error
+from dataclasses import dataclass
+
+import pytest
+
+pytest.importorskip("sglang")
+
+from harness.sglang_server import (SGLangServer, SGLangSpec, flush_cache, generate, metric,  # noqa: E402
+                                   pd_generate, pd_generate_replies)
+from harness.vllm import VOCAB, build_tiny_model, free_port  # noqa: E402
+
+MAX_NEW = 8
+PAGE = 16  # tokens per page; SGLang's L3 holds full pages only
+PAGE_BYTES = PAGE * 4 * 2 * 4 * 32 * 2  # the tiny Llama: 4 layers, K and V, 4 KV heads x 32, bf16
+SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hicache_site")
+STORAGE_TOKENS = "sglang:cached_tokens_total"
+SENT_MB = "sglang:kv_transfer_total_mb_sum"  # prefill: each room's bytes as kvferry's sender counts them
+
+
+@dataclass(frozen=True)
+class Role:
+    """A server's PD mode ("" alone) and the arguments it adds to HiCache's."""
+
+    mode: str = ""
+    args: tuple = ()
+
+
+#: what every server of this module runs with (see the module's docstring)
+COMMON_ARGS = ("--page-size", str(PAGE), "--chunked-prefill-size", str(PAGE), "--sleep-on-idle")
+SINGLE = Role()
+# Prefill as in test_pd: no overlap scheduling (its early send of a cached prefix records a CUDA event)
+PREFILL = Role("prefill", ("--disable-overlap-schedule",))
+DECODE = Role("decode", ("--disaggregation-decode-enable-radix-cache",))
+# SGLang loads a prefix from L3 only from 256 tokens on (its prefetch threshold); the kill comes once the store
+# holds this many pages of the killed prompt, which has 75
+KILL_AT_PAGES = 24
+KILLED_PROMPT_TOKENS = 1200
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(4, VOCAB) for _ in range(n)]
+
+
+def hicache_args(store_url: str) -> tuple:
+    """HiCache with kvferry's backend on ``store_url``; the layout and io
+    backend the stand-ins serve; prefetches wait until complete (SGLang's
+    default policy gives up after 2 s, which a loaded 2-core machine reaches)."""
+    config = {"backend_name": "kvferry", "module_path": "transfer.adapters.sglang.hicache",
+              "class_name": "KvferryHiCache", "interface_v1": 1, "kvferry_storage_url": store_url}
+    return (*COMMON_ARGS, "--enable-hierarchical-cache", "--hicache-mem-layout", "layer_first",
+            "--hicache-io-backend", "direct", "--hicache-storage-backend", "dynamic",
+            "--hicache-storage-backend-extra-config", json.dumps(config),
+            "--hicache-storage-prefetch-policy", "wait_complete", "--enable-metrics")
+
+
+def hicache_server(name: str, model: str, store_url: str, log_dir: str, role: Role = SINGLE) -> SGLangServer:
+    """A server with HiCache on kvferry's store and the stand-ins loaded (started, not waited for)."""
+    env = {"PYTHONPATH": SITE}
+    bootstrap = 0
+    if role.mode == "prefill":  # kvferry's own bootstrap port beside SGLang's
+        bootstrap = free_port()
+        env["KVFERRY_SGLANG_BOOTSTRAP_PORT"] = str(free_port())
+    spec = SGLangSpec(name, model, role.mode, bootstrap_port=bootstrap, env=env,
+                      args=hicache_args(store_url) + role.args)
+    return SGLangServer(spec, log_dir)
+
+
+def full_pages(prompt: list[int]) -> int:
+    """The pages of ``prompt`` a store hit can cover: full ones, and never the
+    last token (whose logits the server computes)."""
+    return (len(prompt) - 1) // PAGE
+
+
+def storage_tokens(reply: dict) -> int:
+    """The prompt tokens SGLang says it loaded from L3 for this request."""
+    return int((reply["meta_info"].get("cached_tokens_details") or {}).get("storage", 0))
+
+
+class StoreProbe:
+    """Reads the servers' store from the test: how many leading full pages of
+    a prompt it holds, under SGLang's own page hashes as kvferry's backend
+    keys them (model and TP rank appended)."""
+
+    def __init__(self, url: str, model: str) -> None:
+        from transfer.adapters.sglang.hicache import key_suffix
+        from transfer.storage import open_storage
+
+        self.store = open_storage(url)
+        self.suffix = key_suffix(model, 0, 1, mla=False)
+
+    def pages(self, prompt: list[int]) -> int:
+        from sglang.srt.mem_cache.utils import get_hash_str
+
+        keys, prior = [], None
+        for i in range(len(prompt) // PAGE):
+            prior = get_hash_str(prompt[i * PAGE:(i + 1) * PAGE], prior)
+            keys.append(prior + self.suffix)
+        return self.store.exists(keys)
+
+    def wait_for(self, prompt: list[int], num_pages: int, timeout_s: float = 60.0) -> None:
+        """Until the store holds ``num_pages`` of ``prompt`` (HiCache writes behind the reply)."""
+        deadline = time.monotonic() + timeout_s
+        while (have := self.pages(prompt)) < num_pages:
+            assert time.monotonic() < deadline, f"the store holds {have} of {num_pages} pages after {timeout_s:g} s"
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_tiny_model(str(tmp_path_factory.mktemp("sglang-hicache") / "model"))
+
+
+@dataclass
+class Fleet:
+    """The module's servers, started side by side, each waited for by the
+    test that first uses it. ``single`` has HiCache alone on its own store;
+    ``prefill``, ``spare_prefill`` and ``decode`` share ``pd_store``."""
+
+    root: str
+    single_url: str
+    pd_url: str
+    reference: SGLangServer  # no HiCache: the tokens every test compares with
+    single: SGLangServer
+    prefill: SGLangServer
+    spare_prefill: SGLangServer  # where a request goes once ``prefill`` is dead
+    decode: SGLangServer
+    pd_store: StoreProbe
+
+
+def close_all(servers: list[SGLangServer]) -> None:
+    """Closes them side by side (each drains for a few seconds on SIGTERM)."""
+    threads = [threading.Thread(target=server.close) for server in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+
+
+@pytest.fixture(scope="module")
+def fleet(model, tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("sglang-hicache-servers"))
+    single_url, pd_url = (f"file://{os.path.join(root, name)}" for name in ("single-store", "pd-store"))
+    started: list[SGLangServer] = []
+    try:
+        for start in (lambda: SGLangServer(SGLangSpec("reference", model, args=COMMON_ARGS), root),
+                      lambda: hicache_server("hicache-first", model, single_url, root),
+                      lambda: hicache_server("prefill", model, pd_url, root, PREFILL),
+                      lambda: hicache_server("decode", model, pd_url, root, DECODE),
+                      lambda: hicache_server("prefill-spare", model, pd_url, root, PREFILL)):
+            started.append(start())
+        reference, single, prefill, decode, spare = started
+        pd_store = StoreProbe(pd_url, model)
+        try:
+            yield Fleet(root=root, single_url=single_url, pd_url=pd_url, reference=reference, single=single,
+                        prefill=prefill, spare_prefill=spare, decode=decode, pd_store=pd_store)
+        finally:
+            pd_store.close()
+    finally:
+        close_all(started)
+
+
+def test_a_restarted_server_serves_prompts_from_kvferrys_store(fleet, model):
+    reference, first = fleet.reference, fleet.single
+    probe = StoreProbe(fleet.single_url, model)
+    prompts = [prompt_of(300, 1), prompt_of(700, 2)]  # over SGLang's prefetch threshold (256 tokens)
+    try:
+        reference.wait_ready()
+        wants = [generate(reference, p, MAX_NEW)["output_ids"] for p in prompts]
+        first.wait_ready()
+        for prompt, want in zip(prompts, wants):
+            got = generate(first, prompt, MAX_NEW)
+            assert got["output_ids"] == want, (len(prompt), got["output_ids"], want)
+            assert storage_tokens(got) == 0, got["meta_info"]
+        for prompt in prompts:
+            probe.wait_for(prompt, len(prompt) // PAGE)
+        first.close()
+        with hicache_server("hicache-restarted", model, fleet.single_url, fleet.root) as second:
+            second.wait_ready()
+            for prompt, want in zip(prompts, wants):
+                got = generate(second, prompt, MAX_NEW)
+                assert got["output_ids"] == want, (len(prompt), got["output_ids"], want)
+                # the prefix came from kvferry's store, not computed: SGLang's own count per request
+                assert storage_tokens(got) == got["meta_info"]["cached_tokens"] == full_pages(prompt) * PAGE, \
+                    got["meta_info"]
+            assert metric(second, STORAGE_TOKENS, cache_source="storage") == \
+                sum(full_pages(p) * PAGE for p in prompts)
+            assert "failed" not in second.kvferry_lines(), second.kvferry_lines()
+    finally:
+        probe.close()
+
+
+def sent_pages(prefill: SGLangServer, before_mb: float) -> int:
+    """Whole pages prefill sent since its metric read ``before_mb``."""
+    return int((metric(prefill, SENT_MB) - before_mb) * 2**20) // PAGE_BYTES
+
+
+def test_decode_loads_a_prefix_from_the_store_and_prefill_sends_only_the_rest(fleet):
+    reference, prefill, decode, probe = fleet.reference, fleet.prefill, fleet.decode, fleet.pd_store
+    for server in (reference, prefill, decode):
+        server.wait_ready()
+    prompt = prompt_of(600, 11)
+    want = generate(reference, prompt, MAX_NEW)["output_ids"]
+    _, got = pd_generate(prefill, decode, prompt, MAX_NEW, room=9_000)
+    assert got["output_ids"] == want and storage_tokens(got) == 0, (got["output_ids"], want, got["meta_info"])
+    probe.wait_for(prompt, len(prompt) // PAGE)
+    for server in (prefill, decode):  # a cold pair: nothing on either device or host
+        flush_cache(server)
+    before_mb, before_tokens = metric(prefill, SENT_MB), metric(decode, STORAGE_TOKENS, cache_source="storage")
+    _, got = pd_generate(prefill, decode, prompt, MAX_NEW, room=9_001)
+    assert got["output_ids"] == want, (got["output_ids"], want)
+    hit = full_pages(prompt) * PAGE
+    assert storage_tokens(got) == hit, got["meta_info"]  # decode's own count
+    assert metric(decode, STORAGE_TOKENS, cache_source="storage") - before_tokens == hit
+    assert sent_pages(prefill, before_mb) == math.ceil((len(prompt) - hit) / PAGE)
+    for server in (prefill, decode):
+        assert "failed" not in server.kvferry_lines(), server.kvferry_lines()
+
+
+def test_prefill_killed_mid_transfer_decode_fails_the_request_and_a_retry_loads_what_it_wrote(fleet):
+    """Prefill computes a 1200-token prompt chunk by chunk and sends each;
+    its HiCache writes each chunk's page as the chunk is cached. Once the
+    store holds 24 of its pages, prefill is killed (its whole process group,
+    SIGKILL). SGLang's decode has no path from a failed transfer to another
+    source: it answers 500 (``Decode transfer failed``) and frees the
+    request's pages. Sent again through another prefill on the same store,
+    decode's L3 prefetch finds the pages the dead prefill wrote (decode never
+    held them) and that prefill sends only the rest; tokens equal a single
+    server's."""
+    reference, prefill, spare, decode, probe = (fleet.reference, fleet.prefill, fleet.spare_prefill, fleet.decode,
+                                                fleet.pd_store)
+    for server in (reference, prefill, decode, spare):
+        server.wait_ready()
+    prompt = prompt_of(KILLED_PROMPT_TOKENS, 12)
+    want = generate(reference, prompt, MAX_NEW)["output_ids"]
+    replies: dict = {}
+    request = threading.Thread(target=lambda: replies.update(
+        pd_generate_replies(prefill, decode, prompt, MAX_NEW, room=9_100, timeout_s=180)))
+    request.start()
+    deadline = time.monotonic() + 120
+    while probe.pages(prompt) < KILL_AT_PAGES and request.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    prefill.kill()
+    killed_at = time.monotonic()
+    request.join(200)
+    failed_after_s = time.monotonic() - killed_at
+    written = probe.pages(prompt)  # the dead prefill's, final
+    reply = replies.get("decode")
+    assert isinstance(reply, urllib.error.HTTPError), f"not killed mid-transfer: decode answered {reply!r}"
+    body = reply.read().decode(errors="replace")
+    assert reply.code == 500 and "Decode transfer failed" in body and "room=9100" in body, (reply.code, body)
+    # the last chunk is cached only after its transfer
+    assert KILL_AT_PAGES <= written < len(prompt) // PAGE, written
+    assert failed_after_s < 60, failed_after_s
+
+    before_tokens = metric(decode, STORAGE_TOKENS, cache_source="storage")
+    first, got = pd_generate(spare, decode, prompt, MAX_NEW, room=9_101)
+    assert got["output_ids"] == want, (got["output_ids"], want)
+    hit = min(written, full_pages(prompt)) * PAGE
+    assert storage_tokens(got) == hit, (written, got["meta_info"])  # what the dead prefill wrote
+    assert metric(decode, STORAGE_TOKENS, cache_source="storage") - before_tokens == hit
+    assert storage_tokens(first) == hit, first["meta_info"]  # the other prefill loaded them too
+    assert sent_pages(spare, 0.0) == math.ceil((len(prompt) - hit) / PAGE)
+    print(f"prefill killed with {written} of {len(prompt) // PAGE} pages in the store; "
+          f"decode answered 500 {failed_after_s:.2f} s later")
