@@ -277,9 +277,10 @@ class LinkResolver:
             if not reply.ranks:
                 link.progress = f"{reply.num_registered} of {reply.tp_size or '?'} prefill ranks registered"
                 return
+            pace()
             # The ranks this rank's routes name are enough: the others may not
             # be up yet, or may have left while this group serves other decode ranks.
-            if not self._route(link, {r.tp_rank: r for r in reply.ranks}, reply.tp_size):
+            if not self._route(link, {r.tp_rank: r for r in reply.ranks}, reply.tp_size, pace):
                 return
             missing = sorted(link.routes.keys() - link.ranks.keys())
             if missing:
@@ -293,6 +294,11 @@ class LinkResolver:
                 link.progress = (f"waiting for prefill ranks {missing} to register ({reply.num_registered} of "
                                  f"{reply.tp_size} registered)")
                 return
+        for p in link.routes:  # the hellos one rank at a time (each encodes this rank's descriptors)
+            pace()
+            with self.ctx.lock:
+                self.handshakes.start(link.ranks[p].session, link.ranks[p].control_endpoint)
+        pace()
         with self.ctx.lock:
             pending = []
             for p in link.routes:
@@ -326,16 +332,18 @@ class LinkResolver:
             else:
                 link.state, link.ready_at = LinkState.READY, time.monotonic()
 
-    def _route(self, link: Link, ranks: dict[int, RankInfo], prefill_tp: int) -> bool:
+    def _route(self, link: Link, ranks: dict[int, RankInfo], prefill_tp: int, pace: Callable[[], None]) -> bool:
         """The routes of this rank's rooms to the group of ``prefill_tp``
         ranks, of which ``ranks`` (TP rank -> info) registered so far. False:
         the layouts are incompatible and some of the group's ranks have not
         registered yet; the link waits for them (within
-        ``bootstrap_timeout_s``), so that the refusal reaches every rank."""
+        ``bootstrap_timeout_s``), so that the refusal reaches every rank.
+        ``pace()`` between two ranks' checks."""
         local = self.ctx.rank
         link.ranks = ranks  # known before the check, so a failure can reach every rank
         hello = self.handshakes.hello()
         for r in ranks.values():
+            pace()
             try:
                 check_compatible(local, r, local_is_prefill=False,
                                  allow_missing_draft=self.ctx.config.allow_missing_draft)
