@@ -122,6 +122,16 @@ class _Round:
             time.sleep(0)  # lets a waiting thread (the scheduler) take the interpreter lock
             self.start = self._own()
 
+    def cut(self) -> None:
+        """The thread is about to wait (the interpreter lock is given up
+        there): what ran since the last cut or tick was one hold, counted as
+        a round if it passed :data:`SLICE_CPU_S`, and the round goes on from
+        now. A wait inside a round must not add the holds on either side."""
+        ran = self._own() - self.start
+        if ran > SLICE_CPU_S:
+            self.times.add(self.task, ran)
+        self.start = self._own()
+
     def restart(self) -> None:
         """Count the round from now (what ran before was not this task's)."""
         self.start = self._own()

@@ -255,6 +255,27 @@ def test_a_sliced_round_gives_the_interpreter_lock_up_every_half_millisecond():
     assert times.max_cpu_s["control"] < 0.002, times.max_cpu_s
 
 
+def test_a_wait_inside_a_round_cuts_it_into_the_holds_on_either_side():
+    """The channel's hand-over waits inside its round (the lock released
+    for 10 ms at a time): each hold between two waits is measured alone."""
+    from harness.busywork import python_work
+    from transfer.round_times import RoundTimes
+
+    def hold(cpu_s: float) -> None:
+        until = time.thread_time() + cpu_s
+        while time.thread_time() < until:
+            python_work(0.00002)
+
+    times = RoundTimes()
+    with times.round("control") as round_:
+        hold(0.0007)
+        round_.cut()
+        time.sleep(0.01)
+        hold(0.0007)
+    assert times.rounds["control"] == 2, times.rounds
+    assert 0.0007 <= times.max_cpu_s["control"] < 0.0012, times.max_cpu_s
+
+
 def test_a_garbage_collection_inside_a_round_is_counted_apart_from_the_round():
     """A collection walks the whole process's objects and runs in whichever
     thread allocated past the threshold: a round's time leaves it out, and

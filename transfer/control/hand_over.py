@@ -96,10 +96,11 @@ class HandOver:
                 and _others_ran(start.proc, start.cpu) > CONVOY_S:
             self._convoy_until = time.monotonic() + CONVOY_MEMORY_S  # it waited for the lock meanwhile
 
-    def wait(self) -> None:
+    def wait(self, cut: Callable[[], None] = lambda: None) -> None:
         """Leave the waiting messages to a regular drainer while the
         interpreter lock is contended, for up to :data:`HANDOVER_MAX_S`;
-        returns at once otherwise."""
+        returns at once otherwise. ``cut()`` before each wait (the caller's
+        measure of how long it holds the interpreter lock at a time)."""
         if time.monotonic() - self._drained_at > DRAINER_ACTIVE_S or not self._pending():
             return
         if time.monotonic() > self._convoy_until:
@@ -112,6 +113,7 @@ class HandOver:
         # Waits with the lock released; the drainer's next drain takes the messages. Handled here once
         # it has stopped draining (nothing for DRAINER_ACTIVE_S), or after HANDOVER_MAX_S.
         while True:
+            cut()
             t = time.monotonic()
             if self._closed.wait(HANDOVER_S):
                 return

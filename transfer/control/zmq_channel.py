@@ -280,7 +280,7 @@ class ZmqChannel:
         signalled: set[int] = set()  # monitor fds to read (ZMQ_FD is edge-triggered: read until EAGAIN)
         while not self._closed.is_set():
             with self.round_times.round("control") as round_:  # an idle wake-up, or connection events
-                self._hand_over.wait()
+                self._hand_over.wait(round_.cut)
                 start = self._hand_over.start_drain()
                 with self._recv_lock:
                     handled = self._drain_locked(own=True)

@@ -284,12 +284,15 @@ class DecodeRooms:
 
     # --- called by the resolver thread ---------------------------------------------------
 
-    def _kick(self) -> None:
+    def _kick(self, pace: Callable[[], None]) -> None:
         """Advance waiting receivers now, not at their scheduler's next poll,
-        so requests reach prefill as soon as the node is resolved."""
+        so requests reach prefill as soon as the node is resolved;
+        ``pace()`` between two (each sends its requests: 64 rooms waiting on
+        a new node are milliseconds of the resolver's thread)."""
         with self.ctx.lock:
             waiting = [r for r in self.receivers.values() if r.phase is DecodePhase.BOOTSTRAPPING]
         for r in waiting:
+            pace()
             r.update()
 
     def _tick(self) -> float | None:

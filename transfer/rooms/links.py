@@ -86,13 +86,15 @@ class LinkResolver:
     thread. Receivers ask for links under ``ctx.lock`` (:meth:`link`); a
     failed link is forgotten, so the next room tries afresh: no peer is
     blacklisted for good. After each round in which something was being
-    resolved it calls ``kick()`` (waiting receivers advance at once), and
+    resolved it calls ``kick(pace)`` (waiting receivers advance at once,
+    ``pace()`` between two), and
     after every round ``tick()`` (housekeeping of the owner, which returns
     the seconds until it wants another, or None), both without the lock.
     Idle, the thread sleeps: it wakes when a room asks for a link it does
     not have, or when its owner's housekeeping is due."""
 
-    def __init__(self, ctx: RoomContext, kick: Callable[[], None], tick: Callable[[], float | None]) -> None:
+    def __init__(self, ctx: RoomContext, kick: Callable[[Callable[[], None]], None],
+                 tick: Callable[[], float | None]) -> None:
         self.ctx = ctx
         self._kick, self._tick = kick, tick
         self.links: dict[tuple[str, str, int], Link] = {}
@@ -243,7 +245,7 @@ class LinkResolver:
                     link.state = LinkState.FAILED
                     link.error = ProtocolError(f"{link.name}: {type(exc).__name__}: {exc}")
         if dp_todo or todo:
-            self._kick()
+            self._kick(pace)
         pace()
         due = self._tick()
         # Idle, it sleeps until woken (a room wants a link) or its owner's next due work.
