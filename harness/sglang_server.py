@@ -12,11 +12,17 @@ and decode at once with a bootstrap room, as SGLang's router does
 (:func:`pd_generate_replies` returns an HTTP error as its reply);
 :func:`metric` reads a server's Prometheus counter (``--enable-metrics``),
 :func:`flush_cache` empties its device and host caches.
+HiCache on kvferry's store: :func:`hicache_storage_args` (the flags, with the
+CPU stand-ins of :data:`HICACHE_SITE` on the server's PYTHONPATH),
+:class:`HiCacheStoreProbe` (what the store holds of a prompt),
+:func:`storage_tokens` (a reply's L3 hit); :func:`generate_stream` times a
+streamed ``/generate``.
 Loopback only; the model is :func:`harness.vllm.build_tiny_model`'s.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -32,6 +38,9 @@ from harness.vllm import REPO_ROOT, ServerProcess, with_env
 
 #: SGLang's test stand-in for torchvision (every PyPI build needs a CUDA torch)
 STUBS = os.path.join(REPO_ROOT, "tests", "engines", "sglang", "stubs")
+#: the stand-ins SGLang's hierarchical cache needs on this CPU (see its sitecustomize); a HiCache server's
+#: ``SGLangSpec.env`` puts it on PYTHONPATH
+HICACHE_SITE = os.path.join(REPO_ROOT, "tests", "engines", "sglang_server", "hicache_site")
 
 
 @dataclass
@@ -181,3 +190,93 @@ def flush_cache(server: SGLangServer, timeout_s: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{server.spec.name}: /flush_cache refused for {timeout_s:g} s: {body[:300]}")
         time.sleep(0.5)
+
+
+def hicache_storage_args(store_url: str) -> tuple:
+    """SGLang's HiCache with kvferry's backend (``transfer.adapters.sglang.hicache``)
+    on ``store_url``: the host layout and io backend the stand-ins of
+    :data:`HICACHE_SITE` serve (``layer_first``, ``direct``); prefetches wait
+    until complete (SGLang's default policy gives up after 2 s, which a loaded
+    2-core machine reaches); metrics on."""
+    config = {"backend_name": "kvferry", "module_path": "transfer.adapters.sglang.hicache",
+              "class_name": "KvferryHiCache", "interface_v1": 1, "kvferry_storage_url": store_url}
+    return ("--enable-hierarchical-cache", "--hicache-mem-layout", "layer_first", "--hicache-io-backend", "direct",
+            "--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config", json.dumps(config),
+            "--hicache-storage-prefetch-policy", "wait_complete", "--enable-metrics")
+
+
+def storage_tokens(reply: dict) -> int:
+    """The prompt tokens SGLang says it loaded from L3 (storage) for this request."""
+    return int((reply["meta_info"].get("cached_tokens_details") or {}).get("storage", 0))
+
+
+class HiCacheStoreProbe:
+    """Reads a HiCache servers' kvferry store from outside: how many leading
+    full pages of a prompt it holds, under SGLang's own page hashes
+    (``get_hash_str``) as kvferry's backend keys them (model and TP rank
+    appended; TP 1)."""
+
+    def __init__(self, url: str, model: str, page_tokens: int) -> None:
+        from transfer.adapters.sglang.hicache import key_suffix
+        from transfer.storage import open_storage
+
+        self.store = open_storage(url)
+        self.page_tokens = page_tokens
+        self.suffix = key_suffix(model, 0, 1, mla=False)
+
+    def pages(self, prompt: list[int]) -> int:
+        from sglang.srt.mem_cache.utils import get_hash_str
+
+        keys, prior, page = [], None, self.page_tokens
+        for i in range(len(prompt) // page):
+            prior = get_hash_str(prompt[i * page:(i + 1) * page], prior)
+            keys.append(prior + self.suffix)
+        return self.store.exists(keys)
+
+    def wait_for(self, prompt: list[int], num_pages: int, timeout_s: float = 60.0) -> None:
+        """Until the store holds ``num_pages`` of ``prompt`` (HiCache writes behind the reply)."""
+        deadline = time.monotonic() + timeout_s
+        while (have := self.pages(prompt)) < num_pages:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the store holds {have} of {num_pages} pages after {timeout_s:g} s")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def generate_stream(server: SGLangServer, input_ids: list[int], max_new_tokens: int,
+                    timeout_s: float = 180.0) -> dict:
+    """``/generate`` with ``stream: true``, greedy. Returns ``tokens`` (SGLang's
+    chunks carry every token so far), ``ttft_s`` (from sending the request to
+    the first chunk with a token), ``total_s`` (to the last) and the last
+    chunk's ``meta_info``. Raises on an HTTP error, a stream without a token,
+    or past ``timeout_s`` (each socket wait is bounded by it too)."""
+    body = {"input_ids": input_ids, "stream": True,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}}
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    deadline = time.monotonic() + timeout_s
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
+    try:
+        t0 = time.monotonic()
+        conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"{server.spec.name}: HTTP {resp.status}: {resp.read()[:500]!r}")
+        tokens, first, last, meta = [], None, None, {}
+        for raw in resp:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{server.spec.name}: stream still running after {timeout_s:g} s")
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if ids := chunk.get("output_ids"):
+                now = time.monotonic() - t0
+                first = now if first is None else first
+                last, tokens, meta = now, list(ids), chunk.get("meta_info") or meta
+    finally:
+        conn.close()
+    if first is None:
+        raise RuntimeError(f"{server.spec.name}: the stream ended without a token")
+    return {"tokens": tokens, "ttft_s": first, "total_s": last, "meta_info": meta}

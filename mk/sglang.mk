@@ -12,7 +12,8 @@ SGLANG_RUNTIME_DEPS := orjson psutil pybase64 packaging pillow starlette msgspec
 	tqdm IPython prometheus_client transformers==5.19.0 dill sentencepiece compressed_tensors gguf \
 	fastapi uvicorn uvloop setproctitle
 
-.PHONY: setup-sglang test-sglang bench-sglang bench-hicache setup-sglang-server test-sglang-server
+.PHONY: setup-sglang test-sglang bench-sglang bench-hicache setup-sglang-server test-sglang-server \
+	bench-hicache-server
 
 setup-sglang: $(SGLANG_STAMP)
 
@@ -75,7 +76,14 @@ $(SGLANG_SERVER_STAMP): pyproject.toml mk/sglang.mk | debian-libs
 	PYTHONPATH=$(CURDIR):$(CURDIR)/tests/engines/sglang/stubs $(SGLANG_SERVER_PY) -c "import sglang.srt.entrypoints.http_server, vllm._custom_ops, transfer.adapters.sglang, sglang_router"
 	@touch $(SGLANG_SERVER_STAMP)
 
+# A repeated 8k-token prompt on a real CPU server with HiCache on kvferry's store: computed, then from L3 (after
+# /flush_cache, and once after a restart), against recomputed without HiCache; TTFT, tokens checked equal, the
+# storage hit counted (docs/storage.md, "Inside the engines"). CPU figures of a tiny model. About 2 minutes.
+bench-hicache-server: setup-sglang-server
+	timeout 1200 $(SGLANG_SERVER_PY) -m benchmarks.hicache_server --json bench-hicache-server.json --doc docs/storage.md
+
 # Also SGLang's HiCache on kvferry's store (test_hicache_server.py: a restarted server, PD with one store, a
-# killed prefill), its servers alone loading the CPU stand-ins of tests/engines/sglang_server/hicache_site.
+# killed prefill; test_hicache_draft.py: a speculative draft's KV with SGLang's own pools and controller, in
+# process), its servers alone loading the CPU stand-ins of tests/engines/sglang_server/hicache_site.
 test-sglang-server: setup-sglang-server
 	timeout 900 $(SGLANG_SERVER_PY) -m pytest -q -p no:cacheprovider tests/engines/sglang_server

@@ -184,6 +184,15 @@ def test_a_drafts_kv_is_stored_with_its_target_and_never_loaded_without_it(tmp_p
     assert [d_bytes[i] for i in (0, 1, 3)] == [want_d[i] for i in (0, 1, 3)]
     assert d_bytes[2] == before[2]
 
+    # SGLang 0.5.23 reads the target with batch_get_v1 and the draft in a v2 call of its own:
+    # a draft page whose target the store lacks is still never written
+    d_alone = _pages(d2, rng, 4)
+    before = _bytes(d2, d_alone)
+    got = loader.batch_get_v2([PoolTransfer(name=PoolName.DRAFT, host_indices=d_alone, keys=asked)])
+    assert got == {"draft": [True, True, False, True]}
+    alone_bytes = _bytes(d2, d_alone)
+    assert [alone_bytes[i] for i in (0, 1, 3)] == [want_d[i] for i in (0, 1, 3)] and alone_bytes[2] == before[2]
+
 
 def test_a_store_that_fails_makes_the_pages_missing_never_an_exception(tmp_path):
     """SGLang's storage threads must get per-page results: a closed store

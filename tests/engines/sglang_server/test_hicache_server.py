@@ -36,7 +36,6 @@ PD servers'.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
@@ -49,14 +48,14 @@ import pytest
 
 pytest.importorskip("sglang")
 
-from harness.sglang_server import (SGLangServer, SGLangSpec, flush_cache, generate, metric,  # noqa: E402
-                                   pd_generate, pd_generate_replies)
+from harness.sglang_server import (HICACHE_SITE, HiCacheStoreProbe, SGLangServer, SGLangSpec,  # noqa: E402
+                                   flush_cache, generate, hicache_storage_args, metric, pd_generate,
+                                   pd_generate_replies, storage_tokens)
 from harness.vllm import VOCAB, build_tiny_model, free_port  # noqa: E402
 
 MAX_NEW = 8
 PAGE = 16  # tokens per page; SGLang's L3 holds full pages only
 PAGE_BYTES = PAGE * 4 * 2 * 4 * 32 * 2  # the tiny Llama: 4 layers, K and V, 4 KV heads x 32, bf16
-SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hicache_site")
 STORAGE_TOKENS = "sglang:cached_tokens_total"
 SENT_MB = "sglang:kv_transfer_total_mb_sum"  # prefill: each room's bytes as kvferry's sender counts them
 
@@ -87,20 +86,13 @@ def prompt_of(n: int, seed: int) -> list[int]:
 
 
 def hicache_args(store_url: str) -> tuple:
-    """HiCache with kvferry's backend on ``store_url``; the layout and io
-    backend the stand-ins serve; prefetches wait until complete (SGLang's
-    default policy gives up after 2 s, which a loaded 2-core machine reaches)."""
-    config = {"backend_name": "kvferry", "module_path": "transfer.adapters.sglang.hicache",
-              "class_name": "KvferryHiCache", "interface_v1": 1, "kvferry_storage_url": store_url}
-    return (*COMMON_ARGS, "--enable-hierarchical-cache", "--hicache-mem-layout", "layer_first",
-            "--hicache-io-backend", "direct", "--hicache-storage-backend", "dynamic",
-            "--hicache-storage-backend-extra-config", json.dumps(config),
-            "--hicache-storage-prefetch-policy", "wait_complete", "--enable-metrics")
+    """This module's server flags with HiCache on kvferry's store at ``store_url``."""
+    return (*COMMON_ARGS, *hicache_storage_args(store_url))
 
 
 def hicache_server(name: str, model: str, store_url: str, log_dir: str, role: Role = SINGLE) -> SGLangServer:
     """A server with HiCache on kvferry's store and the stand-ins loaded (started, not waited for)."""
-    env = {"PYTHONPATH": SITE}
+    env = {"PYTHONPATH": HICACHE_SITE}
     bootstrap = 0
     if role.mode == "prefill":  # kvferry's own bootstrap port beside SGLang's
         bootstrap = free_port()
@@ -116,41 +108,11 @@ def full_pages(prompt: list[int]) -> int:
     return (len(prompt) - 1) // PAGE
 
 
-def storage_tokens(reply: dict) -> int:
-    """The prompt tokens SGLang says it loaded from L3 for this request."""
-    return int((reply["meta_info"].get("cached_tokens_details") or {}).get("storage", 0))
-
-
-class StoreProbe:
-    """Reads the servers' store from the test: how many leading full pages of
-    a prompt it holds, under SGLang's own page hashes as kvferry's backend
-    keys them (model and TP rank appended)."""
+class StoreProbe(HiCacheStoreProbe):
+    """The servers' store as this module's pages cut it."""
 
     def __init__(self, url: str, model: str) -> None:
-        from transfer.adapters.sglang.hicache import key_suffix
-        from transfer.storage import open_storage
-
-        self.store = open_storage(url)
-        self.suffix = key_suffix(model, 0, 1, mla=False)
-
-    def pages(self, prompt: list[int]) -> int:
-        from sglang.srt.mem_cache.utils import get_hash_str
-
-        keys, prior = [], None
-        for i in range(len(prompt) // PAGE):
-            prior = get_hash_str(prompt[i * PAGE:(i + 1) * PAGE], prior)
-            keys.append(prior + self.suffix)
-        return self.store.exists(keys)
-
-    def wait_for(self, prompt: list[int], num_pages: int, timeout_s: float = 60.0) -> None:
-        """Until the store holds ``num_pages`` of ``prompt`` (HiCache writes behind the reply)."""
-        deadline = time.monotonic() + timeout_s
-        while (have := self.pages(prompt)) < num_pages:
-            assert time.monotonic() < deadline, f"the store holds {have} of {num_pages} pages after {timeout_s:g} s"
-            time.sleep(0.1)
-
-    def close(self) -> None:
-        self.store.close()
+        super().__init__(url, model, PAGE)
 
 
 @pytest.fixture(scope="module")

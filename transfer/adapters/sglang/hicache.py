@@ -107,9 +107,11 @@ class KvferryHiCache(HiCacheStorage):
     # --- keys and segments -----------------------------------------------------
 
     def store_keys(self, keys, pool: str = _KV) -> list[str]:
-        """The store's keys of SGLang's page hashes ``keys`` in ``pool``."""
-        head = "" if pool == _KV else f"{_NAME_RE.sub('-', pool)}."
-        return [f"{head}{k}{self.suffix}" for k in keys]
+        """The store's keys of SGLang's page hashes ``keys`` in ``pool``: the
+        hash first (a file store spreads its files by a key's first
+        characters), then a pool other than the KV's name, then the suffix."""
+        tail = self.suffix if pool == _KV else f".{_NAME_RE.sub('-', pool)}{self.suffix}"
+        return [f"{k}{tail}" for k in keys]
 
     def _segments(self, pool: str, host_indices, num_pages: int) -> list[list[tuple[int, int]]]:
         """Each page's (address, bytes) in the host pool, in the pool's own order."""
@@ -196,8 +198,10 @@ class KvferryHiCache(HiCacheStorage):
 
     def batch_get_v2(self, transfers, extra_info=None) -> dict[str, list[bool]]:
         """Each pool's pages into its host pool; a sidecar pool's page only
-        where the KV page of the same key loaded in this call (or no KV was
-        asked), so a draft never lands without its target."""
+        where the KV page of the same key loaded in this call, or, when the
+        call asks for no KV (SGLang 0.5.23 reads the KV with ``batch_get_v1``
+        and a draft in a call of its own), where the store has the KV page: a
+        draft never lands without its target."""
         out: dict[str, list[bool]] = {}
         kv_ok: dict[str, bool] | None = None  # None: no KV asked in this call
         for t in sorted(transfers, key=lambda t: str(t.name) != _KV):
@@ -208,7 +212,9 @@ class KvferryHiCache(HiCacheStorage):
                 log.warning("kvferry HiCache get of pool %s: %s", name, exc)
                 out[name] = [False] * len(keys)
                 continue
-            wanted = [i for i, k in enumerate(keys) if name == _KV or kv_ok is None or kv_ok.get(k, False)]
+            if name != _KV and kv_ok is None:
+                kv_ok = dict(zip(keys, self._present(keys, _KV), strict=True))
+            wanted = [i for i, k in enumerate(keys) if name == _KV or kv_ok.get(k, False)]
             got = self._call("get", len(wanted), lambda n=name, w=wanted, k=keys, g=segments: self._store.get_into(
                 self.store_keys([k[i] for i in w], n), [g[i] for i in w]))
             result = [False] * len(keys)
