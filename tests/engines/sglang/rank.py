@@ -493,11 +493,20 @@ def main(argv=None) -> int:
     p.add_argument("--model-dir", default="", help="a config.json-only model (SGLang's own backends)")
     p.add_argument("--timeout", type=float, default=90.0)
     p.add_argument("--kv-checksum", action="store_true", help="MetadataBuffers with the KV checksum row")
+    p.add_argument("--http-port", type=int, default=0, help="the server's HTTP port (ServerArgs.port); the "
+                   "rebootstrap scenario's prefill serves its stand-in /generate there")
+    p.add_argument("--recompute-timeout", type=float, default=0.0, help="decode: the bound of a rebootstrap's "
+                   "POST /generate (0: the manager's, SGLang's waiting timeout)")
     a = p.parse_args(argv)
     from sglang.srt.plugins import load_plugins
 
     load_plugins()  # as every SGLang process does: registers the kvferry backend
-    {"prefill": run_prefill, "decode": run_decode, "bootstrap": run_bootstrap}[a.role](a)
+    runs = {"prefill": run_prefill, "decode": run_decode, "bootstrap": run_bootstrap}
+    if a.scenario == "rebootstrap" and a.role != "bootstrap":
+        from tests.engines.sglang import rebootstrap
+
+        runs = {"prefill": rebootstrap.run_prefill, "decode": rebootstrap.run_decode}
+    runs[a.role](a)
     sys.stdout.flush()
     os._exit(0)  # do not wait for engine threads
 

@@ -18,7 +18,7 @@ class Request:
     chunks: tuple[int, ...] = ()
     prefix_pages: int = 0
     action: str = ""  # "", "decode_abort" (every decode rank), "decode_abort_one" (its first TP rank),
-    # "prefill_abort", "kill", "release", "early_event" (see below)
+    # "prefill_abort", "kill", "release", "early_event", "rebootstrap*" (see below)
     corrupt: bool = False  # decode flips a landed byte before it checks the KV checksum
     after_release: bool = False  # decode asks for it only after its memory release and resume
     tags: tuple[str, ...] = field(default=())
@@ -53,6 +53,16 @@ def requests_of(name: str) -> list[Request]:
         # SGLang's early send of a cached prefix under overlap scheduling: the first chunk's pages are still
         # being written (for 0.5 s) when send() comes, with the event that says when they are done.
         return [Request(_BASE + 50, 6, (2,), action="early_event", tags=("early send with a wait event",))]
+    if name == "rebootstrap":
+        # Every room lands, then decode retracts them all (pause_generation(mode="retract"), continue_generation)
+        # and asks the prefill's /generate (the prefill rank's stand-in HTTP server) to recompute each
+        # (rebootstrap_of): "rebootstrap" is recomputed and sent again; the stand-in answers HTTP 503 for
+        # "rebootstrap_http_error", never answers for "rebootstrap_silent"; for "rebootstrap_unresolved" decode's
+        # table lacks the prefill's HTTP port, as for a prefill that registered none.
+        return [Request(_BASE + 60, 5, (2,), action="rebootstrap", tags=("recomputed by prefill",)),
+                Request(_BASE + 61, 4, action="rebootstrap_http_error", tags=("prefill answers 503",)),
+                Request(_BASE + 62, 4, action="rebootstrap_silent", tags=("prefill never answers",)),
+                Request(_BASE + 63, 4, action="rebootstrap_unresolved", tags=("no prefill HTTP port known",))]
     if name == "kill":
         return [Request(_BASE + 20, 6, (2,), action="kill", tags=("killed prefill",))]
     if name.startswith("bench"):
@@ -60,3 +70,9 @@ def requests_of(name: str) -> list[Request]:
         _, _, pages, count = name.split("-")
         return [Request(_BASE + 100 + i, int(pages)) for i in range(int(count))]
     raise ValueError(f"unknown scenario {name!r}")
+
+
+def rebootstrap_of(req: Request) -> Request:
+    """A retracted request as prefill recomputes it: the same room, one page
+    more (the outputs so far join the prompt), so its KV is another draw."""
+    return Request(req.room, req.num_pages + 1, (2,), action=req.action, tags=req.tags + ("recomputed",))

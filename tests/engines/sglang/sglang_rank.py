@@ -235,7 +235,8 @@ def server_args_of(a):
                     "prefill", tp_size=a.tp_size, dp_size=a.dp_size, enable_dp_attention=a.dp_size > 1,
                     load_balance_method=a.load_balance if a.role == "prefill" else "auto",
                     disaggregation_transfer_backend=a.backend, host="127.0.0.1",
-                    disaggregation_bootstrap_port=a.port, device="cpu", skip_tokenizer_init=True)
+                    disaggregation_bootstrap_port=a.port, device="cpu", skip_tokenizer_init=True,
+                    **({"port": a.http_port} if getattr(a, "http_port", 0) else {}))
     if a.backend != "kvferry":
         from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
 

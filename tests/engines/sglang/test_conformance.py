@@ -329,7 +329,8 @@ def test_the_bootstrap_port_speaks_sglangs_http_and_names_kvferrys_port(sglang, 
     """The bootstrap port serves SGLang's room registry (its own
     CommonKVReceiver.query_prefill_dp_ranks reads what a prefill registered)
     and GET /kvferry names kvferry's bootstrap server, by default on the
-    next port; a malformed request gets 400 and the server keeps serving."""
+    next port, and the prefill's HTTP port once a rank posted it; a
+    malformed request gets 400 and the server keeps serving."""
     import json
     import time
     import urllib.error
@@ -360,5 +361,10 @@ def test_the_bootstrap_port_speaks_sglangs_http_and_names_kvferrys_port(sglang, 
         assert post(addr, "/kvferry", {"follow_bootstrap_room": False, "dp_size": 2})
         with urllib.request.urlopen(f"http://{addr}/kvferry", timeout=2) as reply:
             assert json.loads(reply.read()) == {"port": port + 1, "follow_bootstrap_room": False, "dp_size": 2}
+        # a prefill rank names its server's HTTP port, where decode posts a PD retract rebootstrap's /generate
+        assert post(addr, "/kvferry", {"follow_bootstrap_room": True, "dp_size": 1, "prefill_http_port": 30000})
+        with urllib.request.urlopen(f"http://{addr}/kvferry", timeout=2) as reply:
+            assert json.loads(reply.read()) == {"port": port + 1, "follow_bootstrap_room": True, "dp_size": 1,
+                                                "prefill_http_port": 30000}
     finally:
         server.close()

@@ -17,7 +17,10 @@ row here (docs/sglang.md).
 
 from __future__ import annotations
 
+import json
 import random
+import threading
+import urllib.request
 
 import pytest
 
@@ -122,3 +125,61 @@ def test_behind_sglang_router_unchanged_tokens_equal_a_single_server(servers, tm
         router.close()
     lines = decode.kvferry_lines()
     assert "failed" not in lines, lines
+
+
+RETRACT_NEW = 32  # tokens a retracted request generates in all
+
+
+def _stream_tokens(server, body: dict, timeout_s: float = 120.0):
+    """``/generate`` with ``stream``: yields the output ids so far (SGLang's
+    streamed ``output_ids`` are cumulative) until the stream ends."""
+    req = urllib.request.Request(server.url + "/generate", data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as reply:
+        for raw in reply:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data:"):])
+            if "error" in chunk:
+                raise RuntimeError(f"{server.spec.name}: {chunk['error']}")
+            yield chunk["output_ids"]
+
+
+def _post(server, path: str, body: dict, timeout_s: float = 60.0) -> None:
+    req = urllib.request.Request(server.url + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as reply:
+        reply.read()
+
+
+def test_a_request_retracted_on_decode_is_recomputed_by_prefill_and_tokens_equal_a_single_server(servers):
+    """SGLang's PD true-retraction rebootstrap with kvferry: decode is paused
+    with ``mode: retract`` while it generates (``pause_generation``), then
+    resumed (``continue_generation``); SGLang's decode posts the retracted
+    request's prompt and outputs to the prefill server's ``/generate``
+    (kvferry's ``submit_prefill_recompute``, the URL from the HTTP port the
+    prefill registered), prefill recomputes the KV and kvferry moves it to
+    decode again, under the same room. Decode's tokens equal the single server's."""
+    reference, prefill, decode = servers["reference"], servers["prefill"], servers["decode"]
+    prompt = prompt_of(300, 700)
+    want = generate(reference, prompt, RETRACT_NEW)["output_ids"]
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": RETRACT_NEW, "temperature": 0.0,
+                                                     "ignore_eos": True},
+            "bootstrap_host": prefill.spec.host, "bootstrap_port": prefill.spec.bootstrap_port,
+            "bootstrap_room": 7_200}
+    first: dict = {}
+    threading.Thread(target=lambda: first.update(generate(prefill, prompt, RETRACT_NEW, **{
+        k: body[k] for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room")})), daemon=True).start()
+    seen, got = 0, []
+    for got in _stream_tokens(decode, body):
+        if seen == 0 and len(got) >= 4:  # decode is generating over the KV kvferry moved: retract it now
+            seen = len(got)
+            _post(decode, "/pause_generation", {"mode": "retract"})
+            _post(decode, "/continue_generation", {})
+    assert seen and seen < RETRACT_NEW, seen
+    assert got == want, (seen, got, want)
+    lines = decode.kvferry_lines()
+    assert "PD retract rebootstrap of rid" in lines and "asking the prefill server to recompute" in lines, lines
+    assert "/generate answered 200" in lines, lines
+    assert "failed" not in lines and "failed" not in prefill.kvferry_lines(), lines

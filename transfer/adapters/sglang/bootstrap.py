@@ -49,8 +49,10 @@ class FrontDoor:
     """The HTTP side of the bootstrap port: SGLang's room -> prefill DP rank
     registry (``POST /register_dp_rank``, ``POST /query_dp_ranks``), and
     ``GET /kvferry``: ``{"port": <kvferry's bootstrap port>, "follow_bootstrap_room": ...,
-    "dp_size": ...}`` (the last two once a prefill rank posted them to
-    ``POST /kvferry``). ``GET /health`` answers 200."""
+    "dp_size": ..., "prefill_http_port": ...}`` (all but the first once a
+    prefill rank posted them to ``POST /kvferry``; ``prefill_http_port``, the
+    prefill server's HTTP API port, is where SGLang's decode posts a PD
+    retract rebootstrap's ``/generate``). ``GET /health`` answers 200."""
 
     def __init__(self, host: str, port: int, kvferry_port: int) -> None:
         self.kvferry_port = kvferry_port
@@ -80,8 +82,11 @@ class FrontDoor:
                     elif self.path == "/query_dp_ranks":
                         self._reply(200, door.query([int(r) for r in body["bootstrap_rooms"]]))
                     elif self.path == "/kvferry":
-                        door.prefill = {"follow_bootstrap_room": bool(body["follow_bootstrap_room"]),
-                                        "dp_size": int(body["dp_size"])}
+                        prefill = {"follow_bootstrap_room": bool(body["follow_bootstrap_room"]),
+                                   "dp_size": int(body["dp_size"])}
+                        if body.get("prefill_http_port") is not None:
+                            prefill["prefill_http_port"] = int(body["prefill_http_port"])
+                        door.prefill = prefill
                         self._reply(200, {"ok": True})
                     else:
                         self._reply(404, {"error": f"no {self.path} here"})

@@ -12,6 +12,7 @@ from transfer.adapters.sglang.bootstrap import (RoomRegistrar, bind_host, front_
                                                wait_kvferry_address)
 from transfer.adapters.sglang.kvargs import (aux_regions_from_kv_args, check_supported, device_of, kv_heads_of_model,
                                              pools_from_kv_args, states_from_kv_args)
+from transfer.adapters.sglang.recompute import Recomputer
 from transfer.config import Role, manager_config_from_env
 from transfer.errors import KVFerryError
 from transfer.manager import KVManager
@@ -40,6 +41,13 @@ def _follows_bootstrap_room(server_args) -> bool:
     ``follow_bootstrap_room``, what ``auto`` means for a PD prefill)."""
     method = str(getattr(server_args, "load_balance_method", "auto") or "auto")
     return method in ("auto", "follow_bootstrap_room")
+
+
+def _http_port(server_args) -> int | None:
+    """The server's HTTP API port (``--port``), where SGLang's decode posts a
+    PD retract rebootstrap's ``/generate``."""
+    port = getattr(server_args, "port", None)
+    return None if port is None else int(port)
 
 
 def _engine_host(server_args) -> str:
@@ -74,6 +82,7 @@ class KvferryKVManager(BaseKVManager):
         self.role = Role.PREFILL if mode == "prefill" else Role.DECODE
         self.page_size = int(args.page_size)
         tp_rank, tp_size, dp_rank, dp_size = parallel_ranks(args, server_args)
+        self.attn_tp_rank = tp_rank
         host = bind_host(getattr(server_args, "host", None))
         #: SGLang's bootstrap address (HTTP, see .bootstrap), and the routing of this prefill's DP ranks
         self.sglang_bootstrap = f"{host}:{int(server_args.disaggregation_bootstrap_port)}"
@@ -88,7 +97,7 @@ class KvferryKVManager(BaseKVManager):
             config = dataclasses.replace(config, bootstrap_addr=wait_kvferry_address(
                 self.sglang_bootstrap, config.register_timeout_s))
             post(self.sglang_bootstrap, "/kvferry", {"follow_bootstrap_room": self.follow_bootstrap_room,
-                                                     "dp_size": dp_size})
+                                                     "dp_size": dp_size, "prefill_http_port": _http_port(server_args)})
             if dp_size > 1 and not self.follow_bootstrap_room:  # decode asks the registry where a room is
                 self.rooms_registrar = RoomRegistrar(self.sglang_bootstrap, dp_rank)
         ib_device = getattr(args, "ib_device", None)
@@ -107,6 +116,9 @@ class KvferryKVManager(BaseKVManager):
         self.prefill_info_table: dict = {}
         #: decode: room -> the live KvferryKVReceiver (deferred release)
         self.receivers: dict = {}
+        #: decode: posts PD retract rebootstrap requests (submit_prefill_recompute), bounded by SGLang's
+        #: waiting timeout as its own manager bounds them
+        self.recomputer = Recomputer(timeout_s=config.transfer_timeout_s, max_workers=_recompute_workers())
         log.info("kvferry %s rank tp %d/%d dp %d/%d ready", self.role.value, tp_rank, tp_size, dp_rank, dp_size)
 
     # --- BaseKVManager --------------------------------------------------------------------
@@ -150,8 +162,53 @@ class KvferryKVManager(BaseKVManager):
         self.prefill_info_table[bootstrap_addr] = PrefillServerInfo(
             attn_tp_size=tp_size, attn_cp_size=1, dp_size=dp_size, pp_size=1, page_size=self.page_size,
             kv_cache_dtype=getattr(self.kv_args, "kv_cache_dtype_str", None),
-            follow_bootstrap_room=bool(info["follow_bootstrap_room"]))
+            follow_bootstrap_room=bool(info["follow_bootstrap_room"]),
+            prefill_http_port=info.get("prefill_http_port"))
         return True
+
+    # --- PD retract rebootstrap (pause_generation(mode="retract"), continue_generation) ----
+    def submit_prefill_recompute(self, kv_receiver, payload: dict) -> None:
+        """Ask the prefill server of ``kv_receiver``'s room to recompute it:
+        ``POST http://<bootstrap host>:<its HTTP port>/generate`` with
+        ``payload`` (SGLang's ``Req.build_rebootstrap_payload()``: the same
+        room, ``max_new_tokens`` 1); the prefill then sends the KV to the
+        receiver as for any request. Called by SGLang's decode scheduler once
+        per retracted request on every rank of the attention TP group; only
+        the leader (attention TP rank 0) posts, the prefill server sends every
+        rank its share. Returns at once: a thread of :class:`.recompute.Recomputer`
+        posts. Any failure (no HTTP port registered by the prefill, an HTTP
+        error, no answer within ``recomputer.timeout_s``) fails the room
+        through the receiver's Failed poll, with a
+        :class:`.recompute.PrefillRecomputeError` naming the request id, the
+        room and the URL; a reply after the KV landed changes nothing."""
+        if self.attn_tp_rank != 0:
+            return
+        url = self.prefill_url(kv_receiver.bootstrap_addr)
+        call = self.recomputer.call(rid=payload.get("rid"), room=kv_receiver.bootstrap_room, url=url or "")
+        kv_receiver.watch_recompute(call)
+        if url is None:
+            why = "registered no HTTP port (GET /kvferry)" if kv_receiver.bootstrap_addr in self.prefill_info_table \
+                else "was never looked up (try_ensure_parallel_info)"
+            call.failed(f"no prefill /generate URL: the prefill server at {kv_receiver.bootstrap_addr} {why}")
+            return
+        log.info("kvferry %s: asking the prefill server to recompute the room's %d tokens (POST %s)", call.where,
+                 len(payload.get("input_ids") or ()), call.generate_url)
+        self.recomputer.submit(call, payload)
+
+    def prefill_url(self, bootstrap_addr: str) -> str | None:
+        """``http://<host>:<port>`` of the prefill server behind SGLang's
+        bootstrap address (its host, the HTTP port the prefill registered);
+        None when the prefill is not looked up yet or registered none."""
+        from sglang.srt.utils.network import NetworkAddress
+
+        info = self.prefill_info_table.get(bootstrap_addr)
+        if info is None or getattr(info, "prefill_http_port", None) is None:
+            return None
+        try:
+            host = NetworkAddress.parse(bootstrap_addr).host
+        except ValueError:
+            return None
+        return NetworkAddress(host, int(info.prefill_http_port)).to_url()
 
     def is_abort_release_safe(self, room: int, required_acks: int = 0) -> bool:
         receiver = self.receivers.get(room)
@@ -178,6 +235,7 @@ class KvferryKVManager(BaseKVManager):
         self.core.resume_memory()
 
     def close(self) -> None:
+        self.recomputer.close()
         self.core.close()
 
 
@@ -193,6 +251,16 @@ def _sglang_timeouts() -> dict:
         if var is not None and not _env_sets(field):
             out[field] = float(var.get())
     return out
+
+
+def _recompute_workers() -> int:
+    """SGLang's ``SGLANG_DISAGGREGATION_THREAD_POOL_SIZE`` (default 16), the
+    size of its own manager's pool for these requests."""
+    from sglang.srt.environ import envs
+
+    var = getattr(envs, "SGLANG_DISAGGREGATION_THREAD_POOL_SIZE", None)
+    value = var.get() if var is not None else None
+    return max(1, int(value)) if value is not None else 16
 
 
 def _env_sets(field: str) -> bool:

@@ -15,16 +15,26 @@ rank failed (its MIN all-reduce) while this rank's room is live,
 ``ensure_abort_notified`` aborts it here and ``is_abort_release_safe`` stays
 False until the drain ended: SGLang's deferred decode KV release
 (``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE``) waits for exactly that.
+
+PD retract rebootstrap: a retracted request comes back as a new receiver for
+the same room, through the same calls; its leader's manager then asks the
+prefill server to recompute the room (``submit_prefill_recompute``) and hands
+this receiver the call (:meth:`KvferryKVReceiver.watch_recompute`): ``poll()``
+fails the room with the call's error once it failed or ran past its bound,
+unless the KV landed first. kvferry keys a room's requests by (room, request
+id), so a room id used again picks up nothing of its last use.
 """
 
 from __future__ import annotations
 
+import time
 
 import numpy as np
 from sglang.srt.disaggregation.base.conn import BaseKVReceiver
 
 from transfer.adapters.sglang.manager import PREFILL_NODE
 from transfer.adapters.sglang.failure import fail_room, raise_failure
+from transfer.adapters.sglang.recompute import RecomputeCall
 from transfer.errors import BootstrapUnavailable, KVFerryError, StateError, TransferError
 from transfer.rooms.receiver import KVReceiver
 from transfer.state import KVPoll
@@ -41,6 +51,7 @@ class KvferryKVReceiver(BaseKVReceiver):
         self.bootstrap_infos: list = []
         self._core: KVReceiver | None = None
         self._error: BaseException | None = None
+        self._recompute: RecomputeCall | None = None  # PD retract rebootstrap: the prefill asked to recompute
 
     @property
     def supports_host_destination(self) -> bool:
@@ -93,9 +104,22 @@ class KvferryKVReceiver(BaseKVReceiver):
         if self._core is None:
             return KVPoll.Bootstrapping
         state = self._core.poll()
+        if state not in (KVPoll.Success, KVPoll.Failed) and self._recompute is not None:
+            error = self._recompute.error(time.monotonic())
+            if error is not None:  # the prefill will not send this room: stop it (its peers told), fail it
+                self._recompute = None
+                self._fail(error)
+                state = KVPoll.Failed if self.conclude_state is KVPoll.Failed else self._core.poll()
         if state in (KVPoll.Success, KVPoll.Failed):
             self.conclude_state = state
         return state
+
+    def watch_recompute(self, call: RecomputeCall) -> None:
+        """The prefill server was asked to recompute this room (PD retract
+        rebootstrap, :meth:`.manager.KvferryKVManager.submit_prefill_recompute`):
+        ``poll()`` fails the room with ``call``'s error, if it has one before
+        the room ended."""
+        self._recompute = call
 
     def failure_exception(self) -> None:
         raise_failure(self._error, self._core, self.bootstrap_room, "decode")
