@@ -15,10 +15,8 @@ CPU-only machine does to it:
   interpreter, so this one runs that one first).
 """
 
-import importlib.abc
 import os
 import runpy
-import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 runpy.run_path(os.path.join(_HERE, "..", "..", "tests", "engines", "sglang", "stubs", "sitecustomize.py"))
@@ -26,29 +24,8 @@ runpy.run_path(os.path.join(_HERE, "..", "..", "tests", "engines", "sglang", "st
 _TARGET = "sglang.srt.disaggregation.mooncake.conn"
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Turns the attribute off once SGLang's Mooncake module has loaded."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != _TARGET:
-            return None
-        sys.meta_path.remove(self)
-        try:
-            import importlib.util
-
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            sys.meta_path.insert(0, self)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_and_patch(module):
-            exec_module(module)
-            module.MooncakeKVSender.supports_host_tensor_indices = False
-
-        spec.loader.exec_module = exec_and_patch
-        return spec
+def _no_host_tensor_indices(module) -> None:
+    module.MooncakeKVSender.supports_host_tensor_indices = False
 
 
-sys.meta_path.insert(0, _AfterImport())
+runpy.run_path(os.path.join(_HERE, "..", "..", "harness", "after_import.py"))["install"]({_TARGET: _no_host_tensor_indices})

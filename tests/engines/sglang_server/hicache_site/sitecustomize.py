@@ -38,11 +38,8 @@ process here needs (``tests/engines/sglang/stubs``: one ``sitecustomize`` is
 loaded per interpreter).
 """
 
-import importlib.abc
-import importlib.util
 import os
 import runpy
-import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 runpy.run_path(os.path.join(_HERE, "..", "..", "sglang", "stubs", "sitecustomize.py"))
@@ -81,28 +78,4 @@ _PATCHES = {
 }
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Applies a module's patch once SGLang's module has loaded."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        patch = _PATCHES.get(fullname)
-        if patch is None:
-            return None
-        sys.meta_path.remove(self)
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            sys.meta_path.insert(0, self)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_and_patch(module):
-            exec_module(module)
-            patch(module)
-
-        spec.loader.exec_module = exec_and_patch
-        return spec
-
-
-sys.meta_path.insert(0, _AfterImport())
+runpy.run_path(os.path.join(_HERE, "..", "..", "..", "..", "harness", "after_import.py"))["install"](_PATCHES)
