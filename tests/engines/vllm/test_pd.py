@@ -553,9 +553,10 @@ def test_decode_with_its_own_prefix_cache_asks_only_for_the_blocks_it_lacks(clus
             rooms.append(int(got.kv_params["kvferry_room"]))
         after = decode.metrics()
         delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-        assert delta.get("local_cache_hit") == STORED, (delta, decode.kvferry_lines())
-        assert delta.get("external_kv_transfer") == len(a) + len(b) - STORED, delta
-        assert delta.get("local_compute", 0) == 0, delta
+        why = f"{delta}\ndecode-prefix:\n{decode.kvferry_lines()[-6000:]}\nprefill:\n{prefill.kvferry_lines()[-6000:]}"
+        assert delta.get("local_cache_hit") == STORED, why
+        assert delta.get("external_kv_transfer") == len(a) + len(b) - STORED, why
+        assert delta.get("local_compute", 0) == 0, why
         moved = stats_of(decode)
         blocks = num_blocks(len(a)) + num_blocks(len(b)) - STORED // BLOCK
         assert moved["bytes_transferred_sum"] == blocks * BLOCK_BYTES, (moved, blocks)

@@ -20,6 +20,7 @@ job submitted finished or failed.
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -27,6 +28,8 @@ from transfer.config import EngineConfig
 from transfer.errors import TransferError
 from transfer.transport.base import DoneCallback
 from transfer.transport.worker import closed_error, gate_state, run_callback
+
+log = logging.getLogger("kvferry.transport")
 
 # The engine has no completion queue: the only way to learn that a descriptor
 # finished is one transfer_check_status(id) call per id. It finishes each
@@ -54,6 +57,7 @@ class MooncakeJob:
     created: float = field(default_factory=time.monotonic)
     priority: float = 0.0  # lower goes first among the peer's queued jobs
     num_landed: int = 0  # descriptors the engine reported done
+    retried: set[int] = field(default_factory=set)  # descriptors submitted again after a stall (each once)
 
     def status(self) -> str:
         """Where the job stands, in words (racy reads: diagnostics only)."""
@@ -108,6 +112,8 @@ class MooncakeWrites:
         self.num_bytes = 0
         #: engine status checks so far (what completion tracking costs)
         self.num_status_checks = 0
+        #: descriptors submitted again after the engine gave them up as stalled (:meth:`_retry`)
+        self.num_retried = 0
         # Jobs by peer not fully submitted (by priority), descriptors and bytes outstanding per peer, and per
         # peer, oldest first, (engine id, job, bytes) of submitted ones.
         self._by_peer: dict[str, collections.deque[MooncakeJob]] = collections.defaultdict(collections.deque)
@@ -139,7 +145,7 @@ class MooncakeWrites:
 
     def fail_all(self) -> None:
         jobs = {id(j): j for q in self._by_peer.values() for j in q}
-        jobs.update({id(j): j for ids in self._outstanding.values() for _, j, _ in ids})
+        jobs.update({id(j): j for ids in self._outstanding.values() for _, j, *_ in ids})
         for job in jobs.values():
             self.fail(job)
 
@@ -174,7 +180,7 @@ class MooncakeWrites:
                             f"(descriptor {i} of {n})", peer=peer)
                         job.next_index = n
                         break
-                    outstanding[peer].append((tid, job, job.lengths[i]))
+                    outstanding[peer].append((tid, job, job.lengths[i], i, time.monotonic()))
                     peer_bytes[peer] += job.lengths[i]
                     job.next_index += 1
                     job.num_inflight += 1
@@ -202,13 +208,16 @@ class MooncakeWrites:
         check = self._engine.transfer_check_status
         pending = []
         while ids and len(pending) < _PENDING_WINDOW:
-            tid, job, nbytes = ids.popleft()
+            entry = ids.popleft()
+            tid, job, nbytes, index, submitted = entry
             status = check(tid)
             self.num_status_checks += 1
             if status == 0:
-                pending.append((tid, job, nbytes))
+                pending.append(entry)
                 continue
             progressed = True
+            if status != 1 and self._retry(job, index, submitted, ids):
+                continue
             self._inflight_peer_bytes[job.peer] -= nbytes
             job.num_inflight -= 1
             inflight[job.peer] -= 1
@@ -225,6 +234,31 @@ class MooncakeWrites:
             self._maybe_finish(job)
         ids.extendleft(reversed(pending))  # still the oldest, in order
         return progressed
+
+    def _retry(self, job: MooncakeJob, index: int, submitted: float, ids) -> bool:
+        """Submit descriptor ``index`` of ``job`` once more when the engine
+        gave it up as stalled: no progress on its connection for the engine's
+        progress deadline (``progress_timeout_s``), after which Mooncake drops
+        that connection and a new write opens a new one. Seen on a fresh
+        peer's first writes: the peer's engine thread left a new connection
+        unread (docs/reliability.md, "A stalled first write"). Once per
+        descriptor, never for a cancelled job or a failure that came sooner (a refusal, a
+        dead peer): those fail the job as before. The same bytes to the same
+        place, with the source still held (the job has not ended): the write
+        is idempotent, and decode reuses nothing before the job ends."""
+        stalled = time.monotonic() - submitted >= 0.8 * self.config.progress_timeout_s
+        if not stalled or job.cancelled or index in job.retried or job.error is not None:
+            return False
+        tid = self._engine.transfer_submit_write(job.peer, job.src[index], job.dst[index], job.lengths[index])
+        if tid == 0:
+            return False
+        job.retried.add(index)
+        self.num_retried += 1
+        log.warning("write to %s: descriptor %d of %d (%d bytes) had no progress for %.1f s and Mooncake dropped its "
+                    "connection; submitted once more on a new one", job.peer, index, len(job.src),
+                    job.lengths[index], time.monotonic() - submitted)
+        ids.append((tid, job, job.lengths[index], index, time.monotonic()))
+        return True
 
     def _maybe_finish(self, job: MooncakeJob) -> None:
         if job.done or not job.finished:
