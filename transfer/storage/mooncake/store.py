@@ -65,7 +65,7 @@ from transfer.storage.base import Segment, StorageBackend, StorageURL, check_bat
 from transfer.storage.mooncake.client import StoreClient, check_master, code_name
 from transfer.storage.mooncake.config import MooncakeStoreConfig
 from transfer.storage.mooncake.plan import bounce_batches, entry_chunks, pointers_and_sizes
-from transfer.transport.mooncake.process import apply_mooncake_env
+from transfer.transport.mooncake.process import apply_mooncake_env, reserve_fd_table
 
 __all__ = ["MooncakeStore", "open_mooncake_store"]
 
@@ -80,6 +80,7 @@ class MooncakeStore(StorageBackend):
         self.config = config
         self.url = url or f"mooncake://{config.master_addr}"
         apply_mooncake_env(EngineConfig(log_level=config.log_level, protocol=config.protocol))  # MC_LOG_LEVEL is read on import
+        reserve_fd_table()  # its client's transfer engine runs the same I/O thread (docs/reliability.md)
         try:
             from mooncake.store import MooncakeDistributedStore, ReplicateConfig
         except ImportError as exc:

@@ -40,7 +40,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import os
+import resource
 import sys
 
 from transfer.config import EngineConfig
@@ -53,6 +55,40 @@ def rdma_devices(root: str = "/sys/class/infiniband") -> list[str]:
         return sorted(os.listdir(root))
     except OSError:
         return []
+
+
+#: Descriptors this process's file table holds room for once an engine starts (:func:`reserve_fd_table`).
+FD_TABLE_RESERVE = 4096
+
+
+def reserve_fd_table(count: int = FD_TABLE_RESERVE) -> int:
+    """Grow this process's file-descriptor table to hold ``count`` (at
+    most the soft ``RLIMIT_NOFILE``) now; returns the size asked for (0:
+    nothing done).
+
+    The kernel grows the table when a new descriptor passes its size, and in
+    a process with more than one thread it first waits for an RCU grace
+    period, inside the call that wanted the descriptor. In Mooncake's engine
+    that call is an ``accept()`` or ``socket()`` of its one I/O thread, which
+    runs every data connection of the engine: while it waits, no session
+    moves (seen as a 10 s stall of a fresh pair's first writes in a vLLM
+    worker whose accepted lanes reached descriptor 127, docs/reliability.md
+    "A stalled first write"). A table never shrinks: grown once here, before
+    the engine starts, the wait is off the data path for the process's
+    life. One ``F_DUPFD`` at the size (it never replaces an open
+    descriptor), closed at once."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = min(count, soft) - 1
+    if target < 64:
+        return 0
+    fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.close(fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, target))
+    except OSError:  # no descriptor free at or above target: the table is that large already
+        return 0
+    finally:
+        os.close(fd)
+    return target + 1
 
 
 def keep_forever(obj) -> None:

@@ -56,7 +56,7 @@ from transfer.transport.mooncake.peer_meta import check_peer_meta, decode_peer_m
 from transfer.transport.mooncake.peer_open import MooncakePeers
 from transfer.transport.peers import OpenCallback
 from transfer.transport.mooncake.process import (apply_mooncake_env, keep_forever, quiet_engine_start, rdma_devices,
-                                                 stderr_discarded)
+                                                 reserve_fd_table, stderr_discarded)
 from transfer.transport.mooncake.writes import MooncakeJob, MooncakeWrites
 from transfer.transport.worker import PollingWorker, close_at_exit
 
@@ -76,6 +76,7 @@ class MooncakeTransport:
 
     def __init__(self, config: EngineConfig) -> None:
         apply_mooncake_env(config)
+        reserve_fd_table()  # before the engine's I/O thread accepts its first data connection
         if config.mooncake_metadata == "relay":  # its process starts while the engine is imported and built
             from transfer.transport.mooncake.relay import start_relay_store
             start_relay_store()
