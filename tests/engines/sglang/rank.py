@@ -299,6 +299,18 @@ def _extra_stats(sender) -> dict:
     return {"descriptors": st.descriptors, "plan_bytes": st.bytes}
 
 
+def prefill_info(rank: Rank, addr: str, deadline: float):
+    """Decode's ``prefill_info_table`` entry of ``addr`` once SGLang's
+    ``try_ensure_parallel_info`` got it; None (and a DONE line saying so)
+    when it did not by ``deadline``."""
+    while not rank.mgr.try_ensure_parallel_info(addr):
+        if time.monotonic() > deadline:
+            emit("DONE", role="decode", timed_out=True, error="prefill parallel info never arrived")
+            return None
+        time.sleep(0.2)
+    return rank.mgr.prefill_info_table[addr]
+
+
 def run_decode(a) -> None:
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.utils import poll_and_all_reduce
@@ -309,12 +321,9 @@ def run_decode(a) -> None:
     reqs = [r for i, r in enumerate(requests_of(a.scenario)) if i % a.dp_size == rank.dp_rank]
     addr = f"127.0.0.1:{a.port}"
     deadline = time.monotonic() + a.timeout
-    while not rank.mgr.try_ensure_parallel_info(addr):
-        if time.monotonic() > deadline:
-            emit("DONE", role="decode", timed_out=True, error="prefill parallel info never arrived")
-            return
-        time.sleep(0.2)
-    info = rank.mgr.prefill_info_table[addr]
+    info = prefill_info(rank, addr, deadline)
+    if info is None:
+        return
     emit("READY", role="decode", prefill_tp=info.attn_tp_size, prefill_dp=info.dp_size,
          follow_bootstrap_room=info.follow_bootstrap_room)
     taken: set = set()

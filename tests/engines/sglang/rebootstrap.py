@@ -32,7 +32,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from tests.engines.sglang.rank import _decode_dp_of, _error_of, _fill, _send, _verify, emit, gloo_group
+from tests.engines.sglang.rank import (_decode_dp_of, _error_of, _fill, _send, _verify, emit, gloo_group,
+                                      prefill_info)
 from tests.engines.sglang.scenarios import rebootstrap_of, requests_of
 from tests.engines.sglang.sglang_rank import NUM_SLOTS, Clock, Rank, pick_pages
 
@@ -221,12 +222,9 @@ def run_decode(a) -> None:
         rank.mgr.recomputer.timeout_s = a.recompute_timeout
     addr = f"127.0.0.1:{a.port}"
     deadline = time.monotonic() + a.timeout
-    while not rank.mgr.try_ensure_parallel_info(addr):
-        if time.monotonic() > deadline:
-            emit("DONE", role="decode", timed_out=True, error="prefill parallel info never arrived")
-            return
-        time.sleep(0.2)
-    info = rank.mgr.prefill_info_table[addr]
+    info = prefill_info(rank, addr, deadline)
+    if info is None:
+        return
     emit("READY", role="decode", prefill_http_port=info.prefill_http_port, prefill_url=rank.mgr.prefill_url(addr))
     first = requests_of(a.scenario)
     taken: set = set()

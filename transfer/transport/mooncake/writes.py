@@ -23,6 +23,7 @@ import collections
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from transfer.config import EngineConfig
 from transfer.errors import TransferError
@@ -39,6 +40,16 @@ log = logging.getLogger("kvferry.transport")
 # many x peers) calls, however many descriptors are in flight. A descriptor
 # that finishes early behind a slow one is seen when the slow one finishes.
 _PENDING_WINDOW = 4
+
+
+class Submitted(NamedTuple):
+    """One descriptor in the engine: its engine id, its job, bytes, index in the job, and when it was submitted."""
+
+    tid: int
+    job: MooncakeJob
+    nbytes: int
+    index: int
+    at: float
 
 
 @dataclass
@@ -115,7 +126,7 @@ class MooncakeWrites:
         #: descriptors submitted again after the engine gave them up as stalled (:meth:`_retry`)
         self.num_retried = 0
         # Jobs by peer not fully submitted (by priority), descriptors and bytes outstanding per peer, and per
-        # peer, oldest first, (engine id, job, bytes) of submitted ones.
+        # peer, oldest first, the Submitted records of its descriptors in the engine.
         self._by_peer: dict[str, collections.deque[MooncakeJob]] = collections.defaultdict(collections.deque)
         self._inflight: dict[str, int] = collections.defaultdict(int)
         self._inflight_peer_bytes: dict[str, int] = collections.defaultdict(int)
@@ -145,7 +156,7 @@ class MooncakeWrites:
 
     def fail_all(self) -> None:
         jobs = {id(j): j for q in self._by_peer.values() for j in q}
-        jobs.update({id(j): j for ids in self._outstanding.values() for _, j, *_ in ids})
+        jobs.update({id(s.job): s.job for ids in self._outstanding.values() for s in ids})
         for job in jobs.values():
             self.fail(job)
 
@@ -180,7 +191,7 @@ class MooncakeWrites:
                             f"(descriptor {i} of {n})", peer=peer)
                         job.next_index = n
                         break
-                    outstanding[peer].append((tid, job, job.lengths[i], i, time.monotonic()))
+                    outstanding[peer].append(Submitted(tid, job, job.lengths[i], i, time.monotonic()))
                     peer_bytes[peer] += job.lengths[i]
                     job.next_index += 1
                     job.num_inflight += 1
@@ -209,14 +220,14 @@ class MooncakeWrites:
         pending = []
         while ids and len(pending) < _PENDING_WINDOW:
             entry = ids.popleft()
-            tid, job, nbytes, index, submitted = entry
-            status = check(tid)
+            job, nbytes = entry.job, entry.nbytes
+            status = check(entry.tid)
             self.num_status_checks += 1
             if status == 0:
                 pending.append(entry)
                 continue
             progressed = True
-            if status != 1 and self._retry(job, index, submitted, ids):
+            if status != 1 and self._retry(entry, ids):
                 continue
             self._inflight_peer_bytes[job.peer] -= nbytes
             job.num_inflight -= 1
@@ -235,8 +246,8 @@ class MooncakeWrites:
         ids.extendleft(reversed(pending))  # still the oldest, in order
         return progressed
 
-    def _retry(self, job: MooncakeJob, index: int, submitted: float, ids) -> bool:
-        """Submit descriptor ``index`` of ``job`` once more when the engine
+    def _retry(self, entry: Submitted, ids) -> bool:
+        """Submit ``entry``'s descriptor once more when the engine
         gave it up as stalled: no progress on its connection for the engine's
         progress deadline (``progress_timeout_s``), after which Mooncake drops
         that connection and a new write opens a new one. Seen on a fresh
@@ -246,7 +257,8 @@ class MooncakeWrites:
         dead peer): those fail the job as before. The same bytes to the same
         place, with the source still held (the job has not ended): the write
         is idempotent, and decode reuses nothing before the job ends."""
-        stalled = time.monotonic() - submitted >= 0.8 * self.config.progress_timeout_s
+        job, index = entry.job, entry.index
+        stalled = time.monotonic() - entry.at >= 0.8 * self.config.progress_timeout_s
         if not stalled or job.cancelled or index in job.retried or job.error is not None:
             return False
         tid = self._engine.transfer_submit_write(job.peer, job.src[index], job.dst[index], job.lengths[index])
@@ -256,8 +268,8 @@ class MooncakeWrites:
         self.num_retried += 1
         log.warning("write to %s: descriptor %d of %d (%d bytes) had no progress for %.1f s and Mooncake dropped its "
                     "connection; submitted once more on a new one", job.peer, index, len(job.src),
-                    job.lengths[index], time.monotonic() - submitted)
-        ids.append((tid, job, job.lengths[index], index, time.monotonic()))
+                    job.lengths[index], time.monotonic() - entry.at)
+        ids.append(Submitted(tid, job, job.lengths[index], index, time.monotonic()))
         return True
 
     def _maybe_finish(self, job: MooncakeJob) -> None:
