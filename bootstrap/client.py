@@ -93,18 +93,28 @@ class BootstrapClient:
             self._sock.close(0)
             self._sock = None
 
-    def request(self, msg, *, timeout_s: float | None = None, pace: Callable[[], None] | None = None):
+    def request(self, msg, *, timeout_s: float | None = None, pace: Callable[[], None] | None = None,
+                wait: Callable[[], None] | None = None):
         """Send ``msg`` and return the decoded reply (never an ErrorReply);
-        ``pace`` as :func:`bootstrap.codec.decode`'s."""
-        return self._request(codec.pack(msg), msg, timeout_s, pace)
+        ``pace`` as :func:`bootstrap.codec.decode`'s, also called once the
+        socket is open; ``wait()`` just before the reply is waited for, with
+        the interpreter lock released (a caller that measures its holds of
+        the lock ends one there)."""
+        return self._request(codec.pack(msg), msg, timeout_s, pace, wait)
 
-    def _request(self, packed: bytes, msg, timeout_s: float | None, pace: Callable[[], None] | None = None):
+    def _request(self, packed: bytes, msg, timeout_s: float | None, pace: Callable[[], None] | None = None,
+                 wait: Callable[[], None] | None = None):
         payload = codec.seal(packed, self._key)
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
+            fresh = self._sock is None
             sock = self._socket()
+            if fresh and pace is not None:
+                pace()
             try:
                 sock.send(payload)
+                if wait is not None:
+                    wait()
                 data = self._receive(sock, msg, timeout_s)
             except zmq.ZMQError as exc:
                 self._drop_socket()
@@ -172,16 +182,16 @@ class BootstrapClient:
         return self._expect(self.request(msg, timeout_s=timeout_s), Unregistered)
 
     def lookup(self, node_id: str, dp_rank: int, *, strict: bool = False, partial: bool = False,
-               pace: Callable[[], None] | None = None) -> LookupReply:
+               pace: Callable[[], None] | None = None, wait: Callable[[], None] | None = None) -> LookupReply:
         """The DP group's ranks (``ready``) or the progress (not ready; with
         ``partial``, the ranks registered so far and those that left). An
         unknown node (see :class:`LookupReply`) is a not-ready reply with
         ``unknown_node`` set, or, with ``strict``, raises
         :class:`UnknownNodeError` naming the known nodes. ``pace()`` is called
         between the reply's parts as it is decoded (a background caller gives
-        the interpreter lock up there)."""
-        reply = self._expect(self.request(Lookup(node_id=node_id, dp_rank=dp_rank, partial=partial), pace=pace),
-                             LookupReply)
+        the interpreter lock up there); ``wait`` as :meth:`request`'s."""
+        reply = self._expect(self.request(Lookup(node_id=node_id, dp_rank=dp_rank, partial=partial), pace=pace,
+                                          wait=wait), LookupReply)
         if strict and reply.unknown_node:
             known = ", ".join(map(repr, reply.known_nodes)) or "none"
             if len(reply.known_nodes) == MAX_KNOWN_NODES:

@@ -190,6 +190,25 @@ def test_a_periodic_caller_decodes_a_reply_only_when_it_changed(secret):
         assert full.ready and full.ranks == (moved, _rank(1)) and client.lookup("p0", 0) is full
 
 
+def test_a_lookup_tells_its_caller_where_it_waits_and_paces_after_a_fresh_socket(bootstrap_server):
+    """A caller that measures its holds of the interpreter lock (the link
+    resolver) learns where the request waits for the reply (``wait``), and
+    is paced once the client opened a fresh socket (a few hundred
+    microseconds) as well as between the reply's parts."""
+    events: list[str] = []
+    with BootstrapClient(bootstrap_server.address, timeout_s=5) as client:
+        client.register(_rank(0))
+        client._drop_socket()  # the next request opens a fresh one
+        reply = client.lookup("p0", 0, partial=True, pace=lambda: events.append("pace"),
+                              wait=lambda: events.append("wait"))
+        assert reply.ranks == (_rank(0),)
+        assert events[:2] == ["pace", "wait"] and events.count("wait") == 1
+        assert events.count("pace") >= 2  # and while the reply's ranks were decoded
+        events.clear()
+        client.lookup("p0", 0, partial=True, wait=lambda: events.append("wait"))  # the socket is open: no pace
+        assert events == ["wait"]
+
+
 @pytest.mark.parametrize("request_bytes", [SHORT_GET, CURL_GET], ids=["short", "curl"])
 def test_an_http_request_to_the_zmq_port_fails_at_once_and_the_server_keeps_serving(bootstrap_server,
                                                                                       request_bytes):

@@ -15,8 +15,9 @@ import pytest
 
 from harness.http_probe import CURL_GET, SHORT_GET, send_http
 from harness.launch import child_env
-from transfer.control.base import ChannelOptions, Link
+from transfer.control.base import ChannelOptions, Link, Packed
 from transfer.control.zmq_channel import ZmqChannel
+from transfer.errors import ClosedError
 from transfer.messages import PeerPing
 
 pytestmark = pytest.mark.transport_free
@@ -128,6 +129,41 @@ def test_drain_never_blocks_and_every_message_is_handled_once_in_order():
         gate.set()
         sender.close()
         receiver.close()
+
+
+def test_connect_opens_a_peer_once_and_sends_take_it_packed_messages_sealed_each_time():
+    """``connect`` opens the peer's socket before any message (its link comes
+    up), once whatever the number of threads racing to open it; sends go
+    through it, a :class:`Packed` message sealed afresh each time (a shared
+    secret: each frame verifies); after ``close`` it raises ClosedError."""
+    sealed = ChannelOptions(host="127.0.0.1", secret="s3", heartbeat_interval_s=HEARTBEAT_S,
+                            peer_timeout_s=TIMEOUT_S)
+    got: list[int] = []
+    receiver = ZmqChannel(sealed, lambda msg, origin: got.append(msg.seq))
+    sender = ZmqChannel(sealed, lambda m, o: None)
+    try:
+        threads = [threading.Thread(target=sender.connect, args=(receiver.endpoint,)) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert len(sender._dealers) == 1  # one socket for the eight opens
+        _wait_link(sender, receiver.endpoint, Link.UP, 5.0)  # up with nothing sent
+        assert got == []
+        ping = Packed.of(PeerPing(session="s", endpoint=sender.endpoint, seq=7))
+        sender.send(receiver.endpoint, ping)
+        sender.send(receiver.endpoint, PeerPing(session="s", endpoint=sender.endpoint, seq=8))
+        sender.send(receiver.endpoint, ping)
+        deadline = time.monotonic() + 5
+        while len(got) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert got == [7, 8, 7] and receiver.num_unauthenticated == 0
+        assert len(sender._dealers) == 1
+    finally:
+        sender.close()
+        receiver.close()
+    with pytest.raises(ClosedError):
+        sender.connect(receiver.endpoint)
 
 
 def _scheduler_and_messages(busy: bool, n: int = 60):

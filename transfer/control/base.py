@@ -22,7 +22,13 @@ The contract every implementation keeps:
   :class:`~transfer.errors.ClosedError` after ``close()`` and
   :class:`~transfer.errors.TransferError` when the queue to that peer is
   full; a peer that is not there is not an error (the message waits or is
-  lost, as on a network).
+  lost, as on a network). ``msg`` may be a :class:`Packed` message (encoded
+  once, sealed afresh by each send).
+- ``connect(endpoint)`` opens what the first ``send`` to ``endpoint`` would
+  open (nothing when it is open), without holding what ``send`` holds
+  meanwhile: a thread about to talk to a new peer opens it first, off its
+  own locks, so that neither its locks nor other senders wait on a socket
+  being made. Thread-safe, never blocks; ClosedError after ``close()``.
 - ``drain()`` hands every message that arrived to the handler now, on the
   caller's thread, and returns how many (0 at once when another thread is
   handling messages: they are being handled). It never blocks; handlers run
@@ -55,6 +61,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 from collections.abc import Callable
 
+from bootstrap import codec
 from transfer.round_times import RoundTimes
 
 #: ``handler(msg, origin)``; see the module docstring.
@@ -72,6 +79,22 @@ class Link(enum.Enum):
     DOWN = "down"
     #: it was up, and its address now refuses connections: the process there is gone
     GONE = "gone"
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A message encoded once (:func:`bootstrap.codec.pack`) for a sender
+    that sends it often, or that encodes it off a lock it sends under (a
+    decode rank's hello carries every buffer of its pools: packing a large
+    model's takes up to half a millisecond). ``send`` seals ``payload``
+    afresh each time: a sealed frame carries the time it was sealed."""
+
+    msg: Any
+    payload: bytes
+
+    @classmethod
+    def of(cls, msg: Any) -> Packed:
+        return cls(msg, codec.pack(msg))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,6 +120,8 @@ class ControlChannel(Protocol):
     round_times: RoundTimes
 
     def send(self, endpoint: str, msg) -> None: ...
+
+    def connect(self, endpoint: str) -> None: ...
 
     def drain(self) -> int: ...
 

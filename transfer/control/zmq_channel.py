@@ -42,7 +42,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from bootstrap import codec
 from bootstrap.listen import refuse_unversioned
-from transfer.control.base import ChannelOptions, Handler, Link
+from transfer.control.base import ChannelOptions, Handler, Link, Packed
 from transfer.control.hand_over import HandOver
 from transfer.errors import AuthError, ClosedError, ProtocolError, TransferError
 from transfer.round_times import RoundTimes
@@ -145,7 +145,10 @@ class ZmqChannel:
     def send(self, endpoint: str, msg) -> None:
         """Queue ``msg`` for ``endpoint``. Raises ClosedError after close, and
         TransferError when the peer's queue is full."""
-        payload = codec.encode(msg, self._key)
+        if isinstance(msg, Packed):
+            payload = codec.seal(msg.payload, self._key)
+        else:
+            payload = codec.encode(msg, self._key)
         with self._send_lock:
             if self._closed.is_set():
                 raise ClosedError("control channel is closed")
@@ -153,19 +156,36 @@ class ZmqChannel:
             if sock is not None:
                 self._dealers.move_to_end(endpoint)
             else:
-                if len(self._dealers) >= self._max_peers:
-                    # What is still queued to the evicted peer gets a while to leave (a live
-                    # peer's messages are not dropped for being the least recently used).
-                    self._drop(*self._dealers.popitem(last=False), linger_ms=_EVICT_LINGER_MS)
-                sock = self._dealers[endpoint] = self._dealer(endpoint)
+                sock = self._adopt(endpoint, *self._open(endpoint))
             try:
                 sock.send(payload, zmq.NOBLOCK)
             except zmq.Again:
                 raise TransferError(f"control queue to {endpoint} is full ({self._send_queue_msgs} messages)",
                                     peer=endpoint) from None
 
-    def _dealer(self, endpoint: str) -> zmq.Socket:
-        """A DEALER to ``endpoint`` with heartbeats, its monitor handed to the receiving thread (under the send lock)."""
+    def connect(self, endpoint: str) -> None:
+        """Open the DEALER to ``endpoint`` unless there is one: made without
+        the send lock (a socket and its monitor take a few hundred
+        microseconds), then adopted under it, unless another thread's was
+        adopted meanwhile (this one is closed)."""
+        with self._send_lock:
+            if self._closed.is_set():
+                raise ClosedError("control channel is closed")
+            if endpoint in self._dealers:
+                return
+        sock, mon = self._open(endpoint)
+        with self._send_lock:
+            if not self._closed.is_set() and endpoint not in self._dealers:
+                self._adopt(endpoint, sock, mon)
+                return
+        sock.close(0)
+        mon.close(0)
+        if self._closed.is_set():
+            raise ClosedError("control channel is closed")
+
+    def _open(self, endpoint: str) -> tuple[zmq.Socket, zmq.Socket]:
+        """A DEALER connecting to ``endpoint``, with heartbeats, and its
+        monitor, both owned by no one yet (:meth:`_adopt`)."""
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, self._send_queue_msgs)
@@ -173,10 +193,22 @@ class ZmqChannel:
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self._heartbeat_timeout_ms)
         sock.setsockopt(zmq.HANDSHAKE_IVL, self._heartbeat_timeout_ms)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, _RECONNECT_MAX_MS)  # a dead peer is retried ever less often
-        mon = self._monitor_of[endpoint] = sock.get_monitor_socket(_UP | _DOWN | _RETRY | _CONNECTED)
+        mon = sock.get_monitor_socket(_UP | _DOWN | _RETRY | _CONNECTED)
+        sock.connect(endpoint)
+        return sock, mon
+
+    def _adopt(self, endpoint: str, sock: zmq.Socket, mon: zmq.Socket) -> zmq.Socket:
+        """``endpoint``'s DEALER from now on, its monitor handed to the
+        receiving thread (under the send lock); the least recently used one
+        is closed first when there are ``max_peers``."""
+        if len(self._dealers) >= self._max_peers:
+            # What is still queued to the evicted peer gets a while to leave (a live
+            # peer's messages are not dropped for being the least recently used).
+            self._drop(*self._dealers.popitem(last=False), linger_ms=_EVICT_LINGER_MS)
+        self._dealers[endpoint] = sock
+        self._monitor_of[endpoint] = mon
         self._links[endpoint] = _LinkState()
         self._monitors_new.append((endpoint, mon))
-        sock.connect(endpoint)
         self._wake()
         return sock
 

@@ -1,7 +1,8 @@
 """Decode side: this rank's handshakes with prefill ranks, one per prefill
 session: the hello sent, its answer (or refusal), and the counts
 ``ManagerStats`` reports. Used by :class:`~transfer.rooms.links.LinkResolver`
-under ``ctx.lock``."""
+under ``ctx.lock``, but for :meth:`Handshakes.packed_hello`, which it calls
+off the lock."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from transfer.control.base import Packed
 from transfer.errors import HandshakeError, IncompatibleLayoutError, IncompatibleTransportError, KVFerryError
 from transfer.messages import PeerHello, PeerHelloReply
 from transfer.rooms.context import RoomContext
@@ -49,6 +51,10 @@ class Handshakes:
         # answered, refused for a failed open, unanswered (ManagerStats.handshake*)
         self._num_answered = self._num_refused = self._num_unanswered = 0
         self._answer_seconds = 0.0
+        # The hello packed, and the generation of this rank's registered memory it was packed
+        # at (bumped by announce, under ctx.lock, once the memory changed).
+        self._generation = 0
+        self._packed: tuple[int, Packed] | None = None
 
     def hello(self) -> PeerHello:
         """This rank's hello, with its transport's current metadata (NIXL)."""
@@ -56,15 +62,35 @@ class Handshakes:
         return PeerHello(rank=self.ctx.rank, allow_missing_draft=self.ctx.config.allow_missing_draft,
                          transport_meta=exchange.metadata() if exchange is not None else b"")
 
+    def packed_hello(self) -> tuple[int, Packed]:
+        """This rank's hello packed, with the generation of its registered
+        memory it was packed at: packed once per generation, off
+        ``ctx.lock`` (a large model's hello carries hundreds of buffers, up
+        to half a millisecond to pack, and NIXL's metadata has its own
+        lock). :meth:`start` sends it only if it is still current."""
+        packed = self._packed
+        if packed is None or packed[0] != self._generation:
+            generation = self._generation  # read before the memory it describes
+            packed = self._packed = (generation, Packed.of(self.hello()))
+        return packed
+
+    def _current(self, packed: tuple[int, Packed] | None) -> Packed:
+        """(Under ctx.lock.) ``packed``'s hello if the memory did not change
+        since, else the hello packed now."""
+        if packed is None or packed[0] != self._generation:
+            packed = self._packed = (self._generation, Packed.of(self.hello()))
+        return packed[1]
+
     def get(self, session: str) -> Hello | None:
         return self._hellos.get(session)
 
-    def start(self, session: str, endpoint: str) -> Hello:
-        """``session``'s hello, sent now to ``endpoint`` unless one was already."""
+    def start(self, session: str, endpoint: str, packed: tuple[int, Packed] | None = None) -> Hello:
+        """``session``'s hello, sent now to ``endpoint`` unless one was
+        already (``packed``: from :meth:`packed_hello`; None: packed here)."""
         hello = self._hellos.get(session)
         if hello is None:
             hello = self._hellos[session] = Hello()
-            self.ctx.channel.send(endpoint, self.hello())
+            self.ctx.channel.send(endpoint, self._current(packed))
         return hello
 
     def unanswered(self, session: str) -> None:
@@ -109,9 +135,10 @@ class Handshakes:
         prefill session a hello went to (``endpoint_of``: its control
         endpoint, None: unknown now), on the socket later grants take, so it
         arrives before any of them."""
+        self._generation += 1
         if not self._hellos:
             return
-        hello = self.hello()
+        hello = self._current(None)
         for session in list(self._hellos):
             endpoint = endpoint_of(session)
             if endpoint is None:

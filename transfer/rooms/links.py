@@ -204,14 +204,15 @@ class LinkResolver:
             self._wake.wait(wait)
             self._wake.clear()
             with self.ctx.stats.round_times.round("resolver") as round_:
-                wait = self._round(round_.tick)
+                wait = self._round(round_.tick, round_.cut)
 
-    def _round(self, pace: Callable[[], None]) -> float:
+    def _round(self, pace: Callable[[], None], cut: Callable[[], None]) -> float:
         """One round: DP sizes and links to resolve, then the owner's due
         work; returns how long to wait for the next. ``pace()`` between two
         lookups or links gives the interpreter lock up once the round ran
         half a millisecond (a new node's first lookup decodes every rank's
-        descriptors)."""
+        descriptors); ``cut()`` where a lookup waits for its reply (the lock
+        is released there: the holds on either side are measured apart)."""
         with self.ctx.lock:
             self._expire(time.monotonic() - self.ctx.config.bootstrap_timeout_s)
             dp_todo = [k for k, v in self.dp_sizes.items() if v == 0]
@@ -219,7 +220,7 @@ class LinkResolver:
         for addr, node in dp_todo:
             pace()
             try:
-                reply = self._lookups.lookup(addr, node, 0, pace)
+                reply = self._lookups.lookup(addr, node, 0, pace, cut)
             except (BootstrapUnavailable, ProtocolError, BootstrapError) as exc:
                 if not self._lookups.is_final(addr, exc):
                     log.debug("dp size of %s at %s: %s", node, addr, exc)
@@ -235,7 +236,7 @@ class LinkResolver:
         for link in todo:
             pace()
             try:
-                self._step(link, pace)
+                self._step(link, pace, cut)
             except KVFerryError as exc:
                 with self.ctx.lock:
                     link.state, link.error = LinkState.FAILED, exc
@@ -261,11 +262,11 @@ class LinkResolver:
                      if l.state is not LinkState.READY and l.last_wanted < horizon]:
             self.forget(link)
 
-    def _step(self, link: Link, pace: Callable[[], None]) -> None:
+    def _step(self, link: Link, pace: Callable[[], None], cut: Callable[[], None]) -> None:
         addr, node, dp = link.key
         if not link.routes:
             try:
-                reply = self._lookups.lookup(addr, node, dp, pace)
+                reply = self._lookups.lookup(addr, node, dp, pace, cut)
             except BootstrapUnavailable as exc:
                 if self._lookups.is_final(addr, exc):
                     since = self._lookups.refusing_since(addr)
@@ -296,10 +297,16 @@ class LinkResolver:
                 link.progress = (f"waiting for prefill ranks {missing} to register ({reply.num_registered} of "
                                  f"{reply.tp_size} registered)")
                 return
-        for p in link.routes:  # the hellos one rank at a time (each encodes this rank's descriptors)
+        # The hellos one rank at a time, each paced: the hello packed and each new peer's
+        # socket opened off the rank's lock (the first round: a few hundred microseconds each).
+        pace()
+        packed = self.handshakes.packed_hello()
+        for p in link.routes:
+            pace()
+            self.ctx.channel.connect(link.ranks[p].control_endpoint)
             pace()
             with self.ctx.lock:
-                self.handshakes.start(link.ranks[p].session, link.ranks[p].control_endpoint)
+                self.handshakes.start(link.ranks[p].session, link.ranks[p].control_endpoint, packed)
         pace()
         with self.ctx.lock:
             pending = []
@@ -343,7 +350,7 @@ class LinkResolver:
         ``pace()`` between two ranks' checks."""
         local = self.ctx.rank
         link.ranks = ranks  # known before the check, so a failure can reach every rank
-        hello = self.handshakes.hello()
+        hello = self.handshakes.packed_hello()[1]
         for r in ranks.values():
             pace()
             try:

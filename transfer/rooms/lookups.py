@@ -42,12 +42,14 @@ class Lookups:
         self._reached: set[str] = set()  # bootstrap addresses that answered at least once
         self._refusing: dict[str, float] = {}  # reached addresses refusing connections now -> since when
 
-    def lookup(self, addr: str, node: str, dp_rank: int, pace: Callable[[], None] | None = None):
+    def lookup(self, addr: str, node: str, dp_rank: int, pace: Callable[[], None] | None = None,
+               wait: Callable[[], None] | None = None):
         """A strict, partial lookup (an unknown node raises UnknownNodeError;
         a group not complete yet lists the ranks registered so far);
-        ``pace()`` between the parts of the reply as it is decoded."""
+        ``pace()`` between the parts of the reply as it is decoded,
+        ``wait()`` before the reply is waited for (BootstrapClient.request)."""
         try:
-            reply = self._client(addr).lookup(node, dp_rank, strict=True, partial=True, pace=pace)
+            reply = self._client(addr).lookup(node, dp_rank, strict=True, partial=True, pace=pace, wait=wait)
         except BootstrapRefused:
             if addr in self._reached:
                 self._refusing.setdefault(addr, time.monotonic())
