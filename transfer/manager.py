@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from bootstrap import codec
 from bootstrap.client import BootstrapClient
 from bootstrap.messages import RankInfo
 from transfer.change_feed import ChangeFeed
@@ -95,6 +96,7 @@ class KVManager:
         self.config = config
         apply_log_level(config.log_level)
         self._totals = RankTotals(config.role.value)
+        codec.prepare()  # each message kind's plan made here, not by its first message in a background round
         self.metrics = None
         self._closed = False
         # The engine holds raw pointers into these tensors: keep them alive as
