@@ -96,8 +96,9 @@ class RoundTimes:
             return {"periodic_rounds": dict(self.rounds), "periodic_max_cpu_s": dict(self.max_cpu_s)}
 
 
-#: A round that ticks gives the interpreter lock up after this much CPU (its holds stay under a millisecond).
-SLICE_CPU_S = 0.0005
+#: A round that ticks gives the interpreter lock up after this much CPU: a hold is at most this and the
+#: longest part between two ticks (0.4 ms, a new peer's socket), under a millisecond.
+SLICE_CPU_S = 0.0003
 
 
 class _Round:

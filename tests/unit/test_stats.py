@@ -229,7 +229,7 @@ def test_with_a_ready_event_the_exposed_transfer_time_runs_from_its_completion(c
     assert d.exposed_transfer_s is not None and 0 < d.exposed_transfer_s < 0.3, d
 
 
-def test_a_sliced_round_gives_the_interpreter_lock_up_every_half_millisecond():
+def test_a_sliced_round_gives_the_interpreter_lock_up_every_slice():
     """A sweep over many rooms (0.1 ms of CPU each here) is cut into slices
     of about SLICE_CPU_S: each slice is a round, none much longer."""
     from harness.busywork import python_work
@@ -243,7 +243,7 @@ def test_a_sliced_round_gives_the_interpreter_lock_up_every_half_millisecond():
                 python_work(0.00002)
             sweep.tick()
     assert times.rounds["sweep"] >= 5000 * 1e-6 / SLICE_CPU_S / 2, times.rounds
-    assert times.max_cpu_s["sweep"] < 2 * SLICE_CPU_S, times.max_cpu_s
+    assert times.max_cpu_s["sweep"] < SLICE_CPU_S + 0.0005, times.max_cpu_s  # a slice and an item, and margin
     with times.round("liveness"):
         pass
     rounds = times.snapshot()["periodic_rounds"]

@@ -327,7 +327,7 @@ class ZmqChannel:
                     poller.register(fd, select.POLLIN)
                     signalled.add(fd)
                 for fd in signalled & monitors.keys():
-                    round_.tick()  # many connections changing at once: the lock given up every half millisecond
+                    round_.tick()  # many connections changing at once: the lock given up every SLICE_CPU_S
                     endpoint, mon = monitors[fd]
                     if not self._read_monitor(endpoint, mon):
                         poller.unregister(fd)

@@ -107,7 +107,7 @@ class PeerWatch:
             watched, live = self._heartbeats(now)
         if now >= self._next_sweep:  # timeouts fire here, not only when a scheduler polls
             self._next_sweep = now + SWEEP_INTERVAL_S
-            with times.round("sweep") as sweep:  # thousands of rooms: given up every half millisecond
+            with times.round("sweep") as sweep:  # thousands of rooms: given up every SLICE_CPU_S
                 self.rooms.expire(sweep.tick)
         return bool(watched or live)
 

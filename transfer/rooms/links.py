@@ -210,7 +210,7 @@ class LinkResolver:
         """One round: DP sizes and links to resolve, then the owner's due
         work; returns how long to wait for the next. ``pace()`` between two
         lookups or links gives the interpreter lock up once the round ran
-        half a millisecond (a new node's first lookup decodes every rank's
+        SLICE_CPU_S (a new node's first lookup decodes every rank's
         descriptors); ``cut()`` where a lookup waits for its reply (the lock
         is released there: the holds on either side are measured apart)."""
         with self.ctx.lock:
