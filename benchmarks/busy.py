@@ -205,8 +205,10 @@ def summarize(cfg: BusyConfig, results: list[dict]) -> dict:
 
 def _periodic(results: list[dict]) -> dict:
     """kvferry's ranks: each periodic task's longest round in CPU ms and its
-    rounds (both sides), and the longest garbage collection of the rank
-    processes (absent for the raw engines)."""
+    rounds (both sides), the longest garbage collection of the rank
+    processes, and the longest block of their reference thread (the
+    machine's own addition to any hold: :class:`~benchmarks.busy_ranks.ReferenceHolds`);
+    absent for the raw engines."""
     if not any("periodic_max_cpu_ms" in r for r in results):
         return {}
     rounds: dict[str, int] = {}
@@ -215,7 +217,8 @@ def _periodic(results: list[dict]) -> dict:
             rounds[task] = rounds.get(task, 0) + n
     return {"periodic_max_cpu_ms": _longest_by_task(results), "periodic_rounds": rounds,
             "gc_max_ms": round(max(r.get("gc_max_ms", 0.0) for r in results), 3),
-            "gc_collections": sum(r.get("gc_collections", 0) for r in results)}
+            "gc_collections": sum(r.get("gc_collections", 0) for r in results),
+            "reference_max_cpu_ms": round(max(r.get("reference_max_cpu_ms", 0.0) for r in results), 3)}
 
 
 def _longest_by_task(rows: list[dict]) -> dict[str, float]:
@@ -240,6 +243,7 @@ def _median(rows: list[dict]) -> dict:
     if any("periodic_max_cpu_ms" in r for r in ok):  # the longest of every round, not the first round's
         out["periodic_max_cpu_ms"] = _longest_by_task(ok)
         out["gc_max_ms"] = max(r.get("gc_max_ms", 0.0) for r in ok)
+        out["reference_max_cpu_ms"] = max(r.get("reference_max_cpu_ms", 0.0) for r in ok)
     return out
 
 
@@ -298,6 +302,11 @@ def print_table(rows: list[dict]) -> None:
               f"{r['p999_ms']:7.1f} {r['max_ms']:7.1f} {r['to_send_p50_ms']:7.1f} {r['send_to_done_p50_ms']:7.1f} "
               f"{r['gbps']:7.3f} {r['control_msgs_per_request']:9.2f}"
               + (f"  {r['error'][:60]}" if "error" in r else ""))
+    for r in rows:
+        if r.get("periodic_max_cpu_ms"):
+            longest = ", ".join(f"{t} {v:.2f}" for t, v in r["periodic_max_cpu_ms"].items())
+            print(f"longest rounds of {r['workload']} {r['mode']} {r['system']} (CPU ms): {longest}; "
+                  f"reference {r.get('reference_max_cpu_ms', 0.0):.2f}; process GC {r.get('gc_max_ms', 0.0):.2f}")
     for r in rows:
         if r.get("slowest"):
             print(f"slowest of {r['workload']} {r['mode']} {r['system']} (ms from decode's open: prefill opened, "
