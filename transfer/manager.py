@@ -169,7 +169,7 @@ class KVManager:
         if config.metrics_port:
             try:
                 from transfer.rank.metrics import serve_metrics
-                self.metrics = serve_metrics(self)
+                self.metrics = serve_metrics(self, self._totals.round_times)
             except BaseException:
                 self.close()
                 raise

@@ -10,7 +10,7 @@ import time
 
 #: The rank's periodic tasks, as :class:`RoundTimes` names them, and ``gc``:
 #: the longest garbage collection that ran inside one of their rounds.
-PERIODIC_TASKS = ("liveness", "sweep", "register", "resolver", "control", "gc")
+PERIODIC_TASKS = ("liveness", "sweep", "register", "resolver", "control", "metrics", "gc")
 
 
 class _GcClock:
@@ -61,7 +61,8 @@ class RoundTimes:
     (:data:`PERIODIC_TASKS`): ``liveness`` (a heartbeat round), ``sweep``
     (every live room polled for its timeouts), ``register`` (a
     re-registration), ``resolver`` (a round of the link resolver),
-    ``control`` (the channel thread's idle wake-up). A thread holds the
+    ``control`` (the channel thread's idle wake-up), ``metrics`` (a
+    ``/metrics`` scrape, on the HTTP server's thread). A thread holds the
     interpreter lock only while it runs, so a round's CPU time bounds how
     long it kept the lock from the scheduler. A garbage collection that ran
     inside a round is not the round's (it walks the process's objects, and

@@ -155,17 +155,32 @@ def test_log_level_setting(monkeypatch):
         logger.setLevel(before)
 
 
-def test_metrics_of_two_managers_on_one_port_over_http(cluster):
+def test_metrics_of_two_managers_on_one_port_over_http(cluster, monkeypatch):
+    """Both managers' numbers, summed by role; a scrape is a periodic round
+    (``metrics``, the port's first manager's) that may give the interpreter
+    lock up between any two families it builds and formats."""
+    from transfer.round_times import _Round
+
     parser = pytest.importorskip("prometheus_client.parser")
     port = free_port()
     prefill, decode = cluster.rank(Role.PREFILL, metrics_port=port), cluster.rank(Role.DECODE, metrics_port=port)
     rng = np.random.default_rng(34)
     src, dst = random_pages(rng, 5), random_pages(rng, 5)
     run_room(prefill, decode, 54, src, dst, chunks=1)
+    ticks, tick = [], _Round.tick
+
+    def counted(round_):
+        if round_.task == "metrics":
+            ticks.append(1)
+        tick(round_)
+
+    monkeypatch.setattr(_Round, "tick", counted)
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         text = r.read().decode()
-    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
-           for fam in parser.text_string_to_metric_families(text) for s in fam.samples}
+    families = list(parser.text_string_to_metric_families(text))
+    assert len(ticks) >= 2 + len(families)  # before each manager's stats and each family
+    assert prefill.mgr.stats().periodic_rounds.get("metrics", 0) >= 1
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value for fam in families for s in fam.samples}
     for role in ("prefill", "decode"):
         key = ("kvferry_bytes_total", (("path", "direct"), ("pool", "target"), ("role", role)))
         assert got[key] == 5 * PAGE_BYTES

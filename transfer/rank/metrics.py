@@ -36,16 +36,17 @@ Exported (units in names, labels of bounded cardinality, no room ids)::
     kvferry_handshake_seconds_total{role}        seconds the finished handshakes took
     kvferry_handshakes_in_progress{role}         handshakes running now
     kvferry_periodic_round_max_seconds{role,task}  the longest round of a periodic task, CPU seconds:
-                                                 task liveness|sweep|register|resolver|control
+                                                 task liveness|sweep|register|resolver|control|metrics|gc
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import NamedTuple
 
 from bootstrap.metrics import require_prometheus
-from transfer.round_times import PERIODIC_TASKS
+from transfer.round_times import PERIODIC_TASKS, RoundTimes
 from transfer.stats import PATHS, POOLS, REASONS, Histogram, ManagerStats
 
 _ROOM_KEYS = [("Success", "")] + [("Failed", r) for r in REASONS]
@@ -57,96 +58,118 @@ _lock = threading.Lock()
 _endpoints: dict[int, _Endpoint] = {}
 
 
+class _Source(NamedTuple):
+    """A manager on a metrics port: its ``stats`` and the round times its periodic work is measured in."""
+
+    stats: Callable[[], ManagerStats]
+    round_times: RoundTimes
+
+
 class _Collector:
     def __init__(self, endpoint: _Endpoint) -> None:
         self.endpoint = endpoint
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+        """Every family, built while prometheus_client formats the one
+        before (a scrape, about 1.5 ms of CPU on this VM, would hold the
+        interpreter lock that long): the interpreter lock is given up
+        between two, as a periodic round's, measured as the task
+        ``metrics`` of the first manager on the port."""
+        sources = self.endpoint.sources()
+        times = sources[0].round_times if sources else RoundTimes()
+        with times.round("metrics") as round_:
+            by_role: dict[str, list[ManagerStats]] = {}
+            for source in sources:
+                round_.tick()
+                s = source.stats()
+                by_role.setdefault(s.side, []).append(s)
+            for family in _families(by_role):
+                round_.tick()
+                yield family
 
-        by_role: dict[str, list[ManagerStats]] = {}
-        for source in self.endpoint.sources():
-            s = source()
-            by_role.setdefault(s.side, []).append(s)
 
-        def total(stats, get) -> float:
-            return sum(get(s) for s in stats)
+def _families(by_role: dict[str, list[ManagerStats]]):
+    """The metric families of the managers' stats, by role."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-        def counter(name, doc, labels, rows):
-            fam = CounterMetricFamily(name, doc, labels=["role", *labels])
-            for role, stats in by_role.items():
-                for values, get in rows:
-                    fam.add_metric([role, *values], total(stats, get))
-            return fam
+    def total(stats, get) -> float:
+        return sum(get(s) for s in stats)
 
-        def gauge(name, doc, get, labels=(), values=()):
-            fam = GaugeMetricFamily(name, doc, labels=["role", *labels])
-            for role, stats in by_role.items():
-                fam.add_metric([role, *values], total(stats, get))
-            return fam
-
-        def histogram(name, doc, get: Callable[[ManagerStats], Histogram]):
-            fam = HistogramMetricFamily(name, doc, labels=["role"])
-            for role, stats in by_role.items():
-                hists = [get(s) for s in stats]
-                counts = [sum(h.counts[i] for h in hists) for i in range(len(hists[0].counts))]
-                buckets, running = [], 0
-                for bound, n in zip((*hists[0].bounds, float("inf")), counts, strict=True):
-                    running += n
-                    buckets.append(("+Inf" if bound == float("inf") else repr(bound), running))
-                fam.add_metric([role], buckets, sum_value=sum(h.total for h in hists))
-            return fam
-
-        keys = [(pool, path) for pool in POOLS for path in PATHS]
-        yield counter("kvferry_bytes", "Bytes landed, by pool and path", ["pool", "path"],
-                      [(k, lambda s, k=k: s.bytes.get(k, 0)) for k in keys])
-        yield counter("kvferry_descriptors", "Transfer descriptors completed (decode: staged parts only)",
-                      ["pool", "path"], [(k, lambda s, k=k: s.descriptors.get(k, 0)) for k in keys])
-        yield counter("kvferry_staged_parts", "Staged parts written (prefill) or scattered (decode)", [],
-                      [((), lambda s: s.num_parts)])
-        yield counter("kvferry_rooms", "Rooms ended, by final state and failure reason", ["state", "reason"],
-                      [(k, lambda s, k=k: s.rooms.get(k, 0)) for k in _ROOM_KEYS])
-        yield histogram("kvferry_room_seconds", "Rooms from request to Success", lambda s: s.room_seconds)
-        yield histogram("kvferry_room_first_byte_seconds", "Rooms from request to their first data",
-                        lambda s: s.first_byte_seconds)
-        yield gauge("kvferry_live_rooms", "Rooms not ended", lambda s: s.live_rooms)
-        yield gauge("kvferry_peers", "Peers under liveness watch", lambda s: s.peers_live, ["state"], ["live"])
-        yield counter("kvferry_peers_lost", "Peers given up after peer_timeout_s of silence", [],
-                      [((), lambda s: s.peers_lost)])
-        yield counter("kvferry_rooms_relinked", "Decode rooms that asked their prefill node afresh, its rank "
-                      "found gone before it took their request (a restarted node)", [],
-                      [((), lambda s: s.rooms_relinked)])
-        yield counter("kvferry_control_messages_received", "Control messages received", [],
-                      [((), lambda s: s.control_received)])
-        yield counter("kvferry_control_messages_dropped", "Control messages dropped, by reason", ["reason"],
-                      [((reason,), lambda s, f=f: getattr(s, f)) for reason, f in _DROPS])
-        yield gauge("kvferry_staging_bytes_in_use", "Staging buffer bytes allocated", lambda s: s.staging_bytes_in_use)
-        yield gauge("kvferry_staging_capacity_bytes", "Staging buffer size", lambda s: s.staging_capacity_bytes)
-        yield counter("kvferry_storage_pages", "Storage tier pages, by operation and result", ["op", "result"],
-                      [(k, lambda s, k=k: s.storage_pages.get(k, 0)) for k in _STORAGE_PAGES])
-        yield counter("kvferry_storage_bytes", "Storage tier bytes read and written", ["op"],
-                      [((op,), lambda s, op=op: s.storage_bytes.get(op, 0)) for op in ("read", "write")])
-        yield histogram("kvferry_prefetch_wait_seconds", "Decode rooms' wait for their storage prefetch",
-                        lambda s: s.prefetch_wait_seconds)
-        yield histogram("kvferry_exposed_transfer_seconds",
-                        "Decode rooms from the end of prefill's forward (its last send(), or that send's event) "
-                        "to Success",
-                        lambda s: s.exposed_transfer_seconds)
-        yield counter("kvferry_handshakes", "Handshakes with peers (prefill: its transport opening its way to a "
-                      "decode rank; decode: its handshakes answered), by result", ["result"],
-                      [(("opened",), lambda s: s.handshakes), (("failed",), lambda s: s.handshake_failures)])
-        yield counter("kvferry_handshake_timeouts", "Handshakes given up at their time bound", [],
-                      [((), lambda s: s.handshake_timeouts)])
-        yield counter("kvferry_handshake_seconds", "Seconds the finished handshakes took", [],
-                      [((), lambda s: s.handshake_seconds)])
-        yield gauge("kvferry_handshakes_in_progress", "Handshakes running now", lambda s: s.handshakes_in_progress)
-        longest = GaugeMetricFamily("kvferry_periodic_round_max_seconds",
-                                    "The longest round of each periodic task in CPU seconds (a bound on how long "
-                                    "it kept the interpreter lock from the scheduler)", labels=["role", "task"])
+    def counter(name, doc, labels, rows):
+        fam = CounterMetricFamily(name, doc, labels=["role", *labels])
         for role, stats in by_role.items():
-            for task in PERIODIC_TASKS:
-                longest.add_metric([role, task], max(st.periodic_max_cpu_s.get(task, 0.0) for st in stats))
-        yield longest
+            for values, get in rows:
+                fam.add_metric([role, *values], total(stats, get))
+        return fam
+
+    def gauge(name, doc, get, labels=(), values=()):
+        fam = GaugeMetricFamily(name, doc, labels=["role", *labels])
+        for role, stats in by_role.items():
+            fam.add_metric([role, *values], total(stats, get))
+        return fam
+
+    def histogram(name, doc, get: Callable[[ManagerStats], Histogram]):
+        fam = HistogramMetricFamily(name, doc, labels=["role"])
+        for role, stats in by_role.items():
+            hists = [get(s) for s in stats]
+            counts = [sum(h.counts[i] for h in hists) for i in range(len(hists[0].counts))]
+            buckets, running = [], 0
+            for bound, n in zip((*hists[0].bounds, float("inf")), counts, strict=True):
+                running += n
+                buckets.append(("+Inf" if bound == float("inf") else repr(bound), running))
+            fam.add_metric([role], buckets, sum_value=sum(h.total for h in hists))
+        return fam
+
+    keys = [(pool, path) for pool in POOLS for path in PATHS]
+    yield counter("kvferry_bytes", "Bytes landed, by pool and path", ["pool", "path"],
+                  [(k, lambda s, k=k: s.bytes.get(k, 0)) for k in keys])
+    yield counter("kvferry_descriptors", "Transfer descriptors completed (decode: staged parts only)",
+                  ["pool", "path"], [(k, lambda s, k=k: s.descriptors.get(k, 0)) for k in keys])
+    yield counter("kvferry_staged_parts", "Staged parts written (prefill) or scattered (decode)", [],
+                  [((), lambda s: s.num_parts)])
+    yield counter("kvferry_rooms", "Rooms ended, by final state and failure reason", ["state", "reason"],
+                  [(k, lambda s, k=k: s.rooms.get(k, 0)) for k in _ROOM_KEYS])
+    yield histogram("kvferry_room_seconds", "Rooms from request to Success", lambda s: s.room_seconds)
+    yield histogram("kvferry_room_first_byte_seconds", "Rooms from request to their first data",
+                    lambda s: s.first_byte_seconds)
+    yield gauge("kvferry_live_rooms", "Rooms not ended", lambda s: s.live_rooms)
+    yield gauge("kvferry_peers", "Peers under liveness watch", lambda s: s.peers_live, ["state"], ["live"])
+    yield counter("kvferry_peers_lost", "Peers given up after peer_timeout_s of silence", [],
+                  [((), lambda s: s.peers_lost)])
+    yield counter("kvferry_rooms_relinked", "Decode rooms that asked their prefill node afresh, its rank "
+                  "found gone before it took their request (a restarted node)", [],
+                  [((), lambda s: s.rooms_relinked)])
+    yield counter("kvferry_control_messages_received", "Control messages received", [],
+                  [((), lambda s: s.control_received)])
+    yield counter("kvferry_control_messages_dropped", "Control messages dropped, by reason", ["reason"],
+                  [((reason,), lambda s, f=f: getattr(s, f)) for reason, f in _DROPS])
+    yield gauge("kvferry_staging_bytes_in_use", "Staging buffer bytes allocated", lambda s: s.staging_bytes_in_use)
+    yield gauge("kvferry_staging_capacity_bytes", "Staging buffer size", lambda s: s.staging_capacity_bytes)
+    yield counter("kvferry_storage_pages", "Storage tier pages, by operation and result", ["op", "result"],
+                  [(k, lambda s, k=k: s.storage_pages.get(k, 0)) for k in _STORAGE_PAGES])
+    yield counter("kvferry_storage_bytes", "Storage tier bytes read and written", ["op"],
+                  [((op,), lambda s, op=op: s.storage_bytes.get(op, 0)) for op in ("read", "write")])
+    yield histogram("kvferry_prefetch_wait_seconds", "Decode rooms' wait for their storage prefetch",
+                    lambda s: s.prefetch_wait_seconds)
+    yield histogram("kvferry_exposed_transfer_seconds",
+                    "Decode rooms from the end of prefill's forward (its last send(), or that send's event) "
+                    "to Success",
+                    lambda s: s.exposed_transfer_seconds)
+    yield counter("kvferry_handshakes", "Handshakes with peers (prefill: its transport opening its way to a "
+                  "decode rank; decode: its handshakes answered), by result", ["result"],
+                  [(("opened",), lambda s: s.handshakes), (("failed",), lambda s: s.handshake_failures)])
+    yield counter("kvferry_handshake_timeouts", "Handshakes given up at their time bound", [],
+                  [((), lambda s: s.handshake_timeouts)])
+    yield counter("kvferry_handshake_seconds", "Seconds the finished handshakes took", [],
+                  [((), lambda s: s.handshake_seconds)])
+    yield gauge("kvferry_handshakes_in_progress", "Handshakes running now", lambda s: s.handshakes_in_progress)
+    longest = GaugeMetricFamily("kvferry_periodic_round_max_seconds",
+                                "The longest round of each periodic task in CPU seconds (a bound on how long "
+                                "it kept the interpreter lock from the scheduler)", labels=["role", "task"])
+    for role, stats in by_role.items():
+        for task in PERIODIC_TASKS:
+            longest.add_metric([role, task], max(st.periodic_max_cpu_s.get(task, 0.0) for st in stats))
+    yield longest
 
 
 class _Endpoint:
@@ -154,7 +177,7 @@ class _Endpoint:
 
     def __init__(self, host: str, port: int) -> None:
         prom = require_prometheus()
-        self._sources: list[Callable[[], ManagerStats]] = []
+        self._sources: list[_Source] = []
         self.registry = prom.CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
         try:
@@ -163,7 +186,7 @@ class _Endpoint:
             raise OSError(f"cannot serve metrics on {host}:{port}: {exc}") from exc
         self.port = self.httpd.server_address[1]
 
-    def sources(self) -> list[Callable[[], ManagerStats]]:
+    def sources(self) -> list[_Source]:
         with _lock:
             return list(self._sources)
 
@@ -172,7 +195,7 @@ class RankMetrics:
     """A manager's place on its port's server; :meth:`close` leaves it (the
     last one stops the server)."""
 
-    def __init__(self, endpoint: _Endpoint, port: int, source: Callable[[], ManagerStats]) -> None:
+    def __init__(self, endpoint: _Endpoint, port: int, source: _Source) -> None:
         self._endpoint, self._key, self._source = endpoint, port, source
         self.port = endpoint.port
 
@@ -189,14 +212,17 @@ class RankMetrics:
         self._endpoint.httpd.server_close()
 
 
-def serve_metrics(mgr) -> RankMetrics:
+def serve_metrics(mgr, round_times: RoundTimes) -> RankMetrics:
     """Serve ``mgr.stats()`` on ``mgr.config.metrics_port`` (sharing the
-    server of another manager of this process on the same port). Raises
-    ValueError without prometheus-client, OSError when the port is taken."""
+    server of another manager of this process on the same port); a
+    scrape's rounds are measured in ``round_times`` (the manager's) when
+    ``mgr`` is the port's first. Raises ValueError without
+    prometheus-client, OSError when the port is taken."""
     port = mgr.config.metrics_port
     with _lock:
         endpoint = _endpoints.get(port)
         if endpoint is None:
             endpoint = _endpoints[port] = _Endpoint(mgr.config.host, port)
-        endpoint._sources.append(mgr.stats)
-    return RankMetrics(endpoint, port, mgr.stats)
+        source = _Source(mgr.stats, round_times)
+        endpoint._sources.append(source)
+    return RankMetrics(endpoint, port, source)
