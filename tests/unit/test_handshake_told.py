@@ -13,9 +13,10 @@ import numpy as np
 
 from transfer.config import Role
 from transfer.errors import HandshakeError
-from transfer.rank.metrics import _Collector
+from transfer.rank.metrics import _Collector, _Source
 from transfer.rooms.receiver import KVReceiver
 from transfer.rooms.sender import KVSender
+from transfer.round_times import RoundTimes
 from transfer.state import KVPoll
 
 from ._rooms import assert_landed, random_pages, run_room, terminal, wait_until
@@ -89,7 +90,7 @@ def test_metrics_export_the_handshake_counters(cluster):
     class Endpoint:
         @staticmethod
         def sources():
-            return [prefill.mgr.stats, decode.mgr.stats]
+            return [_Source(prefill.mgr.stats, RoundTimes()), _Source(decode.mgr.stats, RoundTimes())]
 
     families = {f.name: f for f in _Collector(Endpoint()).collect()}
     opened = {(s.labels["role"], s.labels["result"]): s.value for s in families["kvferry_handshakes"].samples

@@ -1,6 +1,7 @@
 """transfer.control.router_discovery: the registration vllm-router's
 ``--vllm-discovery-address`` waits for, against a real ZMQ ROUTER socket."""
 
+import socket
 import time
 
 import msgpack
@@ -13,16 +14,19 @@ from transfer.adapters.vllm.params import ConnectorConfig
 
 def test_a_worker_registers_every_interval_once_the_router_is_there():
     ctx = zmq.Context.instance()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    router.close()  # not there yet: the heartbeat starts first, as a worker may before its router
+    # The router is not there yet: the heartbeat starts first, as a worker may before its router. The
+    # port is held meanwhile by a socket bound without SO_REUSEADDR and not listening (connections are
+    # refused, and no other process's listener can take the port, as one did once a closed router freed it).
+    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    holder.bind(("127.0.0.1", 0))
+    port = holder.getsockname()[1]
     payload = {"type": "P", "http_address": "127.0.0.1:8100", "zmq_address": "127.0.0.1:8999", "dp_size": 1,
                "tp_size": 2}
-    beat = DiscoveryHeartbeat(f"127.0.0.1:{port}", payload, interval_s=0.2)
+    beat, router = DiscoveryHeartbeat(f"127.0.0.1:{port}", payload, interval_s=0.2), None
     try:
         time.sleep(0.5)
         sent_before = beat.num_sent  # none: nothing is queued for a router that is not there
+        holder.close()
         router = ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         router.bind(f"tcp://127.0.0.1:{port}")
@@ -35,7 +39,9 @@ def test_a_worker_registers_every_interval_once_the_router_is_there():
         assert sent_before == 0
     finally:
         beat.close()
-        router.close()
+        holder.close()
+        if router is not None:
+            router.close()
     assert not beat._thread.is_alive()
 
 
