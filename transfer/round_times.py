@@ -98,7 +98,8 @@ class RoundTimes:
 
 
 #: A round that ticks gives the interpreter lock up after this much CPU: a hold is at most this and the
-#: longest part between two ticks (0.4 ms, a new peer's socket), under a millisecond.
+#: longest part between two ticks, under a millisecond (a part known to be long, a new peer's socket,
+#: gets a slice of its own: ``tick(ahead_s)``).
 SLICE_CPU_S = 0.0003
 
 
@@ -117,9 +118,13 @@ class _Round:
         self.start = self._own()
         return self
 
-    def tick(self) -> None:
+    def tick(self, ahead_s: float = 0.0) -> None:
+        """Between two parts of the round: gives the interpreter lock up
+        once the slice ran :data:`SLICE_CPU_S`, or would with the
+        ``ahead_s`` of CPU the next part is known to take (a part that
+        takes most of a slice gets one of its own)."""
         ran = self._own() - self.start
-        if ran > SLICE_CPU_S:
+        if ran + ahead_s > SLICE_CPU_S:
             self.times.add(self.task, ran)
             time.sleep(0)  # lets a waiting thread (the scheduler) take the interpreter lock
             self.start = self._own()

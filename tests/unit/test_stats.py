@@ -270,6 +270,26 @@ def test_a_sliced_round_gives_the_interpreter_lock_up_every_slice():
     assert times.max_cpu_s["control"] < 0.002, times.max_cpu_s
 
 
+def test_a_part_known_to_be_long_gets_a_slice_of_its_own(monkeypatch):
+    """``tick(ahead_s)``: the round gives the lock up before a part that
+    would take the slice past SLICE_CPU_S (a new peer's socket), so a hold is
+    that part alone, not a slice and the part (a thread clock stands in)."""
+    from transfer.round_times import SLICE_CPU_S, RoundTimes, _Round
+
+    clock = [0.0]
+    monkeypatch.setattr(_Round, "_own", lambda self: clock[0])
+    times = RoundTimes()
+    with times.round("resolver") as round_:
+        clock[0] += 0.6 * SLICE_CPU_S
+        round_.tick()  # under a slice: goes on
+        assert times.rounds.get("resolver", 0) == 0
+        round_.tick(ahead_s=0.5 * SLICE_CPU_S)  # with the part ahead it would pass: gives the lock up first
+        assert times.rounds["resolver"] == 1
+        clock[0] += 0.9 * SLICE_CPU_S  # the part
+    assert times.rounds["resolver"] == 2
+    assert times.max_cpu_s["resolver"] == pytest.approx(0.9 * SLICE_CPU_S)
+
+
 def test_a_wait_inside_a_round_cuts_it_into_the_holds_on_either_side():
     """The channel's hand-over waits inside its round (the lock released
     for 10 ms at a time): each hold between two waits is measured alone."""
