@@ -97,6 +97,13 @@ class Packed:
         return cls(msg, codec.pack(msg))
 
 
+def frame(msg: Any, key: bytes | None) -> bytes:
+    """``msg`` as ``send`` puts it on the wire: encoded and sealed with
+    ``key`` (see :func:`bootstrap.codec.secret_key`), or, a :class:`Packed`
+    message, only sealed."""
+    return codec.seal(msg.payload, key) if isinstance(msg, Packed) else codec.encode(msg, key)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ChannelOptions:
     """``host``: the address peers reach this rank at (the channel binds

@@ -17,7 +17,7 @@ import time
 from typing import Protocol
 
 from bootstrap import codec
-from transfer.control.base import Handler, Link, Packed
+from transfer.control.base import Handler, Link, Packed, frame
 from transfer.errors import AuthError, ClosedError, ProtocolError
 from transfer.round_times import RoundTimes
 
@@ -62,10 +62,9 @@ class LoopbackChannel:
         self._thread.start()
 
     def send(self, endpoint: str, msg) -> None:
+        payload = frame(msg, self._key)
         if isinstance(msg, Packed):
-            payload, msg = codec.seal(msg.payload, self._key), msg.msg
-        else:
-            payload = codec.encode(msg, self._key)
+            msg = msg.msg
         if self._closed:
             raise ClosedError("control channel is closed")
         self._router.route(self.endpoint, endpoint, payload, msg)

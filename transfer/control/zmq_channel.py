@@ -42,7 +42,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from bootstrap import codec
 from bootstrap.listen import refuse_unversioned
-from transfer.control.base import ChannelOptions, Handler, Link, Packed
+from transfer.control.base import ChannelOptions, Handler, Link, frame
 from transfer.control.hand_over import HandOver
 from transfer.errors import AuthError, ClosedError, ProtocolError, TransferError
 from transfer.round_times import RoundTimes
@@ -145,10 +145,7 @@ class ZmqChannel:
     def send(self, endpoint: str, msg) -> None:
         """Queue ``msg`` for ``endpoint``. Raises ClosedError after close, and
         TransferError when the peer's queue is full."""
-        if isinstance(msg, Packed):
-            payload = codec.seal(msg.payload, self._key)
-        else:
-            payload = codec.encode(msg, self._key)
+        payload = frame(msg, self._key)
         with self._send_lock:
             if self._closed.is_set():
                 raise ClosedError("control channel is closed")

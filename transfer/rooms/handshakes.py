@@ -78,7 +78,7 @@ class Handshakes:
         """(Under ctx.lock.) ``packed``'s hello if the memory did not change
         since, else the hello packed now."""
         if packed is None or packed[0] != self._generation:
-            packed = self._packed = (self._generation, Packed.of(self.hello()))
+            packed = self.packed_hello()
         return packed[1]
 
     def get(self, session: str) -> Hello | None:
