@@ -207,7 +207,7 @@ def _periodic(results: list[dict]) -> dict:
     """kvferry's ranks: each periodic task's longest round in CPU ms and its
     rounds (both sides), the longest garbage collection of the rank
     processes, and the longest block of their reference thread (the
-    machine's own addition to any hold: :class:`~benchmarks.busy_ranks.ReferenceHolds`);
+    machine's own addition to any hold: :class:`~benchmarks.busy_explain.ReferenceHolds`);
     absent for the raw engines."""
     if not any("periodic_max_cpu_ms" in r for r in results):
         return {}
@@ -218,7 +218,22 @@ def _periodic(results: list[dict]) -> dict:
     return {"periodic_max_cpu_ms": _longest_by_task(results), "periodic_rounds": rounds,
             "gc_max_ms": round(max(r.get("gc_max_ms", 0.0) for r in results), 3),
             "gc_collections": sum(r.get("gc_collections", 0) for r in results),
-            "reference_max_cpu_ms": round(max(r.get("reference_max_cpu_ms", 0.0) for r in results), 3)}
+            "reference_max_cpu_ms": round(max(r.get("reference_max_cpu_ms", 0.0) for r in results), 3),
+            **_reference(results)}
+
+
+def _reference(rows: list[dict]) -> dict:
+    """The rank processes' slices over 1 ms (:func:`benchmarks.busy_explain.long_slices`),
+    and their reference threads' blocks: how many, those over 1 ms (with the
+    steal, softirq and irq ticks that advanced in each), and how many of the
+    others saw each tick advance."""
+    ticked: dict[str, int] = {}
+    for r in rows:
+        for k, n in r.get("reference_ticked", {}).items():
+            ticked[k] = ticked.get(k, 0) + n
+    return {"long_slices": [b for r in rows for b in r.get("long_slices", [])],
+            "reference_blocks": sum(r.get("reference_blocks", 0) for r in rows),
+            "reference_slow": [b for r in rows for b in r.get("reference_slow", [])], "reference_ticked": ticked}
 
 
 def _longest_by_task(rows: list[dict]) -> dict[str, float]:
@@ -244,6 +259,7 @@ def _median(rows: list[dict]) -> dict:
         out["periodic_max_cpu_ms"] = _longest_by_task(ok)
         out["gc_max_ms"] = max(r.get("gc_max_ms", 0.0) for r in ok)
         out["reference_max_cpu_ms"] = max(r.get("reference_max_cpu_ms", 0.0) for r in ok)
+        out.update(_reference(ok))
     return out
 
 
@@ -307,6 +323,16 @@ def print_table(rows: list[dict]) -> None:
             longest = ", ".join(f"{t} {v:.2f}" for t, v in r["periodic_max_cpu_ms"].items())
             print(f"longest rounds of {r['workload']} {r['mode']} {r['system']} (CPU ms): {longest}; "
                   f"reference {r.get('reference_max_cpu_ms', 0.0):.2f}; process GC {r.get('gc_max_ms', 0.0):.2f}")
+            slow, ticked = r.get("reference_slow", []), r.get("reference_ticked", {})
+            if r.get("reference_blocks"):
+                print(f"  reference blocks {r['reference_blocks']}, over 1 ms {len(slow)} (steal advanced in "
+                      f"{sum(b['steal'] > 0 for b in slow)}, softirq {sum(b['softirq'] > 0 for b in slow)}); "
+                      f"under it, steal advanced in {ticked.get('steal', 0)}, softirq {ticked.get('softirq', 0)}"
+                      + "".join(f"; {b['cpu_ms']}/{b['wall_ms']} ms s{b['steal']} q{b['softirq']}" for b in slow[:5]))
+            for b in r.get("long_slices", []):
+                print(f"  slice over 1 ms: {b['task']} {b['cpu_ms']:.2f} ms of CPU in {b['wall_ms']:.2f}; steal "
+                      f"+{b['steal']}, softirq +{b['softirq']}, irq +{b['irq']} ticks; switches {b['voluntary']} "
+                      f"voluntary, {b['involuntary']} involuntary; {b['minor_faults']} minor faults")
     for r in rows:
         if r.get("slowest"):
             print(f"slowest of {r['workload']} {r['mode']} {r['system']} (ms from decode's open: prefill opened, "

@@ -28,12 +28,13 @@ import gc
 import json
 import os
 import sys
-import threading
 import time
 from dataclasses import replace
 
 import numpy as np
 
+from benchmarks import busy_explain
+from benchmarks.busy_explain import ReferenceHolds
 from benchmarks.busy_loop import FIRST_ROOM, BusyConfig, DecodePages, Feed, Scheduler, result_line, src_pages
 
 TIMEOUT_S = 600.0
@@ -176,38 +177,8 @@ class GcPauses:
         gc.callbacks.remove(self._on)
 
 
-class ReferenceHolds:
-    """The control for the ranks' periodic rounds: a thread that runs the
-    same few microseconds of pure Python every 10 ms and keeps the longest
-    CPU time it took, measured as a round is (``time.thread_time``). What it
-    shows is the machine's, not kvferry's: this kernel charges interrupts to
-    the thread they land on, and a vCPU can be taken away mid-block, each
-    while the thread holds the interpreter lock. A periodic round that took
-    longer than the reference's longest did work of its own."""
-
-    PERIOD_S = 0.01
-
-    def __init__(self) -> None:
-        self.max_s, self.blocks = 0.0, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="reference-holds", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.PERIOD_S):
-            start = time.thread_time()
-            x = 0
-            for i in range(200):  # about 10 us
-                x += i * i
-            self.max_s = max(self.max_s, time.thread_time() - start)
-            self.blocks += 1
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(1.0)
-
-
 def run_kvferry(cfg: BusyConfig, role: str) -> int:
+    busy_explain.install()
     sides = []
     if role in ("kvferry-prefill", "kvferry-both"):
         sides.append(_KVPrefill(cfg, _kvferry_manager(cfg, True)))
@@ -229,7 +200,11 @@ def run_kvferry(cfg: BusyConfig, role: str) -> int:
     pauses.stop()
     reference.stop()
     cpu = time.process_time() - cpu0
-    for side in sides:
+    process = dict(gc_collections=pauses.count, gc_max_ms=pauses.max_s * 1e3,
+                   reference_max_cpu_ms=reference.max_s * 1e3, reference_blocks=reference.blocks,
+                   reference_slow=reference.slow, reference_ticked=reference.ticked,
+                   long_slices=busy_explain.long_slices())
+    for i, side in enumerate(sides):
         stats = side.mgr.stats()
         print(result_line(side.side, side.created, side.done, sent=side.sent, failed=side.failed + sorted(side.live),
                           errors=sorted(side.errors)[:5], cpu_s=cpu / len(sides),
@@ -237,8 +212,7 @@ def run_kvferry(cfg: BusyConfig, role: str) -> int:
                           handed_over=getattr(side.mgr.channel, "num_handed_over", 0),
                           periodic_rounds=stats.periodic_rounds,
                           periodic_max_cpu_ms={k: v * 1e3 for k, v in stats.periodic_max_cpu_s.items()},
-                          gc_collections=pauses.count, gc_max_ms=pauses.max_s * 1e3,
-                          reference_max_cpu_ms=reference.max_s * 1e3, reference_blocks=reference.blocks), flush=True)
+                          **(process if i == 0 else {})), flush=True)  # the process's, once
     for side in sides:
         side.mgr.close()
     return 0 if all(not side.failed and not side.live for side in sides) else 1

@@ -1,0 +1,144 @@
+"""What the machine did during a kvferry rank's long holds (benchmark only).
+
+A periodic round's CPU time (:mod:`transfer.round_times`) bounds how long
+it held the interpreter lock, but on this VM the bound also takes in what
+the machine charged to the thread: the hypervisor's steal (the vCPU taken
+away while the thread ran) and interrupts (no ``CONFIG_IRQ_TIME_ACCOUNTING``:
+their time is charged to whichever thread they land on). :func:`install`
+makes every round of the process's ranks read, at the start of each of its
+slices, the machine's steal, softirq and irq ticks (``/proc/stat``, 10 ms
+each) and the thread's ``getrusage``; a slice over :data:`LONG_S` is kept
+with what advanced during it, so that a long hold says whether the machine
+took time from it (:func:`long_slices`).
+
+The reads cost about 15 us at each slice's start, counted in the slice.
+"""
+
+from __future__ import annotations
+
+import resource
+import threading
+import time
+
+#: A slice longer than this (CPU seconds) is kept.
+LONG_S = 1e-3
+
+_long: list[dict] = []
+_lock = threading.Lock()
+
+
+def machine_ticks() -> tuple[int, int, int]:
+    """The machine's steal, softirq and irq ticks so far (all CPUs)."""
+    with open("/proc/stat", "rb") as f:
+        fields = f.readline().split()  # cpu user nice system idle iowait irq softirq steal
+    return int(fields[8]), int(fields[7]), int(fields[6])
+
+
+def _mark() -> tuple:
+    usage = resource.getrusage(resource.RUSAGE_THREAD)
+    return machine_ticks(), usage.ru_nvcsw, usage.ru_nivcsw, usage.ru_minflt, time.perf_counter()
+
+
+def _what_advanced(task: str, cpu_s: float, mark: tuple) -> dict:
+    ticks, nvcsw, nivcsw, minflt, wall = _mark()
+    steal, softirq, irq = (b - a for a, b in zip(mark[0], ticks))
+    return {"task": task, "cpu_ms": round(cpu_s * 1e3, 3), "wall_ms": round((wall - mark[4]) * 1e3, 3),
+            "steal": steal, "softirq": softirq, "irq": irq, "voluntary": nvcsw - mark[1],
+            "involuntary": nivcsw - mark[2], "minor_faults": minflt - mark[3]}
+
+
+def install() -> None:
+    """Every round this process's ranks start from now on is explained."""
+    from transfer import round_times
+
+    class _Explained(round_times._Round):
+        """A round that marks the machine at each slice's start."""
+
+        __slots__ = ("mark",)
+
+        def _keep(self, ran: float) -> None:
+            if ran > LONG_S:
+                row = _what_advanced(self.task, ran, self.mark)
+                with _lock:
+                    _long.append(row)
+
+        def __enter__(self):
+            self.mark = _mark()
+            return super().__enter__()
+
+        def tick(self, ahead_s: float = 0.0) -> None:
+            ran = self._own() - self.start
+            if ran + ahead_s > round_times.SLICE_CPU_S:  # the slice ends here (read before its yield)
+                self._keep(ran)
+            start = self.start
+            super().tick(ahead_s)
+            if self.start != start:
+                self.mark = _mark()
+
+        def cut(self) -> None:
+            self._keep(self._own() - self.start)
+            super().cut()
+            self.mark = _mark()
+
+        def restart(self) -> None:
+            super().restart()
+            self.mark = _mark()
+
+        def __exit__(self, *exc) -> None:
+            self._keep(self._own() - self.start)
+            super().__exit__(*exc)
+
+    round_times.RoundTimes.round = lambda self, task: _Explained(self, task)
+
+
+class ReferenceHolds:
+    """The control for the ranks' periodic rounds: a thread that runs the
+    same ~0.1 ms of pure Python every 10 ms and keeps the longest CPU time it
+    took, measured as a round is (``time.thread_time``). What it shows is the
+    machine's, not kvferry's: this kernel charges interrupts to the thread
+    they land on, and a vCPU can be taken away mid-block, each while the
+    thread holds the interpreter lock. A periodic round that took longer
+    than the reference's longest did work of its own.
+
+    Around each block it reads the machine's steal, softirq and irq ticks
+    (``/proc/stat``, 10 ms each): a block over 1 ms is kept with what
+    advanced during it (``slow``), and the blocks under it count how often a
+    tick advances anyway (``ticked``), the base rate to hold them against."""
+
+    PERIOD_S = 0.01
+    SLOW_S = 1e-3
+
+    def __init__(self) -> None:
+        self.max_s, self.blocks = 0.0, 0
+        self.slow: list[dict] = []
+        self.ticked = {"steal": 0, "softirq": 0, "irq": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="reference-holds", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.PERIOD_S):
+            before = machine_ticks()
+            wall, start = time.perf_counter(), time.thread_time()
+            x = 0
+            for i in range(1500):  # about 0.1 ms
+                x += i * i
+            took, wall = time.thread_time() - start, time.perf_counter() - wall
+            advanced = dict(zip(("steal", "softirq", "irq"), (b - a for a, b in zip(before, machine_ticks()))))
+            self.max_s = max(self.max_s, took)
+            self.blocks += 1
+            if took > self.SLOW_S:
+                self.slow.append({"cpu_ms": round(took * 1e3, 2), "wall_ms": round(wall * 1e3, 2), **advanced})
+            else:
+                for k, v in advanced.items():
+                    self.ticked[k] += v > 0
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(1.0)
+
+
+def long_slices() -> list[dict]:
+    """The slices over :data:`LONG_S` so far, each with what advanced in it."""
+    with _lock:
+        return list(_long)

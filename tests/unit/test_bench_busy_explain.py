@@ -1,0 +1,45 @@
+"""benchmarks.busy_explain: a rank's slices over 1 ms are kept with what the
+machine and the thread did during them; shorter ones are not."""
+
+import time
+
+from benchmarks import busy_explain
+from transfer import round_times
+
+
+def _spin(cpu_s: float) -> None:
+    end = time.thread_time() + cpu_s
+    while time.thread_time() < end:
+        pass
+
+
+def test_a_long_slice_is_kept_with_the_machines_ticks_and_the_threads_switches(monkeypatch):
+    monkeypatch.setattr(round_times.RoundTimes, "round", round_times.RoundTimes.round)  # undone after the test
+    monkeypatch.setattr(busy_explain, "_long", [])
+    busy_explain.install()
+    times = round_times.RoundTimes()
+    with times.round("liveness") as r:
+        _spin(0.0001)
+        r.tick()  # under the slice: no cut
+        _spin(0.002)
+        r.tick()  # a 2 ms slice ends here
+        _spin(0.0001)
+        r.cut()
+        time.sleep(0.001)
+        _spin(0.0015)
+    with times.round("sweep"):
+        _spin(0.0001)
+    kept = busy_explain.long_slices()
+    assert [row["task"] for row in kept] == ["liveness", "liveness"], kept
+    assert kept[0]["cpu_ms"] >= 2.0 and 1.5 <= kept[1]["cpu_ms"] < 2.0, kept
+    for row in kept:
+        assert row["wall_ms"] > 0 and set(row) == {"task", "cpu_ms", "wall_ms", "steal", "softirq", "irq", "voluntary",
+                                                   "involuntary", "minor_faults"}, row
+        assert min(row["steal"], row["softirq"], row["irq"], row["voluntary"], row["involuntary"]) >= 0, row
+    assert times.snapshot()["periodic_max_cpu_s"]["liveness"] >= 0.002  # the round's own measure is unchanged
+
+
+def test_the_machines_ticks_only_grow():
+    first = busy_explain.machine_ticks()
+    _spin(0.001)
+    assert all(b >= a >= 0 for a, b in zip(first, busy_explain.machine_ticks()))
