@@ -16,7 +16,9 @@ The reads cost about 15 us at each slice's start, counted in the slice.
 
 from __future__ import annotations
 
+import os
 import resource
+import sys
 import threading
 import time
 
@@ -34,17 +36,24 @@ def machine_ticks() -> tuple[int, int, int]:
     return int(fields[8]), int(fields[7]), int(fields[6])
 
 
-def _mark() -> tuple:
+def _site() -> str:
+    """Where the round's caller is (file:line), called from one of the
+    round's methods: a slice runs from one such site to the next."""
+    frame = sys._getframe(2)  # _site <- the round's method <- its caller
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+def _mark(site: str) -> tuple:
     usage = resource.getrusage(resource.RUSAGE_THREAD)
-    return machine_ticks(), usage.ru_nvcsw, usage.ru_nivcsw, usage.ru_minflt, time.perf_counter()
+    return machine_ticks(), usage.ru_nvcsw, usage.ru_nivcsw, usage.ru_minflt, time.perf_counter(), site
 
 
-def _what_advanced(task: str, cpu_s: float, mark: tuple) -> dict:
-    ticks, nvcsw, nivcsw, minflt, wall = _mark()
+def _what_advanced(task: str, cpu_s: float, mark: tuple, site: str) -> dict:
+    ticks, nvcsw, nivcsw, minflt, wall, site = _mark(site)
     steal, softirq, irq = (b - a for a, b in zip(mark[0], ticks))
     return {"task": task, "cpu_ms": round(cpu_s * 1e3, 3), "wall_ms": round((wall - mark[4]) * 1e3, 3),
             "steal": steal, "softirq": softirq, "irq": irq, "voluntary": nvcsw - mark[1],
-            "involuntary": nivcsw - mark[2], "minor_faults": minflt - mark[3]}
+            "involuntary": nivcsw - mark[2], "minor_faults": minflt - mark[3], "from": mark[5], "to": site}
 
 
 def install() -> None:
@@ -56,36 +65,37 @@ def install() -> None:
 
         __slots__ = ("mark",)
 
-        def _keep(self, ran: float) -> None:
+        def _keep(self, ran: float, site: str) -> None:
             if ran > LONG_S:
-                row = _what_advanced(self.task, ran, self.mark)
+                row = _what_advanced(self.task, ran, self.mark, site)
                 with _lock:
                     _long.append(row)
 
         def __enter__(self):
-            self.mark = _mark()
+            self.mark = _mark(_site())
             return super().__enter__()
 
         def tick(self, ahead_s: float = 0.0) -> None:
-            ran = self._own() - self.start
+            site, ran = _site(), self._own() - self.start
             if ran + ahead_s > round_times.SLICE_CPU_S:  # the slice ends here (read before its yield)
-                self._keep(ran)
+                self._keep(ran, site)
             start = self.start
             super().tick(ahead_s)
             if self.start != start:
-                self.mark = _mark()
+                self.mark = _mark(site)
 
         def cut(self) -> None:
-            self._keep(self._own() - self.start)
+            site = _site()
+            self._keep(self._own() - self.start, site)
             super().cut()
-            self.mark = _mark()
+            self.mark = _mark(site)
 
         def restart(self) -> None:
             super().restart()
-            self.mark = _mark()
+            self.mark = _mark(_site())
 
         def __exit__(self, *exc) -> None:
-            self._keep(self._own() - self.start)
+            self._keep(self._own() - self.start, _site())
             super().__exit__(*exc)
 
     round_times.RoundTimes.round = lambda self, task: _Explained(self, task)

@@ -32,9 +32,12 @@ def test_a_long_slice_is_kept_with_the_machines_ticks_and_the_threads_switches(m
     kept = busy_explain.long_slices()
     assert [row["task"] for row in kept] == ["liveness", "liveness"], kept
     assert kept[0]["cpu_ms"] >= 2.0 and 1.5 <= kept[1]["cpu_ms"] < 2.0, kept
+    here = "test_bench_busy_explain.py:"
+    assert kept[0]["from"].startswith(here) and kept[0]["to"].startswith(here), kept  # the ticks' call sites
+    assert int(kept[0]["from"].split(":")[1]) < int(kept[0]["to"].split(":")[1]) <= int(kept[1]["from"].split(":")[1])
     for row in kept:
         assert row["wall_ms"] > 0 and set(row) == {"task", "cpu_ms", "wall_ms", "steal", "softirq", "irq", "voluntary",
-                                                   "involuntary", "minor_faults"}, row
+                                                   "involuntary", "minor_faults", "from", "to"}, row
         assert min(row["steal"], row["softirq"], row["irq"], row["voluntary"], row["involuntary"]) >= 0, row
     assert times.snapshot()["periodic_max_cpu_s"]["liveness"] >= 0.002  # the round's own measure is unchanged
 
