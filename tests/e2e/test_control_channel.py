@@ -141,13 +141,20 @@ def test_connect_opens_a_peer_once_and_sends_take_it_packed_messages_sealed_each
     got: list[int] = []
     receiver = ZmqChannel(sealed, lambda msg, origin: got.append(msg.seq))
     sender = ZmqChannel(sealed, lambda m, o: None)
+    parts: list[str] = []
     try:
-        threads = [threading.Thread(target=sender.connect, args=(receiver.endpoint,)) for _ in range(8)]
+        threads = [threading.Thread(target=sender.connect, args=(receiver.endpoint, lambda: parts.append("x")))
+                   for _ in range(8)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(10)
         assert len(sender._dealers) == 1  # one socket for the eight opens
+        # between() after the socket and after its monitor of each open (a racing one closed)
+        assert parts and len(parts) % 2 == 0 and len(parts) <= 16, parts
+        parts.clear()
+        sender.connect(receiver.endpoint, lambda: parts.append("x"))
+        assert parts == []  # open already: nothing made
         _wait_link(sender, receiver.endpoint, Link.UP, 5.0)  # up with nothing sent
         assert got == []
         ping = Packed.of(PeerPing(session="s", endpoint=sender.endpoint, seq=7))

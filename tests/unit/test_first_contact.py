@@ -35,10 +35,13 @@ def test_the_resolver_packs_the_hello_and_opens_the_peer_off_the_ranks_lock(clus
             seen["pack"].append(lock._is_owned())  # this thread holds the rank's lock
         return real_of(cls, msg)
 
-    def connect(self, endpoint):
+    def connect(self, endpoint, between=None):
         if self is decode.mgr.channel:
             seen["connect"].append(lock._is_owned())
-        return real_connect(self, endpoint)
+            assert between is not None  # the resolver paces between the socket's parts
+            between()  # gives the interpreter lock up, never takes the rank's
+            seen["connect"].append(lock._is_owned())
+        return real_connect(self, endpoint, between)
 
     monkeypatch.setattr(Packed, "of", classmethod(of))
     monkeypatch.setattr(LoopbackChannel, "connect", connect)

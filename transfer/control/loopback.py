@@ -14,6 +14,7 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 from bootstrap import codec
@@ -69,7 +70,7 @@ class LoopbackChannel:
             raise ClosedError("control channel is closed")
         self._router.route(self.endpoint, endpoint, payload, msg)
 
-    def connect(self, endpoint: str) -> None:
+    def connect(self, endpoint: str, between: Callable[[], None] | None = None) -> None:
         """Nothing to open in process (the fabric routes each payload)."""
         if self._closed:
             raise ClosedError("control channel is closed")

@@ -36,6 +36,7 @@ import logging
 import os
 import select
 import threading
+from collections.abc import Callable
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -63,6 +64,10 @@ _RETRY = zmq.EVENT_CONNECT_RETRIED
 _CONNECTED = zmq.EVENT_CONNECTED  # TCP connected (a stopped process's kernel still accepts)
 # Plain ints: zmq's enum flags combine through Python code, on every drain.
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+
+
+def _nothing() -> None:
+    """No pause between the parts of a socket's opening (a send opens one under its lock)."""
 
 
 class _LinkState:
@@ -160,17 +165,19 @@ class ZmqChannel:
                 raise TransferError(f"control queue to {endpoint} is full ({self._send_queue_msgs} messages)",
                                     peer=endpoint) from None
 
-    def connect(self, endpoint: str) -> None:
+    def connect(self, endpoint: str, between: Callable[[], None] | None = None) -> None:
         """Open the DEALER to ``endpoint`` unless there is one: made without
         the send lock (a socket and its monitor take a few hundred
         microseconds), then adopted under it, unless another thread's was
-        adopted meanwhile (this one is closed)."""
+        adopted meanwhile (this one is closed). ``between()`` runs between
+        the parts (the socket, its monitor, its connect): pyzmq keeps the
+        interpreter lock in each, up to 0.5 ms on a loaded host."""
         with self._send_lock:
             if self._closed.is_set():
                 raise ClosedError("control channel is closed")
             if endpoint in self._dealers:
                 return
-        sock, mon = self._open(endpoint)
+        sock, mon = self._open(endpoint, between or _nothing)
         with self._send_lock:
             if not self._closed.is_set() and endpoint not in self._dealers:
                 self._adopt(endpoint, sock, mon)
@@ -180,9 +187,10 @@ class ZmqChannel:
         if self._closed.is_set():
             raise ClosedError("control channel is closed")
 
-    def _open(self, endpoint: str) -> tuple[zmq.Socket, zmq.Socket]:
+    def _open(self, endpoint: str, between: Callable[[], None] = _nothing) -> tuple[zmq.Socket, zmq.Socket]:
         """A DEALER connecting to ``endpoint``, with heartbeats, and its
-        monitor, both owned by no one yet (:meth:`_adopt`)."""
+        monitor, both owned by no one yet (:meth:`_adopt`); ``between()``
+        after the socket and after the monitor."""
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, self._send_queue_msgs)
@@ -190,7 +198,9 @@ class ZmqChannel:
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self._heartbeat_timeout_ms)
         sock.setsockopt(zmq.HANDSHAKE_IVL, self._heartbeat_timeout_ms)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, _RECONNECT_MAX_MS)  # a dead peer is retried ever less often
+        between()
         mon = sock.get_monitor_socket(_UP | _DOWN | _RETRY | _CONNECTED)
+        between()
         sock.connect(endpoint)
         return sock, mon
 

@@ -37,8 +37,9 @@ SLOW_HANDSHAKE_S = 1.0
 # no live room, so a prefill rank that died while idle is noticed (and its
 # link forgotten) before the next room needs it.
 _WATCH_IDLE_LINKS_S = 60.0
-# The CPU a new peer's control socket takes to open (0.15-0.45 ms measured, 0.6 ms on a busy host):
-# the resolver gives it a slice of its own (RoundTimes' tick(ahead_s)).
+# The CPU each part of a new peer's control socket (the socket, its monitor, its connect) takes
+# (0.02-0.13 ms quiet; the three together 0.15-0.45 ms, up to 1.08 ms on a loaded host): the
+# resolver gives each a slice of its own (RoundTimes' tick(ahead_s)).
 _OPEN_CPU_S = 0.0004
 
 
@@ -306,8 +307,8 @@ class LinkResolver:
         pace()
         packed = self.handshakes.packed_hello()
         for p in link.routes:
-            pace(_OPEN_CPU_S)  # a slice of its own
-            self.ctx.channel.connect(link.ranks[p].control_endpoint)
+            pace(_OPEN_CPU_S)  # each part a slice of its own
+            self.ctx.channel.connect(link.ranks[p].control_endpoint, between=lambda: pace(_OPEN_CPU_S))
             pace()
             with self.ctx.lock:
                 self.handshakes.start(link.ranks[p].session, link.ranks[p].control_endpoint, packed)
