@@ -32,11 +32,12 @@ refused a reconnection: libzmq retries at once, then backs off).
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import select
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -45,6 +46,7 @@ from bootstrap import codec
 from bootstrap.listen import refuse_unversioned
 from transfer.control.base import ChannelOptions, Handler, Link, frame
 from transfer.control.hand_over import HandOver
+from transfer.control.zmq_links import MONITORED, LinkState
 from transfer.errors import AuthError, ClosedError, ProtocolError, TransferError
 from transfer.round_times import RoundTimes
 
@@ -56,43 +58,26 @@ _EVICT_LINGER_MS = 2000
 _RECONNECT_MAX_MS = 2000
 # The receiving thread looks at its sockets at least this often (a safety net; it is woken by them).
 _IDLE_WAKE_MS = 1000
-_UP = zmq.EVENT_HANDSHAKE_SUCCEEDED
-_DOWN = (zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-         | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-# A reconnection scheduled: once after a connection is lost, then once after every attempt that failed.
-_RETRY = zmq.EVENT_CONNECT_RETRIED
-_CONNECTED = zmq.EVENT_CONNECTED  # TCP connected (a stopped process's kernel still accepts)
 # Plain ints: zmq's enum flags combine through Python code, on every drain.
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 
+@contextlib.contextmanager
+def _taken(lock: threading.Lock, round_) -> Iterator[None]:
+    """``lock`` held, for a round of the channel's thread: a wait for it
+    (a scheduler draining, a sender sending) cuts the round there, since the
+    interpreter lock is given up while it waits."""
+    if not lock.acquire(blocking=False):
+        round_.cut()
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 def _nothing() -> None:
     """No pause between the parts of a socket's opening (a send opens one under its lock)."""
-
-
-class _LinkState:
-    """One DEALER's connection as its monitor's events tell it."""
-
-    __slots__ = ("link", "retries")
-
-    def __init__(self) -> None:
-        self.link, self.retries = Link.UNKNOWN, 0
-
-    def on_event(self, event: int) -> None:
-        if event & _UP:
-            self.link, self.retries = Link.UP, 0
-        elif event & _CONNECTED:
-            self.retries = 0
-        elif event & _RETRY:
-            self.retries += 1
-            # The first retry follows the loss itself; a second with no TCP connection between
-            # means an attempt failed: once up, a refused address (the process there is gone).
-            if self.retries >= 2 and self.link is not Link.UNKNOWN:
-                self.link = Link.GONE
-            elif self.link is Link.UP:
-                self.link = Link.DOWN
-        elif event & _DOWN and self.link is Link.UP:
-            self.link = Link.DOWN
 
 
 class ZmqChannel:
@@ -134,7 +119,7 @@ class ZmqChannel:
         # closes it when its DEALER closed: the monitor then reports EVENT_MONITOR_STOPPED).
         self._monitors_new: list[tuple[str, zmq.Socket]] = []
         self._monitor_of: dict[str, zmq.Socket] = {}  # endpoint -> its current DEALER's monitor
-        self._links: dict[str, _LinkState] = {}  # endpoint -> its connection (set by the receiving thread)
+        self._links: dict[str, LinkState] = {}  # endpoint -> its connection (set by the receiving thread)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -199,7 +184,7 @@ class ZmqChannel:
         sock.setsockopt(zmq.HANDSHAKE_IVL, self._heartbeat_timeout_ms)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, _RECONNECT_MAX_MS)  # a dead peer is retried ever less often
         between()
-        mon = sock.get_monitor_socket(_UP | _DOWN | _RETRY | _CONNECTED)
+        mon = sock.get_monitor_socket(MONITORED)
         between()
         sock.connect(endpoint)
         return sock, mon
@@ -214,7 +199,7 @@ class ZmqChannel:
             self._drop(*self._dealers.popitem(last=False), linger_ms=_EVICT_LINGER_MS)
         self._dealers[endpoint] = sock
         self._monitor_of[endpoint] = mon
-        self._links[endpoint] = _LinkState()
+        self._links[endpoint] = LinkState()
         self._monitors_new.append((endpoint, mon))
         self._wake()
         return sock
@@ -321,12 +306,12 @@ class ZmqChannel:
             with self.round_times.round("control") as round_:  # an idle wake-up, or connection events
                 self._hand_over.wait(round_.cut)
                 start = self._hand_over.start_drain()
-                with self._recv_lock:
+                with _taken(self._recv_lock, round_):
                     handled = self._drain_locked(own=True)
                 if handled:
                     self._hand_over.drain_ended(start)
                     round_.restart()  # handling messages is not the channel's own periodic work
-                with self._send_lock:
+                with _taken(self._send_lock, round_):
                     new, self._monitors_new = self._monitors_new, []
                 for endpoint, mon in new:
                     fd = mon.getsockopt(zmq.FD)
