@@ -330,9 +330,10 @@ def print_table(rows: list[dict]) -> None:
                       f"under it, steal advanced in {ticked.get('steal', 0)}, softirq {ticked.get('softirq', 0)}"
                       + "".join(f"; {b['cpu_ms']}/{b['wall_ms']} ms s{b['steal']} q{b['softirq']}" for b in slow[:5]))
             for b in r.get("long_slices", []):
-                print(f"  slice over 1 ms: {b['task']} {b.get('from', '')}-{b.get('to', '')} {b['cpu_ms']:.2f} ms of CPU in {b['wall_ms']:.2f}; steal "
-                      f"+{b['steal']}, softirq +{b['softirq']}, irq +{b['irq']} ticks; switches {b['voluntary']} "
-                      f"voluntary, {b['involuntary']} involuntary; {b['minor_faults']} minor faults")
+                print(f"  slice over 1 ms: {b['task']} {b.get('from', '')}-{b.get('to', '')} {b['cpu_ms']:.2f} ms "
+                      f"of CPU in {b['wall_ms']:.2f}; steal +{b['steal']}, softirq +{b['softirq']}, irq +{b['irq']} "
+                      f"ticks; switches {b['voluntary']} voluntary, {b['involuntary']} involuntary; "
+                      f"{b['minor_faults']} minor faults")
     for r in rows:
         if r.get("slowest"):
             print(f"slowest of {r['workload']} {r['mode']} {r['system']} (ms from decode's open: prefill opened, "

@@ -36,6 +36,11 @@ def machine_ticks() -> tuple[int, int, int]:
     return int(fields[8]), int(fields[7]), int(fields[6])
 
 
+def ticks_since(before: tuple[int, int, int]) -> dict[str, int]:
+    """The steal, softirq and irq ticks that advanced since ``before`` (:func:`machine_ticks`)."""
+    return dict(zip(("steal", "softirq", "irq"), (b - a for a, b in zip(before, machine_ticks()))))
+
+
 def _site() -> str:
     """Where the round's caller is (file:line), called from one of the
     round's methods: a slice runs from one such site to the next."""
@@ -49,11 +54,10 @@ def _mark(site: str) -> tuple:
 
 
 def _what_advanced(task: str, cpu_s: float, mark: tuple, site: str) -> dict:
-    ticks, nvcsw, nivcsw, minflt, wall, site = _mark(site)
-    steal, softirq, irq = (b - a for a, b in zip(mark[0], ticks))
+    advanced, usage, wall = ticks_since(mark[0]), resource.getrusage(resource.RUSAGE_THREAD), time.perf_counter()
     return {"task": task, "cpu_ms": round(cpu_s * 1e3, 3), "wall_ms": round((wall - mark[4]) * 1e3, 3),
-            "steal": steal, "softirq": softirq, "irq": irq, "voluntary": nvcsw - mark[1],
-            "involuntary": nivcsw - mark[2], "minor_faults": minflt - mark[3], "from": mark[5], "to": site}
+            **advanced, "voluntary": usage.ru_nvcsw - mark[1], "involuntary": usage.ru_nivcsw - mark[2],
+            "minor_faults": usage.ru_minflt - mark[3], "from": mark[5], "to": site}
 
 
 def install() -> None:
@@ -134,7 +138,7 @@ class ReferenceHolds:
             for i in range(1500):  # about 0.1 ms
                 x += i * i
             took, wall = time.thread_time() - start, time.perf_counter() - wall
-            advanced = dict(zip(("steal", "softirq", "irq"), (b - a for a, b in zip(before, machine_ticks()))))
+            advanced = ticks_since(before)
             self.max_s = max(self.max_s, took)
             self.blocks += 1
             if took > self.SLOW_S:
