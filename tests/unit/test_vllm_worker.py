@@ -5,14 +5,16 @@ that changed; a room that never changes still ends at its time bound; the
 prefill lease gives an unasked room's blocks back; the step stats count
 exactly what moved."""
 
+import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from transfer.adapters.vllm import stats as vllm_stats
 from transfer.adapters.vllm.groups import Group, GroupPlan
-from transfer.adapters.vllm.params import ConnectorConfig, RecvSpec, SendSpec
+from transfer.adapters.vllm.params import DEFAULT_IDLE_WAIT_S, ConnectorConfig, RecvSpec, SendSpec
 from transfer.adapters.vllm.decode_worker import DecodeWorker
 from transfer.adapters.vllm.prefill_worker import PrefillWorker
 from transfer.adapters.vllm.worker import KvferryWorker
@@ -26,10 +28,11 @@ FENCED = dict(staging_bytes=1 << 20, stage_part_bytes=64 << 10)
 
 
 def worker(cluster, role: Role, lease_s: float = 30.0, groups: GroupPlan | None = None, layer_groups: int = 0,
-           **overrides) -> tuple[KvferryWorker, object]:
+           idle_wait_s: float = 0.01, **overrides) -> tuple[KvferryWorker, object]:
     rank = cluster.rank(role, **overrides)
-    w = (PrefillWorker if role is Role.PREFILL else DecodeWorker)(ConnectorConfig(bootstrap_addr=cluster.server.address, lease_s=lease_s,
-                                      layer_groups=layer_groups), tp_rank=0, tp_size=1, groups=groups)
+    config = ConnectorConfig(bootstrap_addr=cluster.server.address, lease_s=lease_s, layer_groups=layer_groups,
+                             idle_wait_s=idle_wait_s)
+    w = (PrefillWorker if role is Role.PREFILL else DecodeWorker)(config, tp_rank=0, tp_size=1, groups=groups)
     w.index_layers([f"layers.{i}.attn" for i in range(NUM_LAYERS)])
     w.attach(rank.mgr)
     cluster.stack.callback(w.close)
@@ -102,6 +105,56 @@ def test_the_driver_polls_changed_rooms_and_the_lease_ends_unasked_ones(cluster)
     assert p.num_pending() == 0
 
 
+def timed(call) -> float:
+    start = time.monotonic()
+    call()
+    return time.monotonic() - start
+
+
+def test_an_idle_step_waits_for_a_room_to_end_and_is_woken_when_one_does(cluster):
+    """vLLM steps without pause while a room is open; settle(idle=True)
+    slows those steps once the engine was idle for IDLE_GRACE_S: it waits
+    up to idle_wait_s while rooms are open and none ended, and returns as
+    soon as one ends (the room is then reported by the same step). A step
+    that computes, a step inside the grace, a worker with no room open or
+    with a room already ended: no wait."""
+    from transfer.adapters.vllm.worker import IDLE_GRACE_S
+    p, _ = worker(cluster, Role.PREFILL, idle_wait_s=0.25)
+    d, _ = worker(cluster, Role.DECODE)
+    pair = lambda i: (SendSpec(req_id=f"p{i}", room=i, pages=(i,)),  # noqa: E731
+                      RecvSpec(req_id=f"d{i}", room=i, bootstrap_addr=cluster.server.address, node_id="prefill",
+                               pages=(i,)))
+    send, recv = pair(0)  # the pair's first room: its connections open
+    p.start([send])
+    d.start([recv])
+    wait_finished(p, {"p0"}, 10)
+    assert timed(lambda: p.settle(True)) < 0.2  # no room open
+    send, recv = pair(1)
+    p.start([send])
+    p.settle(False)
+    assert timed(lambda: p.settle(True)) < 0.2  # the first idle step: inside the grace
+    time.sleep(IDLE_GRACE_S)
+    assert timed(lambda: p.settle(True)) >= 0.24  # idle past the grace, no room ended: the whole wait
+    assert timed(lambda: p.settle(False)) < 0.2  # a step that computes
+    assert timed(lambda: p.settle(True)) < 0.2  # idle again: the grace starts over
+    time.sleep(IDLE_GRACE_S)
+    p.config = replace(p.config, idle_wait_s=1.0)
+    threading.Timer(0.05, lambda: d.start([recv])).start()
+    assert timed(lambda: p.settle(True)) < 0.9  # woken when the room ended, not at the 1 s bound
+    assert p.finished({"p1"}) == ({"p1"}, set())
+    wait_finished(d, {"d0", "d1"}, 10)
+    for i in (2, 3):
+        p.start([pair(i)[0]])
+    p._abort(["p3"])  # an ended room not yet reported: the step reports it at once
+    deadline = time.monotonic() + 10
+    while p.num_pending() > 1:
+        assert time.monotonic() < deadline, "the aborted room did not end"
+        time.sleep(0.01)
+    assert timed(lambda: p.settle(True)) < 0.9
+    p.config = replace(p.config, idle_wait_s=0.0)  # kvferry_idle_wait_ms 0: off
+    assert timed(lambda: p.settle(True)) < 0.2
+
+
 def test_a_room_that_never_changes_still_ends_at_its_bound(cluster):
     """Decode asks for a room prefill never opens: nothing changes until the
     manager's sweep fails it (bootstrap and transfer bounds 1 s); the driver, which
@@ -160,6 +213,15 @@ def test_the_lease_option_and_prefill_bootstrap_bound(extra, lease):
     assert "staging_bytes" not in c.manager_fields(prefill=False)  # decode: staging, so the write fence
     with pytest.raises(ValueError, match="kvferry_lease_s"):
         ConnectorConfig.from_extra({"kvferry_lease_s": 0}, None)
+
+
+def test_the_idle_wait_option():
+    assert ConnectorConfig.from_extra({}, None).idle_wait_s == DEFAULT_IDLE_WAIT_S == 0.01
+    assert ConnectorConfig.from_extra({"kvferry_idle_wait_ms": 0}, None).idle_wait_s == 0.0
+    assert ConnectorConfig.from_extra({"kvferry_idle_wait_ms": 25}, None).idle_wait_s == 0.025
+    for bad in (-1, 1001):
+        with pytest.raises(ValueError, match="kvferry_idle_wait_ms"):
+            ConnectorConfig.from_extra({"kvferry_idle_wait_ms": bad}, None)
 
 
 def test_a_decode_request_cancelled_before_its_room_frees_prefill_at_once(cluster):

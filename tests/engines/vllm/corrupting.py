@@ -20,7 +20,8 @@ a request it sends (the scheduler's clock, for a failure's timeline), and with v
 hybrid KV-cache manager one line per other KV-cache group (a kvferry state
 pool): ``kvferry-test: group-digest side=... room=... group=<g> sha=...``, a
 block by position, ``-`` where this side does not hold or want it (a sliding
-window's freed blocks). The test compares
+window's freed blocks), and every 100th engine step that computed nothing
+(``kvferry-test: idle-steps=<n>``, the worker's count). The test compares
 prefill's and decode's digests of the same room: the bytes that moved, page by
 page, in real servers.
 
@@ -67,6 +68,7 @@ class CorruptingKvferryConnector(KvferryConnector):
         self._planned: dict[str, Corruption] = {}  # scheduler: until the next build_connector_meta
         self._armed: dict[str, Corruption] = {}  # worker: until the request's KV landed
         self._layers: list = []
+        self._idle_steps = 0  # worker: steps that computed nothing
 
     # --- scheduler side ---------------------------------------------------------
 
@@ -118,6 +120,10 @@ class CorruptingKvferryConnector(KvferryConnector):
         self._armed.update(getattr(meta, META_KEY, None) or {})
 
     def get_finished(self, finished_req_ids: set[str]):
+        if getattr(self._connector_metadata, "idle", False) and os.environ.get("KVFERRY_TEST_DIGEST") == "1":
+            self._idle_steps += 1
+            if self._idle_steps % 100 == 0:
+                log.warning("kvferry-test: idle-steps=%d", self._idle_steps)
         sending, recving = super().get_finished(finished_req_ids)
         specs = getattr(self, "_specs", None)
         if specs is not None:

@@ -115,6 +115,13 @@ def group_digests(server: VLLMServer, side: str) -> dict[tuple[int, int], list[s
                                  server.log_tail(10_000_000))}
 
 
+def idle_steps(server: VLLMServer) -> int:
+    """The engine steps that computed nothing, as the test connector's
+    worker last logged them (every 100th: the count is at most 99 behind)."""
+    counts = re.findall(r"kvferry-test: idle-steps=(\d+)", server.log_tail(10_000_000))
+    return int(counts[-1]) if counts else 0
+
+
 def reported(servers, model: str) -> None:
     """Before a test reads its servers' kvferry numbers as a baseline: a
     room that ended after its server's last engine step is reported at the

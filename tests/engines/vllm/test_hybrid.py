@@ -25,6 +25,7 @@ connector's digests, ``corrupting.py``).
 from __future__ import annotations
 
 import random
+import time
 import urllib.error
 
 import pytest
@@ -32,9 +33,10 @@ import pytest
 pytest.importorskip("vllm")
 
 from harness.vllm import (VOCAB, ServerSpec, VLLMServer, _body, build_tiny_gdn_model, complete,  # noqa: E402
-                          free_ports, pd_complete, post)
-from tests.engines.vllm.pd_servers import (digests, group_digests, kvferry_pair, logged, nixl_pair,  # noqa: E402
-                                           prompt_sources_since, running)
+                          free_ports, pd_complete, post, tokens_of)
+from tests.engines.vllm.pd_servers import (digests, group_digests, idle_steps, kvferry_pair, logged,  # noqa: E402
+                                           nixl_pair, prompt_sources_since, running)
+from transfer.adapters.vllm.params import DEFAULT_IDLE_WAIT_S  # noqa: E402
 
 MAX_TOKENS = 8
 LENGTHS = (37, 100, 257, 640, 1000)
@@ -104,3 +106,32 @@ def test_a_failed_receive_fails_its_request_and_decode_serves_the_next(gdn):
     want = complete(servers["reference"], model, prompt, MAX_TOKENS).tokens
     got = pd_complete(prefill, decode, model, prompt, MAX_TOKENS)
     assert got.tokens[0] == want[0], (got.tokens, want)
+
+
+WAIT_S = 4.0  # how long the decode request of test_a_room_waiting_for_its_decode_paces_prefills_idle_steps lags
+
+
+def test_a_room_waiting_for_its_decode_paces_prefills_idle_steps(gdn):
+    """Prefill answers; its decode asks WAIT_S later. Meanwhile vLLM steps
+    prefill's engine without pause (it holds the request's blocks for the
+    connector), computing nothing: once idle 50 ms, each such step waits
+    for the room (``kvferry_idle_wait_ms``, 10 ms), so at most 100 a second
+    (without the wait 575 a second on this VM, each a round trip to
+    the worker and a stats message to the API server, which reads them
+    without yielding to its other tasks while one is queued: CI, the first
+    test here, a prefill answer that came only when the lease ended the
+    room). The request then decodes to a single instance's first token."""
+    model, servers, _ = gdn
+    prefill, decode = servers["prefill"], servers["decode"]
+    prompt = [random.Random(601).randrange(4, VOCAB) for _ in range(300)]
+    want = complete(servers["reference"], model, prompt, MAX_TOKENS).tokens
+    first = post(prefill.url, _body(model, prompt, 1, {"do_remote_decode": True}), 120)
+    start, steps = time.monotonic(), idle_steps(prefill)
+    time.sleep(WAIT_S)
+    held, stepped = time.monotonic() - start, idle_steps(prefill) - steps
+    got = tokens_of(post(decode.url, _body(model, prompt, MAX_TOKENS, first["kv_transfer_params"]), 120))
+    print(f"prefill's engine stepped {stepped} times computing nothing in the {held:.1f} s its room waited")
+    assert got[0] == want[0], (got, want)
+    bound = held / DEFAULT_IDLE_WAIT_S + 200  # + the 50 ms grace's steps and the count's 99
+    assert stepped <= bound, f"{stepped} idle steps in {held:.1f} s, over {bound:.0f}: idle steps did not wait"
+    assert stepped >= 100, f"{stepped} idle steps in {held:.1f} s: the count does not see prefill's steps"

@@ -76,3 +76,24 @@ def test_a_request_rejected_before_the_engine_tells_prefill_once(decode):
         finish(decode, request("cmpl-8", 8, abort_immediately=True), RequestStatus.FINISHED_ABORTED, [])
     meta = decode.build_connector_meta(None)
     assert [(c.req_id, c.room) for c in meta.cancels] == [("cmpl-8", 8)] and meta.aborts == [], meta
+
+
+def step(tokens: int):
+    """vLLM's own SchedulerOutput of a step that schedules ``tokens`` tokens (one request's, or none)."""
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+    return SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData.make_empty(),
+                           num_scheduled_tokens={"r": tokens} if tokens else {}, total_num_scheduled_tokens=tokens,
+                           scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
+                           finished_req_ids=set(), free_encoder_mm_hashes=[])
+
+
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
+def test_a_step_that_computes_nothing_is_marked_idle_for_the_worker(role):
+    """The worker may wait for a room to end only in a step that computes
+    nothing (KvferryWorker.settle): either role's metadata says which, from
+    vLLM's own SchedulerOutput."""
+    config = KVTransferConfig(kv_connector="KvferryConnector", kv_connector_module_path="transfer.adapters.vllm",
+                              kv_role=role)
+    connector = KvferryConnector(VllmConfig(kv_transfer_config=config), KVConnectorRole.SCHEDULER)
+    assert connector.build_connector_meta(step(0)).idle is True
+    assert connector.build_connector_meta(step(17)).idle is False

@@ -195,6 +195,8 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         """Pushes run on kvferry's threads; the blocks stay held until they end."""
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        meta = self._connector_metadata
+        self.worker.settle(isinstance(meta, KvferryConnectorMetadata) and meta.idle)
         sending, recving = self.worker.finished(finished_req_ids)
         return sending or None, recving or None
 

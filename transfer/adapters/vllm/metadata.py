@@ -13,9 +13,12 @@ from transfer.adapters.vllm.params import RecvSpec, SendSpec
 
 @dataclass
 class KvferryConnectorMetadata(KVConnectorMetadata):
-    """Either role's: the requests vLLM finished while their room is open."""
+    """Either role's: the requests vLLM finished while their room is open,
+    and whether the step computes nothing (its worker may then wait a
+    little for a room to end: :meth:`~transfer.adapters.vllm.worker.KvferryWorker.settle`)."""
 
     aborts: list[str] = field(default_factory=list)
+    idle: bool = False
 
 
 @dataclass

@@ -47,6 +47,8 @@ _MANAGER_KEYS = frozenset({
 
 #: The lease when ``kvferry_lease_s`` is not given (seconds; vLLM NixlConnector's ``kv_lease_duration`` default).
 DEFAULT_LEASE_S = 30.0
+#: How long a step that computes nothing waits for a room to end when ``kvferry_idle_wait_ms`` is not given.
+DEFAULT_IDLE_WAIT_S = 0.01
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +90,14 @@ class ConnectorConfig:
       not follow ``kvferry.bootstrap_timeout_s`` (how long a lookup may
       take): a short lookup bound must not lose a request whose decode
       request lags behind prefill's answer;
+    - ``kvferry_idle_wait_ms`` (default 10; 0: off): vLLM steps without
+      pause while a room is open (prefill: a finished request's blocks kept
+      for its decode; decode: a request waiting for its KV), each step a
+      round trip to the workers and a stats message to the API server. Once
+      the engine has stepped with nothing to compute for 50 ms, such a
+      step's worker waits up to this long for a room to end (and returns
+      as soon as one does); a step that computes is never held, a request
+      arriving at an idle engine may wait up to twice this long;
     - ``kvferry_layer_groups`` (prefill, default 0: off): stream a request's
       KV in this many groups of layers during the forward pass that
       completes its prefill (:mod:`transfer.adapters.vllm.layerwise`);
@@ -105,6 +115,7 @@ class ConnectorConfig:
     node_id: str = "prefill"
     protocol: str = "tcp"
     lease_s: float = DEFAULT_LEASE_S
+    idle_wait_s: float = DEFAULT_IDLE_WAIT_S  # a step that computes nothing waits this long for a room to end
     query_port: int = 0  # prefill: answer vLLM Mooncake routers' GET /query here too (0: no other port)
     bootstrap_zmq_port: int = 0  # serve_bootstrap: kvferry's ZMQ bootstrap server's port (0: the next port)
     layer_groups: int = 0  # prefill: stream in this many layer groups during the forward pass (0: off)
@@ -116,6 +127,8 @@ class ConnectorConfig:
         host, _, port = self.bootstrap_addr.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"kvferry_bootstrap_addr must be host:port, got {self.bootstrap_addr!r}")
+        if not 0 <= self.idle_wait_s <= 1:
+            raise ValueError(f"kvferry_idle_wait_ms must be 0-1000, got {self.idle_wait_s * 1e3:g}")
         if self.protocol not in ("tcp", "rdma"):
             raise ValueError(f"kvferry_protocol must be tcp or rdma, got {self.protocol!r}")
         if not self.lease_s > 0:
@@ -189,6 +202,7 @@ class ConnectorConfig:
             node_id=str(extra.get("kvferry_node") or engine_id or "prefill"),
             protocol=str(extra.get("kvferry_protocol", "tcp")),
             lease_s=float(lease),
+            idle_wait_s=float(extra.get("kvferry_idle_wait_ms", DEFAULT_IDLE_WAIT_S * 1e3)) / 1e3,
             query_port=int(extra.get("kvferry_query_port", 0)),
             bootstrap_zmq_port=int(extra.get("kvferry_bootstrap_zmq_port", 0)),
             layer_groups=extra.get("kvferry_layer_groups", 0),

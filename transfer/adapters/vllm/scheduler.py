@@ -59,6 +59,13 @@ def unshare_worker(engine_id: str, worker) -> None:
         del _LOCAL_WORKERS[engine_id]
 
 
+def computes_nothing(scheduler_output) -> bool:
+    """Whether vLLM's step schedules no tokens (it only reports KV
+    transfers: vLLM steps so while a connector holds a finished request's
+    blocks or a request waits for its KV)."""
+    return not getattr(scheduler_output, "total_num_scheduled_tokens", 0)
+
+
 def drop_last_prompt_token(request) -> None:
     """Prefill of a model with recurrent state computes the prompt but its
     last token (decode computes it, and its state continues from
@@ -160,7 +167,8 @@ class PrefillScheduler(SchedulerHalf):
         params["_kvferry_replay_last"] = True
 
     def build_connector_meta(self, scheduler_output) -> PrefillMetadata:
-        meta = PrefillMetadata(sends=self._sends, aborts=self._aborts, streams=self._streams(scheduler_output))
+        meta = PrefillMetadata(sends=self._sends, aborts=self._aborts, streams=self._streams(scheduler_output),
+                               idle=computes_nothing(scheduler_output))
         self._sends, self._aborts = [], []
         return meta
 
@@ -314,7 +322,8 @@ class DecodeScheduler(SchedulerHalf):
             self._recvs.append(spec)
 
     def build_connector_meta(self, scheduler_output) -> DecodeMetadata:
-        meta = DecodeMetadata(recvs=self._recvs, aborts=self._aborts, cancels=self._cancels, holds=self._holds)
+        meta = DecodeMetadata(recvs=self._recvs, aborts=self._aborts, cancels=self._cancels, holds=self._holds,
+                              idle=computes_nothing(scheduler_output))
         self._recvs, self._aborts, self._cancels, self._holds = [], [], [], []
         return meta
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, replace
 
 from bootstrap.messages import PoolRole
@@ -55,6 +56,9 @@ from transfer.stats import failure_reason
 log = logging.getLogger("kvferry.vllm")
 
 WAKE_S = 0.05  # the driver's longest sleep (its stop flag and the role's deadlines)
+#: The engine steps with nothing to compute this long before such a step waits for a room to end
+#: (:meth:`KvferryWorker.settle`): a room that ends within it never slows the next request.
+IDLE_GRACE_S = 0.05
 
 
 @dataclass
@@ -97,6 +101,8 @@ class KvferryWorker:
         self._stats = vllm_stats.empty()  # rooms ended since the last take_stats()
         self.num_polled = 0  # room polls by this worker (tests: proportional to changes)
         self._done: set[str] = set()  # finished (either way), not yet reported
+        self._room_ended = threading.Condition(self._lock)  # notified when a room joins _done
+        self._idle_since: float | None = None  # the first of the steps in a row that computed nothing
         self.num_failed = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -175,6 +181,30 @@ class KvferryWorker:
         """(sends done, receives done) since the last call."""
         raise NotImplementedError
 
+    def settle(self, idle: bool) -> None:
+        """Before ``finished``, in each step: whether the step computes
+        nothing (``idle``). vLLM steps without pause while a room is open
+        (prefill: a finished request's blocks kept until its decode asked;
+        decode: a request waiting for its KV), each step a round trip to
+        this worker and a stats message to vLLM's API server (docs/vllm.md,
+        "Idle steps"). Once the engine has stepped idle for
+        :data:`IDLE_GRACE_S`, an idle step waits up to
+        ``config.idle_wait_s`` while rooms are open and none ended, woken
+        at once when one ends: no room's report waits for it. A step that
+        computes is never held."""
+        wait_s = self.config.idle_wait_s
+        if not idle or wait_s <= 0:
+            self._idle_since = None
+            return
+        now = time.monotonic()
+        if self._idle_since is None:
+            self._idle_since = now
+        if now - self._idle_since < IDLE_GRACE_S:
+            return
+        with self._lock:
+            if self._rooms and not self._done:
+                self._room_ended.wait(wait_s)
+
     def load_errors(self) -> set[int]:
         """The blocks of receives that failed since the last call (a role that receives says)."""
         return set()
@@ -243,6 +273,7 @@ class KvferryWorker:
     def _not_opened(self, req_id: str, exc: KVFerryError) -> None:
         """A room that could not open: reported done, its failure counted (the lock held)."""
         self._done.add(req_id)
+        self._room_ended.notify_all()
         vllm_stats.record_failure(self._stats, failure_reason(exc).value)
 
     def _list(self, room: Room) -> Room:
@@ -296,6 +327,7 @@ class KvferryWorker:
                     continue  # the other poller reported it
                 del self._by_handle[id(room.handle)]
                 self._done.add(room.req_id)
+                self._room_ended.notify_all()
                 vllm_stats.record_room(self._stats, stats, reason=room.reason)
                 self.num_failed += state is KVPoll.Failed
                 self._ended(room, state)
