@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from harness.ports import free_port, free_ports  # noqa: F401 (free_ports: the tests take it from here)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: On every server's PYTHONPATH: its processes ask for AMX's tile state (harness.amx)
+SITE = os.path.join(REPO_ROOT, "harness", "vllm_site")
 VOCAB = 1000
 
 
@@ -347,7 +349,7 @@ class VLLMServer(ServerProcess):
         if spec.kv_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(spec.kv_config)]
         env = dict(os.environ)
-        paths = [REPO_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        paths = [REPO_ROOT, SITE] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         env.update({"PYTHONPATH": os.pathsep.join(paths), "VLLM_CPU_KVCACHE_SPACE": "1",
                     "VLLM_CPU_OMP_THREADS_BIND": str(spec.core), "MC_LOG_LEVEL": "ERROR",
                     "VLLM_LOGGING_LEVEL": "INFO", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
@@ -364,6 +366,17 @@ class VLLMServer(ServerProcess):
             if m:
                 out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
         return out
+
+    def cache_config(self) -> dict[str, str]:
+        """vLLM's ``CacheConfig`` as its ``/metrics`` gives it (``vllm:cache_config_info``'s
+        labels: ``block_size``, the one the platform chose, e.g. 16 for the CPU MLA
+        kernel, a multiple of 32 for its AMX one)."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        m = re.search(r"^vllm:cache_config_info\{([^}]*)\}", text, re.M)
+        if m is None:
+            raise RuntimeError(f"{self.spec.name}: no vllm:cache_config_info on /metrics")
+        return dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
 
     def gauge(self, name: str, **labels: str) -> float:
         """The sum of a metric's samples (e.g. ``vllm:kv_cache_usage_perc``)

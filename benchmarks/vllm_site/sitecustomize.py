@@ -11,6 +11,8 @@ machine does to them:
   core per server that core is the engine's own. The agent is created with
   the delay given instead (kvferry's NIXL transport uses 100 us,
   ``transfer/transport/nixl/api.py``).
+- As ``harness/vllm_site``, whose ``sitecustomize`` this one shadows: every
+  process asks for AMX's tile state (:mod:`harness.amx`).
 """
 
 import os
@@ -56,5 +58,11 @@ except Exception:
 try:
     if os.environ.get("KVFERRY_BENCH_NIXL_PROGRESS_DELAY_US"):
         _nixl_progress_delay(int(os.environ["KVFERRY_BENCH_NIXL_PROGRESS_DELAY_US"]))
+except Exception:
+    pass
+try:
+    from harness.amx import request_amx
+
+    request_amx()
 except Exception:
     pass

@@ -282,10 +282,12 @@ def test_abort_from_decode(placement):
                 aborted += 1
                 assert "aborted by the test's decode scheduler" in got["error"]
                 assert got["late_write"] is False, f"room {room}: a write landed after Failed"
-                if placement == "scattered" and sent["state"] == "Success":
-                    # Staged: the first page shows bytes only once decode scattered the first part, and
-                    # prefill posted every part at once (pre-granted region): all may have landed
-                    # before the abort reached prefill (seen once in CI). Decode's side holds regardless.
+                if sent["state"] == "Success":
+                    # Prefill's writes all completed before the abort reached it. Staged: the first page shows
+                    # bytes only once decode scattered the first part, and prefill posted every part at once
+                    # (pre-granted region; seen once in CI). Direct: the room is one plan posted at once, and
+                    # decode's loop may see the first page only after the last byte landed (seen once on an
+                    # idle 2-core VM, 2026-12-05). Decode's side holds regardless; `told` needs another room.
                     continue
                 assert sent["state"] == "Failed" and sent["error_type"] == "PeerError", sent
                 told += 1

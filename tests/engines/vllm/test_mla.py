@@ -51,13 +51,18 @@ from tests.engines.vllm.test_pd import stats_of  # noqa: E402
 
 MAX_TOKENS = 8
 LENGTHS = (37, 100, 257, 640, 1000)
-MLA_BLOCK = 16  # vLLM's CPU MLA block (its kernel's only size)
-MLA_BLOCK_BYTES = 4 * MLA_BLOCK * 576 * 2  # layers x tokens x latent values x bf16
+LATENT_BYTES = 4 * 576 * 2  # per token: layers x latent values x bf16
 NODE, MODEL_NAME = "mla-prefill", "tiny-mla"
 
 
 TP2_MAX_TOKENS = 4
 TP2_LENGTHS = (37, 300, 1000)
+
+
+def mla_block(server: VLLMServer) -> int:
+    """The MLA block vLLM's platform chose: 16 for the CPU MLA kernel, a multiple
+    of 32 for its AMX one (AMX_MLA, where the CPU has AMX)."""
+    return int(server.cache_config()["block_size"])
 
 
 @pytest.fixture(scope="module")
@@ -117,9 +122,10 @@ def test_mla_moves_every_prompt_token_page_exact_and_decode_tokens_equal_vllms_o
     assert delta.get("local_compute", 0) == 0, delta
     logged(prefill, "prefill", [room for _, room in rooms])
     sent, landed = digests(prefill, "prefill"), digests(decode, "decode")
+    block = mla_block(decode)
     for n, room in rooms:
         assert room in sent and room in landed, (room, sorted(sent), sorted(landed))
-        assert len(landed[room]) == -(-n // MLA_BLOCK), (n, len(landed[room]))
+        assert len(landed[room]) == -(-n // block), (n, block, len(landed[room]))
         assert sent[room] == landed[room], f"{n} tokens: blocks differ between prefill and decode"
     print(f"decode's tokens equal NixlConnector's for every prompt, the single instance's for {sum(matches)} "
           f"of {len(matches)}")
@@ -143,12 +149,13 @@ def test_mla_from_prefill_tp2_to_decode_tp1_is_sent_once_byte_exact(tp2):
     assert delta.get("local_compute", 0) == 0, delta
     logged(prefill, "prefill", [room for _, room in rooms], ranks=2)
     sent, landed = rank_digests(prefill, "prefill"), rank_digests(decode, "decode")
+    block = mla_block(decode)
     for n, room in rooms:
         assert len(sent.get(room, [])) == 2, f"{n} tokens: {len(sent.get(room, []))} prefill ranks ended the room"
         assert sent[room][0] == sent[room][1], f"{n} tokens: the two prefill ranks' latent blocks differ"
-        assert landed[room] == [sent[room][0]] and len(landed[room][0]) == -(-n // MLA_BLOCK), \
+        assert landed[room] == [sent[room][0]] and len(landed[room][0]) == -(-n // block), \
             f"{n} tokens: decode's blocks differ from prefill's"
-    one_copy = sum(-(-n // MLA_BLOCK) for n in TP2_LENGTHS) * MLA_BLOCK_BYTES
+    one_copy = sum(-(-n // block) for n in TP2_LENGTHS) * block * LATENT_BYTES
     for name, server in (("prefill", prefill), ("decode", decode)):
         started = time.monotonic()
         while True:  # a rank reports a room at its engine's next step after the room ended
