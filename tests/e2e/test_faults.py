@@ -268,14 +268,16 @@ def test_abort_from_decode(placement):
         try:
             _warm(prefill, decode)
             told = aborted = 0
-            for room in (10, 11, 12):  # one at a time: the decode loop watches the room's first page
+            for room in range(10, 16):  # one at a time: the decode loop watches the room's first page
                 p, d = _both(prefill, decode, [room], d_opts={"abort_on_first_byte": [room], "guard_s": 1.0})
                 got, sent = d["results"][str(room)], p["results"][str(room)]
-                if placement == "scattered" and got["state"] == "Success":
-                    # Staged: the first page shows bytes only once decode scattered the first part, and every
-                    # part was granted with the request, so all may land within one poll() (its drain handles
-                    # every message that arrived) before the loop looks at the page (seen once in CI, a busy
-                    # machine): too late to abort, the room is byte-exact; another room shows the abort.
+                if got["state"] == "Success":
+                    # All bytes landed within one poll() (its drain handles every message that arrived) before
+                    # the loop looked at the first page: too late to abort, the room is byte-exact; another room
+                    # shows the abort. Staged: the first page shows bytes only once decode scattered the first
+                    # part, and every part was granted with the request (seen once in CI, a busy machine).
+                    # Direct: the room is one plan posted at once (seen in a fresh-clone run, 2026-12-05, on a
+                    # VM whose CPU had changed to a faster one).
                     assert got["mismatches"] == [], got
                     continue
                 assert got["state"] == "Failed", got
@@ -291,6 +293,7 @@ def test_abort_from_decode(placement):
                     continue
                 assert sent["state"] == "Failed" and sent["error_type"] == "PeerError", sent
                 told += 1
+            print(f"{placement}: {aborted} of 6 rooms aborted while their bytes landed, {told} of them told prefill")
             assert aborted >= 1, "no room was aborted while its bytes were landing: the test showed nothing of it"
             assert told >= 1, "no abort reached prefill while it was writing: the test showed nothing of it"
             # An abort at once, most likely before any byte moved (on a loaded machine the room may
