@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from examples.node_common import (AUX_FIRST_TOKEN, AUX_PROMPT_TOKENS, Deadline, Request, add_node_args,
-                                  check_node_args, exit_now, make_requests, manager_config, model_pair, new_aux,
+                                  check_node_args, dump_stacks_on_sigusr1, exit_now, make_requests, manager_config, model_pair, new_aux,
                                   print_result, storage_url, wait_until_registered, why_failed)
 from examples.paged_kv import PageAllocator, RankPools, pages_for
 from examples.speculative import Prefilled, reference_tokens, speculative, tokens_needed
@@ -194,6 +194,7 @@ def main(argv=None) -> int:
     add_node_args(ap)
     args = ap.parse_args(argv)
     check_node_args(ap, args)
+    dump_stacks_on_sigusr1()
     logging.basicConfig(level=logging.WARNING, format="[decode] %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(1)  # bit-identical float32 results in every process
     if args.max_new_tokens < 1 or args.num_draft < 1:

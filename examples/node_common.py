@@ -15,8 +15,10 @@ first generated token in the aux row.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -103,6 +105,13 @@ def add_node_args(ap: argparse.ArgumentParser) -> None:
     st.add_argument("--storage", default="", metavar="URL",
                     help="the KV storage tier both nodes share, e.g. file:///shared/dir: prefill writes the full "
                          "pages it sends through to it, decode loads from it what it has (default: none)")
+
+
+def dump_stacks_on_sigusr1() -> None:
+    """``kill -USR1 <pid>`` prints every thread's Python stack to stderr: a
+    node that seems stuck says where it is (the demo's and the tests' runner
+    sends it before it kills a node that outlived its time)."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def check_node_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:

