@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 import torch
 
 from examples.node_common import (AUX_FIRST_TOKEN, AUX_PROMPT_TOKENS, Deadline, Request, add_node_args,
-                                  check_node_args, dump_stacks_on_sigusr1, exit_now, make_requests, manager_config, model_pair, new_aux,
-                                  print_result, why_failed)
+                                  check_node_args, dump_stacks_on_sigusr1, exit_now, make_requests, manager_config,
+                                  model_pair, new_aux, print_result, why_failed)
 from examples.paged_kv import PageAllocator, RankPools, pages_for
 from examples.speculative import first_token
 from examples.tiny_models import build_models

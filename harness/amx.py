@@ -26,6 +26,10 @@ ARCH_REQ_XCOMP_PERM = 0x1023
 XFEATURE_XTILEDATA = 18
 
 
+def _x86_64_linux() -> bool:
+    return sys.platform == "linux" and platform.machine() == "x86_64"
+
+
 def _arch_prctl(code: int, arg) -> int:
     libc = ctypes.CDLL(None, use_errno=True)
     return libc.syscall(SYS_ARCH_PRCTL, code, arg)
@@ -34,7 +38,7 @@ def _arch_prctl(code: int, arg) -> int:
 def request_amx() -> bool:
     """Ask for AMX's tile data; False where there is none to ask for (not
     x86-64 Linux, a CPU or kernel without AMX). Never raises."""
-    if sys.platform != "linux" or platform.machine() != "x86_64":
+    if not _x86_64_linux():
         return False
     try:
         return _arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0
@@ -44,7 +48,7 @@ def request_amx() -> bool:
 
 def amx_permitted() -> bool:
     """Whether this process may run AMX instructions (it asked, and the kernel agreed)."""
-    if sys.platform != "linux" or platform.machine() != "x86_64":
+    if not _x86_64_linux():
         return False
     features = ctypes.c_uint64(0)
     try:

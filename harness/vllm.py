@@ -358,8 +358,7 @@ class VLLMServer(ServerProcess):
 
     def metrics(self) -> dict[str, float]:
         """``vllm:prompt_tokens_by_source`` per source, and the request counters."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
-            text = r.read().decode()
+        text = self._scrape()
         out: dict[str, float] = {}
         for line in text.splitlines():
             m = re.match(r'vllm:prompt_tokens_by_source_total\{.*source="([a-z_]+)".*\} ([0-9.e+]+)', line)
@@ -367,12 +366,16 @@ class VLLMServer(ServerProcess):
                 out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
         return out
 
+    def _scrape(self) -> str:
+        """The server's ``/metrics`` text."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            return r.read().decode()
+
     def cache_config(self) -> dict[str, str]:
         """vLLM's ``CacheConfig`` as its ``/metrics`` gives it (``vllm:cache_config_info``'s
         labels: ``block_size``, the one the platform chose, e.g. 16 for the CPU MLA
         kernel, a multiple of 32 for its AMX one)."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
-            text = r.read().decode()
+        text = self._scrape()
         m = re.search(r"^vllm:cache_config_info\{([^}]*)\}", text, re.M)
         if m is None:
             raise RuntimeError(f"{self.spec.name}: no vllm:cache_config_info on /metrics")
@@ -381,8 +384,7 @@ class VLLMServer(ServerProcess):
     def gauge(self, name: str, **labels: str) -> float:
         """The sum of a metric's samples (e.g. ``vllm:kv_cache_usage_perc``)
         whose labels include ``labels``."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
-            text = r.read().decode()
+        text = self._scrape()
         total = 0.0
         for m in re.finditer(r"^" + re.escape(name) + r"(?:\{([^}]*)\})? ([0-9.e+-]+)$", text, re.M):
             found = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
