@@ -55,7 +55,7 @@ class RoomState:
         self.state = KVPoll.Bootstrapping
         self.error: BaseException | None = None
         self.where = where
-        self._on_change = on_change  # called after every change of state
+        self._on_change = on_change  # called after every change of state (dropped once terminal)
 
     @property
     def terminal(self) -> bool:
@@ -68,8 +68,7 @@ class RoomState:
         if to not in _NEXT[self.state]:
             raise StateError(f"{self.where}: cannot go from {self.state.name} to {to.name}")
         self.state = to
-        if self._on_change is not None:
-            self._on_change()
+        self._changed()
 
     def fail(self, error: BaseException) -> bool:
         """Fail unless already terminal; returns whether the state changed.
@@ -78,6 +77,14 @@ class RoomState:
             return False
         self.state = KVPoll.Failed
         self.error = error
-        if self._on_change is not None:
-            self._on_change()
+        self._changed()
         return True
+
+    def _changed(self) -> None:
+        """Tell the owner; a terminal state changes no more, so the callback
+        (which closes over the owner: a reference cycle) is let go of then."""
+        on_change = self._on_change
+        if self.state in TERMINAL:
+            self._on_change = None
+        if on_change is not None:
+            on_change()

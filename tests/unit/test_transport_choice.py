@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 import threading
 from dataclasses import replace
+from types import SimpleNamespace
 
 import msgpack
 import numpy as np
@@ -20,7 +21,7 @@ from transfer.config import EngineConfig, Role, manager_config_from_env
 from transfer.errors import ClosedError, IncompatibleLayoutError, IncompatibleTransportError, TransferError
 from transfer.layout import check_compatible
 from transfer.transport.nixl.peers import decode_metadata, encode_metadata
-from transfer.transport.worker import PollingWorker, gate_state, run_callback
+from transfer.transport.worker import PollingWorker, end_job, gate_state
 
 from ._fixtures import mha_rank
 
@@ -142,8 +143,17 @@ def test_a_raising_callback_is_logged_and_the_worker_goes_on(caplog):
     def callback(error):
         calls.append(error)
         raise RuntimeError("boom")
-    run_callback(callback, None)
+    job = SimpleNamespace(done=False, callback=callback)
+    end_job(job, None)
     assert calls == [None] and "a completion callback raised" in caplog.text
+
+
+def test_an_ended_job_lets_go_of_its_callback_and_never_calls_it_twice():
+    calls = []
+    job = SimpleNamespace(done=False, callback=calls.append)
+    end_job(job, None)
+    end_job(job, TransferError("late"))
+    assert calls == [None] and job.done and job.callback is None
 
 
 class _Job(str):

@@ -65,8 +65,10 @@ class RoomEnding:
 
     def fall_back_to(self, storage: RoomStorage | None, done: Callable) -> None:
         """Called as the room fails: once drained, restore it from ``storage``
-        (None: it may not), ``done(job)`` called on the tier's thread."""
-        self._fallback, self._on_restore = storage, done
+        (None: it may not), ``done(job)`` called on the tier's thread (kept
+        only until the restore starts: it closes over the room's storage
+        steps, which hold this ending, a cycle)."""
+        self._fallback, self._on_restore = storage, done if storage is not None else None
 
     def begin(self, error: BaseException, writing: set[int], *, drain: bool, local_writes: bool) -> None:
         """The room failed with ``error``; ``writing``: its prefill ranks
@@ -138,7 +140,8 @@ class RoomEnding:
             log.debug("%s: transfer failed (%s); restoring the room from storage", self._phases.where, error)
             self.drain.error = error
             self._phases.move(P.RESTORING)
-            self._fallback.restore(self._on_restore)
+            done, self._on_restore = self._on_restore, None
+            self._fallback.restore(done)
             return
         self._fail(error)
 

@@ -66,14 +66,15 @@ def _new_request_id() -> int:
 
 class RoomTransfer:
     """The transfer of the room whose phases are ``phases``, over its link
-    ``prefill``; what landed is counted in ``counts``."""
+    ``prefill``; what landed is counted in ``counts``. The room's receiver
+    comes with each call that needs it, never kept: a reference back to it
+    would make a cycle that outlives the room until a garbage collection."""
 
     def __init__(self, ctx: RoomContext, table: RequestTable, prefill: RoomLink, counts: RoomCounts,
                  phases: DecodePhases) -> None:
         self._ctx, self._table, self._prefill, self._counts, self._phases = ctx, table, prefill, counts, phases
         #: the id of the room's requests (a new one when the transfer starts over)
         self.request_id = _new_request_id()
-        self._owner = None  # the room's receiver, as the table knows it (from start())
         self._request: RoomRequest | None = None  # from start()
         self._awaiting: dict[int, set[PoolRole]] = {}  # ranks not done yet, and their pools
         self._requested_at = 0.0  # when the requests went to prefill
@@ -90,7 +91,7 @@ class RoomTransfer:
         """Enter TRANSFERRING: ask each prefill rank of the link for its part
         of ``request``, for ``receiver`` (each then awaited). A request that
         cannot go out (those before it went) fails the room."""
-        self._owner, self._request = receiver, request
+        self._request = request
         self._phases.move(P.TRANSFERRING)
         link = self._prefill.link
         self._requested_at = time.monotonic()
@@ -106,8 +107,8 @@ class RoomTransfer:
             return Failure(exc)
         return None
 
-    def on_report(self, msg: RoomStatus | RoomAbort) -> Failure | None:
-        """A prefill rank's word while transferring: its abort, or its part
+    def on_report(self, receiver, msg: RoomStatus | RoomAbort) -> Failure | None:
+        """A prefill rank's word to ``receiver``'s room while transferring: its abort, or its part
         failed, or its part done (its aux row then taken, what it delivered
         counted; the last rank awaited ends the room: Success). A report
         from a rank not awaited (a duplicate, a rank not asked) is ignored."""
@@ -139,7 +140,7 @@ class RoomTransfer:
                 self._counts.counter.exposed(time.monotonic() - self._send_end)
             self._counts.ended(None, side="decode", config=self._ctx.config)
             self._phases.move(P.SUCCESS)
-            self._table.remove(self._owner)
+            self._table.remove(receiver)
         return None
 
     def request_lost(self, tp_rank: int) -> Failure | None:
@@ -184,28 +185,28 @@ class RoomTransfer:
         return self._prefill.may_relink(lost, untouched,
                                         lambda session: self._table.unacked.pending(session, self.request_id))
 
-    def relink(self) -> Failure | None:
+    def relink(self, receiver) -> Failure | None:
         """Start over (see :meth:`may_relink`): drop the dead link's request
         (its staging grant retired with it) and wait in RELINKING for the
         node's link afresh, under a new request id."""
         self._ctx.stats.num_relinked += 1
-        self._table.remove(self._owner, writers_lost=True)  # the dead writer's staging regions are retired, not reused
+        self._table.remove(receiver, writers_lost=True)  # the dead writer's staging regions are retired, not reused
         self.request_id = _new_request_id()
         self._prefill.drop()
         self._awaiting = {}
         self._phases.move(P.RELINKING)
-        self._table.add(self._owner)
-        return self.relinked()
+        self._table.add(receiver)
+        return self.relinked(receiver)
 
-    def relinked(self) -> Failure | None:
+    def relinked(self, receiver) -> Failure | None:
         """RELINKING: once the node's new link is ready, send the requests (a
         failed link fails the room)."""
         link = self._prefill.take()
         if link is not None and link.state is LinkState.FAILED:
             return Failure(link.error)
-        return self.start(self._owner, self._request) if link is not None else None
+        return self.start(receiver, self._request) if link is not None else None
 
-    def overdue(self, now: float, since: float) -> Failure | None:
+    def overdue(self, receiver, now: float, since: float) -> Failure | None:
         """The room's bound in TRANSFERRING and RELINKING:
         ``transfer_timeout_s`` from its ``init`` (``since``); past it the
         room fails, naming what is late."""
@@ -218,4 +219,4 @@ class RoomTransfer:
             f"{self._prefill.name} within {timeout_s:g} s "
             f"[{self._counts.counter.total_bytes} bytes landed, {self.num_scattering} scatter(s) running, "
             f"requests sent {now - self._requested_at:.1f} s ago"
-            + (f"; {staging.describe(self._owner.room, self.request_id)}" if staging is not None else "") + "]"))
+            + (f"; {staging.describe(receiver.room, self.request_id)}" if staging is not None else "") + "]"))

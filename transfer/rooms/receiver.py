@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 
 from transfer.config import Role
 from transfer.errors import KVTimeoutError, PeerError, RequestError, StateError
@@ -37,6 +38,21 @@ from transfer.stats import FailureReason, RoomStats, tag_reason
 log = logging.getLogger("kvferry.receiver")
 
 P = DecodePhase
+
+
+def _weakly(method):
+    """``method`` (a room's bound method) for a collaborator to call back,
+    without keeping the room alive: the room holds the collaborator, and a
+    strong reference back would make a reference cycle, freed only by a
+    garbage collection, which stops every thread for as long as it walks the
+    heap. The rank's table holds a live room, so a call reaches it; once the
+    room is gone, a late call does nothing."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args):
+        bound = ref()
+        return None if bound is None else bound(*args)
+    return call
 
 
 class KVReceiver:
@@ -82,9 +98,10 @@ class KVReceiver:
         self._counts = RoomCounts(ctx.stats.room(self.room), ctx.rank, self.where)
         self._prefill = RoomLink(self._table, bootstrap_addr, self.prefill_node, prefill_dp_rank, self.room)
         self._transfer = RoomTransfer(ctx, self._table, self._prefill, self._counts, self._phases)
+        # (their calls back to the room hold it weakly: see _weakly)
         self._ending = RoomEnding(self._phases, self._counts, ctx.config, self._prefill,
-                                  remove=lambda: self._table.remove(self))
-        self._storage = StorageSteps(ctx, self._counts, self._ending, advance=self.update)
+                                  remove=_weakly(self._remove))
+        self._storage = StorageSteps(ctx, self._counts, self._ending, advance=_weakly(self.update))
         with ctx.lock:
             self._table.add(self)
         log.debug("%s: created (prefill node %r)", self.where, self.prefill_node)
@@ -167,8 +184,8 @@ class KVReceiver:
             if ph.phase is P.PREFETCHING and self._storage.prefetched(now - self._init_at):
                 self._fail_if(self._transfer.start(self, self._request))
             if ph.phase is P.RELINKING:
-                self._fail_if(self._transfer.relinked())
-            self._fail_if(self._transfer.overdue(now, since=self._init_at))
+                self._fail_if(self._transfer.relinked(self))
+            self._fail_if(self._transfer.overdue(self, now, since=self._init_at))
             return ph.poll
 
     def failure_exception(self) -> None:
@@ -239,7 +256,7 @@ class KVReceiver:
         if ph.poll is not KVPoll.Transferring or ph.phase is P.RELINKING:
             return
         if ph.phase not in ENDING:
-            self._fail_if(self._transfer.on_report(msg))
+            self._fail_if(self._transfer.on_report(self, msg))
         elif isinstance(msg, RoomStatus):  # any terminal word from a rank means it writes no more
             self._ending.stopped(msg.prefill_tp_rank, local_writes=self._local_writes())
 
@@ -268,7 +285,7 @@ class KVReceiver:
             if gone and self._transfer.may_relink(lost):
                 log.info("%s: prefill rank %s of %s (%s) %s before it took the request: looking the node up "
                          "again", self.where, min(lost), self.link.name, session, why)
-                self._fail_if(self._transfer.relink())
+                self._fail_if(self._transfer.relink(self))
                 return
             ending = self._phases.phase in ENDING
             self._ending.ranks_lost(lost, local_writes=self._local_writes())
@@ -305,6 +322,10 @@ class KVReceiver:
             self._ending.begin(error, writing, drain=drain, local_writes=self._local_writes())
 
     # --- internals --------------------------------------------------------------
+
+    def _remove(self) -> None:
+        """The room ended: out of the rank's table."""
+        self._table.remove(self)
 
     def _fail_if(self, failure: Failure | None) -> None:
         """Fail the room with what a collaborator found (None: nothing)."""

@@ -42,12 +42,15 @@ if TYPE_CHECKING:
 class RoomWrites:
     """The writes of one room, created at ``created`` (monotonic: its jobs'
     priority, so that a saturated link serves the oldest room first), on
-    ``transport``; ``on_done(error, moved)`` ends each job (``moved``: what
-    it writes, counted in ``counts`` when it landed). Not thread-safe: its
-    room locks."""
+    ``transport``. Not thread-safe: its room locks.
 
-    def __init__(self, transport: Transport, counts: RoomCounts, on_done: Callable[..., None], created: float) -> None:
-        self.transport, self.counts, self.on_done, self.created = transport, counts, on_done, created
+    It keeps no reference back to its room: the room's callback goes with
+    each job (:meth:`submit`), and the handles and parts it keeps (which
+    reach the room) are let go of whenever none is in flight, so an ended
+    room is freed by its last reference, not by a garbage collection."""
+
+    def __init__(self, transport: Transport, counts: RoomCounts, created: float) -> None:
+        self.transport, self.counts, self.created = transport, counts, created
         #: jobs and parts submitted and not ended yet
         self.num_inflight = 0
         #: the write-through (None: none; set by the room's ``init()``, with a storage tier and the prompt)
@@ -80,18 +83,21 @@ class RoomWrites:
         """A write-through job ended."""
         self.write_through.settle(job)
 
-    def submit(self, jobs: Iterable[DirectJob], gate: ReadyGate | None) -> None:
-        """Hand ``jobs`` to the transport, each read once ``gate`` is done."""
+    def submit(self, jobs: Iterable[DirectJob], gate: ReadyGate | None, on_done: Callable[..., None]) -> None:
+        """Hand ``jobs`` to the transport, each read once ``gate`` is done;
+        ``on_done(error, moved)`` ends each (``moved``: what it writes,
+        counted by :meth:`ended` when it landed)."""
         for job in jobs:
             handle = self.transport.submit(job.session, job.plan,
-                                           lambda error, m=job.moved: self.on_done(error, m), ready=gate,
+                                           lambda error, m=job.moved: on_done(error, m), ready=gate,
                                            priority=self.created)  # a saturated link: oldest room first
             if handle is not None:
                 self._jobs.append(handle)
 
     def staged(self, parts: Iterable) -> None:
-        """The staged flow took these parts of the room."""
-        self._parts.extend(parts)
+        """The staged flow took these parts of the room (those that ended
+        already are not kept)."""
+        self._parts.extend(part for part in parts if not part.ended)
 
     def ended(self, error: BaseException | None, moved=()) -> None:
         """A job or part ended (``error`` None: it landed, and ``moved``,
@@ -100,6 +106,9 @@ class RoomWrites:
         if error is None:
             for entry in moved:
                 self.counts.land(*entry)
+        if self.num_inflight == 0:  # every handle and part ended: nothing to cancel or describe
+            self._jobs.clear()
+            self._parts.clear()
 
     def part_landed(self, spec) -> None:
         """A staged part's write landed (before it ends): count what it moved."""

@@ -58,7 +58,7 @@ class KVSender:
         self._requests = RoomRequests(self._state.where, self._table)
         self._chunks = ChunkSequence(self._state.where, ctx.rank.pools, ctx.config.layerwise_min_tokens)
         self._counts = RoomCounts(ctx.stats.room(self.room), ctx.rank, self._state.where)
-        self._writes = RoomWrites(ctx.transport, self._counts, self.on_chunk_done, self._created)
+        self._writes = RoomWrites(ctx.transport, self._counts, self._created)
         self._notice = DecodeNotice(ctx, self.room, self._state.where, self._table.peers, aux_row)
         log.debug("%s: created", self._state.where)
         for msg in self._table.attach(self):
@@ -138,7 +138,7 @@ class KVSender:
         if send.complete:  # queued first: the room's success waits for it
             self._writes.store(send.chunk.pages, send.chunk.offset, self._chunks.aux_index if send.last else None,
                                self._on_storage_done, gate)
-        self._writes.submit(plan.jobs, gate)
+        self._writes.submit(plan.jobs, gate, self.on_chunk_done)
         if plan.parts:
             self._writes.staged(self._table.staging.submit(self, plan.parts, ready=gate))
 

@@ -21,6 +21,7 @@ only when a URL names it.
 from __future__ import annotations
 
 import abc
+import ctypes
 import dataclasses
 import importlib
 import re
@@ -33,6 +34,19 @@ from transfer.errors import StorageError
 
 Segment = tuple[int, int]
 """``(address, nbytes)`` of one contiguous block of memory."""
+
+_VIEW_OF_MEMORY = ctypes.pythonapi.PyMemoryView_FromMemory
+_VIEW_OF_MEMORY.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+_VIEW_OF_MEMORY.restype = ctypes.py_object
+_PYBUF_WRITE = 0x200
+
+
+def segment_views(segments: Sequence[Segment]) -> list[memoryview]:
+    """A writable bytes view (format ``B``) of each segment's memory, which
+    the caller keeps alive while it uses the view. Made without a ctypes
+    array type: each new length would make a new type, and a type is freed
+    only by a garbage collection (which stops every thread)."""
+    return [_VIEW_OF_MEMORY(addr, nbytes, _PYBUF_WRITE) for addr, nbytes in segments]
 
 _KEY_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,199}")
 

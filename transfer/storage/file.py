@@ -6,7 +6,7 @@ format version, payload length, CRC-32 of the payload) and the payload, the
 concatenation of the key's segments.
 
 - **No Python copy.** Segments are wrapped as memoryviews over their
-  addresses (``ctypes``) and written with ``os.pwritev`` / read with
+  addresses (``segment_views``) and written with ``os.pwritev`` / read with
   ``os.preadv``: the kernel copies between the page cache and the pool.
   Segments must therefore be host memory.
 - **Atomic.** A put writes a private temporary file next to the target and
@@ -39,7 +39,6 @@ checks and is a miss.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import itertools
 import logging
@@ -54,7 +53,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from transfer.errors import StorageClosedError, StorageError
-from transfer.storage.base import Segment, StorageBackend, StorageURL, check_batch, check_keys, config_from_options
+from transfer.storage.base import (Segment, StorageBackend, StorageURL, check_batch, check_keys, config_from_options,
+                                   segment_views)
 from transfer.storage.keyfiles import TEMP_SUFFIX, KeyFiles
 
 log = logging.getLogger("kvferry.storage.file")
@@ -102,10 +102,6 @@ class FileStoreConfig:
             raise ValueError(f"FileStoreConfig.max_bytes must be > 0, got {self.max_bytes!r}")
         if self.verify not in VERIFY_MODES:
             raise ValueError(f"FileStoreConfig.verify must be one of {', '.join(VERIFY_MODES)}, got {self.verify!r}")
-
-
-def _views(segments: Sequence[Segment]) -> list[memoryview]:
-    return [memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B") for addr, nbytes in segments]
 
 
 def _io_all(op, fd: int, views: list, offset: int) -> int:
@@ -209,7 +205,7 @@ class FileStore(StorageBackend):
         if file_bytes > self.config.max_bytes:
             log.debug("%s: %s (%d bytes) is larger than the cap", self.url, key, file_bytes)
             return False
-        views = _views(segments)
+        views = segment_views(segments)
         crc = self._crc_of(views, total)
         path = self._path(key)
         temp = os.path.join(os.path.dirname(path),
@@ -275,7 +271,7 @@ class FileStore(StorageBackend):
             if payload_bytes != total:
                 log.debug("%s: %s holds %d bytes, %d expected", self.url, key, payload_bytes, total)
                 return False
-            views = _views(segments)
+            views = segment_views(segments)
             if _io_all(os.preadv, fd, views, _HEADER.size) != total:
                 return self._corrupt(key, path, st, "shrank while read")
             unproven = boot != self._boot or boot == _NO_BOOT

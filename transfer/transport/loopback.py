@@ -37,7 +37,7 @@ from transfer.control.loopback import LoopbackChannel, origin_of
 from transfer.errors import KVFerryError, TransferError
 from transfer.plan import TransferPlan
 from transfer.transport.base import DoneCallback
-from transfer.transport.worker import PollingWorker, closed_error, gate_state, run_callback
+from transfer.transport.worker import PollingWorker, closed_error, end_job, gate_state
 
 log = logging.getLogger("kvferry.transport")
 
@@ -149,8 +149,7 @@ class LoopbackTransport:
 
     @staticmethod
     def _end(job: _Job, error: TransferError | None) -> None:
-        job.done = True
-        run_callback(job.callback, error)
+        end_job(job, error)
 
     def fail(self, job: _Job, error: TransferError | None = None) -> None:
         self._end(job, error or closed_error(job.peer))

@@ -39,7 +39,6 @@ import weakref
 from typing import Protocol
 
 from transfer.errors import ClosedError, KVFerryError, TransferError
-from transfer.transport.base import DoneCallback
 from transfer.transport.opener import PeerOpener
 from transfer.transport.peers import PeerLink
 
@@ -52,9 +51,18 @@ _IDLE_WAIT_S = 1.0
 _WAKE = object()  # queued by wake(): the loop steps at once, nothing is admitted
 
 
-def run_callback(callback: DoneCallback, error: TransferError | None) -> None:
-    """Call a plan's completion callback; an exception it raises is logged
-    and the worker goes on."""
+def end_job(job, error: TransferError | None) -> None:
+    """End ``job`` (any transport's job: it has ``done`` and ``callback``):
+    mark it done and call its completion callback, once; an exception the
+    callback raises is logged and the worker goes on. The job lets go of the
+    callback first: it closes over the room, and a room keeps its jobs'
+    handles, so a finished job that held on to it would make a reference
+    cycle that only a garbage collection frees (a collection stops every
+    thread of the process for as long as it walks the heap)."""
+    job.done = True
+    callback, job.callback = job.callback, None
+    if callback is None:  # ended already
+        return
     try:
         callback(error)
     except Exception:

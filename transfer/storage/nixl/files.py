@@ -10,7 +10,6 @@ Importing this module does not import NIXL."""
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import itertools
 import logging
@@ -23,7 +22,7 @@ from dataclasses import dataclass
 from collections.abc import Sequence
 
 from transfer.errors import StorageError
-from transfer.storage.base import Segment
+from transfer.storage.base import Segment, segment_views
 from transfer.storage.keyfiles import TEMP_SUFFIX, KeyFiles
 from transfer.storage.nixl.config import NixlStoreConfig
 
@@ -51,13 +50,9 @@ def file_descriptors(fd: int, segments: Sequence[Segment]) -> list[tuple[int, in
     return out
 
 
-def _views(segments: Sequence[Segment]) -> list[memoryview]:
-    return [memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B") for addr, nbytes in segments]
-
-
 def _crc(segments: Sequence[Segment]) -> int:
     crc = 0
-    for view in _views(segments):
+    for view in segment_views(segments):
         crc = zlib.crc32(view, crc)
     return crc
 

@@ -28,7 +28,7 @@ from typing import NamedTuple
 from transfer.config import EngineConfig
 from transfer.errors import TransferError
 from transfer.transport.base import DoneCallback
-from transfer.transport.worker import closed_error, gate_state, run_callback
+from transfer.transport.worker import closed_error, end_job, gate_state
 
 log = logging.getLogger("kvferry.transport")
 
@@ -163,8 +163,7 @@ class MooncakeWrites:
     @staticmethod
     def fail(job: MooncakeJob, error: TransferError | None = None) -> None:
         if not job.done:
-            job.done = True
-            run_callback(job.callback, error or closed_error(job.peer))
+            end_job(job, error or closed_error(job.peer))
 
     def _submit_round(self, by_peer, inflight, outstanding, cap, cap_bytes) -> bool:
         progressed = False
@@ -275,7 +274,6 @@ class MooncakeWrites:
     def _maybe_finish(self, job: MooncakeJob) -> None:
         if job.done or not job.finished:
             return
-        job.done = True
         if job.error is None:
             self.num_bytes += sum(job.lengths)
-        run_callback(job.callback, job.error)
+        end_job(job, job.error)

@@ -29,7 +29,7 @@ from transfer.errors import TransferError
 from transfer.plan import TransferPlan, split_entries
 from transfer.transport.base import DoneCallback
 from transfer.transport.nixl.peers import PeerRegions
-from transfer.transport.worker import closed_error, gate_state, run_callback
+from transfer.transport.worker import closed_error, end_job, gate_state
 
 #: Sent with every write request. NIXL's UCX backend then completes a request only once UCX
 #: flushed it to the peer (the bytes are in the peer's memory), not when they left this process:
@@ -225,13 +225,11 @@ class NixlWrites:
         if error is None:
             self.num_bytes += job.plan.total_bytes
             self.num_descriptors += job.plan.num_descriptors
-        job.done = True
-        run_callback(job.callback, error)
+        end_job(job, error)
         return True
 
     def fail(self, job: NixlJob, error: TransferError | None = None) -> None:
         for handle in job.handles:
             self._release(handle)
         job.handles = []
-        job.done = True
-        run_callback(job.callback, error or closed_error(job.peer))
+        end_job(job, error or closed_error(job.peer))
