@@ -218,6 +218,8 @@ def _periodic(results: list[dict]) -> dict:
     return {"periodic_max_cpu_ms": _longest_by_task(results), "periodic_rounds": rounds,
             "gc_max_ms": round(max(r.get("gc_max_ms", 0.0) for r in results), 3),
             "gc_collections": sum(r.get("gc_collections", 0) for r in results),
+            "gc_by_generation": [sum(r.get("gc_by_generation", [0, 0, 0])[g] for r in results) for g in range(3)],
+            "gc_collected": sum(r.get("gc_collected", 0) for r in results),
             "reference_max_cpu_ms": round(max(r.get("reference_max_cpu_ms", 0.0) for r in results), 3),
             **_reference(results)}
 
@@ -322,7 +324,9 @@ def print_table(rows: list[dict]) -> None:
         if r.get("periodic_max_cpu_ms"):
             longest = ", ".join(f"{t} {v:.2f}" for t, v in r["periodic_max_cpu_ms"].items())
             print(f"longest rounds of {r['workload']} {r['mode']} {r['system']} (CPU ms): {longest}; "
-                  f"reference {r.get('reference_max_cpu_ms', 0.0):.2f}; process GC {r.get('gc_max_ms', 0.0):.2f}")
+                  f"reference {r.get('reference_max_cpu_ms', 0.0):.2f}; process GC {r.get('gc_max_ms', 0.0):.2f}"
+                  + (f" (collections by generation {'/'.join(map(str, r['gc_by_generation']))}, "
+                     f"{r.get('gc_collected', 0)} objects found unreachable)" if "gc_by_generation" in r else ""))
             slow, ticked = r.get("reference_slow", []), r.get("reference_ticked", {})
             if r.get("reference_blocks"):
                 print(f"  reference blocks {r['reference_blocks']}, over 1 ms {len(slow)} (steal advanced in "

@@ -159,10 +159,13 @@ def _wait_for_node(mgr, cfg: BusyConfig) -> None:
 
 class GcPauses:
     """The interpreter's garbage collections while it runs (``gc.callbacks``):
-    how many, and the longest, in seconds: a collection stops every thread."""
+    how many, and the longest, in seconds: a collection stops every thread.
+    Also by generation (0, 1, 2: 2 walks the whole heap), and the objects
+    they found unreachable (garbage in reference cycles)."""
 
     def __init__(self) -> None:
         self.count, self.max_s, self._start = 0, 0.0, None
+        self.by_generation, self.collected = [0, 0, 0], 0
         gc.callbacks.append(self._on)
 
     def _on(self, phase: str, info: dict) -> None:
@@ -171,6 +174,8 @@ class GcPauses:
         elif self._start is not None:
             self.count += 1
             self.max_s = max(self.max_s, time.perf_counter() - self._start)
+            self.by_generation[info["generation"]] += 1
+            self.collected += info["collected"]
             self._start = None
 
     def stop(self) -> None:
@@ -200,7 +205,8 @@ def run_kvferry(cfg: BusyConfig, role: str) -> int:
     pauses.stop()
     reference.stop()
     cpu = time.process_time() - cpu0
-    process = dict(gc_collections=pauses.count, gc_max_ms=pauses.max_s * 1e3,
+    process = dict(gc_collections=pauses.count, gc_max_ms=pauses.max_s * 1e3, gc_by_generation=pauses.by_generation,
+                   gc_collected=pauses.collected,
                    reference_max_cpu_ms=reference.max_s * 1e3, reference_blocks=reference.blocks,
                    reference_slow=reference.slow, reference_ticked=reference.ticked,
                    long_slices=busy_explain.long_slices())

@@ -14,9 +14,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -280,6 +282,7 @@ class ServerProcess:
             except ProcessLookupError:
                 pass
         self.proc.wait(30)
+        self._remove_scratch()
 
     def close(self) -> None:
         _RUNNING.discard(self)
@@ -290,6 +293,13 @@ class ServerProcess:
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 self.kill()
         self._log.close()
+        self._remove_scratch()
+
+    def _remove_scratch(self) -> None:
+        """Remove what the process left in its scratch directory, if it has
+        one (``scratch``): a killed server unlinks none of its sockets."""
+        if getattr(self, "scratch", None):
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
     def __enter__(self) -> ServerProcess:
         return self
@@ -350,7 +360,11 @@ class VLLMServer(ServerProcess):
             cmd += ["--kv-transfer-config", json.dumps(spec.kv_config)]
         env = dict(os.environ)
         paths = [REPO_ROOT, SITE] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        # vLLM's ZMQ sockets between its processes (ipc://<base>/<uuid>): a directory of the server's own,
+        # removed when it stops, so that a killed server's sockets do not pile up in the temp directory
+        self.scratch = tempfile.mkdtemp(prefix="kvferry-vllm-rpc-")
         env.update({"PYTHONPATH": os.pathsep.join(paths), "VLLM_CPU_KVCACHE_SPACE": "1",
+                    "VLLM_RPC_BASE_PATH": self.scratch,
                     "VLLM_CPU_OMP_THREADS_BIND": str(spec.core), "MC_LOG_LEVEL": "ERROR",
                     "VLLM_LOGGING_LEVEL": "INFO", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
         self.cmd = spec.prefix + cmd
