@@ -225,8 +225,9 @@ class ServerProcess:
 
     def _spawn(self, cmd: list[str], env: dict) -> None:
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        # a Python process prints every thread's stack on SIGABRT (and on a crash): see _abort_with_stacks
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**env, "PYTHONFAULTHANDLER": "1"}, start_new_session=True)
         _RUNNING.add(self)
 
     def wait_ready(self, timeout_s: float = 240.0) -> ServerProcess:
@@ -241,7 +242,21 @@ class ServerProcess:
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.5)
-        raise TimeoutError(f"{self.spec.name} not ready within {timeout_s:g} s:\n{self.log_tail()}")
+        self._abort_with_stacks()
+        raise TimeoutError(f"{self.spec.name} not ready within {timeout_s:g} s (its stacks at the end of its "
+                           f"log, when it is a Python process):\n{self.log_tail()}")
+
+    def _abort_with_stacks(self, wait_s: float = 5.0) -> None:
+        """SIGABRT the server's first process, which (a Python one, with
+        faulthandler on) prints where each of its threads was before it dies:
+        a server that never became ready says where it was stuck (a router
+        once printed nothing in 90 s)."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGABRT)
+            try:
+                self.proc.wait(wait_s)
+            except subprocess.TimeoutExpired:
+                pass
 
     def log_tail(self, n: int = 4000) -> str:
         try:
