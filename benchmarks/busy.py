@@ -220,6 +220,8 @@ def _periodic(results: list[dict]) -> dict:
             "gc_collections": sum(r.get("gc_collections", 0) for r in results),
             "gc_by_generation": [sum(r.get("gc_by_generation", [0, 0, 0])[g] for r in results) for g in range(3)],
             "gc_collected": sum(r.get("gc_collected", 0) for r in results),
+            **{key: [max(r.get(key, [0.0] * 3)[g] for r in results) for g in range(3)]
+               for key in ("gc_max_ms_by_generation", "gc_max_cpu_ms_by_generation")},
             "reference_max_cpu_ms": round(max(r.get("reference_max_cpu_ms", 0.0) for r in results), 3),
             **_reference(results)}
 
@@ -326,7 +328,10 @@ def print_table(rows: list[dict]) -> None:
             print(f"longest rounds of {r['workload']} {r['mode']} {r['system']} (CPU ms): {longest}; "
                   f"reference {r.get('reference_max_cpu_ms', 0.0):.2f}; process GC {r.get('gc_max_ms', 0.0):.2f}"
                   + (f" (collections by generation {'/'.join(map(str, r['gc_by_generation']))}, "
-                     f"{r.get('gc_collected', 0)} objects found unreachable)" if "gc_by_generation" in r else ""))
+                     f"{r.get('gc_collected', 0)} objects found unreachable; longest by generation "
+                     f"{'/'.join(f'{v:.2f}' for v in r['gc_max_ms_by_generation'])} ms, of CPU "
+                     f"{'/'.join(f'{v:.2f}' for v in r['gc_max_cpu_ms_by_generation'])})"
+                     if "gc_by_generation" in r else ""))
             slow, ticked = r.get("reference_slow", []), r.get("reference_ticked", {})
             if r.get("reference_blocks"):
                 print(f"  reference blocks {r['reference_blocks']}, over 1 ms {len(slow)} (steal advanced in "

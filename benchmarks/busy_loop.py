@@ -18,10 +18,16 @@ pipe holds without blocking, opens those rooms (decode: the receiver and
 its pages; prefill: the sender), steps, and polls each live room once; so
 nothing of a system's runs between steps but its own threads, as in
 SGLang's scheduler and vLLM's ``get_finished``.
+
+Every rank process of every system says it is ready with :func:`ready`,
+which first freezes the heap it built while setting up, as vLLM's engine
+core does after start-up (``freeze_gc_heap``): a collection then walks what
+the run makes, not the start-up's imports, pools and engines.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -136,6 +142,14 @@ class Scheduler:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def ready(payload: str = "{}") -> None:
+    """Set-up done: collect and freeze the heap built so far (vLLM's engine
+    core does the same after start-up), then say ``BUSY_READY payload``."""
+    gc.collect()
+    gc.freeze()
+    print("BUSY_READY " + payload, flush=True)
 
 
 def result_line(role: str, created: dict, done: dict, **extra) -> str:

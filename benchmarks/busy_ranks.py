@@ -35,7 +35,7 @@ import numpy as np
 
 from benchmarks import busy_explain
 from benchmarks.busy_explain import ReferenceHolds
-from benchmarks.busy_loop import FIRST_ROOM, BusyConfig, DecodePages, Feed, Scheduler, result_line, src_pages
+from benchmarks.busy_loop import FIRST_ROOM, BusyConfig, DecodePages, Feed, Scheduler, ready, result_line, src_pages
 
 TIMEOUT_S = 600.0
 
@@ -166,15 +166,20 @@ class GcPauses:
     def __init__(self) -> None:
         self.count, self.max_s, self._start = 0, 0.0, None
         self.by_generation, self.collected = [0, 0, 0], 0
+        self.max_s_by_generation, self.max_cpu_s_by_generation = [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]
         gc.callbacks.append(self._on)
 
     def _on(self, phase: str, info: dict) -> None:
         if phase == "start":
-            self._start = time.perf_counter()
+            self._start = (time.perf_counter(), time.thread_time())
         elif self._start is not None:
+            wall, cpu = time.perf_counter() - self._start[0], time.thread_time() - self._start[1]
+            g = info["generation"]
             self.count += 1
-            self.max_s = max(self.max_s, time.perf_counter() - self._start)
-            self.by_generation[info["generation"]] += 1
+            self.max_s = max(self.max_s, wall)
+            self.by_generation[g] += 1
+            self.max_s_by_generation[g] = max(self.max_s_by_generation[g], wall)
+            self.max_cpu_s_by_generation[g] = max(self.max_cpu_s_by_generation[g], cpu)
             self.collected += info["collected"]
             self._start = None
 
@@ -191,7 +196,7 @@ def run_kvferry(cfg: BusyConfig, role: str) -> int:
         decode = _KVDecode(cfg, _kvferry_manager(cfg, False))
         _wait_for_node(decode.mgr, cfg)
         sides.append(decode)
-    print("BUSY_READY {}", flush=True)
+    ready()
     feed, sched, pauses, reference = Feed(), Scheduler(cfg), GcPauses(), ReferenceHolds()
     cpu0, deadline = time.process_time(), time.monotonic() + TIMEOUT_S
     while not (feed.closed and not any(side.live for side in sides)) and time.monotonic() < deadline:
@@ -207,6 +212,8 @@ def run_kvferry(cfg: BusyConfig, role: str) -> int:
     cpu = time.process_time() - cpu0
     process = dict(gc_collections=pauses.count, gc_max_ms=pauses.max_s * 1e3, gc_by_generation=pauses.by_generation,
                    gc_collected=pauses.collected,
+                   gc_max_ms_by_generation=[round(v * 1e3, 3) for v in pauses.max_s_by_generation],
+                   gc_max_cpu_ms_by_generation=[round(v * 1e3, 3) for v in pauses.max_cpu_s_by_generation],
                    reference_max_cpu_ms=reference.max_s * 1e3, reference_blocks=reference.blocks,
                    reference_slow=reference.slow, reference_ticked=reference.ticked,
                    long_slices=busy_explain.long_slices())
@@ -262,19 +269,19 @@ def _messages(sock) -> list[dict]:
 def run_raw_decode(cfg: BusyConfig, engine: str) -> int:
     """Either raw engine's decode side: it only asks and waits for ``done``."""
     arena = _arena(cfg, cfg.decode_pages, 0)
-    ready: dict = {}
+    where: dict = {}
     if engine == "mc":
         from benchmarks.rawengine import make_engine, register_region
         eng = make_engine("127.0.0.1", "tcp")
         register_region(eng, arena.ctypes.data, arena.nbytes)
-        ready = {"session": f"127.0.0.1:{eng.get_rpc_port()}", "addr": arena.ctypes.data}
+        where = {"session": f"127.0.0.1:{eng.get_rpc_port()}", "addr": arena.ctypes.data}
     else:
         from benchmarks.raw_nixl import _register, make_agent
         agent = make_agent(f"kvferry-busy-recv-{os.getpid()}", 100)
         _register(agent, arena.ctypes.data, arena.nbytes)
-        ready = {"addr": arena.ctypes.data, "meta": agent.get_agent_metadata().hex()}
+        where = {"addr": arena.ctypes.data, "meta": agent.get_agent_metadata().hex()}
     sock, endpoint = _pair(bind=True)
-    print("BUSY_READY " + json.dumps({"endpoint": endpoint, **ready}), flush=True)
+    ready(json.dumps({"endpoint": endpoint, **where}))
     if not sock.poll(120_000):
         raise SystemExit("no prefill connected")
     assert json.loads(sock.recv())["op"] == "hello"
@@ -310,7 +317,7 @@ def run_raw_prefill(cfg: BusyConfig, engine: str, peer: dict) -> int:
         remote = agent.add_remote_agent(bytes.fromhex(peer["meta"]))
     sock, _ = _pair(bind=False, endpoint=peer["endpoint"])
     sock.send(json.dumps({"op": "hello"}).encode())
-    print("BUSY_READY {}", flush=True)
+    ready()
     sched, feed = Scheduler(cfg), Feed()
     # told: rooms the driver gave this rank, asked: decode's pages of each; a room is written once both came
     created, sent, done, told, asked, pending, waiting = {}, {}, {}, set(), {}, [], []

@@ -28,7 +28,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from benchmarks.busy_loop import FIRST_ROOM, BusyConfig, DecodePages, Feed, Scheduler, result_line, src_pages
+from benchmarks.busy_loop import FIRST_ROOM, BusyConfig, DecodePages, Feed, Scheduler, ready, result_line, src_pages
 
 TIMEOUT_S = 600.0
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -112,7 +112,7 @@ def run_prefill(cfg: BusyConfig, rank, group, addr: str) -> dict:
 
     live: dict[int, list] = {}
     created, sent, done, failed, errors = {}, {}, {}, [], {}
-    print("BUSY_READY {}", flush=True)
+    ready()
     sched, feed = Scheduler(cfg), Feed()
     cpu0, deadline = time.process_time(), time.monotonic() + TIMEOUT_S
     while not (feed.closed and not live) and time.monotonic() < deadline:
@@ -157,7 +157,7 @@ def run_decode(cfg: BusyConfig, rank, group, addr: str) -> dict:
     alloc = DecodePages(cfg)
     live: dict[int, tuple] = {}
     created, done, failed, errors = {}, {}, [], {}
-    print("BUSY_READY {}", flush=True)
+    ready()
     sched, feed = Scheduler(cfg), Feed()
     cpu0, deadline = time.process_time(), time.monotonic() + TIMEOUT_S
     slots = len(rank.meta.bootstrap_room)
