@@ -25,7 +25,7 @@ import pytest
 
 from transfer import KVPoll, KVReceiver, KVSender, Role
 
-from ._rooms import assert_landed, cluster, random_pages, run_room, terminal, wait_until  # noqa: F401
+from ._rooms import assert_landed, random_pages, run_room, terminal, wait_until
 
 STAGED = dict(staging_bytes=1 << 20, stage_part_bytes=4096, stage_below_bytes=1 << 20, write_fence=False)
 ROOMS = 6
@@ -101,6 +101,8 @@ def test_rooms_through_storage_leave_no_garbage(cluster, tmp_path):
     store = dict(storage_url=f"file://{tmp_path / 'kv'}", model_name="test-model")
     prefill = cluster.rank(Role.PREFILL, **store)
     decode = cluster.rank(Role.DECODE, storage_prefetch="wait_complete", **store)
+    restoring = cluster.rank(Role.DECODE, storage_prefetch="off", **store)  # every write to it fails
+    cluster.fabric.break_writes(restoring.mgr.rank.session)
     rng = np.random.default_rng(9)
     num_pages = 6
     prompts = [rng.integers(0, 50000, num_pages * 4) for _ in range(ROOMS)]
@@ -119,4 +121,10 @@ def test_rooms_through_storage_leave_no_garbage(cluster, tmp_path):
             assert (sender.poll(), receiver.poll()) == (KVPoll.Success, KVPoll.Success)
             assert receiver.pages_from_storage == num_pages
             assert_landed(prefill, decode, sources[i], dst)
+        for i in range(ROOMS):  # prefill's writes fail: restored from storage
+            dst = random_pages(rng, num_pages)
+            sender, receiver = run_room(prefill, restoring, 600 + i, sources[i], dst, token_ids=prompts[i])
+            assert (sender.poll(), receiver.poll()) == (KVPoll.Failed, KVPoll.Success)
+            assert receiver.pages_from_storage == num_pages
+            assert restoring.page_bytes(dst) == prefill.page_bytes(sources[i])
     assert _without_collector(run) == {}
