@@ -164,10 +164,18 @@ class GcPauses:
     they found unreachable (garbage in reference cycles)."""
 
     def __init__(self) -> None:
-        self.count, self.max_s, self._start = 0, 0.0, None
+        self._start = None
         self.by_generation, self.collected = [0, 0, 0], 0
         self.max_s_by_generation, self.max_cpu_s_by_generation = [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]
         gc.callbacks.append(self._on)
+
+    @property
+    def count(self) -> int:
+        return sum(self.by_generation)
+
+    @property
+    def max_s(self) -> float:
+        return max(self.max_s_by_generation)
 
     def _on(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -175,8 +183,6 @@ class GcPauses:
         elif self._start is not None:
             wall, cpu = time.perf_counter() - self._start[0], time.thread_time() - self._start[1]
             g = info["generation"]
-            self.count += 1
-            self.max_s = max(self.max_s, wall)
             self.by_generation[g] += 1
             self.max_s_by_generation[g] = max(self.max_s_by_generation[g], wall)
             self.max_cpu_s_by_generation[g] = max(self.max_cpu_s_by_generation[g], cpu)
