@@ -18,8 +18,8 @@ side=<prefill|decode> room=<room> blocks=<n> skip=<k> sha=<d0>,<d1>,...``
 ``kvferry-test: finished request=<id> room=<room>`` when the engine finished
 a request it sends (the scheduler's clock, for a failure's timeline), and with vLLM's
 hybrid KV-cache manager one line per other KV-cache group (a kvferry state
-pool): ``kvferry-test: group-digest side=... room=... group=<g> sha=...``, a
-block by position, ``-`` where this side does not hold or want it (a sliding
+pool), logged before the room's digest line: ``kvferry-test: group-digest
+side=... room=... group=<g> sha=...``, a block by position, ``-`` where this side does not hold or want it (a sliding
 window's freed blocks), and every 100th engine step that computed nothing
 (``kvferry-test: idle-steps=<n>``, the worker's count). The test compares
 prefill's and decode's digests of the same room: the bytes that moved, page by
@@ -160,9 +160,12 @@ class CorruptingKvferryConnector(KvferryConnector):
             return h.hexdigest()[:16]
 
         side = "prefill" if self.is_producer else "decode"
-        log.warning("kvferry-test: digest side=%s room=%d blocks=%d skip=%d sha=%s", side, spec.room,
-                    len(spec.pages), getattr(spec, "skip_pages", 0),
-                    ",".join(digest(self._layers, b) for b in spec.pages))
+        # the group lines first: a reader that waits for a room's digest line
+        # (pd_servers.logged) then finds its group lines too (CI once read
+        # prefill's log between the two)
         for (index, layers), items in zip(self._group_layers, spec.states):
             log.warning("kvferry-test: group-digest side=%s room=%d group=%d sha=%s", side, spec.room, index,
                         ",".join(digest(layers, b) if b >= 0 else "-" for b in items))
+        log.warning("kvferry-test: digest side=%s room=%d blocks=%d skip=%d sha=%s", side, spec.room,
+                    len(spec.pages), getattr(spec, "skip_pages", 0),
+                    ",".join(digest(self._layers, b) for b in spec.pages))

@@ -89,7 +89,8 @@ def logged(server: VLLMServer, side: str, rooms, ranks: int = 1, timeout_s: floa
     the room sent, at the engine's next step after the room ended, which can
     come after decode answered the request (CI: the last room of a run was
     missing from prefill's log when the test read it); decode logs before it
-    computes, so before it answers."""
+    computes, so before it answers. A room's group digests are logged before
+    its digest, so they are there too."""
     rooms = set(rooms)
     deadline = time.monotonic() + timeout_s
     while True:
