@@ -66,6 +66,51 @@ def test_the_log_keeps_no_room_alive_and_skips_dropped_ones():
     assert log.since(0) == (2, [(kept, 2)])
 
 
+def test_a_ring_of_dropped_rooms_leaves_nothing_for_a_collection_to_walk():
+    """The ring holds numbers: rooms that came and went leave no objects the
+    garbage collector tracks (a ring of weak references would leave one per
+    entry), and the live room's changes still read back."""
+    log = ChangeLog(4096)
+    gc.collect()
+    before = len(gc.get_objects())
+    for i in range(4096):
+        log.record(Room(i), i % 5)
+    kept = Room(-1)
+    log.record(kept, 7)
+    log.record(kept, 8)
+    grown = len(gc.get_objects()) - before
+    assert grown <= 8, f"{grown} tracked objects after 4096 dropped rooms"
+    assert log.since(log.progress - 3) == (log.progress, [(kept, 7), (kept, 8)])
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from("new drop change read".split()), st.integers(0, 7)), max_size=80))
+def test_rooms_that_come_and_go_read_back_as_a_model_says(ops):
+    """Rooms created, changed and dropped in any order (a dropped room's id
+    may come back as a new room's): every read names exactly the live rooms'
+    changes since the mark, each with its own state."""
+    log, live, mark, names, changes = ChangeLog(64), {}, 0, 0, []  # capacity 64: up to 80 changes may fall behind
+    for op, n in ops:
+        if op == "new" or (op == "change" and not live):
+            names += 1
+            live[names] = Room(names)
+            log.record(live[names], (names, 0))
+            changes.append((names, (names, 0)))
+        elif op == "drop" and live:
+            del live[sorted(live)[n % len(live)]]
+        elif op == "change" and live:
+            name = sorted(live)[n % len(live)]
+            log.record(live[name], (name, n))
+            changes.append((name, (name, n)))
+        elif op == "read":
+            mark, got = log.since(mark)
+            if got is None:
+                assert len(changes) > 64
+            else:
+                assert [(r.n, s) for r, s in got] == [(k, s) for k, s in changes if k in live]
+            changes = got = []  # the read's rooms, let go
+
+
 def test_marks_from_elsewhere_are_refused():
     with pytest.raises(ValueError, match="outside this log"):
         ChangeLog(4).since(5)
