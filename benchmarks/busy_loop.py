@@ -61,6 +61,10 @@ class BusyConfig:
     step_s: float = 0.010
     busy_share: float = 0.0
     extra_thread: bool = False
+    # kvferry's ranks explain their long slices (benchmarks.busy_explain) and run a
+    # reference thread: a thread of the benchmark's own that wants the interpreter
+    # lock every 10 ms, so latencies are not comparable with the other systems'
+    explain: bool = False
     seed: int = 2027
     bootstrap: str = ""  # kvferry: the bootstrap server's address
     node_id: str = "busy-prefill"

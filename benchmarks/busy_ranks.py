@@ -194,7 +194,8 @@ class GcPauses:
 
 
 def run_kvferry(cfg: BusyConfig, role: str) -> int:
-    busy_explain.install()
+    if cfg.explain:
+        busy_explain.install()
     sides = []
     if role in ("kvferry-prefill", "kvferry-both"):
         sides.append(_KVPrefill(cfg, _kvferry_manager(cfg, True)))
@@ -203,7 +204,8 @@ def run_kvferry(cfg: BusyConfig, role: str) -> int:
         _wait_for_node(decode.mgr, cfg)
         sides.append(decode)
     ready()
-    feed, sched, pauses, reference = Feed(), Scheduler(cfg), GcPauses(), ReferenceHolds()
+    feed, sched, pauses = Feed(), Scheduler(cfg), GcPauses()
+    reference = ReferenceHolds() if cfg.explain else None
     cpu0, deadline = time.process_time(), time.monotonic() + TIMEOUT_S
     while not (feed.closed and not any(side.live for side in sides)) and time.monotonic() < deadline:
         rooms = feed.take()
@@ -214,15 +216,16 @@ def run_kvferry(cfg: BusyConfig, role: str) -> int:
             side.poll()
     sched.stop()
     pauses.stop()
-    reference.stop()
     cpu = time.process_time() - cpu0
     process = dict(gc_collections=pauses.count, gc_max_ms=pauses.max_s * 1e3, gc_by_generation=pauses.by_generation,
                    gc_collected=pauses.collected,
                    gc_max_ms_by_generation=[round(v * 1e3, 3) for v in pauses.max_s_by_generation],
-                   gc_max_cpu_ms_by_generation=[round(v * 1e3, 3) for v in pauses.max_cpu_s_by_generation],
-                   reference_max_cpu_ms=reference.max_s * 1e3, reference_blocks=reference.blocks,
-                   reference_slow=reference.slow, reference_ticked=reference.ticked,
-                   long_slices=busy_explain.long_slices())
+                   gc_max_cpu_ms_by_generation=[round(v * 1e3, 3) for v in pauses.max_cpu_s_by_generation])
+    if reference is not None:
+        reference.stop()
+        process.update(reference_max_cpu_ms=reference.max_s * 1e3, reference_blocks=reference.blocks,
+                       reference_slow=reference.slow, reference_ticked=reference.ticked,
+                       long_slices=busy_explain.long_slices())
     for i, side in enumerate(sides):
         stats = side.mgr.stats()
         print(result_line(side.side, side.created, side.done, sent=side.sent, failed=side.failed + sorted(side.live),
