@@ -205,9 +205,9 @@ def summarize(cfg: BusyConfig, results: list[dict]) -> dict:
 
 def _periodic(results: list[dict]) -> dict:
     """kvferry's ranks: each periodic task's longest round in CPU ms and its
-    rounds (both sides), the longest garbage collection of the rank
-    processes, and the longest block of their reference thread (the
-    machine's own addition to any hold: :class:`~benchmarks.busy_explain.ReferenceHolds`);
+    rounds (both sides), the rank processes' garbage collections, and with
+    ``--explain`` their reference threads' blocks (the machine's own addition
+    to any hold: :class:`~benchmarks.busy_explain.ReferenceHolds`; :func:`_reference`);
     absent for the raw engines."""
     if not any("periodic_max_cpu_ms" in r for r in results):
         return {}
@@ -222,20 +222,23 @@ def _periodic(results: list[dict]) -> dict:
             "gc_collected": sum(r.get("gc_collected", 0) for r in results),
             **{key: [max(r.get(key, [0.0] * 3)[g] for r in results) for g in range(3)]
                for key in ("gc_max_ms_by_generation", "gc_max_cpu_ms_by_generation")},
-            "reference_max_cpu_ms": round(max(r.get("reference_max_cpu_ms", 0.0) for r in results), 3),
             **_reference(results)}
 
 
 def _reference(rows: list[dict]) -> dict:
     """The rank processes' slices over 1 ms (:func:`benchmarks.busy_explain.long_slices`),
-    and their reference threads' blocks: how many, those over 1 ms (with the
-    steal, softirq and irq ticks that advanced in each), and how many of the
-    others saw each tick advance."""
+    and their reference threads' blocks: the longest, how many, those over 1 ms
+    (with the steal, softirq and irq ticks that advanced in each), and how many
+    of the others saw each tick advance; absent unless the ranks explained
+    (``--explain``)."""
+    if not any("reference_blocks" in r for r in rows):
+        return {}
     ticked: dict[str, int] = {}
     for r in rows:
         for k, n in r.get("reference_ticked", {}).items():
             ticked[k] = ticked.get(k, 0) + n
-    return {"long_slices": [b for r in rows for b in r.get("long_slices", [])],
+    return {"reference_max_cpu_ms": round(max(r.get("reference_max_cpu_ms", 0.0) for r in rows), 3),
+            "long_slices": [b for r in rows for b in r.get("long_slices", [])],
             "reference_blocks": sum(r.get("reference_blocks", 0) for r in rows),
             "reference_slow": [b for r in rows for b in r.get("reference_slow", [])], "reference_ticked": ticked}
 
@@ -262,7 +265,6 @@ def _median(rows: list[dict]) -> dict:
     if any("periodic_max_cpu_ms" in r for r in ok):  # the longest of every round, not the first round's
         out["periodic_max_cpu_ms"] = _longest_by_task(ok)
         out["gc_max_ms"] = max(r.get("gc_max_ms", 0.0) for r in ok)
-        out["reference_max_cpu_ms"] = max(r.get("reference_max_cpu_ms", 0.0) for r in ok)
         out.update(_reference(ok))
     return out
 

@@ -216,13 +216,14 @@ def run_kvferry(cfg: BusyConfig, role: str) -> int:
             side.poll()
     sched.stop()
     pauses.stop()
+    if reference is not None:
+        reference.stop()
     cpu = time.process_time() - cpu0
     process = dict(gc_collections=pauses.count, gc_max_ms=pauses.max_s * 1e3, gc_by_generation=pauses.by_generation,
                    gc_collected=pauses.collected,
                    gc_max_ms_by_generation=[round(v * 1e3, 3) for v in pauses.max_s_by_generation],
                    gc_max_cpu_ms_by_generation=[round(v * 1e3, 3) for v in pauses.max_cpu_s_by_generation])
     if reference is not None:
-        reference.stop()
         process.update(reference_max_cpu_ms=reference.max_s * 1e3, reference_blocks=reference.blocks,
                        reference_slow=reference.slow, reference_ticked=reference.ticked,
                        long_slices=busy_explain.long_slices())
