@@ -196,6 +196,9 @@ def summarize(cfg: BusyConfig, results: list[dict]) -> dict:
             "p999_ms": r1(np.percentile(lat, 99.9)), "max_ms": r1(lat.max()),
             "to_send_p50_ms": r1(np.median([t["to_send_ms"] for t in timelines])),
             "send_to_done_p50_ms": r1(np.median([t["send_to_done_ms"] for t in timelines])),
+            # send -> done in its two legs: the bytes (and prefill seeing them land), then decode being told
+            "send_to_prefill_done_p50_ms": r1(np.median([t["prefill_done_ms"] - t["to_send_ms"] for t in timelines])),
+            "prefill_to_decode_done_p50_ms": r1(np.median([t["decode_done_ms"] - t["prefill_done_ms"] for t in timelines])),
             "slowest": [{k: (round(v, 1) if isinstance(v, float) else v) for k, v in t.items()} for t in slowest],
             "requests": len(rooms), "gbps": round(cfg.request_bytes * len(rooms) / span / 1e9, 3),
             "cpu_s": round(sum(r.get("cpu_s", 0.0) for r in results), 3),
@@ -249,8 +252,8 @@ def _longest_by_task(rows: list[dict]) -> dict[str, float]:
     return {t: round(max(r.get("periodic_max_cpu_ms", {}).get(t, 0.0) for r in rows), 3) for t in tasks}
 
 
-_MEDIANED = ("p50_ms", "p99_ms", "p999_ms", "max_ms", "to_send_p50_ms", "send_to_done_p50_ms", "gbps", "cpu_s",
-             "control_msgs_per_request")
+_MEDIANED = ("p50_ms", "p99_ms", "p999_ms", "max_ms", "to_send_p50_ms", "send_to_done_p50_ms",
+             "send_to_prefill_done_p50_ms", "prefill_to_decode_done_p50_ms", "gbps", "cpu_s", "control_msgs_per_request")
 
 
 def _median(rows: list[dict]) -> dict:
