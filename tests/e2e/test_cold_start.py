@@ -35,7 +35,13 @@ from .ranks import Rank, assert_all_success
 
 pytestmark = only_on("mooncake", "the handshake listener and the metadata relay are Mooncake's")
 
-MAX_CALL_S = 0.005
+# What a handshake behind a scheduler call costs (inside the call, or under the interpreter lock): the held
+# port's time, seconds (p2p: the open's 3 s bound; relay: the listener's 5 s). The bounds sit well under it
+# and well over what a loaded 2-core machine adds to a call that does not wait (a clean clone once held
+# 8.5 ms against a former 5 ms bound, with no handshake anywhere near the call).
+HELD_PORT_S = 3.0
+MAX_HELD_S = HELD_PORT_S / 30
+MAX_CALL_S = HELD_PORT_S / 6
 
 
 def _rooms_on(rank: Rank, rooms, out: dict, key: str, timeout_s: float = 60.0) -> threading.Thread:
@@ -86,8 +92,8 @@ def test_a_held_handshake_port_never_blocks_the_prefill_scheduler(mode):
             p, r1, r2 = out["p"], out["d1"], out["d2"]
             assert_all_success(r1, d1_rooms)
             print(f"  {mode}: prefill's slowest of {p['num_calls']} scheduler calls: {p['slowest_calls']}")
-            assert p["max_held_s"] < MAX_CALL_S, p
-            assert p["max_call_s"] < 10 * MAX_CALL_S, p  # a handshake inside a call took seconds
+            assert p["max_held_s"] < MAX_HELD_S, p
+            assert p["max_call_s"] < MAX_CALL_S, p  # a handshake inside a call takes seconds
             second = r2["results"]["20"]
             took = second["ended_at"] - second["created_at"]
             print(f"  {mode}: D2's first room {second['state']} after {took:.2f} s: {second['error'][:200]}")
