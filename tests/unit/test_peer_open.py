@@ -249,8 +249,9 @@ def test_the_worker_submits_nothing_while_a_peer_open_holds_the_engine_and_pump_
         worker.wake()
         _wait(lambda: side.steps)
         assert side.admitted == [] and all(s is False for s in side.steps)  # a's job waits for its peer
-        pumping = threading.Thread(target=worker.pump)  # the open holds until the gate is set: a pump that
-        pumping.start()                                   # waited for it would not return before that
+        # the open holds until the gate is set: a pump that waited for it would not return before that
+        pumping = threading.Thread(target=worker.pump)
+        pumping.start()
         pumping.join(5.0)
         assert not pumping.is_alive(), "pump() waited for the peer open that holds the engine"
         call.gate.set()

@@ -20,8 +20,9 @@ a request it sends (the scheduler's clock, for a failure's timeline), and with v
 hybrid KV-cache manager one line per other KV-cache group (a kvferry state
 pool), logged before the room's digest line: ``kvferry-test: group-digest
 side=... room=... group=<g> sha=...``, a block by position, ``-`` where this
-side does not hold or want it (a sliding window's freed blocks), and every 100th engine step that computed nothing
-(``kvferry-test: idle-steps=<n>``, the worker's count). The test compares
+side does not hold or want it (a sliding window's freed blocks), and every
+100th engine step that computed nothing (``kvferry-test: idle-steps=<n>``,
+the worker's count). The test compares
 prefill's and decode's digests of the same room: the bytes that moved, page by
 page, in real servers.
 
