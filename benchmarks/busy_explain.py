@@ -16,6 +16,7 @@ The reads cost about 15 us at each slice's start, counted in the slice.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import sys
@@ -41,10 +42,11 @@ def ticks_since(before: tuple[int, int, int]) -> dict[str, int]:
     return dict(zip(("steal", "softirq", "irq"), (b - a for a, b in zip(before, machine_ticks()))))
 
 
-def _site() -> str:
+def _site(depth: int = 0) -> str:
     """Where the round's caller is (file:line), called from one of the
-    round's methods: a slice runs from one such site to the next."""
-    frame = sys._getframe(2)  # _site <- the round's method <- its caller
+    round's methods (``depth`` frames more between them): a slice runs from
+    one such site to the next."""
+    frame = sys._getframe(2 + depth)  # _site <- the round's method <- its caller
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
@@ -88,11 +90,13 @@ def install() -> None:
             if self.start != start:
                 self.mark = _mark(site)
 
-        def cut(self) -> None:
-            site = _site()
+        @contextlib.contextmanager
+        def waiting(self):
+            site = _site(1)  # _site <- this generator <- contextlib's __enter__ <- the caller
             self._keep(self._own() - self.start, site)
-            super().cut()
-            self.mark = _mark(site)
+            with super().waiting():
+                yield
+            self.mark = _mark(_site(1))
 
         def restart(self) -> None:
             super().restart()

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import zmq
 
@@ -94,16 +96,16 @@ class BootstrapClient:
             self._sock = None
 
     def request(self, msg, *, timeout_s: float | None = None, pace: Callable[[], None] | None = None,
-                wait: Callable[[], None] | None = None):
+                waiting: Callable[[], AbstractContextManager] | None = None):
         """Send ``msg`` and return the decoded reply (never an ErrorReply);
         ``pace`` as :func:`bootstrap.codec.decode`'s, also called once the
-        socket is open; ``wait()`` just before the reply is waited for, with
-        the interpreter lock released (a caller that measures its holds of
-        the lock ends one there)."""
-        return self._request(codec.pack(msg), msg, timeout_s, pace, wait)
+        socket is open; the reply is waited for, with the interpreter lock
+        released, inside ``waiting()`` (a caller that measures its holds of
+        the lock ends one there and begins the next on the reply)."""
+        return self._request(codec.pack(msg), msg, timeout_s, pace, waiting)
 
     def _request(self, packed: bytes, msg, timeout_s: float | None, pace: Callable[[], None] | None = None,
-                 wait: Callable[[], None] | None = None):
+                 waiting: Callable[[], AbstractContextManager] | None = None):
         payload = codec.seal(packed, self._key)
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
@@ -113,9 +115,8 @@ class BootstrapClient:
                 pace()
             try:
                 sock.send(payload)
-                if wait is not None:
-                    wait()
-                data = self._receive(sock, msg, timeout_s)
+                with (waiting or contextlib.nullcontext)():
+                    data = self._receive(sock, msg, timeout_s)
             except zmq.ZMQError as exc:
                 self._drop_socket()
                 raise BootstrapUnavailable(f"bootstrap server {self.address}: {exc}") from exc
@@ -182,16 +183,17 @@ class BootstrapClient:
         return self._expect(self.request(msg, timeout_s=timeout_s), Unregistered)
 
     def lookup(self, node_id: str, dp_rank: int, *, strict: bool = False, partial: bool = False,
-               pace: Callable[[], None] | None = None, wait: Callable[[], None] | None = None) -> LookupReply:
+               pace: Callable[[], None] | None = None,
+               waiting: Callable[[], AbstractContextManager] | None = None) -> LookupReply:
         """The DP group's ranks (``ready``) or the progress (not ready; with
         ``partial``, the ranks registered so far and those that left). An
         unknown node (see :class:`LookupReply`) is a not-ready reply with
         ``unknown_node`` set, or, with ``strict``, raises
         :class:`UnknownNodeError` naming the known nodes. ``pace()`` is called
         between the reply's parts as it is decoded (a background caller gives
-        the interpreter lock up there); ``wait`` as :meth:`request`'s."""
+        the interpreter lock up there); ``waiting`` as :meth:`request`'s."""
         reply = self._expect(self.request(Lookup(node_id=node_id, dp_rank=dp_rank, partial=partial), pace=pace,
-                                          wait=wait), LookupReply)
+                                          waiting=waiting), LookupReply)
         if strict and reply.unknown_node:
             known = ", ".join(map(repr, reply.known_nodes)) or "none"
             if len(reply.known_nodes) == MAX_KNOWN_NODES:

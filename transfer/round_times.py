@@ -4,9 +4,11 @@ the CPU time of its rounds, by task, for :class:`~transfer.stats.ManagerStats`
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import time
+from collections.abc import Iterator
 
 #: The rank's periodic tasks, as :class:`RoundTimes` names them, and ``gc``:
 #: the longest garbage collection that ran inside one of their rounds.
@@ -129,15 +131,24 @@ class _Round:
             time.sleep(0)  # lets a waiting thread (the scheduler) take the interpreter lock
             self.start = self._own()
 
-    def cut(self) -> None:
-        """The thread is about to wait (the interpreter lock is given up
-        there): what ran since the last cut or tick was one hold, counted as
-        a round if it passed :data:`SLICE_CPU_S`, and the round goes on from
-        now. A wait inside a round must not add the holds on either side."""
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """``with round_.waiting(): ...`` around a wait inside the round (the
+        interpreter lock is given up there): what ran before it was one hold,
+        counted as a round if it passed :data:`SLICE_CPU_S`, and the next hold
+        is measured from the wait's return. The thread's CPU clock inside the
+        wait is no hold: this kernel charges the interrupts and network work
+        it serves while the thread is on a CPU, waking or taking the
+        interpreter lock back, to the thread's clock (milliseconds a wait
+        under load: docs/threads.md). A wait must not add the holds on
+        either side."""
         ran = self._own() - self.start
         if ran > SLICE_CPU_S:
             self.times.add(self.task, ran)
-        self.start = self._own()
+        try:
+            yield
+        finally:
+            self.start = self._own()
 
     def restart(self) -> None:
         """Count the round from now (what ran before was not this task's)."""

@@ -1,6 +1,7 @@
 """The bootstrap server as a separate process: registration, not-ready
 lookups, and bad input that gets an error reply while the server goes on."""
 
+import contextlib
 import dataclasses
 import socket
 import time
@@ -192,21 +193,28 @@ def test_a_periodic_caller_decodes_a_reply_only_when_it_changed(secret):
 
 def test_a_lookup_tells_its_caller_where_it_waits_and_paces_after_a_fresh_socket(bootstrap_server):
     """A caller that measures its holds of the interpreter lock (the link
-    resolver) learns where the request waits for the reply (``wait``), and
-    is paced once the client opened a fresh socket (a few hundred
-    microseconds) as well as between the reply's parts."""
+    resolver) learns where the request waits for the reply (``waiting()``
+    around exactly that wait), and is paced once the client opened a fresh
+    socket (a few hundred microseconds) as well as between the reply's
+    parts."""
     events: list[str] = []
+
+    @contextlib.contextmanager
+    def waiting():
+        events.append("wait")
+        yield
+        events.append("replied")
+
     with BootstrapClient(bootstrap_server.address, timeout_s=5) as client:
         client.register(_rank(0))
         client._drop_socket()  # the next request opens a fresh one
-        reply = client.lookup("p0", 0, partial=True, pace=lambda: events.append("pace"),
-                              wait=lambda: events.append("wait"))
+        reply = client.lookup("p0", 0, partial=True, pace=lambda: events.append("pace"), waiting=waiting)
         assert reply.ranks == (_rank(0),)
-        assert events[:2] == ["pace", "wait"] and events.count("wait") == 1
-        assert events.count("pace") >= 2  # and while the reply's ranks were decoded
+        assert events[:3] == ["pace", "wait", "replied"] and events.count("wait") == 1, events
+        assert events[3:].count("pace") >= 1 and set(events[3:]) == {"pace"}, events  # the reply's ranks decoded
         events.clear()
-        client.lookup("p0", 0, partial=True, wait=lambda: events.append("wait"))  # the socket is open: no pace
-        assert events == ["wait"]
+        client.lookup("p0", 0, partial=True, waiting=waiting)  # the socket is open: no pace
+        assert events == ["wait", "replied"]
 
 
 @pytest.mark.parametrize("request_bytes", [SHORT_GET, CURL_GET], ids=["short", "curl"])

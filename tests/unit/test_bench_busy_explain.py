@@ -24,8 +24,8 @@ def test_a_long_slice_is_kept_with_the_machines_ticks_and_the_threads_switches(m
         _spin(0.002)
         r.tick()  # a 2 ms slice ends here
         _spin(0.0001)
-        r.cut()
-        time.sleep(0.001)
+        with r.waiting():  # a wait: the slice before it is short, the next begins after it
+            _spin(0.003)  # the thread's clock inside a wait is not the round's
         _spin(0.0015)
     with times.round("sweep"):
         _spin(0.0001)

@@ -21,6 +21,7 @@ what is still there after that.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -96,16 +97,18 @@ class HandOver:
                 and _others_ran(start.proc, start.cpu) > CONVOY_S:
             self._convoy_until = time.monotonic() + CONVOY_MEMORY_S  # it waited for the lock meanwhile
 
-    def wait(self, cut: Callable[[], None] = lambda: None) -> None:
+    def wait(self, waiting: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
         """Leave the waiting messages to a regular drainer while the
         interpreter lock is contended, for up to :data:`HANDOVER_MAX_S`;
-        returns at once otherwise. ``cut()`` before each wait (the caller's
-        measure of how long it holds the interpreter lock at a time)."""
+        returns at once otherwise. Each wait runs inside ``waiting()`` (the
+        caller's measure of how long it holds the interpreter lock at a
+        time, which a wait ends)."""
         if time.monotonic() - self._drained_at > DRAINER_ACTIVE_S or not self._pending():
             return
         if time.monotonic() > self._convoy_until:
             t, proc, own = time.perf_counter(), time.process_time(), time.thread_time()
-            time.sleep(0)  # gives the lock up: back at once unless another thread wanted it
+            with waiting():
+                time.sleep(0)  # gives the lock up: back at once unless another thread wanted it
             if time.perf_counter() - t < CONTENDED_S or _others_ran(proc, own) < CONTENDED_S:
                 return
         self.num_handed_over += 1
@@ -113,9 +116,10 @@ class HandOver:
         # Waits with the lock released; the drainer's next drain takes the messages. Handled here once
         # it has stopped draining (nothing for DRAINER_ACTIVE_S), or after HANDOVER_MAX_S.
         while True:
-            cut()
             t = time.monotonic()
-            if self._closed.wait(HANDOVER_S):
+            with waiting():
+                closed = self._closed.wait(HANDOVER_S)
+            if closed:
                 return
             now = time.monotonic()
             if now - t > HANDOVER_S + CONVOY_S:  # it waited for the lock on waking: contended still

@@ -65,11 +65,11 @@ _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 @contextlib.contextmanager
 def _taken(lock: threading.Lock, round_) -> Iterator[None]:
     """``lock`` held, for a round of the channel's thread: a wait for it
-    (a scheduler draining, a sender sending) cuts the round there, since the
-    interpreter lock is given up while it waits."""
+    (a scheduler draining, a sender sending) ends the round's hold there,
+    since the interpreter lock is given up while it waits."""
     if not lock.acquire(blocking=False):
-        round_.cut()
-        lock.acquire()
+        with round_.waiting():
+            lock.acquire()
     try:
         yield
     finally:
@@ -304,7 +304,7 @@ class ZmqChannel:
         signalled: set[int] = set()  # monitor fds to read (ZMQ_FD is edge-triggered: read until EAGAIN)
         while not self._closed.is_set():
             with self.round_times.round("control") as round_:  # an idle wake-up, or connection events
-                self._hand_over.wait(round_.cut)
+                self._hand_over.wait(round_.waiting)
                 start = self._hand_over.start_drain()
                 with _taken(self._recv_lock, round_):
                     handled = self._drain_locked(own=True)

@@ -20,6 +20,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 from bootstrap.messages import LookupReply, RankInfo
 from transfer.config import ManagerConfig
@@ -40,7 +41,8 @@ class LookupClient(Protocol):
     strict lookup of a node the server does not know)."""
 
     def lookup(self, node_id: str, dp_rank: int, *, strict: bool = False, partial: bool = False,
-               pace: Callable[[], None] | None = None, wait: Callable[[], None] | None = None) -> LookupReply: ...
+               pace: Callable[[], None] | None = None,
+               waiting: Callable[[], AbstractContextManager] | None = None) -> LookupReply: ...
 
     def close(self) -> None: ...
 

@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 from bootstrap.messages import RankInfo
 from transfer.errors import (BootstrapError, BootstrapUnavailable, IncompatibleLayoutError, KVFerryError, PeerError,
@@ -208,16 +209,16 @@ class LinkResolver:
             self._wake.wait(wait)
             self._wake.clear()
             with self.ctx.stats.round_times.round("resolver") as round_:
-                wait = self._round(round_.tick, round_.cut)
+                wait = self._round(round_.tick, round_.waiting)
 
-    def _round(self, pace: Callable[..., None], cut: Callable[[], None]) -> float:
+    def _round(self, pace: Callable[..., None], waiting: Callable[[], AbstractContextManager]) -> float:
         """One round: DP sizes and links to resolve, then the owner's due
         work; returns how long to wait for the next. ``pace()`` between two
         lookups or links gives the interpreter lock up once the round ran
         SLICE_CPU_S (a new node's first lookup decodes every rank's
         descriptors), ``pace(ahead_s)`` before a part known to take
-        ``ahead_s``; ``cut()`` where a lookup waits for its reply (the lock
-        is released there: the holds on either side are measured apart)."""
+        ``ahead_s``; ``waiting()`` around a lookup's wait for its reply (the
+        lock is released there: the holds on either side are measured apart)."""
         with self.ctx.lock:
             self._expire(time.monotonic() - self.ctx.config.bootstrap_timeout_s)
             dp_todo = [k for k, v in self.dp_sizes.items() if v == 0]
@@ -225,7 +226,7 @@ class LinkResolver:
         for addr, node in dp_todo:
             pace()
             try:
-                reply = self._lookups.lookup(addr, node, 0, pace, cut)
+                reply = self._lookups.lookup(addr, node, 0, pace, waiting)
             except (BootstrapUnavailable, ProtocolError, BootstrapError) as exc:
                 if not self._lookups.is_final(addr, exc):
                     log.debug("dp size of %s at %s: %s", node, addr, exc)
@@ -241,7 +242,7 @@ class LinkResolver:
         for link in todo:
             pace()
             try:
-                self._step(link, pace, cut)
+                self._step(link, pace, waiting)
             except KVFerryError as exc:
                 with self.ctx.lock:
                     link.state, link.error = LinkState.FAILED, exc
@@ -267,11 +268,11 @@ class LinkResolver:
                      if l.state is not LinkState.READY and l.last_wanted < horizon]:
             self.forget(link)
 
-    def _step(self, link: Link, pace: Callable[..., None], cut: Callable[[], None]) -> None:
+    def _step(self, link: Link, pace: Callable[..., None], waiting: Callable[[], AbstractContextManager]) -> None:
         addr, node, dp = link.key
         if not link.routes:
             try:
-                reply = self._lookups.lookup(addr, node, dp, pace, cut)
+                reply = self._lookups.lookup(addr, node, dp, pace, waiting)
             except BootstrapUnavailable as exc:
                 if self._lookups.is_final(addr, exc):
                     since = self._lookups.refusing_since(addr)

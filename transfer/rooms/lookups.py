@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 from transfer.errors import BootstrapError, BootstrapRefused, BootstrapUnavailable, KVFerryError, UnknownNodeError
 from transfer.rooms.context import LookupClient, RoomContext
@@ -43,13 +44,13 @@ class Lookups:
         self._refusing: dict[str, float] = {}  # reached addresses refusing connections now -> since when
 
     def lookup(self, addr: str, node: str, dp_rank: int, pace: Callable[[], None] | None = None,
-               wait: Callable[[], None] | None = None):
+               waiting: Callable[[], AbstractContextManager] | None = None):
         """A strict, partial lookup (an unknown node raises UnknownNodeError;
         a group not complete yet lists the ranks registered so far);
         ``pace()`` between the parts of the reply as it is decoded,
-        ``wait()`` before the reply is waited for (BootstrapClient.request)."""
+        ``waiting()`` around the wait for the reply (BootstrapClient.request)."""
         try:
-            reply = self._client(addr).lookup(node, dp_rank, strict=True, partial=True, pace=pace, wait=wait)
+            reply = self._client(addr).lookup(node, dp_rank, strict=True, partial=True, pace=pace, waiting=waiting)
         except BootstrapRefused:
             if addr in self._reached:
                 self._refusing.setdefault(addr, time.monotonic())
