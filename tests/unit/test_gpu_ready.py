@@ -39,9 +39,19 @@ def test_nothing_reads_the_pages_before_the_event_completes(cluster, staged):
     src, dst = random_pages(rng, 20), random_pages(rng, 20)
     sender, receiver = opened(prefill, decode, 31, src, dst)
     event = FakeEvent()
-    start = time.monotonic()
-    sender.send(src, last=True, ready=event)
-    assert time.monotonic() - start < 0.5, "send() waited for the event"
+    raised: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            sender.send(src, last=True, ready=event)
+        except BaseException as exc:
+            raised.append(exc)
+
+    sending = threading.Thread(target=send, daemon=True)
+    sending.start()
+    sending.join(5.0)  # the event completes only below: a send() that waited for it would never return
+    assert not sending.is_alive(), "send() waited for the event"
+    assert not raised, raised
     time.sleep(0.3)  # a transport that ignored the event would have copied by now
     assert receiver.poll() is KVPoll.Transferring and sender.poll() is KVPoll.Transferring
     _rewrite(prefill, src, seed=5)
