@@ -168,11 +168,12 @@ class BootstrapClient:
             return None
         return reply.message if isinstance(reply, ErrorReply) and reply.code == "auth" else None
 
-    def register(self, rank: RankInfo) -> Registered:
+    def register(self, rank: RankInfo, *, waiting: Callable[[], AbstractContextManager] | None = None) -> Registered:
+        """Register (or renew) ``rank``; ``waiting`` as :meth:`request`'s."""
         msg, last = Register(rank=rank), self._registration
         if last is None or last[0] is not rank:
             last = self._registration = (rank, codec.pack(msg))
-        return self._expect(self._request(last[1], msg, None), Registered)
+        return self._expect(self._request(last[1], msg, None, None, waiting), Registered)
 
     def unregister(self, rank: RankInfo, *, timeout_s: float = 0.5) -> Unregistered:
         """Remove ``rank``'s entry now (only if the server holds it with

@@ -191,7 +191,8 @@ def test_a_periodic_caller_decodes_a_reply_only_when_it_changed(secret):
         assert full.ready and full.ranks == (moved, _rank(1)) and client.lookup("p0", 0) is full
 
 
-def test_a_lookup_tells_its_caller_where_it_waits_and_paces_after_a_fresh_socket(bootstrap_server):
+def test_a_lookup_or_registration_tells_its_caller_where_it_waits_and_paces_after_a_fresh_socket(
+        bootstrap_server):
     """A caller that measures its holds of the interpreter lock (the link
     resolver) learns where the request waits for the reply (``waiting()``
     around exactly that wait), and is paced once the client opened a fresh
@@ -214,6 +215,9 @@ def test_a_lookup_tells_its_caller_where_it_waits_and_paces_after_a_fresh_socket
         assert events[3:].count("pace") >= 1 and set(events[3:]) == {"pace"}, events  # the reply's ranks decoded
         events.clear()
         client.lookup("p0", 0, partial=True, waiting=waiting)  # the socket is open: no pace
+        assert events == ["wait", "replied"]
+        events.clear()
+        assert client.register(_rank(0), waiting=waiting).num_registered == 1  # re-registration's round too
         assert events == ["wait", "replied"]
 
 

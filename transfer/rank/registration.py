@@ -21,6 +21,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 from bootstrap.messages import RankInfo
 from transfer.config import ManagerConfig
@@ -102,10 +103,10 @@ class Registration:
             while not self._stop.wait(self.config.register_interval_s):
                 with self.round_times.round("register") as round_:
                     try:
-                        client.register(self.rank)
+                        client.register(self.rank, waiting=round_.waiting)  # the reply's wait is no hold
                         n += 1
                         if not learned or n % LEARN_EVERY == 0:
-                            learned = self._learn(client, round_.tick)
+                            learned = self._learn(client, round_.tick, round_.waiting)
                     except KVFerryError as exc:
                         if reachable:
                             log.warning("%s: re-registration failed (will keep trying): %s", self.where, exc)
@@ -118,15 +119,17 @@ class Registration:
         finally:
             client.close()
 
-    def _learn(self, client: BootstrapClient, pace: Callable[[], None] = lambda: None) -> bool:
+    def _learn(self, client: BootstrapClient, pace: Callable[[], None] = lambda: None,
+               waiting: Callable[[], AbstractContextManager] | None = None) -> bool:
         """Hand on the transfer sessions of this node's ranks, every DP
         group (``pace()`` before each: a round gives the interpreter lock up
-        between groups); True when every group answered ready."""
+        between groups; each reply waited for inside ``waiting()``); True
+        when every group answered ready."""
         sessions, complete = {self.rank.session}, True
         for dp in range(self.config.dp_size):
             pace()
             try:
-                reply = client.lookup(self.config.node_id, dp, pace=pace)
+                reply = client.lookup(self.config.node_id, dp, pace=pace, waiting=waiting)
             except KVFerryError as exc:
                 log.debug("%s: looking up this node's ranks: %s", self.where, exc)
                 complete = False
