@@ -29,6 +29,7 @@ import pytest
 
 from harness.cold_pairs import pair_spec
 from harness.launch import BootstrapProcess
+from transfer.config import EngineConfig
 
 from .conftest import only_on
 from .ranks import Rank, assert_all_success
@@ -39,7 +40,7 @@ pytestmark = only_on("mooncake", "the handshake listener and the metadata relay 
 # port's time, seconds (p2p: the open's 3 s bound; relay: the listener's 5 s). The bounds sit well under it
 # and well over what a loaded 2-core machine adds to a call that does not wait (a clean clone once held
 # 8.5 ms against a former 5 ms bound, with no handshake anywhere near the call).
-HELD_PORT_S = 3.0
+HELD_PORT_S = EngineConfig().handshake_timeout_s  # the ranks' own (default) bound
 MAX_HELD_S = HELD_PORT_S / 30
 MAX_CALL_S = HELD_PORT_S / 6
 
@@ -104,7 +105,7 @@ def test_a_held_handshake_port_never_blocks_the_prefill_scheduler(mode):
             else:
                 assert second["state"] == "Failed" and second["error_type"] == "HandshakeError", second
                 assert "handshake" in second["error"] and d2.ready["session"] in second["error"], second
-                assert took < 3.0 + 2.0  # handshake_timeout_s, and a loaded machine's slack
+                assert took < HELD_PORT_S + 2.0  # handshake_timeout_s, and a loaded machine's slack
                 assert p["results"]["20"]["state"] == "Failed", p["results"]["20"]
             assert r1["results"]["10"]["ended_at"] > started
         finally:

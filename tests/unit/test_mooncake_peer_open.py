@@ -150,7 +150,8 @@ def test_relay_never_contacts_a_held_handshake_listener():
 
 
 def test_relay_a_silent_data_port_stalls_only_its_own_peer():
-    writer = MooncakeTransport(EngineConfig(protocol="tcp", handshake_timeout_s=1.5))
+    handshake_s = 1.5
+    writer = MooncakeTransport(EngineConfig(protocol="tcp", handshake_timeout_s=handshake_s))
     good = MooncakeTransport(EngineConfig(protocol="tcp"))
     src = np.random.default_rng(6).integers(0, 256, 64 << 10, dtype=np.uint8)
     dst = np.zeros(64 << 10, dtype=np.uint8)
@@ -180,12 +181,12 @@ def test_relay_a_silent_data_port_stalls_only_its_own_peer():
             time.sleep(0.01)
         assert listener.held, "the probe write never reached the silent data port"
         # Meanwhile the good peer's writes go on: each takes milliseconds, and one that waited behind the
-        # stalled open would take its 1.5 s handshake bound (a fifth of it is the line between the two).
+        # stalled open would take its handshake bound (a fifth of it is the line between the two).
         for i in range(20):
             done = Done()
             t0 = time.monotonic()
             writer.submit(good.session, _plan(src, dst.ctypes.data, src.nbytes), done, None)
-            assert done.wait(2.0) is None and time.monotonic() - t0 < 1.5 / 5
+            assert done.wait(2.0) is None and time.monotonic() - t0 < handshake_s / 5
             assert not stalled.calls or i > 0
         assert bytes(dst) == bytes(src)
         error = stalled.wait(5.0)
