@@ -111,7 +111,7 @@ def _stats(mgr: KVManager) -> dict:
             "malformed": mgr.channel.num_malformed, "unauthenticated": mgr.channel.num_unauthenticated,
             "received": mgr.channel.num_received, "bytes_sent": mgr.transport.num_bytes,
             "pages_written": mgr.storage.num_pages_written if mgr.storage else 0,
-            "fenced": mgr.rank.fenced,
+            "fenced": mgr.rank.fenced, "peers_lost": totals.peers_lost,
             "arenas_retired": getattr(mgr.context.staging.area, "num_retired", 0) if mgr.context.staging else 0,
             "pages_read": mgr.storage.num_pages_read if mgr.storage else 0,
             "handshake_stale_writes": mgr.transport.handshake_counts().get("handshake_stale_writes", 0),

@@ -14,6 +14,15 @@ without waiting out ``timeout_s``.
 
 A peer that stops being watched is forgotten, and the next time it is
 watched starts with a full ``timeout_s`` of grace.
+
+Silence is counted on the watcher's own clock of watching: the caller steps
+every ``interval_s`` or sooner, and time beyond ``interval_s`` between two
+steps is a pause of the watcher (its process stopped or starved, its host
+paused), when nothing it could have heard was taken in. That time is
+credited to every peer, so a watcher that runs again judges its peers by
+what it hears from then on: a peer that answers is not lost for the
+watcher's own pause, and one that stays silent is lost once it has been
+watched for ``timeout_s`` in all.
 """
 
 from __future__ import annotations
@@ -36,6 +45,8 @@ class Liveness:
             raise ValueError(f"need 0 < interval_s ({interval_s}) < timeout_s ({timeout_s})")
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self._peers: dict[str, _Peer] = {}
+        self._stepped: float | None = None  # when the last step ran
+        self.paused_s = 0.0  # the watcher's pauses credited so far (see the module docstring)
 
     @property
     def num_watched(self) -> int:
@@ -56,9 +67,15 @@ class Liveness:
         """``watched``: session -> control endpoint of each peer with live
         rooms; ``gone``: sessions known gone. Returns the (session, endpoint)
         pairs to ping now, and the sessions lost (silent for ``timeout_s``,
-        or gone and silent for ``interval_s``), each reported once."""
+        or gone and silent for ``interval_s``, less the watcher's pauses),
+        each reported once."""
         for session in self._peers.keys() - watched.keys():
             del self._peers[session]
+        if self._stepped is not None and (paused := now - self._stepped - self.interval_s) > 0:
+            self.paused_s += paused
+            for peer in self._peers.values():
+                peer.heard = min(now, peer.heard + paused)
+        self._stepped = now
         to_ping, lost = [], []
         for session, endpoint in watched.items():
             peer = self._peers.get(session)

@@ -219,6 +219,37 @@ def test_a_rank_whose_interpreter_lock_is_held_is_not_taken_for_dead(cluster, vi
     assert_all_success(d, rooms)
 
 
+@pytest.mark.parametrize("in_flight", [False, True], ids=["between-rooms", "mid-transfer"])
+def test_a_paused_machine_takes_no_peer_for_dead_once_it_runs_again(cluster, in_flight):
+    """Both ranks stopped at once (SIGSTOP) for three times peer_timeout_s, as
+    a virtual machine its host pauses, their link under watch (idle, or with
+    rooms in flight): once both run again, neither takes the other for dead
+    (the time a rank's own watch did not run is no peer's silence), and the
+    rooms succeed byte-exact on the same link."""
+    prefill, decode = cluster.rank("prefill"), cluster.rank("decode")
+    _warm(prefill, decode)
+    rooms = [10, 11, 12]
+    if in_flight:
+        prefill.send(op="rooms", rooms=rooms, timeout_s=60, chunk_delay_s=0.3)
+        decode.send(op="rooms", rooms=rooms, timeout_s=60)
+        time.sleep(0.8)
+    for rank in (prefill, decode):
+        rank.kill(signal.SIGSTOP)
+    time.sleep(3 * FAST["peer_timeout_s"])
+    for rank in (decode, prefill):  # the watcher first: its peer runs a moment later
+        rank.kill(signal.SIGCONT)
+    if in_flight:
+        p, d = prefill.reply(), decode.reply()
+        assert min(r["ended_at"] for r in d["results"].values()) > time.time() - 3 * FAST["peer_timeout_s"] - 2, \
+            "a room ended before the pause: not in flight"
+        assert_all_success(p, rooms)
+        assert_all_success(d, rooms)
+    else:
+        time.sleep(FAST["peer_timeout_s"])  # rounds of both watches, the link's reconnection
+    assert (prefill.stats()["peers_lost"], decode.stats()["peers_lost"]) == (0, 0)
+    _served(prefill, decode, [20, 21])
+
+
 @pytest.mark.parametrize("victim", ["prefill", "decode"])
 def test_kill_9_is_found_within_5_s_at_the_default_settings(cluster, victim):
     """With ManagerConfig's own heartbeat and peer timeout (4 s): the

@@ -24,15 +24,40 @@ def test_pings_every_interval_and_loses_a_silent_peer_once():
     assert lv.silent_for("a", 5.0) == 0.0 and lv.silent_for("b", 5.0) == 0.5
 
 
+def _steps(lv, watched, times, **kw):
+    """Step at each of ``times``; the sessions lost, in order."""
+    return [session for t in times for session in lv.step(watched, now=t, **kw)[1]]
+
+
 def test_a_lost_peer_watched_again_gets_full_grace():
     lv = Liveness(interval_s=1.0, timeout_s=4.0)
-    lv.step({"a": "tcp://a"}, now=0.0)
-    assert lv.step({"a": "tcp://a"}, now=4.5)[1] == ["a"]
+    a = {"a": "tcp://a"}
+    assert _steps(lv, a, [i * 0.5 for i in range(9)]) == []  # 0 .. 4.0: silent 4 s, not more
+    assert lv.step(a, now=4.5)[1] == ["a"]
     # ...and watched again (it came back, or a new room names it): fresh grace, pinged at once
-    ping, lost = lv.step({"a": "tcp://a"}, now=5.0)
+    ping, lost = lv.step(a, now=5.0)
     assert ping == [("a", "tcp://a")] and lost == []
-    assert lv.step({"a": "tcp://a"}, now=8.9)[1] == []
-    assert lv.step({"a": "tcp://a"}, now=9.1)[1] == ["a"]
+    assert _steps(lv, a, [5.5, 6.0, 6.5, 7.0, 7.5, 8.0, 8.5, 8.9]) == []
+    assert lv.step(a, now=9.1)[1] == ["a"]
+
+
+def test_a_pause_of_the_watcher_is_no_peers_silence():
+    """The watcher does not run for 10 s (its process stopped or starved, its
+    host paused): only ``interval_s`` of that counts, so both peers are pinged
+    at once, not lost; one that answers stays, one that stays silent is lost
+    once watched for ``timeout_s`` in all."""
+    lv = Liveness(interval_s=1.0, timeout_s=4.0)
+    watched = {"a": "tcp://a", "b": "tcp://b"}
+    assert _steps(lv, watched, [0.0, 0.5, 1.0]) == []
+    ping, lost = lv.step(watched, now=11.0)
+    assert lost == [] and sorted(s for s, _ in ping) == ["a", "b"]
+    assert lv.paused_s == 9.0 and lv.silent_for("b", 11.0) == 2.0  # 1 s before the pause, 1 s of it
+    lv.heard("a", 11.2)
+    assert _steps(lv, watched, [11.5, 12.0, 12.5, 13.0]) == []
+    assert lv.step(watched, now=13.5)[1] == ["b"]
+    assert lv.silent_for("a", 13.5) == pytest.approx(2.3)
+    # a step late by no more than interval_s is no pause: nothing credited
+    assert lv.step(watched, now=14.5)[1] == [] and lv.paused_s == 9.0
 
 
 def test_unwatched_peers_are_forgotten():
@@ -58,7 +83,7 @@ def test_a_gone_peer_is_lost_after_one_interval_of_silence():
     """Gone (its address refuses connections): lost once silent for ``interval_s``, not ``timeout_s``."""
     lv = Liveness(interval_s=1.0, timeout_s=4.0)
     watched = {"a": "tcp://a", "b": "tcp://b"}
-    lv.step(watched, now=0.0)
+    assert _steps(lv, watched, [0.0, 0.5, 1.0, 1.5, 2.0]) == []
     lv.heard("a", 2.0)
     assert lv.step(watched, now=2.5, gone={"a", "b"})[1] == ["b"]  # b silent 2.5 s, a only 0.5 s
     assert lv.step(watched, now=3.1, gone={"a"})[1] == ["a"]

@@ -129,13 +129,19 @@ class PeerWatch:
                     self.liveness.heard(session, now - self._link_lag_s)
                 elif link is Link.GONE:
                     gone.add(session)
+            paused_before = self.liveness.paused_s
             to_ping, lost = self.liveness.step(watched, now, gone)
+            paused = self.liveness.paused_s - paused_before
             self.totals.num_peers_lost += len(lost)
             self._seq += 1
             seq = self._seq
             # Taken before the pings go out: a request sent before ``now`` went before this ping.
             self._pinged_at[seq] = now
             self._pinged_at.pop(seq - _PINGS_REMEMBERED, None)
+        if paused >= self.config.peer_timeout_s / 2 and watched:
+            log.warning("%s: this rank's watch did not run for %.1f s (its process stopped or starved, or its host "
+                        "paused): not counted as silence of its %d watched peers", self.where,
+                        paused + self.config.heartbeat_interval_s, len(watched))
         ping = PeerPing(session=self.session, endpoint=self.endpoint, seq=seq)
         for _, endpoint in to_ping:
             try:
