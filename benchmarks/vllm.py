@@ -9,8 +9,9 @@ One run, the same prompts for every connector (``make bench-vllm``):
 - ``nixl``: NixlConnector, ``kv_buffer_device: cpu``, sequential protocol,
   as vLLM configures it; ``nixl-tuned``: the same corrected for one core per
   server: its agents' progress thread sleeps between polls instead of
-  spinning (``benchmarks/vllm_site``) and UCX runs one worker thread
-  (``num_threads: 1``, vLLM's default 4);
+  spinning and UCX runs one worker thread (``num_threads: 1``, vLLM's
+  default 4): :func:`harness.nixl_agents.tuned_connector`, as the tests'
+  reference pair;
 - ``mooncake``: MooncakeConnector, ``mooncake_protocol: tcp``, concurrent
   protocol (``transfer_id``), with ``benchmarks/vllm_site`` on its servers'
   PYTHONPATH (no accelerator);
@@ -55,13 +56,11 @@ import urllib.request
 import uuid
 
 from benchmarks.server_runs import percentile, rewrite_block, run_rounds
+from harness.nixl_agents import tuned_connector
 from harness.vllm import (VOCAB, ServerSpec, VLLMServer, VllmRouter, _body, build_tiny_mla_model, build_tiny_model,
                           free_port, free_ports, post)
 
 SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_site")
-#: nixl-tuned: the NIXL agent's progress thread sleeps this long between polls
-#: (vLLM's NIXL agents spin it, delay 0), and one UCX worker thread (vLLM's default 4)
-NIXL_TUNED_DELAY_US, NIXL_TUNED_THREADS = 100, 1
 KVFERRY = ("kvferry", "kvferry-concurrent", "kvferry-router")
 #: behind vllm-router: CONNECTOR@vllm-router-MODE rows, kvferry's beside the in-tree connector of each mode
 ROUTED = ("kvferry@vllm-router-nixl", "nixl@vllm-router-nixl", "kvferry@vllm-router-mooncake",
@@ -108,14 +107,13 @@ def kv_configs(name: str, ports: dict) -> tuple[dict, dict, dict, dict]:
         prefill = {**extra, "kvferry_serve_bootstrap": True}
         return ({**base, "kv_role": "kv_producer", "kv_connector_extra_config": prefill},
                 {**base, "kv_role": "kv_consumer", "kv_connector_extra_config": extra}, {}, {})
-    if name in ("nixl", "nixl-tuned"):
+    if name == "nixl-tuned":  # corrected for a core per server (see the module's docstring)
+        (prefill, prefill_env), (decode, decode_env) = (tuned_connector(ports[k]) for k in ("nixl_p", "nixl_d"))
+        return prefill, decode, prefill_env, decode_env
+    if name == "nixl":
         base = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
-        tuned = {}
-        if name == "nixl-tuned":  # corrected for a core per server (see the module's docstring)
-            base["kv_connector_extra_config"] = {"num_threads": NIXL_TUNED_THREADS}
-            tuned = {"PYTHONPATH": SITE, "KVFERRY_BENCH_NIXL_PROGRESS_DELAY_US": str(NIXL_TUNED_DELAY_US)}
-        return (base, dict(base), {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(ports["nixl_p"]), **tuned},
-                {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(ports["nixl_d"]), **tuned})
+        return (base, dict(base), {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(ports["nixl_p"])},
+                {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(ports["nixl_d"])})
     if name == "mooncake":
         extra = {"mooncake_protocol": "tcp"}
         env = {"PYTHONPATH": SITE}

@@ -273,7 +273,7 @@ class ServerProcess:
                          if "kvferry" in line and "kv_connector_extra_config" not in line
                          and "request_logger.py" not in line)
 
-    def lines_naming(self, needles: list[str], last: int = 12, width: int = 400) -> list[str]:
+    def lines_naming(self, needles: list[str], last: int = 12, width: int = 2000) -> list[str]:
         """The log's last ``last`` lines that contain one of ``needles`` (a
         request id, a room), each cut to ``width`` characters."""
         lines = [line for line in self.log_tail(10_000_000).splitlines() if any(n in line for n in needles)]

@@ -35,7 +35,7 @@ pytest.importorskip("vllm")
 from harness.vllm import (VOCAB, ServerSpec, VLLMServer, _body, build_tiny_gdn_model, complete,  # noqa: E402
                           free_ports, pd_complete, post, tokens_of)
 from tests.engines.vllm.pd_servers import (digests, group_digests, idle_steps, kvferry_pair, logged,  # noqa: E402
-                                           nixl_pair, prompt_sources_since, running)
+                                           nixl_complete, nixl_pair, prompt_sources_since, running)
 from transfer.adapters.vllm.params import DEFAULT_IDLE_WAIT_S  # noqa: E402
 
 MAX_TOKENS = 8
@@ -63,7 +63,7 @@ def test_gdn_state_and_attention_pages_move_byte_exact_and_decode_tokens_equal_a
         prompt = [rng.randrange(4, VOCAB) for _ in range(n)]
         want = complete(servers["reference"], model, prompt, MAX_TOKENS).tokens
         got = pd_complete(prefill, decode, model, prompt, MAX_TOKENS)
-        nixl = pd_complete(servers["nixl-prefill"], servers["nixl-decode"], model, prompt, MAX_TOKENS)
+        nixl = nixl_complete(servers, model, prompt, MAX_TOKENS)
         assert got.tokens == nixl.tokens, f"{n} tokens: kvferry's decode {got.tokens} != NixlConnector's {nixl.tokens}"
         assert got.tokens[0] == want[0], f"{n} tokens: decode {got.tokens} != single instance {want}"
         matches.append(got.tokens == want)

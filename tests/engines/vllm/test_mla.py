@@ -45,8 +45,8 @@ pytest.importorskip("vllm")
 
 from harness.vllm import (VOCAB, ServerSpec, VLLMServer, build_tiny_mla_model, complete, free_ports,  # noqa: E402
                           pd_complete)
-from tests.engines.vllm.pd_servers import (digests, kvferry_pair, logged, nixl_pair, prompt_sources_since,  # noqa: E402
-                                           rank_digests, running)
+from tests.engines.vllm.pd_servers import (digests, kvferry_pair, logged, nixl_complete, nixl_pair,  # noqa: E402
+                                           prompt_sources_since, rank_digests, running)
 from tests.engines.vllm.test_pd import stats_of  # noqa: E402
 
 MAX_TOKENS = 8
@@ -107,7 +107,7 @@ def test_mla_moves_every_prompt_token_page_exact_and_decode_tokens_equal_vllms_o
         prompt = [rng.randrange(4, VOCAB) for _ in range(n)]
         want = complete(servers["reference"], model, prompt, MAX_TOKENS).tokens
         got = pd_complete(prefill, decode, model, prompt, MAX_TOKENS)
-        nixl = pd_complete(servers["nixl-prefill"], servers["nixl-decode"], model, prompt, MAX_TOKENS)
+        nixl = nixl_complete(servers, model, prompt, MAX_TOKENS)
         assert got.tokens == nixl.tokens, f"{n} tokens: kvferry's decode {got.tokens} != NixlConnector's {nixl.tokens}"
         # Decode recomputes the prompt's last token (vLLM does, to get its logits) as a one-token
         # step over the received cache: the CPU MLA backend's decode kernel, where a single instance
