@@ -10,7 +10,7 @@ One run, the same prompts for every connector (``make bench-vllm``):
   as vLLM configures it; ``nixl-tuned``: the same corrected for one core per
   server: its agents' progress thread sleeps between polls instead of
   spinning and UCX runs one worker thread (``num_threads: 1``, vLLM's
-  default 4): :func:`harness.nixl_agents.tuned_connector`, as the tests'
+  default 4): :func:`harness.nixl_agents.connector`, as the tests'
   reference pair;
 - ``mooncake``: MooncakeConnector, ``mooncake_protocol: tcp``, concurrent
   protocol (``transfer_id``), with ``benchmarks/vllm_site`` on its servers'
@@ -56,7 +56,7 @@ import urllib.request
 import uuid
 
 from benchmarks.server_runs import percentile, rewrite_block, run_rounds
-from harness.nixl_agents import tuned_connector
+from harness.nixl_agents import connector as nixl_connector
 from harness.vllm import (VOCAB, ServerSpec, VLLMServer, VllmRouter, _body, build_tiny_mla_model, build_tiny_model,
                           free_port, free_ports, post)
 
@@ -107,13 +107,10 @@ def kv_configs(name: str, ports: dict) -> tuple[dict, dict, dict, dict]:
         prefill = {**extra, "kvferry_serve_bootstrap": True}
         return ({**base, "kv_role": "kv_producer", "kv_connector_extra_config": prefill},
                 {**base, "kv_role": "kv_consumer", "kv_connector_extra_config": extra}, {}, {})
-    if name == "nixl-tuned":  # corrected for a core per server (see the module's docstring)
-        (prefill, prefill_env), (decode, decode_env) = (tuned_connector(ports[k]) for k in ("nixl_p", "nixl_d"))
+    if name in ("nixl", "nixl-tuned"):  # tuned: corrected for a core per server (see the module's docstring)
+        (prefill, prefill_env), (decode, decode_env) = (nixl_connector(ports[k], tuned=name == "nixl-tuned")
+                                                        for k in ("nixl_p", "nixl_d"))
         return prefill, decode, prefill_env, decode_env
-    if name == "nixl":
-        base = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
-        return (base, dict(base), {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(ports["nixl_p"])},
-                {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(ports["nixl_d"])})
     if name == "mooncake":
         extra = {"mooncake_protocol": "tcp"}
         env = {"PYTHONPATH": SITE}

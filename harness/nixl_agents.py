@@ -4,7 +4,8 @@ harness's servers (the tests' reference pair, the benchmark's ``nixl-tuned``).
 NIXL's Python API creates every agent with its progress thread's poll delay
 (``pthrDelay``) at 0: the thread spins on a core for the agent's whole life
 (an idle agent used 3.0 CPU-s in 3 s here, docs/vllm.md). kvferry's own NIXL
-transport creates its agents with a delay (:func:`transfer.transport.nixl.api.new_agent`);
+transport creates its agents with a delay (:func:`transfer.transport.nixl.api.new_agent`,
+the same wrapper for one call);
 vLLM's connector cannot be told to. On a 2-core machine a reference pair's
 two spinning threads take both cores from every server beside them for the
 whole test. A server whose environment names :data:`ENV` (microseconds)
@@ -25,38 +26,32 @@ TUNED_DELAY_US, TUNED_THREADS = 100, 1
 _BINDINGS = ("nixl_cu13._bindings", "nixl_cu12._bindings")
 
 
-def tuned_connector(side_channel_port: int) -> tuple[dict, dict]:
+def connector(side_channel_port: int, *, tuned: bool = True) -> tuple[dict, dict]:
     """(kv-transfer config, environment) of vLLM's NixlConnector on one side
-    of a pair, corrected for a core per server: agents that do not spin and
-    one UCX worker thread. It moves the same bytes the same way."""
-    config = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
-              "kv_connector_extra_config": {"num_threads": TUNED_THREADS}}
-    return config, {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port), ENV: str(TUNED_DELAY_US)}
-
-
-def with_progress_delay(bindings, delay_us: int) -> None:
-    """``bindings.nixlAgent`` (NIXL's compiled module) from now on creates
-    agents whose progress thread sleeps ``delay_us`` between polls; the
-    wrapper names the delay (``progress_delay_us``)."""
-    real = bindings.nixlAgent
-
-    def agent(agent_name, config):
-        config.pthrDelay = delay_us
-        return real(agent_name, config)
-
-    agent.progress_delay_us = delay_us
-    bindings.nixlAgent = agent
+    of a pair: as vLLM configures it, or ``tuned`` for a core per server
+    (agents that do not spin, one UCX worker thread), which moves the same
+    bytes the same way."""
+    config = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+    env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port)}
+    if tuned:
+        config["kv_connector_extra_config"] = {"num_threads": TUNED_THREADS}
+        env[ENV] = str(TUNED_DELAY_US)
+    return config, env
 
 
 def from_env() -> int:
     """With :data:`ENV` set: every NIXL build installed gets the delay
-    (:func:`with_progress_delay`). Returns the delay, 0 where none was set
+    (:func:`transfer.transport.nixl.api.with_progress_delay` on its
+    binding's constructor, for good). Returns the delay, 0 where none was set
     or NIXL is not installed. What vLLM sets before its own first import of
     NIXL (``vllm/distributed/nixl_utils.py``) is set first, as this import
     now precedes it."""
     delay_us = int(os.environ.get(ENV) or 0)
     if delay_us <= 0:
         return 0
+    # imported here: every process of every harness server runs this module at start-up
+    from transfer.transport.nixl.api import with_progress_delay
+
     os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
     found = False
     for name in _BINDINGS:
@@ -64,6 +59,6 @@ def from_env() -> int:
             bindings = importlib.import_module(name)
         except ImportError:
             continue
-        with_progress_delay(bindings, delay_us)
+        bindings.nixlAgent = with_progress_delay(bindings.nixlAgent, delay_us)
         found = True
     return delay_us if found else 0

@@ -46,7 +46,7 @@ class Liveness:
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self._peers: dict[str, _Peer] = {}
         self._stepped: float | None = None  # when the last step ran
-        self.paused_s = 0.0  # the watcher's pauses credited so far (see the module docstring)
+        self.last_pause_s = 0.0  # the watcher's pause the last step credited (see the module docstring)
 
     @property
     def num_watched(self) -> int:
@@ -71,10 +71,10 @@ class Liveness:
         each reported once."""
         for session in self._peers.keys() - watched.keys():
             del self._peers[session]
-        if self._stepped is not None and (paused := now - self._stepped - self.interval_s) > 0:
-            self.paused_s += paused
+        self.last_pause_s = 0.0 if self._stepped is None else max(0.0, now - self._stepped - self.interval_s)
+        if self.last_pause_s:
             for peer in self._peers.values():
-                peer.heard = min(now, peer.heard + paused)
+                peer.heard = min(now, peer.heard + self.last_pause_s)
         self._stepped = now
         to_ping, lost = [], []
         for session, endpoint in watched.items():

@@ -12,7 +12,6 @@ machine does to them:
 """
 
 
-
 def _cpu_device_index() -> None:
     import torch
 

@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from harness.nixl_agents import ENV, TUNED_DELAY_US, tuned_connector, with_progress_delay
+from harness.nixl_agents import ENV, TUNED_DELAY_US, connector
+from transfer.transport.nixl.api import with_progress_delay
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SITE = os.path.join(REPO_ROOT, "harness", "vllm_site")
@@ -40,9 +41,9 @@ def test_the_wrapped_constructor_passes_the_delay_in_the_agents_config():
             made.append((name, config.pthrDelay))
             return "agent"
 
-    with_progress_delay(Bindings, 250)
-    assert Bindings.nixlAgent("a", _Config()) == "agent"
-    assert made == [("a", 250)] and Bindings.nixlAgent.progress_delay_us == 250
+    delayed = with_progress_delay(Bindings.nixlAgent, 250)
+    assert delayed("a", _Config()) == "agent"
+    assert made == [("a", 250)] and delayed.progress_delay_us == 250
 
 
 def _probe(env: dict) -> tuple[int, float]:
@@ -66,6 +67,8 @@ def test_a_servers_agent_sleeps_between_polls_where_its_environment_names_a_dela
 
 
 def test_the_tuned_connector_names_the_delay_and_one_ucx_thread_for_its_side_channel():
-    config, env = tuned_connector(23456)
+    config, env = connector(23456)
     assert config["kv_connector"] == "NixlConnector" and config["kv_connector_extra_config"] == {"num_threads": 1}
     assert env == {"VLLM_NIXL_SIDE_CHANNEL_PORT": "23456", ENV: str(TUNED_DELAY_US)}
+    shipped, shipped_env = connector(23457, tuned=False)
+    assert "kv_connector_extra_config" not in shipped and shipped_env == {"VLLM_NIXL_SIDE_CHANNEL_PORT": "23457"}

@@ -51,13 +51,13 @@ def test_a_pause_of_the_watcher_is_no_peers_silence():
     assert _steps(lv, watched, [0.0, 0.5, 1.0]) == []
     ping, lost = lv.step(watched, now=11.0)
     assert lost == [] and sorted(s for s, _ in ping) == ["a", "b"]
-    assert lv.paused_s == 9.0 and lv.silent_for("b", 11.0) == 2.0  # 1 s before the pause, 1 s of it
+    assert lv.last_pause_s == 9.0 and lv.silent_for("b", 11.0) == 2.0  # 1 s before the pause, 1 s of it
     lv.heard("a", 11.2)
     assert _steps(lv, watched, [11.5, 12.0, 12.5, 13.0]) == []
     assert lv.step(watched, now=13.5)[1] == ["b"]
     assert lv.silent_for("a", 13.5) == pytest.approx(2.3)
     # a step late by no more than interval_s is no pause: nothing credited
-    assert lv.step(watched, now=14.5)[1] == [] and lv.paused_s == 9.0
+    assert lv.step(watched, now=14.5)[1] == [] and lv.last_pause_s == 0.0
 
 
 def test_unwatched_peers_are_forgotten():

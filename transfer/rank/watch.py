@@ -129,9 +129,8 @@ class PeerWatch:
                     self.liveness.heard(session, now - self._link_lag_s)
                 elif link is Link.GONE:
                     gone.add(session)
-            paused_before = self.liveness.paused_s
             to_ping, lost = self.liveness.step(watched, now, gone)
-            paused = self.liveness.paused_s - paused_before
+            paused = self.liveness.last_pause_s
             self.totals.num_peers_lost += len(lost)
             self._seq += 1
             seq = self._seq

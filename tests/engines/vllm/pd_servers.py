@@ -14,7 +14,7 @@ import time
 import urllib.error
 import warnings
 
-from harness.nixl_agents import tuned_connector
+from harness.nixl_agents import connector as nixl_connector
 from harness.vllm import Completion, ServerSpec, VLLMServer, complete, free_port, pd_complete
 
 TEST_CONNECTOR = {"kv_connector": "CorruptingKvferryConnector",
@@ -48,12 +48,12 @@ def kvferry_pair(model: str, root: str, bootstrap: str, node: str, model_name: s
 
 def nixl_pair(model: str, root: str) -> dict[str, VLLMServer]:
     """vLLM's own NixlConnector pair on the same cores, its agents'
-    progress threads not spinning (:func:`harness.nixl_agents.tuned_connector`:
+    progress threads not spinning (:func:`harness.nixl_agents.connector`:
     as vLLM ships it, each takes a core for the pair's whole life, from every
     server beside it on this 2-core machine)."""
     out = {}
     for side, core in (("prefill", 0), ("decode", 1)):
-        config, env = tuned_connector(free_port())
+        config, env = nixl_connector(free_port())
         out[f"nixl-{side}"] = VLLMServer(ServerSpec(f"nixl-{side}", model, core, config, env=env), root)
     return out
 

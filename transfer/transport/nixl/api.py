@@ -25,6 +25,19 @@ _INSTALL_HINT = "pip install 'kvferry[nixl]' (torch first)"
 _AGENT_CTOR_LOCK = threading.Lock()
 
 
+def with_progress_delay(constructor, progress_delay_us: int):
+    """NIXL's binding's agent ``constructor`` (``nixlAgent(name, config)``)
+    made to set the config's progress-thread poll delay first; the result
+    names the delay (``progress_delay_us``)."""
+
+    def agent(agent_name, config):
+        config.pthrDelay = progress_delay_us
+        return constructor(agent_name, config)
+
+    agent.progress_delay_us = progress_delay_us
+    return agent
+
+
 def new_agent(api, name: str, agent_config, progress_delay_us: int):
     """``api.nixl_agent(name, agent_config)`` whose progress thread sleeps
     ``progress_delay_us`` between polls. NIXL's Python API always passes 0
@@ -34,12 +47,7 @@ def new_agent(api, name: str, agent_config, progress_delay_us: int):
     bindings = api.nixlBind
     with _AGENT_CTOR_LOCK:
         real = bindings.nixlAgent
-
-        def with_delay(agent_name, config):
-            config.pthrDelay = progress_delay_us
-            return real(agent_name, config)
-
-        bindings.nixlAgent = with_delay
+        bindings.nixlAgent = with_progress_delay(real, progress_delay_us)
         try:
             return api.nixl_agent(name, agent_config)
         finally:
