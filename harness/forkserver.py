@@ -281,6 +281,7 @@ def _run_child(request: dict, fds: list[int]) -> None:
             os.close(fd)
     os.environ.clear()
     os.environ.update(request["env"])
+    tempfile.tempdir = None  # the temp directory as the request's TMPDIR says, not as the server found it
     os.chdir(request["cwd"])
     sys.path[0] = request["cwd"]
     if os.environ.get("PYTHONUNBUFFERED"):

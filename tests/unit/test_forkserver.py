@@ -77,3 +77,21 @@ def test_without_the_variable_it_is_plain_exec(tmp_path, monkeypatch):
 def test_stderr_pipe_is_refused_by_name():
     with pytest.raises(ValueError, match="stderr=PIPE"):
         forkserver.spawn_module("tests.unit._forkchild", [], env=dict(os.environ), stderr=subprocess.PIPE)
+
+
+def test_a_child_finds_the_temp_directory_its_own_tmpdir_names(tmp_path):
+    """The warm server read the temp directory (a preloaded module did, as
+    engine modules do at import) under the first child's TMPDIR; a later
+    child with another one (an engine suite's own) gets its own."""
+    got = []
+    for name in ("first", "second"):
+        (tmp_path / name).mkdir()
+        proc = _spawn(["exit", "0"], tmp_path, TMPDIR=str(tmp_path / name),
+                      **{forkserver.PRELOAD_ENV: "tests.unit._forkpreload"})
+        assert isinstance(proc, forkserver.ForkedProcess)
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        got.append(json.loads(proc.stdout.readline()))
+        assert proc.wait(30) == 0
+    assert got[1]["preloaded_tempdir"] == str(tmp_path / "first")  # forked from the same warm server
+    assert got[0]["tmpdir"] == str(tmp_path / "first") and got[1]["tmpdir"] == str(tmp_path / "second")
