@@ -34,17 +34,12 @@ def engine_tempdir(tmp_path_factory):
     kept as usual, and torch's compile cache stays where torch keeps it by
     default (warm from one run to the next)."""
     tmp_path_factory.getbasetemp()
-    before = {k: os.environ.get(k) for k in ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR")}
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
-                          os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
     scratch = tempfile.mkdtemp(prefix="kvferry-engine-tmp-")
-    os.environ["TMPDIR"] = scratch
-    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
-    yield scratch
-    for key, value in before.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    tempfile.tempdir = None
+    with pytest.MonkeyPatch.context() as env:
+        if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+            env.setenv("TORCHINDUCTOR_CACHE_DIR",
+                       os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
+        env.setenv("TMPDIR", scratch)
+        env.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+        yield scratch
     shutil.rmtree(scratch, ignore_errors=True)
