@@ -1,7 +1,8 @@
 """``python -m benchmarks.busy``: transfers driven by busy schedulers.
 
 Every system runs its prefill and decode sides in separate processes (or,
-``kvferry-one``, kvferry's two managers and one loop in one process), each
+``kvferry-one``, kvferry's two managers and one loop in one process, and
+``mooncake-one``, raw Mooncake's two engines the same way), each
 driven by the scheduler loop of :mod:`benchmarks.busy_loop`: one step every
 10 ms, idle (a sleep), busy (10 ms of pure-Python work), or busy with one
 more pure-Python thread in each process. Each step polls the live rooms
@@ -38,7 +39,7 @@ WORKLOADS = {
 }
 MODES = {"idle": dict(busy_share=0.0, extra_thread=False), "busy": dict(busy_share=1.0, extra_thread=False),
          "busy+thread": dict(busy_share=1.0, extra_thread=True)}
-SYSTEMS = ("kvferry", "kvferry-one", "mooncake", "nixl", "sglang")
+SYSTEMS = ("kvferry", "kvferry-one", "mooncake", "mooncake-one", "nixl", "sglang")
 RANK_TIMEOUT_S = 900
 
 
@@ -152,6 +153,10 @@ def run_cell(system: str, cfg: BusyConfig) -> list[dict]:
                 for proc in ranks:
                     cell.ready(proc)
                 return cell.drive(cfg, ranks)
+        if system == "mooncake-one":
+            ranks = [cell.spawn("mc-both", cfg)]
+            cell.ready(ranks[0])
+            return cell.drive(cfg, ranks)
         engine = {"mooncake": "mc", "nixl": "nixl"}[system]
         env = {"UCX_NET_DEVICES": "lo"} if engine == "nixl" else {}
         decode = cell.spawn(f"{engine}-decode", cfg, env=env)
@@ -280,7 +285,7 @@ def sglang_available() -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.busy", description=__doc__.split("\n")[0])
-    ap.add_argument("--systems", default="kvferry,kvferry-one,mooncake,nixl,sglang")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--requests", type=int, help="override every workload's request count")

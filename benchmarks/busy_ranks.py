@@ -11,7 +11,10 @@
   ``batch_transfer_async_write``, waits for it at the step after
   (``get_batch_transfer_status``) and answers ``done``;
 - ``nixl-prefill``, ``nixl-decode``: raw NIXL (UCX) the same way, one
-  prepared transfer per request, its state checked once per step.
+  prepared transfer per request, its state checked once per step;
+- ``mc-both``: raw Mooncake with both sides, two engines and one loop in
+  one process (``kvferry-both``'s reference): decode's ask and prefill's
+  ``done`` are the loop's own lists instead of messages.
 
 Every rank prints ``BUSY_READY <json>`` once set up (raw decode ranks:
 where prefill reaches them), runs the scheduler loop of
@@ -379,10 +382,75 @@ def run_raw_prefill(cfg: BusyConfig, engine: str, peer: dict) -> int:
     return 0 if not told and not waiting else 1
 
 
+def run_raw_both(cfg: BusyConfig) -> int:
+    """Raw Mooncake, both sides in this process: each step, prefill waits
+    for the batches it wrote a step ago and says them done (decode sees it
+    in the same step), then writes the rooms opened before the step."""
+    from benchmarks.rawengine import make_engine, register_region
+    src, dst = _arena(cfg, cfg.prefill_pages, 0x5A), _arena(cfg, cfg.decode_pages, 0)
+    src[:] = np.frombuffer(np.random.default_rng(cfg.seed).bytes(src.nbytes), dtype=np.uint8)  # pages tell apart
+    writer, reader = make_engine("127.0.0.1", "tcp"), make_engine("127.0.0.1", "tcp")
+    register_region(writer, src.ctypes.data, src.nbytes)
+    register_region(reader, dst.ctypes.data, dst.nbytes)
+    session = f"127.0.0.1:{reader.get_rpc_port()}"
+    sizes = np.full(cfg.num_buffers * cfg.pages, cfg.page_bytes, dtype=np.int64).tolist()
+    ready()
+    alloc, sched, feed = DecodePages(cfg), Scheduler(cfg), Feed()
+    created, sent, pre_done, dec_done, live, asked, waiting = {}, {}, {}, {}, {}, [], []
+    last = None  # the room that ended last and its decode pages
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (feed.closed and not live) and time.monotonic() < deadline:
+        for room in feed.take():  # decode opens the room and asks; prefill is told of it
+            created[room] = time.time()
+            live[room] = alloc.take()
+            asked.append(room)
+        sched.step()
+        if waiting:  # written a step ago: wait for them (the engine spins, GIL released)
+            if writer.get_batch_transfer_status([bid for _, bid in waiting]) != 0:
+                raise SystemExit("a raw Mooncake batch failed")
+            for room, _ in waiting:
+                pre_done[room] = time.time()
+                Feed.done("prefill", room)
+            for room, _ in waiting:  # decode's poll, the same step
+                dec_done[room] = time.time()
+                last = (room, live[room])
+                alloc.give(live.pop(room))
+                Feed.done("decode", room)
+            waiting = []
+        for room in asked:
+            s = _page_addrs(cfg, src.ctypes.data, cfg.prefill_pages, src_pages(cfg, room - FIRST_ROOM))
+            d = _page_addrs(cfg, dst.ctypes.data, cfg.decode_pages, live[room])
+            sent[room] = time.time()
+            bid = writer.batch_transfer_async_write(session, s.tolist(), d.tolist(), sizes)
+            if bid == 0:
+                raise SystemExit("Mooncake refused a batch")
+            waiting.append((room, bid))
+        asked = []
+    sched.stop()
+    wrong = _wrong_bytes(cfg, src, dst, last)
+    failed, errors = sorted(live) + wrong, [f"room {r}: its pages on decode differ from prefill's" for r in wrong]
+    print(result_line("prefill", dict(created), pre_done, sent=sent, failed=failed, errors=errors), flush=True)
+    print(result_line("decode", created, dec_done, failed=failed, errors=errors), flush=True)
+    return 0 if not failed else 1
+
+
+def _wrong_bytes(cfg: BusyConfig, src: np.ndarray, dst: np.ndarray, last: tuple | None) -> list[int]:
+    """The last room written (its decode pages are not reused after it), if
+    its pages on decode differ from its pages on prefill: checked once the
+    loop ended, off the clock."""
+    if last is None:
+        return []
+    room, pages = last
+    src_view = src.reshape(cfg.num_buffers, cfg.prefill_pages, cfg.page_bytes)
+    dst_view = dst.reshape(cfg.num_buffers, cfg.decode_pages, cfg.page_bytes)
+    same = np.array_equal(dst_view[:, pages], src_view[:, src_pages(cfg, room - FIRST_ROOM)])
+    return [] if same else [room]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("role", choices=["kvferry-prefill", "kvferry-decode", "kvferry-both", "mc-prefill", "mc-decode",
-                                     "nixl-prefill", "nixl-decode"])
+                                     "mc-both", "nixl-prefill", "nixl-decode"])
     ap.add_argument("--config", required=True)
     ap.add_argument("--peer", default="{}", help="raw prefill: decode's BUSY_READY line")
     args = ap.parse_args(argv)
@@ -390,6 +458,8 @@ def main(argv=None) -> int:
     if args.role.startswith("kvferry"):
         return run_kvferry(cfg, args.role)
     engine, _, side = args.role.partition("-")
+    if side == "both":
+        return run_raw_both(cfg)
     if side == "decode":
         return run_raw_decode(cfg, engine)
     return run_raw_prefill(cfg, engine, json.loads(args.peer))

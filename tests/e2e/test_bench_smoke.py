@@ -298,3 +298,18 @@ def test_the_layerwise_benchmark_runs_a_cell_and_measures_the_exposed_transfer(m
     row = run_cell("llama8b", 1024, 1, mode, "mooncake", False, 1, handover=handover)
     assert row["rooms"] == 1 and row["exposed_p50_ms"] >= 0 and row["forward_ms"] > 0, row
     assert row["handover"] == handover
+
+
+def test_the_busy_benchmark_runs_both_one_process_systems(tmp_path):
+    """benchmarks.busy's one-process cells, kvferry's and raw Mooncake's
+    (whose last room's bytes its rank checks), a few requests each."""
+    out = tmp_path / "busy.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.busy", "--systems", "kvferry-one,mooncake-one",
+                           "--workloads", "short", "--modes", "busy", "--requests", "4", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted(r["system"] for r in rows) == ["kvferry-one", "mooncake-one"]
+    for r in rows:
+        assert "error" not in r, r["error"]
+        assert r["requests"] == 4 and 0 < r["p50_ms"] <= r["max_ms"], r
