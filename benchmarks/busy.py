@@ -64,6 +64,13 @@ class Cell:
     def ready(self, proc: subprocess.Popen, timeout_s: float = 180.0) -> str:
         return _line(proc, "BUSY_READY ", timeout_s)
 
+    def start(self, cfg: BusyConfig, roles: list[str]) -> list[subprocess.Popen]:
+        """One rank process per role, each once it said it is ready."""
+        ranks = [self.spawn(role, cfg) for role in roles]
+        for proc in ranks:
+            self.ready(proc)
+        return ranks
+
     def drive(self, cfg: BusyConfig, ranks: list[subprocess.Popen]) -> list[dict]:
         """Feed ``cfg.num_rooms`` requests to every one of ``ranks`` (each
         already ready), ``cfg.concurrency`` at a time, the next once both
@@ -149,14 +156,9 @@ def run_cell(system: str, cfg: BusyConfig) -> list[dict]:
             with BootstrapProcess() as server:
                 cfg = replace(cfg, bootstrap=server.address)
                 roles = ["kvferry-both"] if system == "kvferry-one" else ["kvferry-prefill", "kvferry-decode"]
-                ranks = [cell.spawn(role, cfg) for role in roles]
-                for proc in ranks:
-                    cell.ready(proc)
-                return cell.drive(cfg, ranks)
+                return cell.drive(cfg, cell.start(cfg, roles))
         if system == "mooncake-one":
-            ranks = [cell.spawn("mc-both", cfg)]
-            cell.ready(ranks[0])
-            return cell.drive(cfg, ranks)
+            return cell.drive(cfg, cell.start(cfg, ["mc-both"]))
         engine = {"mooncake": "mc", "nixl": "nixl"}[system]
         env = {"UCX_NET_DEVICES": "lo"} if engine == "nixl" else {}
         decode = cell.spawn(f"{engine}-decode", cfg, env=env)

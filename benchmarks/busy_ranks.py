@@ -429,7 +429,7 @@ def run_raw_both(cfg: BusyConfig) -> int:
     sched.stop()
     wrong = _wrong_bytes(cfg, src, dst, last)
     failed, errors = sorted(live) + wrong, [f"room {r}: its pages on decode differ from prefill's" for r in wrong]
-    print(result_line("prefill", dict(created), pre_done, sent=sent, failed=failed, errors=errors), flush=True)
+    print(result_line("prefill", created, pre_done, sent=sent, failed=failed, errors=errors), flush=True)
     print(result_line("decode", created, dec_done, failed=failed, errors=errors), flush=True)
     return 0 if not failed else 1
 
