@@ -11,7 +11,6 @@ memory registered with the transport and the scheduler's release of it
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Sequence
 
@@ -32,6 +31,7 @@ from transfer.rank.watch import PeerWatch
 from transfer.rooms.context import RoomContext
 from transfer.rooms.decode_table import DecodeRooms
 from transfer.rooms.prefill_table import PrefillRooms
+from transfer.round_times import RoundLock
 from transfer.staging.build import build_staging
 from transfer.state_pools import StatePool, describe_state
 from transfer.stats import ManagerStats, RankTotals
@@ -105,7 +105,7 @@ class KVManager:
         self.aux = aux = aux_tensors(aux)
         self.states = states = tuple(states)
         self._tensors = (tuple(pools), aux, states)
-        self._lock = threading.RLock()
+        self._lock = RoundLock()  # an RLock; a periodic round's wait for it is no hold (transfer.round_times)
         self._changes = ChangeFeed(self._lock)
         self._pumped_at = 0.0
         self.rooms: PrefillRooms | DecodeRooms | None = None

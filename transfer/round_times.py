@@ -4,6 +4,7 @@ the CPU time of its rounds, by task, for :class:`~transfer.stats.ManagerStats`
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import gc
 import threading
@@ -112,8 +113,33 @@ class RoundTimes:
 SLICE_CPU_S = 0.0003
 
 
+#: The round this thread is in (``round``), if any: :class:`RoundLock` cuts it at a wait.
+_current = threading.local()
+
+
+class RoundLock(_thread.RLock):
+    """A re-entrant lock (the rank's: ``with``, ``acquire``, a
+    ``threading.Condition`` over it) that a periodic round waits for as it
+    waits for anything else: inside the round's ``waiting()``, so the holds
+    on either side are measured apart (the interpreter lock is released
+    while it waits). Uncontended, it is taken at once, as an ``RLock``."""
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if super().acquire(False):
+            return True
+        if not blocking:
+            return False
+        round_ = getattr(_current, "round", None)
+        if round_ is None:
+            return super().acquire(True, timeout)
+        with round_.waiting():
+            return super().acquire(True, timeout)
+
+    __enter__ = acquire
+
+
 class _Round:
-    __slots__ = ("times", "task", "start", "start_wall")
+    __slots__ = ("times", "task", "start", "start_wall", "outer")
 
     def __init__(self, times: RoundTimes, task: str) -> None:
         self.times, self.task = times, task
@@ -136,6 +162,7 @@ class _Round:
 
     def __enter__(self) -> _Round:
         self.times.gc.take_longest()
+        self.outer, _current.round = getattr(_current, "round", None), self
         self._begin()
         return self
 
@@ -174,6 +201,7 @@ class _Round:
         self._begin()
 
     def __exit__(self, *exc) -> None:
+        _current.round = self.outer
         self.times.add(self.task, self._held())
         collected = self.times.gc.take_longest()
         if collected:

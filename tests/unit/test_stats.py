@@ -400,3 +400,49 @@ def test_a_ranks_periodic_work_is_measured_round_by_round(cluster):
         assert set(s.periodic_max_cpu_s) == set(s.periodic_rounds)
         assert all(0 <= v < 1.0 for v in s.periodic_max_cpu_s.values()), s.periodic_max_cpu_s
     assert decode.mgr.stats().periodic_rounds.get("resolver", 0) >= 1
+
+
+def test_a_round_that_waits_for_the_ranks_lock_is_cut_at_the_wait(monkeypatch):
+    """The rank's lock (``RoundLock``) held by another thread: a round that
+    takes it waits inside ``waiting()``, so the holds on either side are
+    measured apart, and what the clock counts during the wait is neither
+    (the fake clock jumps 5 ms while the round waits)."""
+    import threading
+
+    from transfer.round_times import RoundLock, RoundTimes, _Round
+
+    clock = [0.0]
+    monkeypatch.setattr(_Round, "_own", lambda self: clock[0])
+    monkeypatch.setattr(_Round, "_wall", lambda self: clock[0])
+    lock, times = RoundLock(), RoundTimes()
+    held, go = threading.Event(), threading.Event()
+
+    def holder():
+        with lock:
+            held.set()
+            go.wait(5)
+            time.sleep(0.02)  # the round is waiting for the lock by now
+            clock[0] += 0.005
+
+    t = threading.Thread(target=holder)
+    t.start()
+    held.wait(5)
+    with times.round("resolver"):
+        clock[0] += 0.0004
+        go.set()
+        with lock:  # contended: a wait
+            clock[0] += 0.0002
+            with lock:  # re-entrant, at once
+                pass
+    t.join(5)
+    assert times.rounds["resolver"] == 2, times.rounds
+    assert times.max_cpu_s["resolver"] == pytest.approx(0.0004)
+    with times.round("liveness"):  # uncontended: no cut
+        with lock:
+            clock[0] += 0.0003
+    assert times.rounds["liveness"] == 1 and times.max_cpu_s["liveness"] == pytest.approx(0.0003)
+    assert lock.acquire(blocking=False)  # free again
+    lock.release()
+    cond = threading.Condition(lock)  # the change feed's condition over the rank's lock
+    with cond:
+        assert not cond.wait(0.01)
