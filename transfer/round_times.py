@@ -200,6 +200,19 @@ class _Round:
         """Count the round from now (what ran before was not this task's)."""
         self._begin()
 
+    @contextlib.contextmanager
+    def aside(self) -> Iterator[None]:
+        """``with round_.aside(): ...`` around work that is not the round's
+        (the control thread handling the messages that arrived): a wait for
+        a :class:`RoundLock` inside it does not cut the round, so none of it
+        is counted as the round's hold. The caller then calls
+        :meth:`restart` where the work ran."""
+        _current.round = self.outer
+        try:
+            yield
+        finally:
+            _current.round = self
+
     def __exit__(self, *exc) -> None:
         _current.round = self.outer
         self.times.add(self.task, self._held())

@@ -446,3 +446,44 @@ def test_a_round_that_waits_for_the_ranks_lock_is_cut_at_the_wait(monkeypatch):
     cond = threading.Condition(lock)  # the change feed's condition over the rank's lock
     with cond:
         assert not cond.wait(0.01)
+
+
+def test_work_set_aside_in_a_round_is_not_cut_into_holds_at_a_lock_wait(monkeypatch):
+    """The control thread handles the messages that arrived inside its
+    round, ``aside()`` (no periodic work: the round restarts after it). A
+    wait for the rank's lock in that handling must not count what ran
+    before it as one of the round's holds (a drain of 40 ms was, once)."""
+    import threading
+
+    from transfer import round_times
+    from transfer.round_times import RoundLock, RoundTimes, _Round
+
+    clock = [0.0]
+    monkeypatch.setattr(_Round, "_own", lambda self: clock[0])
+    monkeypatch.setattr(_Round, "_wall", lambda self: clock[0])
+    lock, times = RoundLock(), RoundTimes()
+    held, go = threading.Event(), threading.Event()
+
+    def holder():
+        with lock:
+            held.set()
+            go.wait(5)
+            time.sleep(0.02)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    held.wait(5)
+    with times.round("control") as round_:
+        clock[0] += 0.0001
+        with round_.aside():
+            clock[0] += 0.040  # handling messages
+            go.set()
+            with lock:  # contended, but not the round's wait
+                clock[0] += 0.002
+        round_.restart()
+        assert round_times._current.round is round_  # the round's own waits are cut again
+        clock[0] += 0.0002
+    t.join(5)
+    assert times.rounds["control"] == 1, times.rounds
+    assert times.max_cpu_s["control"] == pytest.approx(0.0002)
+    assert getattr(round_times._current, "round", None) is None

@@ -306,7 +306,7 @@ class ZmqChannel:
             with self.round_times.round("control") as round_:  # an idle wake-up, or connection events
                 self._hand_over.wait(round_.waiting)
                 start = self._hand_over.start_drain()
-                with _taken(self._recv_lock, round_):
+                with _taken(self._recv_lock, round_), round_.aside():  # handling messages is no periodic work
                     handled = self._drain_locked(own=True)
                 if handled:
                     self._hand_over.drain_ended(start)
