@@ -402,6 +402,36 @@ def test_a_ranks_periodic_work_is_measured_round_by_round(cluster):
     assert decode.mgr.stats().periodic_rounds.get("resolver", 0) >= 1
 
 
+class _HeldLock:
+    """A ``RoundLock`` held by another thread until :meth:`release_soon`
+    (then 20 ms on, the waiter waiting by then; ``jump_s`` added to the fake
+    clock that stands in for a round's CPU and wall clocks as it lets go)."""
+
+    def __init__(self, monkeypatch, jump_s: float = 0.0) -> None:
+        import threading
+
+        from transfer.round_times import RoundLock, _Round
+
+        self.clock = [0.0]
+        monkeypatch.setattr(_Round, "_own", lambda _: self.clock[0])
+        monkeypatch.setattr(_Round, "_wall", lambda _: self.clock[0])
+        self.lock, held, self._go = RoundLock(), threading.Event(), threading.Event()
+
+        def holder():
+            with self.lock:
+                held.set()
+                self._go.wait(5)
+                time.sleep(0.02)  # the round is waiting for the lock by now
+                self.clock[0] += jump_s
+
+        self.thread = threading.Thread(target=holder)
+        self.thread.start()
+        held.wait(5)
+
+    def release_soon(self) -> None:
+        self._go.set()
+
+
 def test_a_round_that_waits_for_the_ranks_lock_is_cut_at_the_wait(monkeypatch):
     """The rank's lock (``RoundLock``) held by another thread: a round that
     takes it waits inside ``waiting()``, so the holds on either side are
@@ -409,32 +439,18 @@ def test_a_round_that_waits_for_the_ranks_lock_is_cut_at_the_wait(monkeypatch):
     (the fake clock jumps 5 ms while the round waits)."""
     import threading
 
-    from transfer.round_times import RoundLock, RoundTimes, _Round
+    from transfer.round_times import RoundTimes
 
-    clock = [0.0]
-    monkeypatch.setattr(_Round, "_own", lambda self: clock[0])
-    monkeypatch.setattr(_Round, "_wall", lambda self: clock[0])
-    lock, times = RoundLock(), RoundTimes()
-    held, go = threading.Event(), threading.Event()
-
-    def holder():
-        with lock:
-            held.set()
-            go.wait(5)
-            time.sleep(0.02)  # the round is waiting for the lock by now
-            clock[0] += 0.005
-
-    t = threading.Thread(target=holder)
-    t.start()
-    held.wait(5)
+    held, times = _HeldLock(monkeypatch, jump_s=0.005), RoundTimes()
+    lock, clock = held.lock, held.clock
     with times.round("resolver"):
         clock[0] += 0.0004
-        go.set()
+        held.release_soon()
         with lock:  # contended: a wait
             clock[0] += 0.0002
             with lock:  # re-entrant, at once
                 pass
-    t.join(5)
+    held.thread.join(5)
     assert times.rounds["resolver"] == 2, times.rounds
     assert times.max_cpu_s["resolver"] == pytest.approx(0.0004)
     with times.round("liveness"):  # uncontended: no cut
@@ -453,37 +469,22 @@ def test_work_set_aside_in_a_round_is_not_cut_into_holds_at_a_lock_wait(monkeypa
     round, ``aside()`` (no periodic work: the round restarts after it). A
     wait for the rank's lock in that handling must not count what ran
     before it as one of the round's holds (a drain of 40 ms was, once)."""
-    import threading
-
     from transfer import round_times
-    from transfer.round_times import RoundLock, RoundTimes, _Round
+    from transfer.round_times import RoundTimes
 
-    clock = [0.0]
-    monkeypatch.setattr(_Round, "_own", lambda self: clock[0])
-    monkeypatch.setattr(_Round, "_wall", lambda self: clock[0])
-    lock, times = RoundLock(), RoundTimes()
-    held, go = threading.Event(), threading.Event()
-
-    def holder():
-        with lock:
-            held.set()
-            go.wait(5)
-            time.sleep(0.02)
-
-    t = threading.Thread(target=holder)
-    t.start()
-    held.wait(5)
+    held, times = _HeldLock(monkeypatch), RoundTimes()
+    lock, clock = held.lock, held.clock
     with times.round("control") as round_:
         clock[0] += 0.0001
         with round_.aside():
             clock[0] += 0.040  # handling messages
-            go.set()
+            held.release_soon()
             with lock:  # contended, but not the round's wait
                 clock[0] += 0.002
         round_.restart()
         assert round_times._current.round is round_  # the round's own waits are cut again
         clock[0] += 0.0002
-    t.join(5)
+    held.thread.join(5)
     assert times.rounds["control"] == 1, times.rounds
     assert times.max_cpu_s["control"] == pytest.approx(0.0002)
     assert getattr(round_times._current, "round", None) is None
