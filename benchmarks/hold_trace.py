@@ -5,16 +5,21 @@ A periodic round's slice is measured on its thread's CPU clock
 ``CONFIG_IRQ_TIME_ACCOUNTING``: the interrupts and softirqs a CPU serves
 (the loopback TCP stack's, the timer's, other CPUs' calls) are charged to
 whichever thread is on it, and a slice's clock counts them as its own.
+Whether they, or something else, made a slice long is what this traces
+(docs/threads.md, "What the kernel saw": mostly something else).
 
-``python -m benchmarks.hold_trace [--keep DIR] -- BUSY_ARGS`` runs
-``python -m benchmarks.busy --explain BUSY_ARGS`` under ``perf record -a``
-with the kernel's interrupt tracepoints (hard IRQs, the APIC's vectors,
-softirqs; timestamps on ``CLOCK_MONOTONIC``, the clock the slices are
-marked with), then splits every slice over 1 ms (and every reference block
-over 1 ms) into the interrupt time that ran on its thread inside it and
-what is left, the thread's own. It prints one line per slice and writes
-the split rows as JSON (``--json``). Needs root (``perf`` with
-tracepoints, system-wide).
+``python -m benchmarks.hold_trace [--sample HZ] [--keep DIR] [--json PATH]
+-- BUSY_ARGS`` runs ``python -m benchmarks.busy --explain BUSY_ARGS`` under
+``perf record -a`` with the kernel's interrupt tracepoints (hard IRQs, the
+APIC's vectors, softirqs; timestamps on ``CLOCK_MONOTONIC``, the clock the
+slices are marked with), then splits every slice over 1 ms (and every
+reference block over 1 ms) into the interrupt time that ran on its thread
+inside it and what is left, the thread's own. With ``--sample`` every CPU's
+call chains are sampled too (``cpu-clock`` at HZ per CPU), and each slice
+gets its thread's samples inside it: how many (about HZ / 1000 per ms on a
+CPU), how many in the kernel, the commonest leaf functions and system
+calls. It prints one line per slice and writes the rows as JSON
+(``--json``). Needs root (``perf`` with tracepoints, system-wide).
 """
 
 from __future__ import annotations
