@@ -18,8 +18,10 @@ small offset (one per TP rank, say).
 
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
+from collections.abc import Iterator
 
 BAND = (20000, 32768)  # [low, high): below Linux's default ephemeral range, above Mooncake's 15000-17000
 GAP = 15  # ports left unnamed after each block handed out
@@ -81,3 +83,19 @@ def free_ports(count: int = 1) -> int:
 def free_port() -> int:
     """One port, as :func:`free_ports`."""
     return free_ports(1)
+
+
+@contextlib.contextmanager
+def refusing_address() -> Iterator[str]:
+    """``127.0.0.1:PORT`` where every connection is refused for as long as
+    the block runs. A closed port does not stay so: any process binding an
+    ephemeral port (a kvferry rank's control channel, a NIXL listener) may
+    get it at once, and a test running beside found it answered so. Here a
+    socket bound without ``SO_REUSEADDR`` and never listening holds it: a
+    connect gets a reset (refused), and no other socket can bind it."""
+    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        holder.bind(("127.0.0.1", 0))
+        yield f"127.0.0.1:{holder.getsockname()[1]}"
+    finally:
+        holder.close()

@@ -17,6 +17,7 @@ from bootstrap.messages import (AttentionKind, BufferRef, Component, ErrorReply,
                                 PoolRole, RankInfo)
 from harness.http_probe import CURL_GET, SHORT_GET, send_http
 from harness.launch import BootstrapProcess
+from harness.ports import refusing_address
 
 pytestmark = [pytest.mark.e2e, pytest.mark.transport_free]
 
@@ -122,10 +123,7 @@ def test_unreachable_server_times_out_with_a_clear_error():
 
 
 def test_closed_port_is_refused_within_well_under_a_second():
-    with socket.create_server(("127.0.0.1", 0)) as probe:
-        address = f"127.0.0.1:{probe.getsockname()[1]}"
-    # The port is closed now: nothing listens there.
-    with BootstrapClient(address, timeout_s=5) as client:
+    with refusing_address() as address, BootstrapClient(address, timeout_s=5) as client:
         for call in (client.ping, lambda: client.lookup("p0", 0)):  # the first request and a later one
             start = time.monotonic()
             with pytest.raises(BootstrapRefused, match=f"bootstrap server {address} refused the connection "

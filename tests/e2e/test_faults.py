@@ -7,13 +7,13 @@ behind, and its next requests succeed byte-exact."""
 from __future__ import annotations
 
 import signal
-import socket
 import time
 from dataclasses import replace
 
 import pytest
 
 from harness.launch import BootstrapProcess
+from harness.ports import refusing_address
 from transfer.config import ManagerConfig
 
 from .ranks import FAST, Rank, assert_all_success, assert_failed_within, fault_spec
@@ -501,14 +501,11 @@ def test_wrong_bootstrap_address_and_unknown_node_fail_at_once():
     """A bootstrap address where nothing listens, and a prefill node id the
     server does not know (it is past its grace time): rooms fail in well
     under a second, saying so."""
-    with BootstrapProcess(extra_args=("--node-grace-s", "0.5")) as server:
+    with BootstrapProcess(extra_args=("--node-grace-s", "0.5")) as server, refusing_address() as nobody:
         spec = fault_spec(server.address)
         prefill = Rank("prefill", spec, FAST)
         ranks = [prefill]
         try:
-            with socket.socket() as sock:  # a port where nothing listens once it is closed
-                sock.bind(("127.0.0.1", 0))
-                nobody = f"127.0.0.1:{sock.getsockname()[1]}"
             for bad, want, kind in ((dict(node_id="prefil-0"), "knows no prefill node 'prefil-0'", "UnknownNodeError"),
                                     (dict(bootstrap=nobody), "refused the connection", "BootstrapRefused")):
                 decode = Rank("decode", replace(spec, **bad), FAST)

@@ -9,6 +9,8 @@ import socket
 import sys
 import time
 
+import pytest
+
 from harness import ports
 from harness.vllm import ServerProcess, failure_report
 
@@ -95,3 +97,22 @@ def test_kvferrys_lines_leave_out_vllms_request_log_and_a_failures_note_names_th
         assert all(len(line) <= 40 for line in server.lines_naming(["cmpl-7"], width=40))
     finally:
         server.close()
+
+
+def test_a_refusing_address_refuses_and_no_other_socket_can_take_its_port():
+    """The port stays refusing while held: a connect is refused, and a
+    listener that asks for it (with SO_REUSEADDR, as servers set it) cannot
+    bind it, as one bound a closed port that a test had taken for refusing."""
+    from harness.ports import refusing_address
+
+    with refusing_address() as address:
+        host, port = address.rsplit(":", 1)
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((host, int(port)), timeout=1).close()
+        with socket.socket() as rival:
+            rival.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            with pytest.raises(OSError):
+                rival.bind((host, int(port)))
+    with socket.socket() as after:  # given back at the block's end
+        after.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        after.bind((host, int(port)))

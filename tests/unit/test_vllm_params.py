@@ -3,12 +3,12 @@ the prefill's HTTP bootstrap port and decode's map to kvferry's ZMQ bootstrap be
 
 from __future__ import annotations
 
-import socket
 import sys
 import time
 
 import pytest
 
+from harness.ports import refusing_address
 from transfer.adapters.vllm.params import (PARAMS_VERSION, ConnectorConfig, decode_params, num_pages, room_of,
                                            source_of)
 
@@ -197,11 +197,8 @@ def test_decode_finds_kvferrys_bootstrap_behind_a_front_door_and_takes_a_zmq_por
         t0 = time.monotonic()
         assert addresses(zmq_server.address) == zmq_server.address
         assert time.monotonic() - t0 < 1.0, "a ZMQ port must be told by its greeting, not by a timeout"
-        closed = socket.socket()
-        closed.bind(("127.0.0.1", 0))
-        nobody = f"127.0.0.1:{closed.getsockname()[1]}"
-        closed.close()
-        assert addresses(nobody) == nobody and nobody not in addresses._known
+        with refusing_address() as nobody:
+            assert addresses(nobody) == nobody and nobody not in addresses._known
     finally:
         door.close()
         zmq_server.close()
