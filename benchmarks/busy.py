@@ -226,6 +226,7 @@ def _periodic(results: list[dict]) -> dict:
         for task, n in r.get("periodic_rounds", {}).items():
             rounds[task] = rounds.get(task, 0) + n
     return {"periodic_max_cpu_ms": _longest_by_task(results), "periodic_rounds": rounds,
+            "periodic_max_ms_by_kind": _longest_by_kind(results),
             "gc_max_ms": round(max(r.get("gc_max_ms", 0.0) for r in results), 3),
             "gc_collections": sum(r.get("gc_collections", 0) for r in results),
             "gc_by_generation": [sum(r.get("gc_by_generation", [0, 0, 0])[g] for r in results) for g in range(3)],
@@ -253,10 +254,17 @@ def _reference(rows: list[dict]) -> dict:
             "reference_slow": [b for r in rows for b in r.get("reference_slow", [])], "reference_ticked": ticked}
 
 
-def _longest_by_task(rows: list[dict]) -> dict[str, float]:
-    """Each periodic task's longest round (ms) over ``rows``' ``periodic_max_cpu_ms``."""
-    tasks = sorted({t for r in rows for t in r.get("periodic_max_cpu_ms", {})})
-    return {t: round(max(r.get("periodic_max_cpu_ms", {}).get(t, 0.0) for r in rows), 3) for t in tasks}
+def _longest_by_task(rows: list[dict], pick=lambda r: r.get("periodic_max_cpu_ms", {})) -> dict[str, float]:
+    """Each periodic task's longest round (ms) over ``rows``' ``periodic_max_cpu_ms`` (or what ``pick`` takes)."""
+    tasks = sorted({t for r in rows for t in pick(r)})
+    return {t: round(max(pick(r).get(t, 0.0) for r in rows), 3) for t in tasks}
+
+
+def _longest_by_kind(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Each periodic task's longest round (ms) of each kind (``whole``, ``preempted``, ``waited``:
+    :data:`transfer.round_times.HOLD_KINDS`) over ``rows``' ``periodic_max_ms_by_kind``."""
+    kinds = sorted({k for r in rows for k in r.get("periodic_max_ms_by_kind", {})})
+    return {k: _longest_by_task(rows, lambda r, k=k: r.get("periodic_max_ms_by_kind", {}).get(k, {})) for k in kinds}
 
 
 _MEDIANED = ("p50_ms", "p99_ms", "p999_ms", "max_ms", "to_send_p50_ms", "send_to_done_p50_ms",
@@ -274,6 +282,7 @@ def _median(rows: list[dict]) -> dict:
     out["all_max_ms"] = [r["max_ms"] for r in ok]
     if any("periodic_max_cpu_ms" in r for r in ok):  # the longest of every round, not the first round's
         out["periodic_max_cpu_ms"] = _longest_by_task(ok)
+        out["periodic_max_ms_by_kind"] = _longest_by_kind(ok)
         out["gc_max_ms"] = max(r.get("gc_max_ms", 0.0) for r in ok)
         out.update(_reference(ok))
     return out
@@ -341,7 +350,9 @@ def print_table(rows: list[dict]) -> None:
         if r.get("periodic_max_cpu_ms"):
             longest = ", ".join(f"{t} {v:.2f}" for t, v in r["periodic_max_cpu_ms"].items())
             reference = f"reference {r['reference_max_cpu_ms']:.2f}; " if r.get("reference_blocks") else ""
+            whole = ", ".join(f"{t} {v:.2f}" for t, v in r.get("periodic_max_ms_by_kind", {}).get("whole", {}).items())
             print(f"longest rounds of {r['workload']} {r['mode']} {r['system']} (CPU ms): {longest}; "
+                  f"with no context switch inside: {whole}; "
                   f"{reference}process GC {r.get('gc_max_ms', 0.0):.2f}"
                   + (f" (collections by generation {'/'.join(map(str, r['gc_by_generation']))}, "
                      f"{r.get('gc_collected', 0)} objects found unreachable; longest by generation "

@@ -238,6 +238,8 @@ def run_kvferry(cfg: BusyConfig, role: str) -> int:
                           handed_over=getattr(side.mgr.channel, "num_handed_over", 0),
                           periodic_rounds=stats.periodic_rounds,
                           periodic_max_cpu_ms={k: v * 1e3 for k, v in stats.periodic_max_cpu_s.items()},
+                          periodic_max_ms_by_kind={kind: {k: v * 1e3 for k, v in by_task.items()}
+                                                   for kind, by_task in stats.periodic_max_by_kind_s.items()},
                           **(process if i == 0 else {})), flush=True)  # the process's, once
     for side in sides:
         side.mgr.close()

@@ -1,12 +1,14 @@
 """How long each round of a rank's periodic work held the interpreter lock:
 the CPU time of its rounds, by task, for :class:`~transfer.stats.ManagerStats`
-(``periodic_rounds``, ``periodic_max_cpu_s``) and docs/threads.md. Pure."""
+(``periodic_rounds``, ``periodic_max_cpu_s`` and the longest of each kind of
+hold: :data:`HOLD_KINDS`) and docs/threads.md. Pure."""
 
 from __future__ import annotations
 
 import _thread
 import contextlib
 import gc
+import resource
 import threading
 import time
 from collections.abc import Iterator
@@ -14,6 +16,15 @@ from collections.abc import Iterator
 #: The rank's periodic tasks, as :class:`RoundTimes` names them, and ``gc``:
 #: the longest garbage collection that ran inside one of their rounds.
 PERIODIC_TASKS = ("liveness", "sweep", "register", "resolver", "control", "metrics", "gc")
+
+#: What the thread's context switches (``getrusage``) say of a hold: ``whole``, none (the thread was on a CPU
+#: from its start to its end, so its CPU time, capped at the wall time, is exact); ``preempted``, only
+#: involuntary ones (the OS took the CPU: the thread's clock gains at each return, so the figure is an upper
+#: bound); ``waited``, a voluntary one (a wait not cut by ``waiting()``, in a call that let the interpreter lock
+#: go: several holds counted as one, an upper bound).
+HOLD_KINDS = ("whole", "preempted", "waited")
+
+_RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", None)  # Linux
 
 
 class _GcClock:
@@ -78,13 +89,16 @@ class RoundTimes:
     inside a round is not the round's (it walks the process's objects, and
     runs in whichever thread allocated past the threshold): it is taken out
     of the round's time and counted apart, as ``gc``, the longest such
-    collection. Each task's thread writes its own entries (its own lock, not
+    collection. Each round is also counted by its kind
+    (:data:`HOLD_KINDS`, from the thread's context switches inside it).
+    Each task's thread writes its own entries (its own lock, not
     the rank's: the measure takes none of what ``poll()`` needs)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.rounds: dict[str, int] = {}
         self.max_cpu_s: dict[str, float] = {}
+        self.max_by_kind: dict[str, dict[str, float]] = {kind: {} for kind in HOLD_KINDS}
         self.gc = _clock()
 
     def round(self, task: str) -> _Round:
@@ -95,16 +109,20 @@ class RoundTimes:
         slice counts as a round."""
         return _Round(self, task)
 
-    def add(self, task: str, cpu_s: float) -> None:
+    def add(self, task: str, cpu_s: float, kind: str | None = None) -> None:
+        """One round (a hold) of ``task``; ``kind``: one of :data:`HOLD_KINDS`, or None (not known)."""
         with self._lock:
             self.rounds[task] = self.rounds.get(task, 0) + 1
             if cpu_s > self.max_cpu_s.get(task, 0.0):
                 self.max_cpu_s[task] = cpu_s
+            if kind is not None and cpu_s > self.max_by_kind[kind].get(task, 0.0):
+                self.max_by_kind[kind][task] = cpu_s
 
     def snapshot(self) -> dict:
         """The :class:`ManagerStats` fields."""
         with self._lock:
-            return {"periodic_rounds": dict(self.rounds), "periodic_max_cpu_s": dict(self.max_cpu_s)}
+            return {"periodic_rounds": dict(self.rounds), "periodic_max_cpu_s": dict(self.max_cpu_s),
+                    "periodic_max_by_kind_s": {kind: dict(m) for kind, m in self.max_by_kind.items()}}
 
 
 #: A round that ticks gives the interpreter lock up after this much CPU: a hold is at most this and the
@@ -139,7 +157,7 @@ class RoundLock(_thread.RLock):
 
 
 class _Round:
-    __slots__ = ("times", "task", "start", "start_wall", "outer")
+    __slots__ = ("times", "task", "start", "start_wall", "start_switches", "outer")
 
     def __init__(self, times: RoundTimes, task: str) -> None:
         self.times, self.task = times, task
@@ -152,9 +170,25 @@ class _Round:
         """The wall clock (seconds), this thread's garbage collections left out."""
         return time.perf_counter() - self.times.gc.spent_wall()
 
+    @staticmethod
+    def _switches() -> tuple[int, int] | None:
+        """This thread's voluntary and involuntary context switches so far (None where the OS cannot tell)."""
+        if _RUSAGE_THREAD is None:
+            return None
+        usage = resource.getrusage(_RUSAGE_THREAD)
+        return usage.ru_nvcsw, usage.ru_nivcsw
+
     def _begin(self) -> None:
         """A hold starts now."""
-        self.start, self.start_wall = self._own(), self._wall()
+        self.start, self.start_wall, self.start_switches = self._own(), self._wall(), self._switches()
+
+    def _count(self, held: float) -> None:
+        """The hold since :meth:`_begin`, ``held`` seconds, counted as a round, with its kind."""
+        kind, now = None, self._switches()
+        if now is not None and self.start_switches is not None:
+            voluntary, involuntary = now[0] - self.start_switches[0], now[1] - self.start_switches[1]
+            kind = "waited" if voluntary else "preempted" if involuntary else "whole"
+        self.times.add(self.task, held, kind)
 
     def _held(self) -> float:
         """The hold so far: CPU seconds since :meth:`_begin`, at most the wall-clock seconds."""
@@ -173,7 +207,7 @@ class _Round:
         takes most of a slice gets one of its own)."""
         ran = self._held()
         if ran + ahead_s > SLICE_CPU_S:
-            self.times.add(self.task, ran)
+            self._count(ran)
             time.sleep(0)  # lets a waiting thread (the scheduler) take the interpreter lock
             self._begin()
 
@@ -190,7 +224,7 @@ class _Round:
         either side."""
         ran = self._held()
         if ran > SLICE_CPU_S:
-            self.times.add(self.task, ran)
+            self._count(ran)
         try:
             yield
         finally:
@@ -215,7 +249,7 @@ class _Round:
 
     def __exit__(self, *exc) -> None:
         _current.round = self.outer
-        self.times.add(self.task, self._held())
+        self._count(self._held())
         collected = self.times.gc.take_longest()
         if collected:
             self.times.add("gc", collected)

@@ -229,6 +229,9 @@ class ManagerStats:
     #: on how long it kept the interpreter lock from the scheduler: see :class:`RoundTimes`)
     periodic_rounds: dict[str, int] = field(default_factory=dict)
     periodic_max_cpu_s: dict[str, float] = field(default_factory=dict)
+    #: each task's longest round of each kind (``whole``: no context switch inside, an exact figure;
+    #: ``preempted``, ``waited``: upper bounds; see :data:`~transfer.round_times.HOLD_KINDS`)
+    periodic_max_by_kind_s: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:

@@ -311,6 +311,47 @@ def test_a_round_counts_its_cpu_time_but_never_more_than_the_wall_time_that_pass
     assert times.max_cpu_s["liveness"] == pytest.approx(0.0004)
 
 
+def test_each_round_is_counted_by_what_the_threads_context_switches_say_of_it(monkeypatch):
+    """A hold with no context switch inside is ``whole`` (its capped CPU
+    time is exact); with only involuntary ones, ``preempted``; with a
+    voluntary one, ``waited`` (a wait the round did not cut): the latter two
+    are upper bounds, kept apart (fake switch counts and clocks)."""
+    from transfer.round_times import RoundTimes, _Round
+
+    clock, switches = [0.0], [(10, 20)]
+    monkeypatch.setattr(_Round, "_own", lambda self: clock[0])
+    monkeypatch.setattr(_Round, "_wall", lambda self: clock[0])
+    monkeypatch.setattr(_Round, "_switches", staticmethod(lambda: switches[0]))
+    times = RoundTimes()
+    for held, after in ((0.0002, (10, 20)), (0.0009, (10, 22)), (0.0004, (11, 22)), (0.0003, (11, 22))):
+        with times.round("control"):
+            clock[0] += held
+            switches[0] = after
+        switches[0] = after
+    assert times.max_cpu_s["control"] == pytest.approx(0.0009)
+    snap = times.snapshot()["periodic_max_by_kind_s"]
+    assert snap["whole"]["control"] == pytest.approx(0.0003)
+    assert snap["preempted"]["control"] == pytest.approx(0.0009)
+    assert snap["waited"]["control"] == pytest.approx(0.0004)
+
+
+def test_a_sleep_the_round_did_not_cut_makes_it_a_waited_round():
+    """The real count (``getrusage`` of the thread): a round that sleeps
+    without ``waiting()`` switched voluntarily; one that cut the sleep out
+    counts the holds on either side, which did not."""
+    from transfer.round_times import RoundTimes
+
+    times = RoundTimes()
+    with times.round("resolver"):
+        time.sleep(0.002)
+    assert "resolver" in times.snapshot()["periodic_max_by_kind_s"]["waited"], times.snapshot()
+    with times.round("sweep") as round_:
+        with round_.waiting():
+            time.sleep(0.002)
+    assert "sweep" not in times.snapshot()["periodic_max_by_kind_s"]["waited"], times.snapshot()
+    assert times.rounds["sweep"] == 1
+
+
 def test_a_round_leaves_out_the_wall_time_of_a_collection_inside_it():
     """The cap leaves out a garbage collection's wall time as the CPU time
     leaves out its CPU: a round with a long collection inside counts its own

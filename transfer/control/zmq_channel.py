@@ -305,11 +305,13 @@ class ZmqChannel:
         while not self._closed.is_set():
             with self.round_times.round("control") as round_:  # an idle wake-up, or connection events
                 self._hand_over.wait(round_.waiting)
-                start = self._hand_over.start_drain()
+                # The clocks only where messages wait: an idle wake-up reads no process clock.
+                start = self._hand_over.start_drain() if self._pending() else None
                 with _taken(self._recv_lock, round_), round_.aside():  # handling messages is no periodic work
                     handled = self._drain_locked(own=True)
                 if handled:
-                    self._hand_over.drain_ended(start)
+                    if start is not None:  # else they came just after the look: no measure of this drain
+                        self._hand_over.drain_ended(start)
                     round_.restart()  # handling messages is not the channel's own periodic work
                 with _taken(self._send_lock, round_):
                     new, self._monitors_new = self._monitors_new, []
@@ -321,7 +323,7 @@ class ZmqChannel:
                 for fd in signalled & monitors.keys():
                     round_.tick()  # many connections changing at once: the lock given up every SLICE_CPU_S
                     endpoint, mon = monitors[fd]
-                    if not self._read_monitor(endpoint, mon):
+                    if not self._read_monitor(endpoint, mon, round_):
                         poller.unregister(fd)
                         del monitors[fd]
                         mon.close(0)
@@ -340,19 +342,23 @@ class ZmqChannel:
         """Whether messages wait on the ROUTER (for the hand-over; the channel's thread)."""
         return bool(self._router.getsockopt(_EVENTS) & _POLLIN)
 
-    def _read_monitor(self, endpoint: str, mon: zmq.Socket) -> bool:
+    def _read_monitor(self, endpoint: str, mon: zmq.Socket, round_) -> bool:
         """Take a monitor's events (until EAGAIN: its ``ZMQ_FD`` is
-        edge-triggered); False once its DEALER closed (the monitor stopped)."""
+        edge-triggered); False once its DEALER closed (the monitor stopped).
+        Each receive lets the interpreter lock go (pyzmq releases it around
+        ``zmq_msg_recv``), so it ends ``round_``'s hold, as a wait does."""
         while True:
             try:
-                event = parse_monitor_message(mon.recv_multipart(zmq.NOBLOCK))["event"]
+                with round_.waiting():
+                    frames = mon.recv_multipart(zmq.NOBLOCK)
+                event = parse_monitor_message(frames)["event"]
             except zmq.Again:
                 return True
             except zmq.ZMQError:
                 return False
             if event == zmq.EVENT_MONITOR_STOPPED:
                 return False
-            with self._send_lock:
+            with _taken(self._send_lock, round_):
                 if self._monitor_of.get(endpoint) is mon:  # not a closed DEALER's late event
                     self._links[endpoint].on_event(event)
 
