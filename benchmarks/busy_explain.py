@@ -11,7 +11,9 @@ each) and the thread's ``getrusage``; a slice over :data:`LONG_S` is kept
 with what advanced during it, so that a long hold says whether the machine
 took time from it (:func:`long_slices`).
 
-The reads cost about 15 us at each slice's start, counted in the slice.
+The reads cost about 15 us (more on a loaded machine) before each slice's
+clocks start, so they are not counted in it, and the slice's wall-clock
+span holds the whole slice.
 """
 
 from __future__ import annotations
@@ -69,9 +71,11 @@ def install() -> None:
     from transfer import round_times
 
     class _Explained(round_times._Round):
-        """A round that marks the machine at each slice's start."""
+        """A round that marks the machine at each slice's start: before
+        the slice's clocks start, so that its span on the wall clock
+        (``start_s``, ``wall_ms``) holds the whole slice."""
 
-        __slots__ = ("mark",)
+        __slots__ = ("mark", "site")
 
         def _keep(self, ran: float, site: str) -> None:
             if ran > LONG_S:  # by the CPU clock alone (the round counts at most the wall time: held_ms)
@@ -80,30 +84,34 @@ def install() -> None:
                 with _lock:
                     _long.append(row)
 
+        def _begin(self) -> None:  # a slice starts: where (self.site, set by the caller) and the machine first
+            self.mark = _mark(self.site)
+            super()._begin()
+
         def __enter__(self):
-            self.mark = _mark(_site())
+            self.site = _site()
             return super().__enter__()
 
         def tick(self, ahead_s: float = 0.0) -> None:
             site, ran = _site(), self._own() - self.start
             if ran + ahead_s > round_times.SLICE_CPU_S:  # the slice ends here (read before its yield)
                 self._keep(ran, site)
-            start = self.start
+            self.site = site  # the next slice's start, if this tick cuts
             super().tick(ahead_s)
-            if self.start != start:
-                self.mark = _mark(site)
 
         @contextlib.contextmanager
         def waiting(self):
             site = _site(1)  # _site <- this generator <- contextlib's __enter__ <- the caller
             self._keep(self._own() - self.start, site)
             with super().waiting():
-                yield
-            self.mark = _mark(_site(1))
+                try:
+                    yield
+                finally:
+                    self.site = _site(1)  # where the next slice starts (the wait's end)
 
         def restart(self) -> None:
+            self.site = _site()
             super().restart()
-            self.mark = _mark(_site())
 
         def __exit__(self, *exc) -> None:
             self._keep(self._own() - self.start, _site())

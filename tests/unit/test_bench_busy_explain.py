@@ -47,6 +47,38 @@ def test_a_long_slice_is_kept_with_the_machines_ticks_and_the_threads_switches(m
     assert times.snapshot()["periodic_max_cpu_s"]["liveness"] >= 0.002  # the round's own measure is unchanged
 
 
+def test_a_slow_read_of_the_machine_is_no_part_of_the_slice(monkeypatch):
+    """The machine's counters are read before a slice's clocks start: a read
+    that takes long (/proc/stat on a loaded machine: over 0.1 ms once, which
+    made a slice's hold pass its wall-clock span) is neither in the slice's
+    CPU time nor outside its span."""
+    monkeypatch.setattr(round_times.RoundTimes, "round", round_times.RoundTimes.round)  # undone after the test
+    monkeypatch.setattr(busy_explain, "_long", [])
+    ticks = busy_explain.machine_ticks
+
+    def slow_ticks():
+        _spin(0.002)
+        return ticks()
+
+    monkeypatch.setattr(busy_explain, "machine_ticks", slow_ticks)
+    busy_explain.install()
+    times = round_times.RoundTimes()
+    with times.round("sweep") as r:
+        _spin(0.0012)
+        r.tick()  # a slice ends; the next one's start is read slowly
+        _spin(0.0012)
+        with r.waiting():
+            pass
+        _spin(0.0012)
+        r.restart()  # what ran since the wait is not the round's: not kept
+        _spin(0.0012)
+    kept = busy_explain.long_slices()
+    assert len(kept) == 3, kept
+    for row in kept:
+        assert 1.2 <= row["cpu_ms"] < 2.4, row  # not the 2 ms read (it stood before the slice's clocks)
+        assert row["held_ms"] <= row["wall_ms"], row
+
+
 def test_the_machines_ticks_only_grow():
     first = busy_explain.machine_ticks()
     _spin(0.001)
