@@ -326,8 +326,7 @@ def test_each_round_is_counted_by_what_the_threads_context_switches_say_of_it(mo
     for held, after in ((0.0002, (10, 20)), (0.0009, (10, 22)), (0.0004, (11, 22)), (0.0003, (11, 22))):
         with times.round("control"):
             clock[0] += held
-            switches[0] = after
-        switches[0] = after
+            switches[0] = after  # the next round starts from here
     assert times.max_cpu_s["control"] == pytest.approx(0.0009)
     snap = times.snapshot()["periodic_max_by_kind_s"]
     assert snap["whole"]["control"] == pytest.approx(0.0003)
