@@ -159,7 +159,7 @@ def test_metrics_of_two_managers_on_one_port_over_http(cluster, monkeypatch):
     """Both managers' numbers, summed by role; a scrape is a periodic round
     (``metrics``, the port's first manager's) that may give the interpreter
     lock up between any two families it builds and formats."""
-    from transfer.round_times import _Round
+    from transfer.round_times import HOLD_KINDS, PERIODIC_TASKS, _Round
 
     parser = pytest.importorskip("prometheus_client.parser")
     port = free_port()
@@ -175,8 +175,10 @@ def test_metrics_of_two_managers_on_one_port_over_http(cluster, monkeypatch):
         tick(round_)
 
     monkeypatch.setattr(_Round, "tick", counted)
+    kinds_before = {s.side: s.periodic_max_by_kind_s for s in (prefill.mgr.stats(), decode.mgr.stats())}
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         text = r.read().decode()
+    kinds_after = {s.side: s.periodic_max_by_kind_s for s in (prefill.mgr.stats(), decode.mgr.stats())}
     families = list(parser.text_string_to_metric_families(text))
     assert len(ticks) >= 2 + len(families)  # before each manager's stats and each family
     assert prefill.mgr.stats().periodic_rounds.get("metrics", 0) >= 1
@@ -188,6 +190,15 @@ def test_metrics_of_two_managers_on_one_port_over_http(cluster, monkeypatch):
         assert got[("kvferry_room_seconds_count", (("role", role),))] == 1
         assert got[("kvferry_live_rooms", (("role", role),))] == 0
     assert not any("room=" in k[0] or "room" in dict(k[1]) for k in got)  # no room ids as labels
+    by_kind = {k: v for k, v in got.items() if k[0] == "kvferry_periodic_round_max_by_kind_seconds"}
+    tasks = [t for t in PERIODIC_TASKS if t != "gc"]
+    assert len(by_kind) == 2 * len(tasks) * len(HOLD_KINDS)  # every task and kind, as 0 until one is measured
+    for (_, labels), value in by_kind.items():  # each a longest hold taken between the two snapshots
+        labels = dict(labels)
+        before, after = (k[labels["role"]].get(labels["kind"], {}).get(labels["task"], 0.0)
+                         for k in (kinds_before, kinds_after))
+        assert before <= value <= after, (labels, before, value, after)
+    assert any(by_kind.values())  # decode's resolver round for the room above, at least
     prefill.mgr.close()
     urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).close()  # decode still serves
     decode.mgr.close()

@@ -37,6 +37,9 @@ Exported (units in names, labels of bounded cardinality, no room ids)::
     kvferry_handshakes_in_progress{role}         handshakes running now
     kvferry_periodic_round_max_seconds{role,task}  the longest round of a periodic task, CPU seconds:
                                                  task liveness|sweep|register|resolver|control|metrics|gc
+    kvferry_periodic_round_max_by_kind_seconds{role,task,kind}  the same by what the thread's context switches
+                                                 say of each hold: kind whole (none: the figure is exact),
+                                                 preempted|waited (upper bounds); no gc
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from bootstrap.metrics import require_prometheus
-from transfer.round_times import PERIODIC_TASKS, RoundTimes
+from transfer.round_times import HOLD_KINDS, PERIODIC_TASKS, RoundTimes
 from transfer.stats import PATHS, POOLS, REASONS, Histogram, ManagerStats
 
 _ROOM_KEYS = [("Success", "")] + [("Failed", r) for r in REASONS]
@@ -170,6 +173,16 @@ def _families(by_role: dict[str, list[ManagerStats]]):
         for task in PERIODIC_TASKS:
             longest.add_metric([role, task], max(st.periodic_max_cpu_s.get(task, 0.0) for st in stats))
     yield longest
+    by_kind = GaugeMetricFamily("kvferry_periodic_round_max_by_kind_seconds",
+                                "The longest round of each periodic task in CPU seconds, by what the thread's "
+                                "context switches say of it: whole (none, exact), preempted (the OS took the CPU) "
+                                "or waited (a wait inside; both upper bounds)", labels=["role", "task", "kind"])
+    for role, stats in by_role.items():
+        for kind in HOLD_KINDS:
+            for task in (t for t in PERIODIC_TASKS if t != "gc"):  # a collection is counted apart, with no kind
+                by_kind.add_metric([role, task, kind],
+                                   max(st.periodic_max_by_kind_s.get(kind, {}).get(task, 0.0) for st in stats))
+    yield by_kind
 
 
 class _Endpoint:
