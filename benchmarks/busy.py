@@ -231,6 +231,8 @@ def _periodic(results: list[dict]) -> dict:
             "gc_collections": sum(r.get("gc_collections", 0) for r in results),
             "gc_by_generation": [sum(r.get("gc_by_generation", [0, 0, 0])[g] for r in results) for g in range(3)],
             "gc_collected": sum(r.get("gc_collected", 0) for r in results),
+            # each process's slowest loop iterations, by its first side's role (kvferry-one: prefill)
+            "loop_slowest": {r["role"]: r["loop_slowest"] for r in results if "loop_slowest" in r},
             **{key: [max(r.get(key, [0.0] * 3)[g] for r in results) for g in range(3)]
                for key in ("gc_max_ms_by_generation", "gc_max_cpu_ms_by_generation")},
             **_reference(results)}
@@ -365,6 +367,10 @@ def print_table(rows: list[dict]) -> None:
                       f"{sum(b['steal'] > 0 for b in slow)}, softirq {sum(b['softirq'] > 0 for b in slow)}); "
                       f"under it, steal advanced in {ticked.get('steal', 0)}, softirq {ticked.get('softirq', 0)}"
                       + "".join(f"; {b['cpu_ms']}/{b['wall_ms']} ms s{b['steal']} q{b['softirq']}" for b in slow[:5]))
+            for role, its in r.get("loop_slowest", {}).items():
+                if its:  # the process's slowest loop iteration, by part (kvferry-one: one process, named prefill)
+                    parts = ", ".join(f"{k} {its[0][k]:.1f}" for k in ("take", "open", "step", "poll"))
+                    print(f"  {role}'s slowest loop iteration: {its[0]['ms']:.1f} ms ({parts}) at {its[0]['at_s']:.1f} s")
             for b in r.get("long_slices", []):
                 print(f"  slice over 1 ms: {b['task']} {b.get('from', '')}-{b.get('to', '')} {b['cpu_ms']:.2f} ms "
                       f"of CPU in {b['wall_ms']:.2f}; steal +{b['steal']}, softirq +{b['softirq']}, irq +{b['irq']} "

@@ -148,6 +148,33 @@ class Scheduler:
         self._stop.set()
 
 
+class SlowSteps:
+    """The loop's slowest iterations, each with the ms of its parts (``take``
+    the pipe, ``open`` the new rooms, ``step``, ``poll`` the live ones) and
+    when it began (s into the loop): a room opened late behind a loop that
+    stood still shows here with the part that stood."""
+
+    KEEP = 5
+
+    def __init__(self) -> None:
+        self._t0 = time.perf_counter()
+        self._rows: list[dict] = []
+
+    def add(self, start: float, *parts: tuple[str, float]) -> None:
+        """One iteration from ``start``: ``(name, end)`` for each part, in order (``time.perf_counter``)."""
+        total = parts[-1][1] - start
+        if len(self._rows) == self.KEEP and total <= self._rows[-1]["ms"] / 1e3:
+            return
+        row, begin = {"ms": round(total * 1e3, 2), "at_s": round(start - self._t0, 3)}, start
+        for name, end in parts:
+            row[name] = round((end - begin) * 1e3, 2)
+            begin = end
+        self._rows = sorted([*self._rows, row], key=lambda r: -r["ms"])[:self.KEEP]
+
+    def slowest(self) -> list[dict]:
+        return list(self._rows)
+
+
 def ready(payload: str = "{}") -> None:
     """Set-up done: collect and freeze the heap built so far (vLLM's engine
     core does the same after start-up), then say ``BUSY_READY payload``."""

@@ -38,7 +38,8 @@ import numpy as np
 
 from benchmarks import busy_explain
 from benchmarks.busy_explain import ReferenceHolds
-from benchmarks.busy_loop import FIRST_ROOM, BusyConfig, DecodePages, Feed, Scheduler, ready, result_line, src_pages
+from benchmarks.busy_loop import (FIRST_ROOM, BusyConfig, DecodePages, Feed, Scheduler, SlowSteps, ready, result_line,
+                                  src_pages)
 
 TIMEOUT_S = 600.0
 
@@ -207,16 +208,21 @@ def run_kvferry(cfg: BusyConfig, role: str) -> int:
         _wait_for_node(decode.mgr, cfg)
         sides.append(decode)
     ready()
-    feed, sched, pauses = Feed(), Scheduler(cfg), GcPauses()
+    feed, sched, pauses, steps = Feed(), Scheduler(cfg), GcPauses(), SlowSteps()
     reference = ReferenceHolds() if cfg.explain else None
     cpu0, deadline = time.process_time(), time.monotonic() + TIMEOUT_S
     while not (feed.closed and not any(side.live for side in sides)) and time.monotonic() < deadline:
+        start = time.perf_counter()
         rooms = feed.take()
+        taken = time.perf_counter()
         for side in sorted(sides, key=lambda s: s.side):  # decode's receiver first, as the request reaches it first
             side.open(rooms)
+        opened = time.perf_counter()
         sched.step()
+        stepped = time.perf_counter()
         for side in sides:
             side.poll()
+        steps.add(start, ("take", taken), ("open", opened), ("step", stepped), ("poll", time.perf_counter()))
     sched.stop()
     pauses.stop()
     if reference is not None:
@@ -225,7 +231,8 @@ def run_kvferry(cfg: BusyConfig, role: str) -> int:
     process = dict(gc_collections=pauses.count, gc_max_ms=pauses.max_s * 1e3, gc_by_generation=pauses.by_generation,
                    gc_collected=pauses.collected,
                    gc_max_ms_by_generation=[round(v * 1e3, 3) for v in pauses.max_s_by_generation],
-                   gc_max_cpu_ms_by_generation=[round(v * 1e3, 3) for v in pauses.max_cpu_s_by_generation])
+                   gc_max_cpu_ms_by_generation=[round(v * 1e3, 3) for v in pauses.max_cpu_s_by_generation],
+                   loop_slowest=steps.slowest())
     if reference is not None:
         process.update(reference_max_cpu_ms=reference.max_s * 1e3, reference_blocks=reference.blocks,
                        reference_slow=reference.slow, reference_ticked=reference.ticked,

@@ -313,3 +313,5 @@ def test_the_busy_benchmark_runs_both_one_process_systems(tmp_path):
     for r in rows:
         assert "error" not in r, r["error"]
         assert r["requests"] == 4 and 0 < r["p50_ms"] <= r["max_ms"], r
+    slowest = next(r for r in rows if r["system"] == "kvferry-one")["loop_slowest"]["prefill"]  # one process
+    assert slowest and slowest[0]["step"] >= 9.0, slowest  # a busy step is 10 ms of Python
