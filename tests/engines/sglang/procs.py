@@ -61,8 +61,8 @@ class Proc:
     taken: dict = field(default_factory=dict)
 
     def events(self, kind: str) -> list[dict]:
-        # print() writes the event and its newline apart: a log line of
-        # another thread may sit between them, so only the event's object is read.
+        # An event is one write (rank.emit), but a log line another thread wrote in
+        # pieces may end on it: only the event's object is read.
         return [json.JSONDecoder().raw_decode(line.split(" ", 1)[1])[0] for line in self.log
                 if line.startswith(kind + " ")]
 

@@ -24,7 +24,6 @@ printed as ``RESULT {json}`` lines; ``KILLME`` asks the parent to SIGKILL it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import threading
@@ -34,13 +33,19 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from harness import lines
 from tests.engines.sglang.scenarios import PAGE_SIZE, Request, requests_of
 from tests.engines.sglang.sglang_rank import (NUM_SLOTS, SENTINEL, Clock, Rank, aux_row, logical_state, pick_pages,
                                               server_args_of, state_items)
 
 
 def emit(kind: str, **fields) -> None:
-    print(f"{kind} {json.dumps(fields)}", flush=True)
+    """``KIND {json}`` as one line in one write (:func:`harness.lines.emit`):
+    the prefill's HTTP stand-in emits from its own threads, and ``print``
+    writes a line and its newline apart, so another thread's event could
+    land after this one's object on the same line and be lost to the reader
+    (a ``GENERATE`` once, behind a ``RESULT``)."""
+    lines.emit(kind, fields)
 
 
 def gloo_group(rank: Rank):
