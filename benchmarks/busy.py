@@ -369,7 +369,7 @@ def print_table(rows: list[dict]) -> None:
                       + "".join(f"; {b['cpu_ms']}/{b['wall_ms']} ms s{b['steal']} q{b['softirq']}" for b in slow[:5]))
             for role, its in r.get("loop_slowest", {}).items():
                 if its:  # the process's slowest loop iteration, by part (kvferry-one: one process, named prefill)
-                    parts = ", ".join(f"{k} {its[0][k]:.1f}" for k in ("take", "open", "step", "poll"))
+                    parts = ", ".join(f"{k} {v:.1f}" for k, v in its[0].items() if k not in ("ms", "at_s"))
                     print(f"  {role}'s slowest loop iteration: {its[0]['ms']:.1f} ms ({parts}) at {its[0]['at_s']:.1f} s")
             for b in r.get("long_slices", []):
                 print(f"  slice over 1 ms: {b['task']} {b.get('from', '')}-{b.get('to', '')} {b['cpu_ms']:.2f} ms "

@@ -160,8 +160,9 @@ class SlowSteps:
         self._t0 = time.perf_counter()
         self._rows: list[dict] = []
 
-    def add(self, start: float, *parts: tuple[str, float]) -> None:
-        """One iteration from ``start``: ``(name, end)`` for each part, in order (``time.perf_counter``)."""
+    def add(self, start: float, *parts: tuple[str, float], calls: dict[str, float] | None = None) -> None:
+        """One iteration from ``start``: ``(name, end)`` for each part, in order (``time.perf_counter``);
+        ``calls``: ms spent in the system's API calls inside them (``prefill_kv_send``, say)."""
         total = parts[-1][1] - start
         if len(self._rows) == self.KEEP and total <= self._rows[-1]["ms"] / 1e3:
             return
@@ -169,6 +170,7 @@ class SlowSteps:
         for name, end in parts:
             row[name] = round((end - begin) * 1e3, 2)
             begin = end
+        row.update({k: round(v, 2) for k, v in (calls or {}).items()})
         self._rows = sorted([*self._rows, row], key=lambda r: -r["ms"])[:self.KEEP]
 
     def slowest(self) -> list[dict]:

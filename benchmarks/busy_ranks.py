@@ -78,6 +78,7 @@ class _KVPrefill:
     def __init__(self, cfg: BusyConfig, mgr) -> None:
         self.cfg, self.mgr = cfg, mgr
         self.live, self.created, self.sent, self.done, self.failed, self.errors = {}, {}, {}, {}, [], set()
+        self.calls: dict[str, float] = {}
 
     def open(self, rooms) -> None:
         from transfer.rooms.sender import KVSender
@@ -87,16 +88,25 @@ class _KVPrefill:
 
     def poll(self) -> None:
         from transfer.state import KVPoll
+        calls = self.calls = {"kv_poll": 0.0, "kv_init": 0.0, "kv_send": 0.0}  # this pass's ms in each API call
         for room, entry in list(self.live.items()):
             sender, sent = entry
+            t = time.perf_counter()
             state = sender.poll()
+            calls["kv_poll"] += (time.perf_counter() - t) * 1e3
             if state is KVPoll.WaitingForInput and not sent:
                 pages = src_pages(self.cfg, room - FIRST_ROOM)
+                t = time.perf_counter()
                 sender.init(len(pages))
                 self.sent[room] = time.time()
+                t1 = time.perf_counter()
                 sender.send(pages, last=True)
+                t2 = time.perf_counter()
                 entry[1] = True
                 state = sender.poll()
+                calls["kv_init"] += (t1 - t) * 1e3
+                calls["kv_send"] += (t2 - t1) * 1e3
+                calls["kv_poll"] += (time.perf_counter() - t2) * 1e3
             if state in (KVPoll.Success, KVPoll.Failed):
                 self.done[room] = time.time()
                 if state is KVPoll.Failed:
@@ -114,6 +124,7 @@ class _KVDecode:
     def __init__(self, cfg: BusyConfig, mgr) -> None:
         self.cfg, self.mgr, self.alloc = cfg, mgr, DecodePages(cfg)
         self.live, self.created, self.sent, self.done, self.failed, self.errors = {}, {}, {}, {}, [], set()
+        self.calls: dict[str, float] = {}
 
     def open(self, rooms) -> None:
         from transfer.rooms.receiver import KVReceiver
@@ -126,8 +137,11 @@ class _KVDecode:
 
     def poll(self) -> None:
         from transfer.state import KVPoll
+        calls = self.calls = {"kv_poll": 0.0}  # this pass's ms in each API call
         for room, (receiver, dst) in list(self.live.items()):
+            t = time.perf_counter()
             state = receiver.poll()
+            calls["kv_poll"] += (time.perf_counter() - t) * 1e3
             if state in (KVPoll.Success, KVPoll.Failed):
                 self.done[room] = time.time()
                 if state is KVPoll.Failed:
@@ -222,7 +236,8 @@ def run_kvferry(cfg: BusyConfig, role: str) -> int:
         stepped = time.perf_counter()
         for side in sides:
             side.poll()
-        steps.add(start, ("take", taken), ("open", opened), ("step", stepped), ("poll", time.perf_counter()))
+        steps.add(start, ("take", taken), ("open", opened), ("step", stepped), ("poll", time.perf_counter()),
+                  calls={f"{side.side}_{k}": v for side in sides for k, v in side.calls.items()})
     sched.stop()
     pauses.stop()
     if reference is not None:

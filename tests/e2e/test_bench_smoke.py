@@ -315,3 +315,6 @@ def test_the_busy_benchmark_runs_both_one_process_systems(tmp_path):
         assert r["requests"] == 4 and 0 < r["p50_ms"] <= r["max_ms"], r
     slowest = next(r for r in rows if r["system"] == "kvferry-one")["loop_slowest"]["prefill"]  # one process
     assert slowest and slowest[0]["step"] >= 9.0, slowest  # a busy step is 10 ms of Python
+    for it in slowest:  # the API calls it timed lie inside its poll part (kvferry-one: both sides')
+        calls = [it[k] for k in ("prefill_kv_poll", "prefill_kv_init", "prefill_kv_send", "decode_kv_poll")]
+        assert all(c >= 0 for c in calls) and sum(calls) <= it["poll"] + 0.05, it

@@ -17,3 +17,12 @@ def test_the_slowest_iterations_are_kept_with_their_parts_and_when():
     assert rows[1]["at_s"] == 6.0 and rows[1]["take"] == 4.0 and rows[1]["poll"] == 20.0
     for r in rows:
         assert abs(r["take"] + r["open"] + r["step"] + r["poll"] - r["ms"]) < 0.05
+
+
+def test_an_iteration_keeps_the_ms_of_the_calls_inside_it():
+    steps = SlowSteps()
+    start = steps._t0
+    steps.add(start, ("take", start), ("open", start), ("step", start + 0.01), ("poll", start + 0.112),
+              calls={"prefill_kv_poll": 1.234, "prefill_kv_send": 100.456})
+    (row,) = steps.slowest()
+    assert row["poll"] == 102.0 and row["prefill_kv_send"] == 100.46 and row["prefill_kv_poll"] == 1.23
