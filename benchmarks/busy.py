@@ -30,6 +30,7 @@ from dataclasses import replace
 import numpy as np
 
 from benchmarks.busy_loop import FIRST_ROOM, BusyConfig
+from benchmarks.steal import StealWatch
 from harness.launch import BootstrapProcess, child_env
 
 WORKLOADS = {
@@ -173,11 +174,12 @@ def run_cell(system: str, cfg: BusyConfig) -> list[dict]:
         cell.close()
 
 
-def summarize(cfg: BusyConfig, results: list[dict]) -> dict:
+def summarize(cfg: BusyConfig, results: list[dict], steal: StealWatch | None = None) -> dict:
     """Latency (ms; p50, p99, p99.9, max) over the measured rooms, from
     decode opening a room to both sides seeing it end; its two splits
     (decode opened -> prefill sent, prefill sent -> both ended), their
-    medians; the ten slowest rooms' timelines; GB/s."""
+    medians; the ten slowest rooms' timelines, each with the most steal one
+    CPU saw in its window (``steal``: the cell's :class:`StealWatch`); GB/s."""
     by_role = {r["role"]: r for r in results}
     pre, dec = by_role["prefill"], by_role["decode"]
     failed = sorted(set(pre.get("failed", [])) | set(dec.get("failed", [])))
@@ -194,7 +196,8 @@ def summarize(cfg: BusyConfig, results: list[dict]) -> dict:
         timelines.append({"room": r, "ms": (end - t0) * 1e3, "to_send_ms": (sent - t0) * 1e3,
                           "send_to_done_ms": (end - sent) * 1e3, "prefill_opened_ms": (pre["created"][k] - t0) * 1e3,
                           "prefill_done_ms": (pre["done"][k] - t0) * 1e3, "decode_done_ms": (dec["done"][k] - t0) * 1e3,
-                          "at_s": t0 - dec["created"][str(rooms[0])]})
+                          "at_s": t0 - dec["created"][str(rooms[0])],
+                          "steal_ms": steal.within(t0, end) if steal is not None else 0.0})
     lat = np.array([t["ms"] for t in timelines])
     span = max(t["at_s"] + t["ms"] / 1e3 for t in timelines)
     slowest = sorted(timelines, key=lambda t: -t["ms"])[:10]
@@ -209,6 +212,7 @@ def summarize(cfg: BusyConfig, results: list[dict]) -> dict:
             "slowest": [{k: (round(v, 1) if isinstance(v, float) else v) for k, v in t.items()} for t in slowest],
             "requests": len(rooms), "gbps": round(cfg.request_bytes * len(rooms) / span / 1e9, 3),
             "cpu_s": round(sum(r.get("cpu_s", 0.0) for r in results), 3),
+            "steal_ms": round(steal.total_ms(), 1) if steal is not None else 0.0,
             "control_msgs_per_request": round(sum(r.get("control_msgs", 0) for r in results) / cfg.num_rooms, 2),
             **_periodic(results)}
 
@@ -282,6 +286,7 @@ def _median(rows: list[dict]) -> dict:
     out["all_p50_ms"] = [r["p50_ms"] for r in ok]
     out["all_p99_ms"] = [r["p99_ms"] for r in ok]
     out["all_max_ms"] = [r["max_ms"] for r in ok]
+    out["all_steal_ms"] = [r.get("steal_ms", 0.0) for r in ok]
     if any("periodic_max_cpu_ms" in r for r in ok):  # the longest of every round, not the first round's
         out["periodic_max_cpu_ms"] = _longest_by_task(ok)
         out["periodic_max_ms_by_kind"] = _longest_by_kind(ok)
@@ -325,7 +330,9 @@ def main(argv=None) -> int:
                 for system in systems:
                     row = {"workload": wname, "mode": mode, "system": system, "request_mib": cfg.request_bytes >> 20}
                     try:
-                        row.update(summarize(cfg, run_cell(system, cfg)))
+                        with StealWatch() as steal:
+                            results = run_cell(system, cfg)
+                        row.update(summarize(cfg, results, steal))
                     except Exception as exc:  # a cell that fails is reported, the run goes on
                         row.update({k: float("nan") for k in _MEDIANED}, error=f"{type(exc).__name__}: {exc}"[:2000])
                     runs[system].append(row)
@@ -379,10 +386,12 @@ def print_table(rows: list[dict]) -> None:
     for r in rows:
         if r.get("slowest"):
             print(f"slowest of {r['workload']} {r['mode']} {r['system']} (ms from decode's open: prefill opened, "
-                  "sent, prefill done, decode done; at s into the run):")
+                  f"sent, prefill done, decode done; at s into the run; the most steal of one CPU in its window; "
+                  f"{r.get('steal_ms', 0.0):.0f} ms of steal in the cell, all CPUs):")
             for t in r["slowest"]:
                 print(f"  room {t['room']}: {t['ms']:.1f} = {t['prefill_opened_ms']:.1f} / {t['to_send_ms']:.1f} / "
-                      f"{t['prefill_done_ms']:.1f} / {t['decode_done_ms']:.1f}  at {t['at_s']:.2f}")
+                      f"{t['prefill_done_ms']:.1f} / {t['decode_done_ms']:.1f}  at {t['at_s']:.2f}  "
+                      f"steal {t.get('steal_ms', 0.0):.0f}")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import resource
 import sys
 import threading
 import time
@@ -148,11 +149,46 @@ class Scheduler:
         self._stop.set()
 
 
+class ThreadClock:
+    """The calling thread's account, as the kernel keeps it: seconds on a
+    CPU and seconds waiting on a run queue (``/proc/thread-self/schedstat``;
+    with paravirtual steal accounting neither counts time the hypervisor
+    stole from the vCPU), and its voluntary and involuntary context switches
+    (``getrusage``). Read it on the thread it was made on. Where the kernel
+    has no schedstat, CPU is ``time.thread_time`` and the queue 0."""
+
+    def __init__(self) -> None:
+        try:
+            self._fd: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        except OSError:
+            self._fd = None
+
+    def read(self) -> tuple[float, float, int, int]:
+        """``(cpu_s, runq_s, voluntary, involuntary)`` so far."""
+        ru = resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF))
+        if self._fd is None:
+            return time.thread_time(), 0.0, ru.ru_nvcsw, ru.ru_nivcsw
+        cpu, runq = os.pread(self._fd, 128, 0).split()[:2]
+        return int(cpu) / 1e9, int(runq) / 1e9, ru.ru_nvcsw, ru.ru_nivcsw
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
 class SlowSteps:
     """The loop's slowest iterations, each with the ms of its parts (``take``
     the pipe, ``open`` the new rooms, ``step``, ``poll`` the live ones) and
     when it began (s into the loop): a room opened late behind a loop that
-    stood still shows here with the part that stood."""
+    stood still shows here with the part that stood.
+
+    Given the thread's :class:`ThreadClock` before and after, an iteration
+    also says where its time went: ``cpu`` (ms on a CPU), ``runq`` (ms
+    waiting for one), ``unseen`` (the rest: asleep, as for the interpreter
+    lock or I/O, or stolen by the hypervisor) and its ``voluntary`` and
+    ``involuntary`` switches. ``unseen`` with no voluntary switch is time
+    the thread never gave up yet did not run: the host took its vCPU."""
 
     KEEP = 5
 
@@ -160,9 +196,11 @@ class SlowSteps:
         self._t0 = time.perf_counter()
         self._rows: list[dict] = []
 
-    def add(self, start: float, *parts: tuple[str, float], calls: dict[str, float] | None = None) -> None:
+    def add(self, start: float, *parts: tuple[str, float], calls: dict[str, float] | None = None,
+            clock: tuple[tuple, tuple] | None = None) -> None:
         """One iteration from ``start``: ``(name, end)`` for each part, in order (``time.perf_counter``);
-        ``calls``: ms spent in the system's API calls inside them (``prefill_kv_send``, say)."""
+        ``calls``: ms spent in the system's API calls inside them (``prefill_kv_send``, say);
+        ``clock``: :meth:`ThreadClock.read` at ``start`` and at the end."""
         total = parts[-1][1] - start
         if len(self._rows) == self.KEEP and total <= self._rows[-1]["ms"] / 1e3:
             return
@@ -171,6 +209,11 @@ class SlowSteps:
             row[name] = round((end - begin) * 1e3, 2)
             begin = end
         row.update({k: round(v, 2) for k, v in (calls or {}).items()})
+        if clock is not None:
+            (cpu0, q0, v0, i0), (cpu1, q1, v1, i1) = clock
+            cpu, runq = (cpu1 - cpu0) * 1e3, (q1 - q0) * 1e3
+            row.update(cpu=round(cpu, 2), runq=round(runq, 2), unseen=round(total * 1e3 - cpu - runq, 2),
+                       voluntary=v1 - v0, involuntary=i1 - i0)
         self._rows = sorted([*self._rows, row], key=lambda r: -r["ms"])[:self.KEEP]
 
     def slowest(self) -> list[dict]:

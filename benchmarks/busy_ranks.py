@@ -38,7 +38,7 @@ import numpy as np
 
 from benchmarks import busy_explain
 from benchmarks.busy_explain import ReferenceHolds
-from benchmarks.busy_loop import (FIRST_ROOM, BusyConfig, DecodePages, Feed, Scheduler, SlowSteps, ready, result_line,
+from benchmarks.busy_loop import (FIRST_ROOM, BusyConfig, DecodePages, Feed, Scheduler, SlowSteps, ThreadClock, ready, result_line,
                                   src_pages)
 
 TIMEOUT_S = 600.0
@@ -222,11 +222,11 @@ def run_kvferry(cfg: BusyConfig, role: str) -> int:
         _wait_for_node(decode.mgr, cfg)
         sides.append(decode)
     ready()
-    feed, sched, pauses, steps = Feed(), Scheduler(cfg), GcPauses(), SlowSteps()
+    feed, sched, pauses, steps, clock = Feed(), Scheduler(cfg), GcPauses(), SlowSteps(), ThreadClock()
     reference = ReferenceHolds() if cfg.explain else None
     cpu0, deadline = time.process_time(), time.monotonic() + TIMEOUT_S
     while not (feed.closed and not any(side.live for side in sides)) and time.monotonic() < deadline:
-        start = time.perf_counter()
+        start, before = time.perf_counter(), clock.read()
         rooms = feed.take()
         taken = time.perf_counter()
         for side in sorted(sides, key=lambda s: s.side):  # decode's receiver first, as the request reaches it first
@@ -236,9 +236,11 @@ def run_kvferry(cfg: BusyConfig, role: str) -> int:
         stepped = time.perf_counter()
         for side in sides:
             side.poll()
-        steps.add(start, ("take", taken), ("open", opened), ("step", stepped), ("poll", time.perf_counter()),
-                  calls={f"{side.side}_{k}": v for side in sides for k, v in side.calls.items()})
+        end, after = time.perf_counter(), clock.read()
+        steps.add(start, ("take", taken), ("open", opened), ("step", stepped), ("poll", end),
+                  calls={f"{side.side}_{k}": v for side in sides for k, v in side.calls.items()}, clock=(before, after))
     sched.stop()
+    clock.close()
     pauses.stop()
     if reference is not None:
         reference.stop()

@@ -313,8 +313,12 @@ def test_the_busy_benchmark_runs_both_one_process_systems(tmp_path):
     for r in rows:
         assert "error" not in r, r["error"]
         assert r["requests"] == 4 and 0 < r["p50_ms"] <= r["max_ms"], r
+        assert r["steal_ms"] >= 0 and all(t["steal_ms"] >= 0 for t in r["slowest"]), r  # the host's, beside each
     slowest = next(r for r in rows if r["system"] == "kvferry-one")["loop_slowest"]["prefill"]  # one process
     assert slowest and slowest[0]["step"] >= 9.0, slowest  # a busy step is 10 ms of Python
     for it in slowest:  # the API calls it timed lie inside its poll part (kvferry-one: both sides')
         calls = [it[k] for k in ("prefill_kv_poll", "prefill_kv_init", "prefill_kv_send", "decode_kv_poll")]
         assert all(c >= 0 for c in calls) and sum(calls) <= it["poll"] + 0.05, it
+        # where its time went, by the thread's own clock: on a CPU, waiting for one, neither
+        assert it["cpu"] > 0 and it["runq"] >= 0 and it["voluntary"] >= 0 and it["involuntary"] >= 0, it
+        assert abs(it["cpu"] + it["runq"] + it["unseen"] - it["ms"]) < 0.05, it
