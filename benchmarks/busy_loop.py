@@ -151,11 +151,13 @@ class Scheduler:
 
 class ThreadClock:
     """The calling thread's account, as the kernel keeps it: seconds on a
-    CPU and seconds waiting on a run queue (``/proc/thread-self/schedstat``;
-    with paravirtual steal accounting neither counts time the hypervisor
-    stole from the vCPU), and its voluntary and involuntary context switches
-    (``getrusage``). Read it on the thread it was made on. Where the kernel
-    has no schedstat, CPU is ``time.thread_time`` and the queue 0."""
+    CPU (``time.thread_time``) and seconds waiting on a run queue
+    (``/proc/thread-self/schedstat``; with paravirtual steal accounting
+    neither counts time the hypervisor stole from the vCPU), and its
+    voluntary and involuntary context switches (``getrusage``). Read it on
+    the thread it was made on. schedstat's own CPU figure is not used: it
+    lags the running thread by up to a scheduler tick. Where the kernel has
+    no schedstat, the queue reads 0."""
 
     def __init__(self) -> None:
         try:
@@ -166,10 +168,8 @@ class ThreadClock:
     def read(self) -> tuple[float, float, int, int]:
         """``(cpu_s, runq_s, voluntary, involuntary)`` so far."""
         ru = resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF))
-        if self._fd is None:
-            return time.thread_time(), 0.0, ru.ru_nvcsw, ru.ru_nivcsw
-        cpu, runq = os.pread(self._fd, 128, 0).split()[:2]
-        return int(cpu) / 1e9, int(runq) / 1e9, ru.ru_nvcsw, ru.ru_nivcsw
+        runq = 0.0 if self._fd is None else int(os.pread(self._fd, 128, 0).split()[1]) / 1e9
+        return time.thread_time(), runq, ru.ru_nvcsw, ru.ru_nivcsw
 
     def close(self) -> None:
         if self._fd is not None:
