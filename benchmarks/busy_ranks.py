@@ -38,8 +38,8 @@ import numpy as np
 
 from benchmarks import busy_explain
 from benchmarks.busy_explain import ReferenceHolds
-from benchmarks.busy_loop import (FIRST_ROOM, BusyConfig, DecodePages, Feed, Scheduler, SlowSteps, ThreadClock, ready, result_line,
-                                  src_pages)
+from benchmarks.busy_loop import (FIRST_ROOM, BusyConfig, DecodePages, Feed, Scheduler, SlowSteps, ThreadClock, ready,
+                                  result_line, src_pages)
 
 TIMEOUT_S = 600.0
 
