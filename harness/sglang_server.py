@@ -173,6 +173,14 @@ def metric(server: SGLangServer, name: str, timeout_s: float = 10.0, **labels: s
     return total
 
 
+def decode_transfer_queue(server: SGLangServer, timeout_s: float = 10.0) -> int:
+    """Requests in a decode server's transfer queue now (``GET /v1/loads``):
+    their receivers sent their pages to prefill and wait for the KV."""
+    with urllib.request.urlopen(server.url + "/v1/loads?include=disagg", timeout=timeout_s) as r:
+        loads = json.loads(r.read())["loads"]
+    return sum(int(load["disaggregation"]["decode_transfer_queue_reqs"]) for load in loads)
+
+
 def flush_cache(server: SGLangServer, timeout_s: float = 30.0) -> None:
     """``POST /flush_cache``: SGLang empties the radix tree, the device pool
     and HiCache's host pool (storage keeps its pages). It refuses while

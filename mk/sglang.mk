@@ -83,7 +83,8 @@ bench-hicache-server: setup-sglang-server
 	timeout 1200 $(SGLANG_SERVER_PY) -m benchmarks.hicache_server --json bench-hicache-server.json --doc docs/storage.md
 
 # Also SGLang's HiCache on kvferry's store (test_hicache_server.py: a restarted server, PD with one store, a
-# killed prefill; test_hicache_draft.py: a speculative draft's KV with SGLang's own pools and controller, in
+# killed prefill, a decode room restored from the store; test_prompts.py: the plugin's prompt hooks on SGLang's own
+# queues; test_hicache_draft.py: a speculative draft's KV with SGLang's own pools and controller, in
 # process), its servers alone loading the CPU stand-ins of tests/engines/sglang_server/hicache_site.
 test-sglang-server: setup-sglang-server
-	timeout 900 $(SGLANG_SERVER_PY) -m pytest -q -p no:cacheprovider tests/engines/sglang_server
+	PYTHONPATH=$(CURDIR):$(CURDIR)/tests/engines/sglang/stubs timeout 900 $(SGLANG_SERVER_PY) -m pytest -q -p no:cacheprovider tests/engines/sglang_server

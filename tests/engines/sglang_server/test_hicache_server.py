@@ -16,6 +16,10 @@ compared with a single server's without HiCache (same page and chunk size):
   chunks of a long prompt: SGLang's decode fails the request (500) and serves
   on; the request sent again through another prefill (on the same store) has
   decode load the pages the dead prefill wrote.
+- kvferry's storage tier on that store as well (``KVFERRY_STORAGE_URL``):
+  prefill writes each room's pages and aux row through, and a decode room
+  whose prefill is killed while it waits is restored from the store and
+  answers, tokens equal.
 
 The servers load test stand-ins (``hicache_site/sitecustomize.py``: host
 pools unpinned, the device <-> host copies as torch index copies); SGLang's
@@ -49,7 +53,7 @@ import pytest
 pytest.importorskip("sglang")
 
 from harness.sglang_server import (HICACHE_SITE, HiCacheStoreProbe, SGLangServer, SGLangSpec,  # noqa: E402
-                                   flush_cache, generate, hicache_storage_args, metric, pd_generate,
+                                   decode_transfer_queue, flush_cache, generate, hicache_storage_args, metric, pd_generate,
                                    pd_generate_replies, storage_tokens)
 from harness.vllm import VOCAB, build_tiny_model, free_port  # noqa: E402
 
@@ -90,9 +94,10 @@ def hicache_args(store_url: str) -> tuple:
     return (*COMMON_ARGS, *hicache_storage_args(store_url))
 
 
-def hicache_server(name: str, model: str, store_url: str, log_dir: str, role: Role = SINGLE) -> SGLangServer:
+def hicache_server(name: str, model: str, store_url: str, log_dir: str, role: Role = SINGLE,
+                   env: dict | None = None) -> SGLangServer:
     """A server with HiCache on kvferry's store and the stand-ins loaded (started, not waited for)."""
-    env = {"PYTHONPATH": HICACHE_SITE}
+    env = {"PYTHONPATH": HICACHE_SITE, **(env or {})}
     bootstrap = 0
     if role.mode == "prefill":  # kvferry's own bootstrap port beside SGLang's
         bootstrap = free_port()
@@ -272,3 +277,72 @@ def test_prefill_killed_mid_transfer_decode_fails_the_request_and_a_retry_loads_
     assert sent_pages(spare, 0.0) == math.ceil((len(prompt) - hit) / PAGE)
     print(f"prefill killed with {written} of {len(prompt) // PAGE} pages in the store; "
           f"decode answered 500 {failed_after_s:.2f} s later")
+
+
+@pytest.fixture(scope="module")
+def tier_pair(fleet, model):
+    """A prefill with HiCache and kvferry's storage tier on one store, and a
+    plain decode with the tier on it too, its prefetch off: a room it
+    restores loads every page from the store, not only what prefill skipped."""
+    url = f"file://{os.path.join(fleet.root, 'tier-store')}"
+    servers = [hicache_server("prefill-tier", model, url, fleet.root, PREFILL, env={"KVFERRY_STORAGE_URL": url}),
+               SGLangServer(SGLangSpec("decode-tier", model, "decode", args=COMMON_ARGS, env={
+                   "KVFERRY_STORAGE_URL": url, "KVFERRY_STORAGE_PREFETCH": "off"}), fleet.root)]
+    probe = StoreProbe(url, model)
+    try:
+        yield servers[0], servers[1], probe
+    finally:
+        probe.close()
+        close_all(servers)
+
+
+def test_a_decode_room_whose_prefill_is_killed_is_restored_from_the_one_store(fleet, tier_pair):
+    """A prompt served once through the pair: prefill's HiCache writes its
+    pages to the store, and kvferry's sender writes the room's pages and aux
+    row through to the same store, keyed by the prompt (kvferry's plugin
+    hands SGLang's tokens to its sender and receiver). The same prompt then
+    goes to decode alone, as if prefill's scheduler never got it: once
+    decode's room sent its pages to prefill (SGLang's transfer queue), prefill
+    is killed (its process group, SIGKILL). kvferry's decode room loses its
+    prefill, loads the room's 75 pages and its aux row from the store, and
+    SGLang's decode answers with tokens equal a single server's."""
+    prefill, decode, probe = tier_pair
+    prompt = prompt_of(KILLED_PROMPT_TOKENS, 21)  # 75 full pages: the tier keeps full pages only
+    assert len(prompt) % PAGE == 0
+    fleet.reference.wait_ready()
+    want = generate(fleet.reference, prompt, MAX_NEW)["output_ids"]
+    prefill.wait_ready()
+    decode.wait_ready()
+    _, got = pd_generate(prefill, decode, prompt, MAX_NEW, room=9_200)  # returns once both answered
+    assert got["output_ids"] == want, (got["output_ids"], want)
+    probe.wait_for(prompt, len(prompt) // PAGE - 1)  # prefill's HiCache: its pages are in the same store
+
+    replies: dict = {}
+    extra = {"bootstrap_host": prefill.spec.host, "bootstrap_port": prefill.spec.bootstrap_port,
+             "bootstrap_room": 9_201}
+
+    def run():
+        try:
+            replies["decode"] = generate(decode, prompt, MAX_NEW, 180, **extra)
+        except Exception as exc:  # reported below
+            replies["decode"] = exc
+
+    request = threading.Thread(target=run)
+    request.start()
+    deadline = time.monotonic() + 60
+    while decode_transfer_queue(decode) < 1:
+        assert request.is_alive() and time.monotonic() < deadline, f"decode never waited for prefill: {replies}"
+        time.sleep(0.05)
+    prefill.kill()
+    killed_at = time.monotonic()
+    request.join(120)
+    answered_after_s = time.monotonic() - killed_at
+    assert not request.is_alive(), "decode hung after prefill died"
+    reply = replies["decode"]
+    assert isinstance(reply, dict), f"decode: {reply!r}"
+    assert reply["output_ids"] == want, (reply["output_ids"], want)
+    restored = decode.lines_naming(["room 9201: restored from storage after"])
+    assert restored, decode.lines_naming(["room 9201"])
+    assert answered_after_s < 30, answered_after_s
+    print(f"prefill killed; decode restored room 9201 from the store and answered {answered_after_s:.2f} s later: "
+          f"{restored[-1]}")

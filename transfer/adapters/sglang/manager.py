@@ -50,6 +50,12 @@ def _http_port(server_args) -> int | None:
     return None if port is None else int(port)
 
 
+def _model_name(server_args) -> str:
+    """What the storage tier binds its keys to: SGLang's served model name
+    (the model path unless ``--served-model-name``), as its HiCache does."""
+    return str(getattr(server_args, "served_model_name", None) or getattr(server_args, "model_path", "") or "")
+
+
 def _engine_host(server_args) -> str:
     host = bind_host(getattr(server_args, "host", None))
     return outgoing_address() if host in ("0.0.0.0", "::") else host
@@ -91,7 +97,8 @@ class KvferryKVManager(BaseKVManager):
             self.role, tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank, dp_size=dp_size,
             node_id=PREFILL_NODE if self.role is Role.PREFILL else "sglang-decode",
             bootstrap_addr=self.sglang_bootstrap,
-            **({} if _env_sets("host") else {"host": _engine_host(server_args)}), **_sglang_timeouts())
+            **({} if _env_sets("host") else {"host": _engine_host(server_args)}),
+            **({} if _env_sets("model_name") else {"model_name": _model_name(server_args)}), **_sglang_timeouts())
         self.rooms_registrar = None
         if self.role is Role.PREFILL:  # kvferry's bootstrap server sits behind SGLang's HTTP port
             config = dataclasses.replace(config, bootstrap_addr=wait_kvferry_address(

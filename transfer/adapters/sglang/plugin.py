@@ -6,7 +6,9 @@ disaggregation service, and classes come from ``get_kv_class(backend, kind)``.
 The plugin (1) extends the CLI choices with SGLang's own
 ``add_disagg_transfer_backend_choices``, (2) adds a ``KVFERRY`` member to the
 Enum, and (3) wraps ``get_kv_class`` through SGLang's ``HookRegistry``
-(AROUND), which also patches the modules that imported it by name.
+(AROUND), which also patches the modules that imported it by name, and (4)
+hooks the two places SGLang makes a room's sender and receiver, to hand them
+the request's prompt (:mod:`.prompts`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import logging
 
 from transfer.adapters.sglang import BACKEND
+from transfer.adapters.sglang.prompts import register_hooks
 
 log = logging.getLogger("kvferry.sglang")
 
@@ -72,5 +75,6 @@ def register() -> None:
         add_disagg_transfer_backend_choices([BACKEND])
     _extend_enum(TransferBackend, BACKEND.upper(), BACKEND)
     HookRegistry.register(_GET_KV_CLASS, _get_kv_class, HookType.AROUND)
+    register_hooks(HookRegistry, HookType)
     _registered = True
     log.info("kvferry registered as SGLang transfer backend %r", BACKEND)

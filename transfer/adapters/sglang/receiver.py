@@ -23,6 +23,17 @@ this receiver the call (:meth:`KvferryKVReceiver.watch_recompute`): ``poll()``
 fails the room with the call's error once it failed or ran past its bound,
 unless the KV landed first. kvferry keys a room's requests by (room, request
 id), so a room id used again picks up nothing of its last use.
+
+The prompt: kvferry's plugin hook hands it over right after SGLang made the
+receiver (:mod:`.prompts`; not for a rebootstrap), and ``send_metadata``
+passes it on. With a storage tier (``KVFERRY_STORAGE_URL``), the room then
+loads the leading pages the store has before asking prefill for the rest,
+and a room whose prefill died or failed is restored from the store (its pages
+and the aux row prefill wrote through) and ends in Success. A restored aux
+row is the one prefill wrote for the room it sent then: before ``poll()``
+returns Success, the row's ``bootstrap_room`` field (SGLang's check that a
+row belongs to the request, :class:`MetadataBuffers`) gets this room's id,
+as SGLang's prefill writes it into every row it sends.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ from sglang.srt.disaggregation.base.conn import BaseKVReceiver
 
 from transfer.adapters.sglang.manager import PREFILL_NODE
 from transfer.adapters.sglang.failure import fail_room, raise_failure
+from transfer.adapters.sglang.prompts import prompt_of_room
 from transfer.adapters.sglang.recompute import RecomputeCall
 from transfer.errors import BootstrapUnavailable, KVFerryError, StateError, TransferError
 from transfer.rooms.receiver import KVReceiver
@@ -52,6 +64,9 @@ class KvferryKVReceiver(BaseKVReceiver):
         self._core: KVReceiver | None = None
         self._error: BaseException | None = None
         self._recompute: RecomputeCall | None = None  # PD retract rebootstrap: the prefill asked to recompute
+        self._token_ids = None  # the prompt (learn_prompt), for the storage tier's keys
+        self._room_rows = None  # SGLang's MetadataBuffers.bootstrap_room (learn_prompt)
+        self._aux_index: int | None = None
 
     @property
     def supports_host_destination(self) -> bool:
@@ -90,11 +105,13 @@ class KvferryKVReceiver(BaseKVReceiver):
                                      f"whole pages of {self.kv_mgr.page_size}"))
             return
         prefix_pages = prefix_tokens // self.kv_mgr.page_size
+        self._aux_index = aux_index
         pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
         # Placeholders for the pages decode holds: never written (skip_pages).
         pages = np.concatenate([np.zeros(prefix_pages, dtype=np.int64), pages])
         try:
-            self._core.init(pages, aux_index, skip_pages=prefix_pages, state_indices=state_indices)
+            tokens = prompt_of_room(self._token_ids, pages.size, self.kv_mgr.page_size, f"room {self.bootstrap_room}")
+            self._core.init(pages, aux_index, token_ids=tokens, skip_pages=prefix_pages, state_indices=state_indices)
         except KVFerryError as exc:
             self._fail(exc)
 
@@ -110,9 +127,24 @@ class KvferryKVReceiver(BaseKVReceiver):
                 self._recompute = None
                 self._fail(error)
                 state = KVPoll.Failed if self.conclude_state is KVPoll.Failed else self._core.poll()
+        if state is KVPoll.Success:
+            self._stamp_restored_row()
         if state in (KVPoll.Success, KVPoll.Failed):
             self.conclude_state = state
         return state
+
+    def learn_prompt(self, token_ids, room_rows=None) -> None:
+        """The request's prompt (SGLang's ``origin_input_ids``), before
+        ``send_metadata``; ``room_rows``: SGLang's ``bootstrap_room`` aux
+        buffer, stamped in a row restored from storage."""
+        self._token_ids, self._room_rows = token_ids, room_rows
+
+    def _stamp_restored_row(self) -> None:
+        """The aux row came from storage: it names the room prefill sent when it wrote it through."""
+        if self._room_rows is None or self._aux_index is None or self._aux_index < 0:
+            return
+        if ("aux", "storage") in self._core.stats().bytes:
+            self._room_rows[self._aux_index, 0] = self.bootstrap_room
 
     def watch_recompute(self, call: RecomputeCall) -> None:
         """The prefill server was asked to recompute this room (PD retract

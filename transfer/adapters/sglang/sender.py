@@ -12,6 +12,11 @@ Decode's prefix maps onto kvferry's "decode holds the leading N pages"
 request field: decode adds N placeholder pages before its suffix pages and
 asks for the skip; here ``init`` counts them and the first ``send`` puts N
 placeholders before its pages. kvferry never reads or writes them.
+
+The prompt: SGLang's interface passes none; kvferry's plugin hook hands it over
+right after SGLang made the sender (:mod:`.prompts`), and ``init`` passes it on,
+so that a manager with a storage tier (``KVFERRY_STORAGE_URL``) writes the sent
+pages and the aux row through, keyed by it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import numpy as np
 from sglang.srt.disaggregation.base.conn import BaseKVSender, KVTransferMetric
 
 from transfer.adapters.sglang.failure import fail_room, raise_failure
+from transfer.adapters.sglang.prompts import prompt_of_room
 from transfer.errors import KVFerryError, StateError, TransferError
 from transfer.rooms.sender import KVSender
 from transfer.state import KVPoll
@@ -38,6 +44,7 @@ class KvferryKVSender(BaseKVSender):
         self._num_pages: int | None = None
         self._aux_index: int | None = None
         self._prefix_pages = 0
+        self._token_ids = None  # the prompt (learn_prompt), for the storage tier's keys
         self._num_sent = 0
         self._last_sent = False
         self._state_indices = None  # per SGLang state type: this room's items (with the last chunk)
@@ -72,7 +79,9 @@ class KvferryKVSender(BaseKVSender):
         if self._core is None or self.conclude_state is not None:
             return
         try:
-            self._core.init(self._prefix_pages + self._num_pages, aux_index)
+            num_pages = self._prefix_pages + self._num_pages
+            tokens = prompt_of_room(self._token_ids, num_pages, self.kv_mgr.page_size, f"room {self.bootstrap_room}")
+            self._core.init(num_pages, aux_index, token_ids=tokens)
         except KVFerryError as exc:
             self._fail(exc)
 
@@ -137,6 +146,10 @@ class KvferryKVSender(BaseKVSender):
         return KVTransferMetric(transfer_latency_s=self._latency_s, transfer_total_bytes=stats.bytes)
 
     # --- kvferry extras ----------------------------------------------------------------
+    def learn_prompt(self, token_ids) -> None:
+        """The request's prompt (SGLang's ``origin_input_ids``), before ``init``."""
+        self._token_ids = token_ids
+
     def transfer_stats(self):
         """Bytes and descriptors this room moved (the core's ``KVSender.stats()``,
         a :class:`transfer.stats.RoomStats`, in the shape of :class:`.stats.RoomStats`)."""

@@ -1,0 +1,75 @@
+"""A room's prompt for kvferry's storage tier, from SGLang's request.
+
+SGLang's transfer interface carries no tokens (``BaseKVSender.init(num_pages,
+aux_index)``, ``BaseKVReceiver.send_metadata(kv_indices, aux_index, ...)``),
+yet kvferry's storage tier keys pages by the prompt's hash chain: prefill's
+write-through, decode's prefetch, and decode's restore of a room whose prefill
+died all need it. The two places where SGLang makes a room's sender and
+receiver still hold the request, and kvferry hooks them with SGLang's own
+plugin hooks (``HookRegistry``, AFTER): the hook hands the new kvferry sender or
+receiver ``req.origin_input_ids``.
+
+- prefill: ``PrefillBootstrapQueue.create_sender(req, num_kv_heads)``;
+- decode: ``DecodePreallocQueue._create_receiver_and_enqueue(req, is_rebootstrap)``.
+  A PD retract rebootstrap's room gets none: prefill recomputes it under new
+  weights, which the store's values are not. The receiver also gets the
+  queue's ``metadata_buffers.bootstrap_room``, to stamp a restored aux row
+  with its room (see :mod:`.receiver`).
+
+A target missing from an SGLang release is logged once by SGLang's hook
+registry ("Failed to apply hooks"); its rooms then simply have no prompt, and
+the storage tier is not used for them (as before these hooks).
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("kvferry.sglang")
+
+SENDER_TARGET = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.create_sender"
+RECEIVER_TARGET = "sglang.srt.disaggregation.decode.DecodePreallocQueue._create_receiver_and_enqueue"
+
+
+def after_create_sender(created, queue, req, *args, **kwargs):
+    """AFTER ``create_sender``: the request's kvferry sender learns its prompt."""
+    from transfer.adapters.sglang.sender import KvferryKVSender
+
+    sender = getattr(req, "disagg_kv_sender", None)
+    if created and isinstance(sender, KvferryKVSender):
+        sender.learn_prompt(req.origin_input_ids)
+    return None  # SGLang keeps the original result
+
+
+def after_create_receiver(decode_req, queue, req, *args, is_rebootstrap: bool = False, **kwargs):
+    """AFTER ``_create_receiver_and_enqueue``: the room's kvferry receiver
+    learns its prompt (not a rebootstrap's: see the module docstring)."""
+    from transfer.adapters.sglang.receiver import KvferryKVReceiver
+
+    if args:  # SGLang passes is_rebootstrap by keyword; positionally too, in case
+        is_rebootstrap = bool(args[0])
+    receiver = getattr(decode_req, "kv_receiver", None)
+    if not is_rebootstrap and isinstance(receiver, KvferryKVReceiver):
+        buffers = getattr(queue, "metadata_buffers", None)
+        receiver.learn_prompt(req.origin_input_ids, room_rows=getattr(buffers, "bootstrap_room", None))
+    return None
+
+
+def prompt_of_room(token_ids, num_pages: int, page_size: int, where: str):
+    """``token_ids`` if they take exactly the room's ``num_pages`` pages,
+    else None (logged): a room whose pages are not its prompt's (a request
+    SGLang extends past its prompt) is kept away from the store, never failed."""
+    if token_ids is None:
+        return None
+    need = -(-len(token_ids) // page_size)
+    if need != num_pages:
+        log.info("%s: its %d prompt tokens take %d pages, not the room's %d: the storage tier is not used for it",
+                 where, len(token_ids), need, num_pages)
+        return None
+    return token_ids
+
+
+def register_hooks(registry, hook_type) -> None:
+    """Register both hooks with SGLang's ``HookRegistry``."""
+    registry.register(SENDER_TARGET, after_create_sender, hook_type.AFTER)
+    registry.register(RECEIVER_TARGET, after_create_receiver, hook_type.AFTER)
