@@ -43,17 +43,22 @@ def _decode_queue(rows: torch.Tensor):
                            metadata_buffers=SimpleNamespace(bootstrap_room=rows))
 
 
-def _request(tokens: list[int], room: int):
+def _request(tokens: list[int], room: int, **asks):
     return SimpleNamespace(bootstrap_host="127.0.0.1", bootstrap_port=8998, bootstrap_room=room,
-                           origin_input_ids=tokens)
+                           origin_input_ids=tokens, **asks)
 
 
-@pytest.mark.parametrize("rebootstrap", [False, True])
-def test_sglangs_decode_queue_hands_its_receiver_the_prompt_and_room_rows(hooked, rebootstrap):
+@pytest.mark.parametrize("rebootstrap, asks, handed", [
+    (False, {}, True), (True, {}, False),
+    (False, {"return_logprob": True}, False), (False, {"return_hidden_states": True}, False),
+    (False, {"return_logprob": False, "return_hidden_states": False}, True)])
+def test_sglangs_decode_queue_hands_its_receiver_the_prompt_and_room_rows(hooked, rebootstrap, asks, handed):
     """SGLang's own ``DecodePreallocQueue._create_receiver_and_enqueue``
     (hooked) makes kvferry's receiver; the hook hands it the request's
     prompt and the queue's ``bootstrap_room`` rows, but not for a
-    rebootstrap (prefill recomputes it under new weights)."""
+    rebootstrap (prefill recomputes it under new weights), nor for a request
+    that reads logprobs or hidden states from its aux row (a restored row
+    would carry another request's)."""
     from sglang.srt.disaggregation.decode import DecodePreallocQueue
 
     from transfer.adapters.sglang.receiver import KvferryKVReceiver
@@ -61,15 +66,15 @@ def test_sglangs_decode_queue_hands_its_receiver_the_prompt_and_room_rows(hooked
     tokens = [random.randrange(1000) for _ in range(37)]
     rows = torch.zeros((4, 8), dtype=torch.int64)
     queue = _decode_queue(rows)
-    decode_req = DecodePreallocQueue._create_receiver_and_enqueue(queue, _request(tokens, 77),
+    decode_req = DecodePreallocQueue._create_receiver_and_enqueue(queue, _request(tokens, 77, **asks),
                                                                  is_rebootstrap=rebootstrap)
     receiver = decode_req.kv_receiver
     assert type(receiver) is KvferryKVReceiver and queue.queue == [decode_req]
     assert receiver.bootstrap_room == 77 and receiver.bootstrap_addr == "127.0.0.1:8998"
-    if rebootstrap:
-        assert receiver._token_ids is None and receiver._room_rows is None
-    else:
+    if handed:
         assert receiver._token_ids is tokens and receiver._room_rows is rows
+    else:
+        assert receiver._token_ids is None and receiver._room_rows is None
 
 
 def test_the_sender_hook_hands_a_kvferry_sender_its_prompt_only_when_sglang_made_one(hooked):

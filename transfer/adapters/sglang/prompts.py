@@ -12,7 +12,8 @@ receiver ``req.origin_input_ids``.
 - prefill: ``PrefillBootstrapQueue.create_sender(req, num_kv_heads)``;
 - decode: ``DecodePreallocQueue._create_receiver_and_enqueue(req, is_rebootstrap)``.
   A PD retract rebootstrap's room gets none: prefill recomputes it under new
-  weights, which the store's values are not. The receiver also gets the
+  weights, which the store's values are not. Nor does a request that asks
+  for logprobs or hidden states (:func:`wants_its_own_row`). The receiver also gets the
   queue's ``metadata_buffers.bootstrap_room``, to stamp a restored aux row
   with its room (see :mod:`.receiver`).
 
@@ -49,10 +50,19 @@ def after_create_receiver(decode_req, queue, req, *args, is_rebootstrap: bool = 
     if args:  # SGLang passes is_rebootstrap by keyword; positionally too, in case
         is_rebootstrap = bool(args[0])
     receiver = getattr(decode_req, "kv_receiver", None)
-    if not is_rebootstrap and isinstance(receiver, KvferryKVReceiver):
+    if not is_rebootstrap and isinstance(receiver, KvferryKVReceiver) and not wants_its_own_row(req):
         buffers = getattr(queue, "metadata_buffers", None)
         receiver.learn_prompt(req.origin_input_ids, room_rows=getattr(buffers, "bootstrap_room", None))
     return None
+
+
+def wants_its_own_row(req) -> bool:
+    """Whether the request reads what only its own prefill writes into its aux
+    row: the first token's logprobs, or hidden states. A restored row is the
+    one some earlier request's prefill wrote (its first token and
+    ``cached_tokens`` are the prompt's; its logprobs and hidden states are
+    that request's, or none), so such a room is kept away from the store."""
+    return bool(getattr(req, "return_logprob", False) or getattr(req, "return_hidden_states", False))
 
 
 def prompt_of_room(token_ids, num_pages: int, page_size: int, where: str):
