@@ -173,12 +173,22 @@ def metric(server: SGLangServer, name: str, timeout_s: float = 10.0, **labels: s
     return total
 
 
-def decode_transfer_queue(server: SGLangServer, timeout_s: float = 10.0) -> int:
-    """Requests in a decode server's transfer queue now (``GET /v1/loads``):
-    their receivers sent their pages to prefill and wait for the KV."""
-    with urllib.request.urlopen(server.url + "/v1/loads?include=disagg", timeout=timeout_s) as r:
-        loads = json.loads(r.read())["loads"]
-    return sum(int(load["disaggregation"]["decode_transfer_queue_reqs"]) for load in loads)
+def loads(server: SGLangServer, include: str = "all", timeout_s: float = 10.0) -> list[dict]:
+    """The scheduler's load of each DP rank now (``GET /v1/loads``)."""
+    with urllib.request.urlopen(f"{server.url}/v1/loads?include={include}", timeout=timeout_s) as r:
+        return json.loads(r.read())["loads"]
+
+
+def decode_transfer_queue(server: SGLangServer) -> int:
+    """Requests in a decode server's transfer queue now: their receivers
+    sent their pages to prefill and wait for the KV."""
+    return sum(int(load["disaggregation"]["decode_transfer_queue_reqs"]) for load in loads(server, "disagg"))
+
+
+def used_tokens(server: SGLangServer) -> int:
+    """KV token slots the server's pools hold now (a prefill computing a
+    prompt chunk by chunk holds one page more per chunk)."""
+    return sum(int(load["num_used_tokens"]) for load in loads(server, "core"))
 
 
 def flush_cache(server: SGLangServer, timeout_s: float = 30.0) -> None:

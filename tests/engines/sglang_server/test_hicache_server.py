@@ -16,10 +16,10 @@ compared with a single server's without HiCache (same page and chunk size):
   chunks of a long prompt: SGLang's decode fails the request (500) and serves
   on; the request sent again through another prefill (on the same store) has
   decode load the pages the dead prefill wrote.
-- kvferry's storage tier on that store as well (``KVFERRY_STORAGE_URL``):
+- kvferry's storage tier on a store as well (``KVFERRY_STORAGE_URL``):
   prefill writes each room's pages and aux row through, and a decode room
-  whose prefill is killed while it waits is restored from the store and
-  answers, tokens equal.
+  whose prefill is killed mid-transfer, or before it sent anything, is
+  restored from the store and answers, tokens equal.
 
 The servers load test stand-ins (``hicache_site/sitecustomize.py``: host
 pools unpinned, the device <-> host copies as torch index copies); SGLang's
@@ -54,7 +54,7 @@ pytest.importorskip("sglang")
 
 from harness.sglang_server import (HICACHE_SITE, HiCacheStoreProbe, SGLangServer, SGLangSpec,  # noqa: E402
                                    decode_transfer_queue, flush_cache, generate, hicache_storage_args, metric, pd_generate,
-                                   pd_generate_replies, storage_tokens)
+                                   pd_generate_replies, storage_tokens, used_tokens)
 from harness.vllm import VOCAB, build_tiny_model, free_port  # noqa: E402
 
 MAX_NEW = 8
@@ -82,6 +82,9 @@ DECODE = Role("decode", ("--disaggregation-decode-enable-radix-cache",))
 # holds this many pages of the killed prompt, which has 75
 KILL_AT_PAGES = 24
 KILLED_PROMPT_TOKENS = 1200
+# Killed mid-transfer with the tier on: a prompt of 150 pages, prefill killed once it holds 10 of them
+MID_TRANSFER_TOKENS = 2400
+KILL_AFTER_TOKENS = 10 * PAGE
 
 
 def prompt_of(n: int, seed: int) -> list[int]:
@@ -279,34 +282,100 @@ def test_prefill_killed_mid_transfer_decode_fails_the_request_and_a_retry_loads_
           f"decode answered 500 {failed_after_s:.2f} s later")
 
 
+@dataclass
+class TierPair:
+    """Servers with kvferry's storage tier (``KVFERRY_STORAGE_URL``) on one
+    store: two prefills (``hicache_prefill`` with HiCache on the same store),
+    and a plain decode whose prefetch is off, so that a room it restores
+    loads every page from the store, not only what prefill skipped."""
+
+    prefill: SGLangServer
+    hicache_prefill: SGLangServer
+    decode: SGLangServer
+    probe: StoreProbe
+
+
 @pytest.fixture(scope="module")
 def tier_pair(fleet, model):
-    """A prefill with HiCache and kvferry's storage tier on one store, and a
-    plain decode with the tier on it too, its prefetch off: a room it
-    restores loads every page from the store, not only what prefill skipped."""
     url = f"file://{os.path.join(fleet.root, 'tier-store')}"
-    servers = [hicache_server("prefill-tier", model, url, fleet.root, PREFILL, env={"KVFERRY_STORAGE_URL": url}),
-               SGLangServer(SGLangSpec("decode-tier", model, "decode", args=COMMON_ARGS, env={
-                   "KVFERRY_STORAGE_URL": url, "KVFERRY_STORAGE_PREFETCH": "off"}), fleet.root)]
+    tier = {"KVFERRY_STORAGE_URL": url}
+    bootstrap, kvferry_bootstrap = free_port(), free_port()
+    servers = [SGLangServer(SGLangSpec("prefill-tier", model, "prefill", bootstrap_port=bootstrap,
+                                       env={**tier, "KVFERRY_SGLANG_BOOTSTRAP_PORT": str(kvferry_bootstrap)},
+                                       args=COMMON_ARGS + PREFILL.args), fleet.root),
+               hicache_server("prefill-tier-hicache", model, url, fleet.root, PREFILL, env=tier),
+               SGLangServer(SGLangSpec("decode-tier", model, "decode", args=COMMON_ARGS,
+                                       env={**tier, "KVFERRY_STORAGE_PREFETCH": "off"}), fleet.root)]
     probe = StoreProbe(url, model)
     try:
-        yield servers[0], servers[1], probe
+        yield TierPair(*servers, probe=probe)
     finally:
         probe.close()
         close_all(servers)
 
 
-def test_a_decode_room_whose_prefill_is_killed_is_restored_from_the_one_store(fleet, tier_pair):
-    """A prompt served once through the pair: prefill's HiCache writes its
-    pages to the store, and kvferry's sender writes the room's pages and aux
-    row through to the same store, keyed by the prompt (kvferry's plugin
-    hands SGLang's tokens to its sender and receiver). The same prompt then
-    goes to decode alone, as if prefill's scheduler never got it: once
-    decode's room sent its pages to prefill (SGLang's transfer queue), prefill
-    is killed (its process group, SIGKILL). kvferry's decode room loses its
-    prefill, loads the room's 75 pages and its aux row from the store, and
-    SGLang's decode answers with tokens equal a single server's."""
-    prefill, decode, probe = tier_pair
+def restored_lines(decode: SGLangServer, room: int) -> list[str]:
+    """kvferry's lines in decode's log that say the room was restored from storage, and why."""
+    return decode.lines_naming([f"room {room}: restored from storage after"])
+
+
+def test_prefill_killed_mid_transfer_decode_restores_the_room_from_the_store(fleet, tier_pair):
+    """A 2400-token prompt (150 full pages) served once through the pair:
+    kvferry's sender writes its pages and aux row through, keyed by the
+    prompt (kvferry's plugin hands SGLang's tokens to its sender and
+    receiver). Prefill's cache flushed, the same prompt goes through the pair
+    again: prefill computes it in one-page chunks and sends each as it is
+    computed. Once prefill holds 10 pages of it (SGLang's ``/v1/loads``),
+    its process group is killed (SIGKILL). kvferry's decode room loses its
+    prefill mid-transfer, loads the room's pages and aux row from the store,
+    and SGLang's decode answers with tokens equal a single server's."""
+    prefill, decode = tier_pair.prefill, tier_pair.decode
+    prompt = prompt_of(MID_TRANSFER_TOKENS, 22)
+    assert len(prompt) % PAGE == 0  # the tier keeps full pages only
+    fleet.reference.wait_ready()
+    want = generate(fleet.reference, prompt, MAX_NEW)["output_ids"]
+    prefill.wait_ready()
+    decode.wait_ready()
+    _, got = pd_generate(prefill, decode, prompt, MAX_NEW, room=9_300)  # both answered: written through
+    assert got["output_ids"] == want, (got["output_ids"], want)
+    flush_cache(prefill)  # nothing of the prompt left on prefill: it computes every chunk again
+    assert used_tokens(prefill) < KILL_AFTER_TOKENS
+
+    replies: dict = {}
+    request = threading.Thread(target=lambda: replies.update(
+        pd_generate_replies(prefill, decode, prompt, MAX_NEW, room=9_301, timeout_s=180)))
+    request.start()
+    deadline, held = time.monotonic() + 60, 0
+    while held < KILL_AFTER_TOKENS:
+        assert request.is_alive() and time.monotonic() < deadline, f"prefill never computed the prompt: {replies}"
+        time.sleep(0.02)
+        held = used_tokens(prefill)
+    prefill.kill()
+    killed_at = time.monotonic()
+    request.join(120)
+    answered_after_s = time.monotonic() - killed_at
+    assert not request.is_alive(), "decode hung after prefill died"
+    reply = replies.get("decode")
+    assert isinstance(reply, dict), f"decode: {reply!r}"
+    assert reply["output_ids"] == want, (reply["output_ids"], want)
+    restored = restored_lines(decode, 9_301)
+    assert restored, decode.lines_naming(["room 9301"])
+    assert "before it took the request" not in restored[-1], restored[-1]  # prefill had the room: mid-transfer
+    assert answered_after_s < 30, answered_after_s
+    print(f"prefill killed holding {held} of {len(prompt)} tokens; decode restored room 9301 from the store and "
+          f"answered {answered_after_s:.2f} s later: {restored[-1]}")
+
+
+def test_a_decode_room_whose_prefill_never_sends_is_restored_from_the_one_store(fleet, tier_pair):
+    """A prompt served once through a prefill with HiCache and the tier on
+    one store: HiCache writes its pages, and kvferry's sender the room's
+    pages and aux row, side by side in that store. The same prompt then goes
+    to decode alone, as if prefill's scheduler never got it: once decode's
+    room sent its pages to prefill (SGLang's transfer queue), prefill is
+    killed (SIGKILL). kvferry's decode room loses its prefill, loads the
+    room's 75 pages and its aux row from the store, and SGLang's decode
+    answers with tokens equal a single server's."""
+    prefill, decode, probe = tier_pair.hicache_prefill, tier_pair.decode, tier_pair.probe
     prompt = prompt_of(KILLED_PROMPT_TOKENS, 21)  # 75 full pages: the tier keeps full pages only
     assert len(prompt) % PAGE == 0
     fleet.reference.wait_ready()
@@ -341,7 +410,7 @@ def test_a_decode_room_whose_prefill_is_killed_is_restored_from_the_one_store(fl
     reply = replies["decode"]
     assert isinstance(reply, dict), f"decode: {reply!r}"
     assert reply["output_ids"] == want, (reply["output_ids"], want)
-    restored = decode.lines_naming(["room 9201: restored from storage after"])
+    restored = restored_lines(decode, 9_201)
     assert restored, decode.lines_naming(["room 9201"])
     assert answered_after_s < 30, answered_after_s
     print(f"prefill killed; decode restored room 9201 from the store and answered {answered_after_s:.2f} s later: "

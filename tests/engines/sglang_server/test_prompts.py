@@ -1,5 +1,5 @@
 """kvferry's plugin hands SGLang's prompt to its sender and receiver
-(``transfer/adapters/sglang/prompts.py``), through SGLang 0.5.23's own hook
+(``transfer/adapters/sglang/prompts.py`` and ``plugin.py``), through SGLang 0.5.23's own hook
 registry and its own decode queue method; the whole path (write-through, a
 room restored after its prefill was killed) runs on real servers in
 ``tests/engines/sglang_server/test_hicache_server.py``."""
@@ -13,8 +13,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from transfer.adapters.sglang import prompts
-from transfer.adapters.sglang.prompts import RECEIVER_TARGET, SENDER_TARGET, prompt_of_room
+pytest.importorskip("sglang")
+
+from transfer.adapters.sglang import plugin  # noqa: E402
+from transfer.adapters.sglang.prompts import RECEIVER_TARGET, SENDER_TARGET, prompt_of_room  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -84,12 +86,12 @@ def test_the_sender_hook_hands_a_kvferry_sender_its_prompt_only_when_sglang_made
     sender = KvferryKVSender.__new__(KvferryKVSender)  # the hook's dispatch alone: no manager here
     sender._token_ids = None
     req = SimpleNamespace(disagg_kv_sender=sender, origin_input_ids=tokens)
-    assert prompts.after_create_sender(False, None, req, 8) is None  # over capacity: no sender was made
+    assert plugin.after_create_sender(False, None, req, 8) is None  # over capacity: no sender was made
     assert sender._token_ids is None
-    assert prompts.after_create_sender(True, None, req, 8) is None  # SGLang keeps its own result
+    assert plugin.after_create_sender(True, None, req, 8) is None  # SGLang keeps its own result
     assert sender._token_ids is tokens
     other = SimpleNamespace(disagg_kv_sender=object(), origin_input_ids=tokens)  # another backend's sender
-    assert prompts.after_create_sender(True, None, other, 8) is None
+    assert plugin.after_create_sender(True, None, other, 8) is None
 
 
 @pytest.mark.parametrize("num_tokens, num_pages, taken", [(64, 4, True), (65, 5, True), (63, 4, True),

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 
 from transfer.adapters.sglang import BACKEND
-from transfer.adapters.sglang.prompts import register_hooks
+from transfer.adapters.sglang.prompts import RECEIVER_TARGET, SENDER_TARGET, wants_its_own_row
 
 log = logging.getLogger("kvferry.sglang")
 
@@ -60,6 +60,32 @@ def _get_kv_class(original, transfer_backend, class_type):
     return original(transfer_backend, class_type)
 
 
+def after_create_sender(created, queue, req, *args, **kwargs):
+    """AFTER SGLang's ``create_sender``: the request's kvferry sender learns
+    its prompt (:mod:`.prompts`)."""
+    from transfer.adapters.sglang.sender import KvferryKVSender
+
+    sender = getattr(req, "disagg_kv_sender", None)
+    if created and isinstance(sender, KvferryKVSender):
+        sender.learn_prompt(req.origin_input_ids)
+    return None  # SGLang keeps the original result
+
+
+def after_create_receiver(decode_req, queue, req, *args, is_rebootstrap: bool = False, **kwargs):
+    """AFTER SGLang's ``_create_receiver_and_enqueue``: the room's kvferry
+    receiver learns its prompt and the queue's ``bootstrap_room`` rows, but
+    not a rebootstrap's nor one that reads its own aux row (:mod:`.prompts`)."""
+    from transfer.adapters.sglang.receiver import KvferryKVReceiver
+
+    if args:  # SGLang passes is_rebootstrap by keyword; positionally too, in case
+        is_rebootstrap = bool(args[0])
+    receiver = getattr(decode_req, "kv_receiver", None)
+    if not is_rebootstrap and isinstance(receiver, KvferryKVReceiver) and not wants_its_own_row(req):
+        buffers = getattr(queue, "metadata_buffers", None)
+        receiver.learn_prompt(req.origin_input_ids, room_rows=getattr(buffers, "bootstrap_room", None))
+    return None
+
+
 _registered = False
 
 
@@ -75,6 +101,7 @@ def register() -> None:
         add_disagg_transfer_backend_choices([BACKEND])
     _extend_enum(TransferBackend, BACKEND.upper(), BACKEND)
     HookRegistry.register(_GET_KV_CLASS, _get_kv_class, HookType.AROUND)
-    register_hooks(HookRegistry, HookType)
+    HookRegistry.register(SENDER_TARGET, after_create_sender, HookType.AFTER)
+    HookRegistry.register(RECEIVER_TARGET, after_create_receiver, HookType.AFTER)
     _registered = True
     log.info("kvferry registered as SGLang transfer backend %r", BACKEND)

@@ -6,8 +6,10 @@ yet kvferry's storage tier keys pages by the prompt's hash chain: prefill's
 write-through, decode's prefetch, and decode's restore of a room whose prefill
 died all need it. The two places where SGLang makes a room's sender and
 receiver still hold the request, and kvferry hooks them with SGLang's own
-plugin hooks (``HookRegistry``, AFTER): the hook hands the new kvferry sender or
-receiver ``req.origin_input_ids``.
+plugin hooks (``HookRegistry``, AFTER; registered by :mod:`.plugin`): the hook
+hands the new kvferry sender or receiver ``req.origin_input_ids``. This module
+holds the targets and the rules; the sender and receiver apply
+:func:`prompt_of_room`.
 
 - prefill: ``PrefillBootstrapQueue.create_sender(req, num_kv_heads)``;
 - decode: ``DecodePreallocQueue._create_receiver_and_enqueue(req, is_rebootstrap)``.
@@ -32,30 +34,6 @@ SENDER_TARGET = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.create_
 RECEIVER_TARGET = "sglang.srt.disaggregation.decode.DecodePreallocQueue._create_receiver_and_enqueue"
 
 
-def after_create_sender(created, queue, req, *args, **kwargs):
-    """AFTER ``create_sender``: the request's kvferry sender learns its prompt."""
-    from transfer.adapters.sglang.sender import KvferryKVSender
-
-    sender = getattr(req, "disagg_kv_sender", None)
-    if created and isinstance(sender, KvferryKVSender):
-        sender.learn_prompt(req.origin_input_ids)
-    return None  # SGLang keeps the original result
-
-
-def after_create_receiver(decode_req, queue, req, *args, is_rebootstrap: bool = False, **kwargs):
-    """AFTER ``_create_receiver_and_enqueue``: the room's kvferry receiver
-    learns its prompt (not a rebootstrap's: see the module docstring)."""
-    from transfer.adapters.sglang.receiver import KvferryKVReceiver
-
-    if args:  # SGLang passes is_rebootstrap by keyword; positionally too, in case
-        is_rebootstrap = bool(args[0])
-    receiver = getattr(decode_req, "kv_receiver", None)
-    if not is_rebootstrap and isinstance(receiver, KvferryKVReceiver) and not wants_its_own_row(req):
-        buffers = getattr(queue, "metadata_buffers", None)
-        receiver.learn_prompt(req.origin_input_ids, room_rows=getattr(buffers, "bootstrap_room", None))
-    return None
-
-
 def wants_its_own_row(req) -> bool:
     """Whether the request reads what only its own prefill writes into its aux
     row: the first token's logprobs, or hidden states. A restored row is the
@@ -77,9 +55,3 @@ def prompt_of_room(token_ids, num_pages: int, page_size: int, where: str):
                  where, len(token_ids), need, num_pages)
         return None
     return token_ids
-
-
-def register_hooks(registry, hook_type) -> None:
-    """Register both hooks with SGLang's ``HookRegistry``."""
-    registry.register(SENDER_TARGET, after_create_sender, hook_type.AFTER)
-    registry.register(RECEIVER_TARGET, after_create_receiver, hook_type.AFTER)
