@@ -37,9 +37,9 @@ RECEIVER_TARGET = "sglang.srt.disaggregation.decode.DecodePreallocQueue._create_
 def wants_its_own_row(req) -> bool:
     """Whether the request reads what only its own prefill writes into its aux
     row: the first token's logprobs, or hidden states. A restored row is the
-    one some earlier request's prefill wrote (its first token and
-    ``cached_tokens`` are the prompt's; its logprobs and hidden states are
-    that request's, or none), so such a room is kept away from the store."""
+    one some earlier request's prefill wrote (its first token is the
+    prompt's; its logprobs, hidden states and ``cached_tokens`` are that
+    request's, or none), so such a room is kept away from the store."""
     return bool(getattr(req, "return_logprob", False) or getattr(req, "return_hidden_states", False))
 
 
