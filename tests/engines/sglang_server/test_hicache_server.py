@@ -97,17 +97,23 @@ def hicache_args(store_url: str) -> tuple:
     return (*COMMON_ARGS, *hicache_storage_args(store_url))
 
 
-def hicache_server(name: str, model: str, store_url: str, log_dir: str, role: Role = SINGLE,
-                   env: dict | None = None) -> SGLangServer:
-    """A server with HiCache on kvferry's store and the stand-ins loaded (started, not waited for)."""
-    env = {"PYTHONPATH": HICACHE_SITE, **(env or {})}
+def module_server(name: str, model: str, log_dir: str, role: Role = SINGLE, args: tuple = COMMON_ARGS,
+                  env: dict | None = None) -> SGLangServer:
+    """A server of this module with ``args`` and the role's own (started, not waited for)."""
+    env = dict(env or {})
     bootstrap = 0
     if role.mode == "prefill":  # kvferry's own bootstrap port beside SGLang's
         bootstrap = free_port()
         env["KVFERRY_SGLANG_BOOTSTRAP_PORT"] = str(free_port())
-    spec = SGLangSpec(name, model, role.mode, bootstrap_port=bootstrap, env=env,
-                      args=hicache_args(store_url) + role.args)
-    return SGLangServer(spec, log_dir)
+    return SGLangServer(SGLangSpec(name, model, role.mode, bootstrap_port=bootstrap, env=env, args=args + role.args),
+                        log_dir)
+
+
+def hicache_server(name: str, model: str, store_url: str, log_dir: str, role: Role = SINGLE,
+                   env: dict | None = None) -> SGLangServer:
+    """A server with HiCache on kvferry's store and the stand-ins loaded (started, not waited for)."""
+    return module_server(name, model, log_dir, role, hicache_args(store_url),
+                         {"PYTHONPATH": HICACHE_SITE, **(env or {})})
 
 
 def full_pages(prompt: list[int]) -> int:
@@ -160,7 +166,7 @@ def fleet(model, tmp_path_factory):
     single_url, pd_url = (f"file://{os.path.join(root, name)}" for name in ("single-store", "pd-store"))
     started: list[SGLangServer] = []
     try:
-        for start in (lambda: SGLangServer(SGLangSpec("reference", model, args=COMMON_ARGS), root),
+        for start in (lambda: module_server("reference", model, root),
                       lambda: hicache_server("hicache-first", model, single_url, root),
                       lambda: hicache_server("prefill", model, pd_url, root, PREFILL),
                       lambda: hicache_server("decode", model, pd_url, root, DECODE),
@@ -299,13 +305,10 @@ class TierPair:
 def tier_pair(fleet, model):
     url = f"file://{os.path.join(fleet.root, 'tier-store')}"
     tier = {"KVFERRY_STORAGE_URL": url}
-    bootstrap, kvferry_bootstrap = free_port(), free_port()
-    servers = [SGLangServer(SGLangSpec("prefill-tier", model, "prefill", bootstrap_port=bootstrap,
-                                       env={**tier, "KVFERRY_SGLANG_BOOTSTRAP_PORT": str(kvferry_bootstrap)},
-                                       args=COMMON_ARGS + PREFILL.args), fleet.root),
+    servers = [module_server("prefill-tier", model, fleet.root, PREFILL, env=tier),
                hicache_server("prefill-tier-hicache", model, url, fleet.root, PREFILL, env=tier),
-               SGLangServer(SGLangSpec("decode-tier", model, "decode", args=COMMON_ARGS,
-                                       env={**tier, "KVFERRY_STORAGE_PREFETCH": "off"}), fleet.root)]
+               module_server("decode-tier", model, fleet.root, Role("decode"),
+                             env={**tier, "KVFERRY_STORAGE_PREFETCH": "off"})]
     probe = StoreProbe(url, model)
     try:
         yield TierPair(*servers, probe=probe)

@@ -71,14 +71,12 @@ def after_create_sender(created, queue, req, *args, **kwargs):
     return None  # SGLang keeps the original result
 
 
-def after_create_receiver(decode_req, queue, req, *args, is_rebootstrap: bool = False, **kwargs):
+def after_create_receiver(decode_req, queue, req, is_rebootstrap: bool = False, *args, **kwargs):
     """AFTER SGLang's ``_create_receiver_and_enqueue``: the room's kvferry
     receiver learns its prompt and the queue's ``bootstrap_room`` rows, but
     not a rebootstrap's nor one that reads its own aux row (:mod:`.prompts`)."""
     from transfer.adapters.sglang.receiver import KvferryKVReceiver
 
-    if args:  # SGLang passes is_rebootstrap by keyword; positionally too, in case
-        is_rebootstrap = bool(args[0])
     receiver = getattr(decode_req, "kv_receiver", None)
     if not is_rebootstrap and isinstance(receiver, KvferryKVReceiver) and not wants_its_own_row(req):
         buffers = getattr(queue, "metadata_buffers", None)
